@@ -1,0 +1,1 @@
+"""SQL storage (SQLAlchemy 2 + Alembic): SQLite (WAL) embedded, PostgreSQL in production."""

@@ -1,0 +1,65 @@
+"""The one canonical byte encoding that every signature in Sparecycles covers.
+
+Canonical JSON: UTF-8, object keys sorted by code point, no insignificant whitespace, no
+NaN or infinities; finite floats (a guidance scale, a temperature) are written in their
+shortest round-trip form. Money is never a float: it is integer micro-credits.
+
+Two parties that hold the same value always produce the same bytes, so signatures never
+depend on protobuf's (non-canonical) wire format: protobuf messages carry canonical bytes
+plus a signature.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+class CanonicalEncodingError(ValueError):
+    """A value cannot be encoded canonically (NaN, a non-string key, bytes...)."""
+
+
+def _check(value: Any, path: str) -> None:
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        return
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise CanonicalEncodingError(f"{path or 'value'} is {value!r}; only finite numbers "
+                                         "have a canonical encoding")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check(item, f"{path}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CanonicalEncodingError(f"{path or 'value'} has a non-string key {key!r}")
+            _check(item, f"{path}.{key}" if path else key)
+        return
+    raise CanonicalEncodingError(f"{path or 'value'} has type {type(value).__name__}, "
+                                 "which has no canonical encoding")
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """Encode ``value`` canonically; raises CanonicalEncodingError for unencodable values."""
+    _check(value, "")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+def loads(data: bytes) -> Any:
+    """Decode canonical bytes, refusing anything that would not re-encode to the same bytes."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CanonicalEncodingError(f"not canonical JSON: {exc}") from None
+    if canonical_bytes(value) != data:
+        raise CanonicalEncodingError("bytes are JSON but not in canonical form")
+    return value
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

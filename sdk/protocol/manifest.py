@@ -1,0 +1,219 @@
+"""Plugin manifests (plugin.toml) read as data: the broker never imports plugin code.
+
+::
+
+    name = "sd15"                       # [a-z0-9][a-z0-9_-]*
+    version = "1.0.0"                   # semantic version, immutable once published
+    publisher = "sparecycles"           # publisher name (its key signs published versions)
+    entrypoint = "plugin:StableDiffusion15"   # module:Class inside the plugin folder
+    output = "images"                   # images | text
+    description = "..."
+    work_units = "steps * width * height / 1048576 * n"   # arithmetic over inputs
+    wall_clock_s = 600                  # a job running longer is killed
+
+    [hardware]
+    min_vram_gb = 4.0
+    dtype = "float16"                   # preferred dtype on GPU (CPU runs float32)
+
+    [inputs.prompt]                     # see sdk.protocol.schema
+    type = "string"
+    required = true
+
+    [benchmark]                         # the payload the agent times itself on
+    inputs = { prompt = "a lighthouse", steps = 10 }
+
+    [[weights]]                         # files with their sha256 and size (optional)
+    path = "unet/diffusion_pytorch_model.safetensors"
+    sha256 = "..."
+    size = 123
+"""
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .schema import InputError, InputSchema, SchemaDeclarationError
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+VERSION_RE = re.compile(r"^\d+\.\d+\.\d+([-+][0-9A-Za-z.-]+)?$")
+ENTRY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+OUTPUTS = ("images", "text", "json")
+_TOP = {"name", "version", "publisher", "entrypoint", "output", "description", "work_units",
+        "wall_clock_s", "hardware", "inputs", "benchmark", "weights"}
+
+
+class ManifestError(ValueError):
+    """A malformed manifest; the message names the field."""
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    path: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    version: str
+    publisher: str
+    entrypoint: str
+    output: str
+    inputs: InputSchema
+    work_units: str
+    description: str = ""
+    wall_clock_s: int = 600
+    min_vram_gb: float = 0.0
+    dtype: str = "float32"
+    benchmark_inputs: dict = field(default_factory=dict)
+    weights: tuple[WeightFile, ...] = ()
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def validate_inputs(self, inputs: Any) -> dict:
+        return self.inputs.validate(inputs)
+
+    def work_units_for(self, inputs: Mapping[str, Any]) -> float:
+        """Evaluate the work-unit formula on validated inputs."""
+        return evaluate_formula(self.work_units, inputs)
+
+    def to_public(self) -> dict:
+        """What `GET /v1/plugins` shows: everything a client needs, no code."""
+        return {
+            "name": self.name, "version": self.version, "publisher": self.publisher,
+            "output": self.output, "description": self.description,
+            "work_units": self.work_units, "wall_clock_s": self.wall_clock_s,
+            "hardware": {"min_vram_gb": self.min_vram_gb, "dtype": self.dtype},
+            "input_schema": self.inputs.json_schema(),
+        }
+
+
+def _req(data: Mapping, key: str, typ: type, where: str = "") -> Any:
+    name = f"{where}{key}"
+    if key not in data:
+        raise ManifestError(f"{name} is missing")
+    value = data[key]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ManifestError(f"{name} must be a {typ.__name__}, got {value!r}")
+    return value
+
+
+def parse_manifest(data: Mapping[str, Any], source: str = "plugin.toml") -> Manifest:
+    """Check and convert a parsed plugin.toml; raises ManifestError naming the field."""
+    try:
+        return _parse(data)
+    except ManifestError as exc:
+        raise ManifestError(f"{source}: {exc}") from None
+
+
+def _parse(data: Mapping[str, Any]) -> Manifest:
+    unknown = set(data) - _TOP
+    if unknown:
+        raise ManifestError(f"unknown keys {sorted(unknown)}; allowed: {sorted(_TOP)}")
+    name = _req(data, "name", str)
+    if not NAME_RE.match(name):
+        raise ManifestError(f"name {name!r} must match {NAME_RE.pattern}")
+    version = _req(data, "version", str)
+    if not VERSION_RE.match(version):
+        raise ManifestError(f"version {version!r} must be a semantic version like 1.2.3")
+    publisher = _req(data, "publisher", str)
+    entrypoint = _req(data, "entrypoint", str)
+    if not ENTRY_RE.match(entrypoint):
+        raise ManifestError(f"entrypoint {entrypoint!r} must look like module:Class")
+    output = _req(data, "output", str)
+    if output not in OUTPUTS:
+        raise ManifestError(f"output is {output!r}; must be one of {list(OUTPUTS)}")
+    try:
+        inputs = InputSchema.from_tables(data.get("inputs", {}))
+    except SchemaDeclarationError as exc:
+        raise ManifestError(str(exc)) from None
+    work_units = _req(data, "work_units", str)
+    try:
+        _compile_formula(work_units, set(inputs.names))
+    except ValueError as exc:
+        raise ManifestError(f"work_units: {exc}") from None
+    wall = data.get("wall_clock_s", 600)
+    if isinstance(wall, bool) or not isinstance(wall, int) or wall <= 0:
+        raise ManifestError(f"wall_clock_s must be a positive integer, got {wall!r}")
+    hw = data.get("hardware", {})
+    if not isinstance(hw, Mapping):
+        raise ManifestError("hardware must be a table")
+    vram = hw.get("min_vram_gb", 0.0)
+    if isinstance(vram, bool) or not isinstance(vram, (int, float)) or vram < 0:
+        raise ManifestError(f"hardware.min_vram_gb must be a number >= 0, got {vram!r}")
+    dtype = hw.get("dtype", "float32")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ManifestError(f"hardware.dtype is {dtype!r}; one of float32, float16, bfloat16")
+    bench = data.get("benchmark", {})
+    bench_inputs = bench.get("inputs", {}) if isinstance(bench, Mapping) else None
+    if not isinstance(bench_inputs, Mapping):
+        raise ManifestError("benchmark.inputs must be a table of inputs")
+    try:
+        inputs.validate(bench_inputs)
+    except InputError as exc:
+        raise ManifestError(f"benchmark.inputs.{exc}") from None
+    weights = []
+    for i, w in enumerate(data.get("weights", [])):
+        where = f"weights[{i}]."
+        if not isinstance(w, Mapping):
+            raise ManifestError(f"weights[{i}] must be a table")
+        sha = _req(w, "sha256", str, where)
+        if not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise ManifestError(f"{where}sha256 must be 64 lowercase hex digits")
+        weights.append(WeightFile(_req(w, "path", str, where), sha, _req(w, "size", int, where)))
+    return Manifest(
+        name=name, version=version, publisher=publisher, entrypoint=entrypoint, output=output,
+        inputs=inputs, work_units=work_units, description=str(data.get("description", "")),
+        wall_clock_s=wall, min_vram_gb=float(vram), dtype=dtype,
+        benchmark_inputs=dict(bench_inputs), weights=tuple(weights), raw=dict(data),
+    )
+
+
+def load_manifest(folder: Path | str) -> Manifest:
+    path = Path(folder) / "plugin.toml"
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{path} does not exist; a plugin is a folder with plugin.toml") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{path}: not valid TOML: {exc}") from None
+    return parse_manifest(data, source=str(path))
+
+
+# -- work-unit formulas: arithmetic over input names, nothing else ---------------------
+_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load,
+            ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub,
+            ast.UAdd, ast.Call)
+_FUNCS = {"min": min, "max": max, "abs": abs}
+
+
+def _compile_formula(expr: str, names: set[str]):
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an arithmetic expression: {exc.msg}") from None
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED):
+            raise ValueError(f"{type(node).__name__} is not allowed; use + - * / and numbers")
+        if isinstance(node, ast.Call):
+            if not (isinstance(node.func, ast.Name) and node.func.id in _FUNCS) or node.keywords:
+                raise ValueError("only min(), max() and abs() may be called")
+        elif isinstance(node, ast.Name) and node.id not in names and node.id not in _FUNCS:
+            raise ValueError(f"{node.id!r} is not an input; inputs: {sorted(names)}")
+        elif isinstance(node, ast.Constant) and not isinstance(node.value, (int, float)):
+            raise ValueError(f"constant {node.value!r} is not a number")
+    return compile(tree, "<work_units>", "eval")
+
+
+def evaluate_formula(expr: str, inputs: Mapping[str, Any]) -> float:
+    code = _compile_formula(expr, set(inputs))
+    value = eval(code, {"__builtins__": {}}, {**_FUNCS, **inputs})  # noqa: S307 - AST-checked
+    return float(value)

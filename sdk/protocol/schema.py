@@ -1,0 +1,191 @@
+"""Typed plugin inputs: the declaration in plugin.toml, its JSON Schema, and validation.
+
+One module serves all sides: the broker validates a job's inputs before it writes a job row,
+the SDK validates before it sends (with the same messages), and the plugin host validates
+again before ``run()``. Messages name the field, quote the bad value and say what is allowed.
+
+Declaration (``[inputs.NAME]`` tables in plugin.toml)::
+
+    type        string | integer | number | boolean
+    required    bool (default false; a field with a default is never required)
+    default     value used when the field is absent
+    minimum, maximum        numbers (integer / number)
+    multiple_of             integer (e.g. image sides are multiples of 8)
+    min_length, max_length  strings
+    choices                 allowed values (any type)
+    description             text shown in the schema
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+TYPES = ("string", "integer", "number", "boolean")
+_KEYS = {"type", "required", "default", "minimum", "maximum", "multiple_of", "min_length",
+         "max_length", "choices", "description"}
+
+
+class InputError(ValueError):
+    """Inputs that do not match a plugin's schema. ``field`` names the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.detail = message
+
+
+class SchemaDeclarationError(ValueError):
+    """A plugin's input declaration itself is malformed (names the manifest key)."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    type: str
+    required: bool = False
+    default: Any = None
+    minimum: float | int | None = None
+    maximum: float | int | None = None
+    multiple_of: int | None = None
+    min_length: int | None = None
+    max_length: int | None = None
+    choices: tuple | None = None
+    description: str = ""
+
+    @classmethod
+    def from_table(cls, name: str, table: Mapping[str, Any]) -> "InputSpec":
+        where = f"inputs.{name}"
+        if not isinstance(table, Mapping):
+            raise SchemaDeclarationError(f"{where} must be a table, got {type(table).__name__}")
+        unknown = set(table) - _KEYS
+        if unknown:
+            raise SchemaDeclarationError(f"{where} has unknown keys {sorted(unknown)}; "
+                                         f"allowed: {sorted(_KEYS)}")
+        typ = table.get("type")
+        if typ not in TYPES:
+            raise SchemaDeclarationError(f"{where}.type is {typ!r}; must be one of {list(TYPES)}")
+        choices = table.get("choices")
+        spec = cls(
+            name=name, type=typ, required=bool(table.get("required", False)),
+            default=table.get("default"), minimum=table.get("minimum"),
+            maximum=table.get("maximum"), multiple_of=table.get("multiple_of"),
+            min_length=table.get("min_length"), max_length=table.get("max_length"),
+            choices=tuple(choices) if choices is not None else None,
+            description=str(table.get("description", "")),
+        )
+        if spec.default is not None:
+            try:
+                spec.check(spec.default)
+            except InputError as exc:
+                raise SchemaDeclarationError(f"{where}.default is invalid: {exc.detail}") from None
+        return spec
+
+    # -- validation -------------------------------------------------------------------
+    def check(self, value: Any) -> Any:
+        """Return ``value`` coerced to the declared type, or raise InputError."""
+        n = self.name
+        if self.type == "boolean":
+            if not isinstance(value, bool):
+                raise InputError(n, f"must be true or false, got {value!r}")
+        elif self.type == "integer":
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                else:
+                    raise InputError(n, f"must be an integer, got {value!r}")
+        elif self.type == "number":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(n, f"must be a number, got {value!r}")
+            value = float(value)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise InputError(n, f"must be a finite number, got {value!r}")
+        elif self.type == "string":
+            if not isinstance(value, str):
+                raise InputError(n, f"must be a string, got {value!r}")
+            if self.min_length is not None and len(value) < self.min_length:
+                raise InputError(n, f"must be at least {self.min_length} characters, "
+                                    f"got {len(value)}")
+            if self.max_length is not None and len(value) > self.max_length:
+                raise InputError(n, f"must be at most {self.max_length} characters, "
+                                    f"got {len(value)}")
+        if self.type in ("integer", "number"):
+            lo, hi = self.minimum, self.maximum
+            if (lo is not None and value < lo) or (hi is not None and value > hi):
+                rng = (f"between {lo} and {hi}" if lo is not None and hi is not None
+                       else f">= {lo}" if lo is not None else f"<= {hi}")
+                raise InputError(n, f"must be {rng}, got {value!r}")
+            if self.multiple_of and value % self.multiple_of != 0:
+                raise InputError(n, f"must be a multiple of {self.multiple_of}, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise InputError(n, f"must be one of {list(self.choices)}, got {value!r}")
+        return value
+
+    def json_schema(self) -> dict:
+        js: dict[str, Any] = {"type": self.type}
+        if self.description:
+            js["description"] = self.description
+        if self.default is not None:
+            js["default"] = self.default
+        for key, jkey in (("minimum", "minimum"), ("maximum", "maximum"),
+                          ("multiple_of", "multipleOf"), ("min_length", "minLength"),
+                          ("max_length", "maxLength")):
+            if getattr(self, key) is not None:
+                js[jkey] = getattr(self, key)
+        if self.choices is not None:
+            js["enum"] = list(self.choices)
+        return js
+
+
+@dataclass(frozen=True)
+class InputSchema:
+    fields: tuple[InputSpec, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_tables(cls, tables: Mapping[str, Any]) -> "InputSchema":
+        if not isinstance(tables, Mapping):
+            raise SchemaDeclarationError("inputs must be a table of [inputs.NAME] tables")
+        return cls(tuple(InputSpec.from_table(name, t) for name, t in tables.items()))
+
+    @classmethod
+    def from_json_schema(cls, schema: Mapping[str, Any]) -> "InputSchema":
+        """Rebuild from the JSON Schema the broker serves (what the SDK sees)."""
+        required = set(schema.get("required", ()))
+        back = {"multipleOf": "multiple_of", "minLength": "min_length",
+                "maxLength": "max_length", "enum": "choices"}
+        tables = {}
+        for name, js in schema.get("properties", {}).items():
+            t = {back.get(k, k): v for k, v in js.items()}
+            t["required"] = name in required
+            tables[name] = t
+        return cls.from_tables(tables)
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.fields]
+
+    def validate(self, inputs: Any) -> dict[str, Any]:
+        """Return a complete, typed copy of ``inputs`` (defaults filled) or raise InputError."""
+        if not isinstance(inputs, Mapping):
+            raise InputError("", f"inputs must be a JSON object, got {type(inputs).__name__}")
+        known = {f.name: f for f in self.fields}
+        unknown = sorted(set(inputs) - set(known))
+        if unknown:
+            raise InputError(unknown[0], f"is not an input of this plugin; "
+                                         f"allowed inputs: {sorted(known)}")
+        out: dict[str, Any] = {}
+        for spec in self.fields:
+            if spec.name in inputs and inputs[spec.name] is not None:
+                out[spec.name] = spec.check(inputs[spec.name])
+            elif spec.default is not None:
+                out[spec.name] = spec.default
+            elif spec.required:
+                raise InputError(spec.name, "is required")
+        return out
+
+    def json_schema(self) -> dict:
+        return {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {f.name: f.json_schema() for f in self.fields},
+            "required": [f.name for f in self.fields if f.required and f.default is None],
+        }
