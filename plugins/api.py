@@ -62,6 +62,9 @@ class RunContext(Protocol):
     def progress(self, step: int, total: int, message: str = "") -> None:
         """Report that ``step`` of ``total`` is done (cheap; call every step)."""
 
+    def stream(self, text: str, token_ids: list[int] | None = None) -> None:
+        """Send a piece of text output (a token) to the client as soon as it is made."""
+
     def cancelled(self) -> bool:
         """True once the job has been cancelled."""
 
