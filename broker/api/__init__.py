@@ -1,0 +1,1 @@
+"""The REST API (Flask blueprints). Views translate HTTP into service calls and back."""

@@ -1,0 +1,135 @@
+"""/v1/jobs: submit, inspect, stream events, cancel, fetch outputs."""
+from __future__ import annotations
+
+import json
+import time
+
+from flask import Blueprint, Response, request, stream_with_context
+
+from broker.errors import InvalidRequest
+from broker.jobs.model import Job, JobOutput
+from .common import json_body, principal, services
+
+bp = Blueprint("jobs", __name__)
+
+MAX_WAIT_S = 60.0
+
+
+def output_to_json(job_id: str, o: JobOutput) -> dict:
+    return {"index": o.index, "media_type": o.media_type, "sha256": o.sha256, "size": o.size,
+            "url": f"/v1/jobs/{job_id}/outputs/{o.index}"}
+
+
+def job_to_json(job: Job, outputs: list[JobOutput] | None = None) -> dict:
+    body = {
+        "id": job.id, "object": "job", "plugin": job.plugin, "version": job.plugin_version,
+        "state": job.state.value, "attempt": job.attempt, "inputs": job.inputs,
+        "work_units": job.work_units, "provider_id": job.provider_id,
+        "progress": {"step": job.progress_step, "total": job.progress_total},
+        "created_at": job.created_at, "updated_at": job.updated_at,
+        "started_at": job.started_at, "finished_at": job.finished_at,
+        "error": ({"code": job.error_code, "message": job.error_message}
+                  if job.error_code else None),
+    }
+    if outputs is not None:
+        body["outputs"] = [output_to_json(job.id, o) for o in outputs]
+    return body
+
+
+def _render(job: Job) -> dict:
+    outputs = services().jobs.repo.outputs(job.id) if job.state.value == "settled" else []
+    return job_to_json(job, outputs)
+
+
+@bp.post("/v1/jobs")
+def create_job():
+    key = request.headers.get("Idempotency-Key")
+    job, created = services().jobs.submit(principal(), json_body(), idempotency_key=key)
+    return _render(job), 202 if created else 200
+
+
+@bp.get("/v1/jobs")
+def list_jobs():
+    limit = _int_arg("limit", 50, 1, 500)
+    jobs = services().jobs.repo.list_for_account(principal().account_id, limit)
+    return {"object": "list", "data": [job_to_json(j) for j in jobs]}
+
+
+@bp.get("/v1/jobs/<job_id>")
+def get_job(job_id):
+    wait = request.args.get("wait")
+    if wait is not None:
+        try:
+            wait_s = float(wait)
+        except ValueError:
+            raise InvalidRequest(f"wait must be a number of seconds, got {wait!r}",
+                                 field="wait") from None
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise InvalidRequest(f"wait must be between 0 and {MAX_WAIT_S:g} seconds",
+                                 field="wait")
+        job = services().jobs.wait(principal(), job_id, wait_s)
+    else:
+        job = services().jobs.get(principal(), job_id)
+    return _render(job)
+
+
+@bp.delete("/v1/jobs/<job_id>")
+def cancel_job(job_id):
+    job = services().jobs.cancel(principal(), job_id)
+    return _render(job)
+
+
+@bp.get("/v1/jobs/<job_id>/outputs/<int:index>")
+def get_output(job_id, index):
+    out, data = services().jobs.output(principal(), job_id, index)
+    return Response(data, mimetype=out.media_type,
+                    headers={"ETag": f'"{out.sha256}"', "X-Content-SHA256": out.sha256,
+                             "Cache-Control": "private, max-age=31536000, immutable"})
+
+
+@bp.get("/v1/jobs/<job_id>/events")
+def job_events(job_id):
+    """Server-sent events: one event per lifecycle step (queued, assigned, running,
+    progress, token, requeued, done, failed, cancelled); the stream ends after the last."""
+    svc = services().jobs
+    who = principal()
+    svc.get(who, job_id)  # 404 before the stream starts
+    after = _int_arg("after", 0, 0, None, header="Last-Event-ID")
+    terminal = {"done", "failed", "cancelled", "refunded"}
+
+    def stream():
+        last = after
+        idle_since = time.monotonic()
+        while True:
+            version = svc.hub.version(job_id)
+            events = svc.repo.events_after(job_id, last)
+            for ev in events:
+                last = ev.id
+                payload = {"job_id": job_id, "at": ev.created_at, **ev.data}
+                yield f"id: {ev.id}\nevent: {ev.kind}\ndata: {json.dumps(payload)}\n\n"
+                if ev.kind in terminal:
+                    return
+            if events:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > 15:
+                idle_since = time.monotonic()
+                yield ": keep-alive\n\n"
+            svc.hub.wait(job_id, version, 5.0)
+
+    return Response(stream_with_context(stream()), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _int_arg(name, default, lo, hi, header=None):
+    raw = request.args.get(name)
+    if raw is None and header:
+        raw = request.headers.get(header)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer, got {raw!r}", field=name) from None
+    if value < lo or (hi is not None and value > hi):
+        raise InvalidRequest(f"{name} must be between {lo} and {hi}", field=name)
+    return value

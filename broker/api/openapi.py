@@ -1,0 +1,114 @@
+"""The OpenAPI 3.1 document of the client API, served at /openapi.json."""
+from flask import Blueprint
+
+bp = Blueprint("openapi", __name__)
+
+_PROBLEM = {"$ref": "#/components/schemas/Problem"}
+
+
+def _errors(*codes):
+    return {str(c): {"description": d, "content": {"application/problem+json": {"schema": _PROBLEM}}}
+            for c, d in ((400, "Malformed request"), (401, "Missing or bad API key"),
+                         (404, "No such job, output or plugin"), (409, "Conflict"),
+                         (422, "Inputs outside the plugin's schema")) if c in codes}
+
+
+def document() -> dict:
+    job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Sparecycles broker API", "version": "v1",
+                 "description": "Submit inference jobs to the Sparecycles network."},
+        "components": {
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
+                                           "description": "An API key: sc_<role>_<id>_<secret>"}},
+            "schemas": {
+                "Problem": {"type": "object", "description": "RFC 7807 problem details",
+                            "required": ["type", "title", "status", "code", "detail"],
+                            "properties": {"type": {"type": "string"}, "title": {"type": "string"},
+                                           "status": {"type": "integer"},
+                                           "code": {"type": "string"},
+                                           "detail": {"type": "string"},
+                                           "field": {"type": "string"}}},
+                "JobRequest": {"type": "object", "required": ["plugin"],
+                               "additionalProperties": False,
+                               "properties": {"plugin": {"type": "string"},
+                                              "version": {"type": "string"},
+                                              "inputs": {"type": "object"}}},
+                "Output": {"type": "object", "properties": {
+                    "index": {"type": "integer"}, "media_type": {"type": "string"},
+                    "sha256": {"type": "string"}, "size": {"type": "integer"},
+                    "url": {"type": "string"}}},
+                "Job": {"type": "object", "properties": {
+                    "id": {"type": "string"}, "plugin": {"type": "string"},
+                    "version": {"type": "string"},
+                    "state": {"type": "string", "enum": ["queued", "matched", "running",
+                                                         "submitted", "verifying", "disputed",
+                                                         "settled", "refunded", "cancelled",
+                                                         "failed"]},
+                    "attempt": {"type": "integer"}, "inputs": {"type": "object"},
+                    "progress": {"type": "object"}, "error": {"type": ["object", "null"]},
+                    "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Output"}}}},
+                "Plugin": {"type": "object", "properties": {
+                    "name": {"type": "string"}, "version": {"type": "string"},
+                    "output": {"type": "string"}, "input_schema": {"type": "object"}}},
+            },
+        },
+        "security": [{"apiKey": []}],
+        "paths": {
+            "/v1/jobs": {
+                "post": {"summary": "Submit a job", "operationId": "createJob",
+                         "parameters": [{"name": "Idempotency-Key", "in": "header",
+                                         "schema": {"type": "string", "maxLength": 200}}],
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": {"$ref": "#/components/schemas/JobRequest"}}}},
+                         "responses": {"202": {"description": "Queued", "content": {
+                             "application/json": {"schema": {"$ref": "#/components/schemas/Job"}}}},
+                             "200": {"description": "Same Idempotency-Key: the first job"},
+                             **_errors(400, 401, 404, 409, 422)}},
+                "get": {"summary": "Your recent jobs", "operationId": "listJobs",
+                        "responses": {"200": {"description": "Jobs"}, **_errors(401)}},
+            },
+            "/v1/jobs/{job_id}": {
+                "get": {"summary": "A job (long-poll with ?wait=seconds)", "operationId": "getJob",
+                        "parameters": [job_id, {"name": "wait", "in": "query",
+                                                "schema": {"type": "number", "maximum": 60}}],
+                        "responses": {"200": {"description": "The job", "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/Job"}}}},
+                            **_errors(400, 401, 404)}},
+                "delete": {"summary": "Cancel a job", "operationId": "cancelJob",
+                           "parameters": [job_id],
+                           "responses": {"200": {"description": "Cancelled"},
+                                         **_errors(401, 404, 409)}},
+            },
+            "/v1/jobs/{job_id}/events": {
+                "get": {"summary": "Server-sent events of a job", "operationId": "jobEvents",
+                        "parameters": [job_id],
+                        "responses": {"200": {"description": "text/event-stream"},
+                                      **_errors(401, 404)}}},
+            "/v1/jobs/{job_id}/outputs/{index}": {
+                "get": {"summary": "One output's bytes", "operationId": "getOutput",
+                        "parameters": [job_id, {"name": "index", "in": "path", "required": True,
+                                                "schema": {"type": "integer"}}],
+                        "responses": {"200": {"description": "The output"},
+                                      **_errors(401, 404)}}},
+            "/v1/plugins": {"get": {"summary": "Plugins and their input schemas",
+                                    "operationId": "listPlugins",
+                                    "responses": {"200": {"description": "Plugins"}}}},
+            "/v1/plugins/{name}": {"get": {"summary": "One plugin", "operationId": "getPlugin",
+                                           "parameters": [{"name": "name", "in": "path",
+                                                           "required": True,
+                                                           "schema": {"type": "string"}}],
+                                           "responses": {"200": {"description": "The plugin"},
+                                                         **_errors(404)}}},
+            "/livez": {"get": {"summary": "Liveness", "security": [],
+                               "responses": {"200": {"description": "alive"}}}},
+            "/readyz": {"get": {"summary": "Readiness", "security": [],
+                                "responses": {"200": {"description": "ready"}}}},
+        },
+    }
+
+
+@bp.get("/openapi.json")
+def openapi():
+    return document()

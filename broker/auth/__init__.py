@@ -1,0 +1,1 @@
+"""Accounts, API keys (stored hashed) and the principals requests act as."""

@@ -1,0 +1,1 @@
+"""Blob storage for outputs and checkpoints: a local folder by default (S3 later)."""

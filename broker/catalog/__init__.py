@@ -1,0 +1,1 @@
+"""The plugin catalog: manifests the broker reads as data (it never imports plugin code)."""

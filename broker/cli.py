@@ -1,0 +1,66 @@
+"""`sparecycles broker …`: serve, create-key."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _settings(args):
+    from broker.settings import Settings
+
+    return Settings.from_env(data_dir=args.data_dir, db_url=args.db, blob_dir=args.blob_dir,
+                             http=getattr(args, "http", None), grpc=getattr(args, "grpc", None),
+                             lease_timeout_s=getattr(args, "lease_timeout", None))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, help="folder for the embedded database, blobs and "
+                                                 "the broker key (default ./.sparecycles)")
+    p.add_argument("--db", help="database URL (default: SQLite in the data dir; e.g. "
+                                "postgresql+psycopg://user@host/db)")
+    p.add_argument("--blob-dir", type=Path, help="blob folder (default <data-dir>/blobs)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("broker", help="run and administer the broker")
+    bsub = p.add_subparsers(dest="broker_command", required=True)
+
+    s = bsub.add_parser("serve", help="serve the REST API and the agent gateway")
+    _common(s)
+    s.add_argument("--http", help="HOST:PORT for the REST API (default 127.0.0.1:8080)")
+    s.add_argument("--grpc", help="HOST:PORT for agents (default 127.0.0.1:50051)")
+    s.add_argument("--lease-timeout", type=float, help="seconds without heartbeat before a "
+                                                       "job is taken back (default 30)")
+    s.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON "
+                                                   "once serving")
+    s.set_defaults(func=cmd_serve)
+
+    k = bsub.add_parser("create-key", help="create an account and print its API key once")
+    _common(k)
+    k.add_argument("--role", required=True, choices=["client", "provider", "publisher", "admin"])
+    k.add_argument("--name", default="", help="account name shown to admins")
+    k.set_defaults(func=cmd_create_key)
+
+
+def cmd_serve(args) -> int:
+    from broker.server import serve
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(_settings(args), ready_file=args.ready_file)
+    return 0
+
+
+def cmd_create_key(args) -> int:
+    from broker.services import build_services
+
+    services = build_services(_settings(args))
+    try:
+        key, who = services.auth.create_account_with_key(args.role, args.name)
+    finally:
+        services.engine.dispose()
+    print(key)
+    print(f"# {args.role} account {who.account_id}; this key is shown only once", file=sys.stderr)
+    return 0

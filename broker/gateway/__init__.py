@@ -1,0 +1,1 @@
+"""The gRPC gateway agents connect to (sdk/protocol/agent.proto)."""

@@ -1,0 +1,1 @@
+"""Jobs: the lifecycle of DESIGN §2 (states, leases, attempts) and the service that drives it."""

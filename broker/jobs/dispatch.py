@@ -1,0 +1,180 @@
+"""Dispatcher: matches queued jobs to connected agents with free slots, and reaps leases.
+
+Matching is push: a job is handed to an agent the moment both exist (a new job wakes the
+dispatcher; so does a freed slot or a new agent). The policy here is the spine's: any agent
+that serves the plugin version, least loaded first, ties broken at random, avoiding
+providers that already failed the job while others can take it. The auction (DESIGN §4)
+replaces ``_choose`` without changing the loop.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .model import Job
+from .service import JobService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class AgentSession:
+    """A connected agent as the dispatcher sees it. The gateway subclasses it to send."""
+
+    provider_id: str
+    public_key: str
+    account_id: str
+    plugins: dict[str, str]          # "name@version" -> weights digest
+    slots: int = 1
+    active: set[str] = field(default_factory=set)
+    draining: bool = False
+    paused: bool = False
+
+    def serves(self, job: Job) -> bool:
+        return f"{job.plugin}@{job.plugin_version}" in self.plugins
+
+    @property
+    def free(self) -> int:
+        if self.draining or self.paused:
+            return 0
+        return self.slots - len(self.active)
+
+    def send_assignment(self, envelope_bytes: bytes, signature: str) -> None:
+        raise NotImplementedError
+
+    def send_cancel(self, job_id: str, attempt: int, reason: str) -> None:
+        raise NotImplementedError
+
+
+class Dispatcher:
+    def __init__(self, jobs: JobService, *, reap_interval_s: float = 0.5,
+                 rng: random.Random | None = None):
+        self.jobs = jobs
+        self.reap_interval_s = reap_interval_s
+        self.rng = rng or random.Random()
+        self._sessions: dict[str, AgentSession] = {}
+        self._cond = threading.Condition()
+        self._kicked = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        jobs.on_queued = lambda job: self.kick()
+        jobs.on_released = self._released
+        jobs.cancel_hook = self._cancel
+
+    # ---- sessions --------------------------------------------------------------------
+    def register(self, session: AgentSession) -> None:
+        with self._cond:
+            old = self._sessions.get(session.provider_id)
+            self._sessions[session.provider_id] = session
+            if old is not None:
+                session.active |= old.active
+        self.kick()
+
+    def unregister(self, session: AgentSession) -> None:
+        with self._cond:
+            if self._sessions.get(session.provider_id) is session:
+                del self._sessions[session.provider_id]
+
+    def session(self, provider_id: str) -> AgentSession | None:
+        with self._cond:
+            return self._sessions.get(provider_id)
+
+    def sessions(self) -> list[AgentSession]:
+        with self._cond:
+            return list(self._sessions.values())
+
+    def _released(self, provider_id: str | None, job_id: str) -> None:
+        with self._cond:
+            s = self._sessions.get(provider_id) if provider_id else None
+            if s is not None:
+                s.active.discard(job_id)
+        self.kick()
+
+    def _cancel(self, job: Job) -> None:
+        s = self.session(job.provider_id) if job.provider_id else None
+        if s is not None:
+            try:
+                s.send_cancel(job.id, job.attempt, job.error_message or "cancelled")
+            except Exception:  # noqa: BLE001 - a dead stream must not stop a cancel
+                log.exception("could not send cancel for %s", job.id)
+
+    # ---- loop ------------------------------------------------------------------------
+    def kick(self) -> None:
+        with self._cond:
+            self._kicked = True
+            self._cond.notify_all()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dispatcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        last_reap = 0.0
+        while True:
+            with self._cond:
+                if not self._kicked and not self._stop:
+                    self._cond.wait(self.reap_interval_s)
+                if self._stop:
+                    return
+                self._kicked = False
+            try:
+                now = time.monotonic()
+                if now - last_reap >= self.reap_interval_s:
+                    last_reap = now
+                    self.jobs.reap_expired()
+                self.match_once()
+            except Exception:  # noqa: BLE001 - the loop must survive a bad row or a DB blip
+                log.exception("dispatcher iteration failed; retrying")
+                time.sleep(0.2)
+
+    def match_once(self) -> int:
+        """Assign as many queued jobs as there are free slots; returns how many."""
+        if not any(s.free > 0 for s in self.sessions()):
+            return 0
+        assigned = 0
+        while True:
+            batch = self.jobs.queued(limit=256)
+            if not batch:
+                return assigned
+            progress = False
+            for job in batch:
+                session = self._choose(job)
+                if session is None:
+                    continue
+                with self._cond:
+                    session.active.add(job.id)
+                try:
+                    moved = self.jobs.assign(job, session)
+                except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
+                    log.exception("assignment of %s to %s failed", job.id, session.provider_id)
+                    moved = None
+                if moved is None:
+                    with self._cond:
+                        session.active.discard(job.id)
+                    continue
+                assigned += 1
+                progress = True
+                if not any(s.free > 0 for s in self.sessions()):
+                    return assigned
+            if not progress or len(batch) < 256:
+                return assigned
+
+    def _choose(self, job: Job) -> AgentSession | None:
+        with self._cond:
+            able = [s for s in self._sessions.values() if s.free > 0 and s.serves(job)]
+        if not able:
+            return None
+        fresh = [s for s in able if s.provider_id not in job.excluded_providers]
+        pool = fresh or able
+        best = min(len(s.active) / s.slots for s in pool)
+        return self.rng.choice([s for s in pool if len(s.active) / s.slots == best])

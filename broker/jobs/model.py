@@ -1,0 +1,99 @@
+"""Job states, the transitions allowed between them, and the job record the domain uses."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "queued"
+    MATCHED = "matched"
+    RUNNING = "running"
+    SUBMITTED = "submitted"
+    VERIFYING = "verifying"
+    DISPUTED = "disputed"
+    SETTLED = "settled"
+    REFUNDED = "refunded"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({JobState.SETTLED, JobState.REFUNDED, JobState.CANCELLED, JobState.FAILED})
+LEASED = frozenset({JobState.MATCHED, JobState.RUNNING})
+
+# DESIGN §2. Requeue (lease expired, provider failed or gave the job back) is
+# MATCHED/RUNNING -> QUEUED with attempt + 1.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.MATCHED, JobState.CANCELLED, JobState.FAILED}),
+    JobState.MATCHED: frozenset({JobState.RUNNING, JobState.SUBMITTED, JobState.QUEUED,
+                                 JobState.CANCELLED, JobState.FAILED}),
+    JobState.RUNNING: frozenset({JobState.SUBMITTED, JobState.QUEUED, JobState.CANCELLED,
+                                 JobState.FAILED}),
+    JobState.SUBMITTED: frozenset({JobState.VERIFYING, JobState.SETTLED, JobState.CANCELLED}),
+    JobState.VERIFYING: frozenset({JobState.SETTLED, JobState.DISPUTED, JobState.CANCELLED}),
+    JobState.DISPUTED: frozenset({JobState.SETTLED, JobState.REFUNDED}),
+    JobState.SETTLED: frozenset(),
+    JobState.REFUNDED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+    JobState.FAILED: frozenset(),
+}
+
+
+def can_move(src: JobState, dst: JobState) -> bool:
+    return dst in TRANSITIONS[src]
+
+
+@dataclass
+class Job:
+    """A job as the domain sees it. Times are epoch seconds (float)."""
+
+    id: str
+    account_id: str
+    plugin: str
+    plugin_version: str
+    inputs: dict[str, Any]
+    state: JobState
+    attempt: int = 0
+    max_attempts: int = 3
+    provider_id: str | None = None
+    lease_expires_at: float | None = None
+    work_units: float = 0.0
+    progress_step: int = 0
+    progress_total: int = 0
+    error_code: str | None = None
+    error_message: str | None = None
+    receipt: dict | None = None
+    receipt_signature: str | None = None
+    envelope: dict | None = None
+    excluded_providers: list[str] = field(default_factory=list)
+    idempotency_key: str | None = None
+    request_hash: str | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    matched_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    deadline_at: float | None = None
+
+
+@dataclass
+class JobOutput:
+    job_id: str
+    index: int
+    sha256: str
+    media_type: str
+    size: int
+
+
+@dataclass
+class JobEvent:
+    id: int
+    job_id: str
+    kind: str
+    data: dict[str, Any]
+    created_at: float

@@ -1,0 +1,53 @@
+"""What the job service needs from storage and from the blob store (implemented elsewhere)."""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+from .model import Job, JobEvent, JobOutput, JobState
+
+
+class JobRepository(Protocol):
+    def create(self, job: Job, first_event: tuple[str, dict]) -> tuple[Job, bool]:
+        """Insert ``job`` with its first event. When (account, idempotency key) already
+        exists, return the existing job and False instead."""
+
+    def get(self, job_id: str) -> Job | None: ...
+
+    def list_for_account(self, account_id: str, limit: int = 50) -> list[Job]: ...
+
+    def queued(self, limit: int) -> list[Job]:
+        """Oldest queued jobs first."""
+
+    def transition(self, job_id: str, expect: Iterable[JobState], to: JobState, *,
+                   expect_attempt: int | None = None, expect_provider: str | None = None,
+                   event: tuple[str, dict] | None = None, **fields) -> Job | None:
+        """Atomically move the job to ``to`` (setting ``fields``) if it is in one of
+        ``expect`` (and at ``expect_attempt`` / held by ``expect_provider`` when given);
+        append ``event`` in the same transaction. Returns the new job, or None when the
+        job was not in an expected state (someone else moved it first)."""
+
+    def add_event(self, job_id: str, kind: str, data: dict, **fields) -> int:
+        """Append an event (and update ``fields`` on the job); returns its id."""
+
+    def events_after(self, job_id: str, after_id: int, limit: int = 500) -> list[JobEvent]: ...
+
+    def expired_leases(self, now: float, limit: int = 100) -> list[Job]: ...
+
+    def extend_leases(self, provider_id: str, job_ids: list[str], until: float) -> int: ...
+
+    def leased_to(self, provider_id: str) -> list[Job]: ...
+
+    def save_outputs(self, outputs: list[JobOutput]) -> None: ...
+
+    def outputs(self, job_id: str) -> list[JobOutput]: ...
+
+    def counts_by_state(self) -> dict[str, int]: ...
+
+
+class BlobStore(Protocol):
+    def put(self, data: bytes) -> str:
+        """Store ``data``; returns its key (its sha256 hex)."""
+
+    def get(self, key: str) -> bytes: ...
+
+    def exists(self, key: str) -> bool: ...

@@ -1,0 +1,338 @@
+"""JobService: submits, assigns, tracks and settles jobs (DESIGN §2).
+
+Transport code (REST blueprints, the gRPC gateway) calls into this class; it never sees
+Flask or grpc. Every state change is a conditional transition in the repository, so a late
+receipt, a duplicate message or a racing lease reaper can never move a job twice.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sdk.protocol.canonical import canonical_bytes, sha256_hex
+from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
+from sdk.protocol.schema import InputError
+from sdk.protocol.signing import KeyPair
+
+from broker.auth.service import Principal
+from broker.catalog.registry import PluginCatalog
+from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
+from .errors import JobNotCancellable, JobNotFound, OutputNotFound, ReceiptRefused
+from .hub import EventHub
+from .model import LEASED, TERMINAL, Job, JobEvent, JobOutput, JobState
+from .ports import BlobStore, JobRepository
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobSettings:
+    max_attempts: int = 3
+    lease_timeout_s: float = 30.0
+    envelope_ttl_s: float = 60.0
+
+
+class AssignmentTarget:
+    """What the service needs of a connected agent to hand it a job (see dispatch.py)."""
+
+    provider_id: str
+    public_key: str
+
+    def send_assignment(self, envelope_bytes: bytes, signature: str) -> None: ...
+    def send_cancel(self, job_id: str, attempt: int, reason: str) -> None: ...
+
+
+class JobService:
+    def __init__(self, repo: JobRepository, blobs: BlobStore, catalog: PluginCatalog,
+                 signer: KeyPair, hub: EventHub | None = None,
+                 settings: JobSettings | None = None, clock=time.time):
+        self.repo = repo
+        self.blobs = blobs
+        self.catalog = catalog
+        self.signer = signer
+        self.hub = hub or EventHub()
+        self.settings = settings or JobSettings()
+        self.clock = clock
+        self.on_queued = lambda job: None        # set by the dispatcher
+        self.on_released = lambda provider_id, job_id: None
+        self.cancel_hook = lambda job: None      # pushes Cancel to the agent holding a job
+
+    # ---- clients ---------------------------------------------------------------------
+    def submit(self, who: Principal, body: Any, idempotency_key: str | None = None) -> tuple[Job, bool]:
+        """Validate and queue a job. Returns (job, created); a repeated idempotency key with
+        the same request returns the first job, with another request raises."""
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object like "
+                                 '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
+        unknown = set(body) - {"plugin", "version", "inputs", "max_attempts"}
+        if unknown:
+            raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: plugin, "
+                                 "version, inputs", field=sorted(unknown)[0])
+        plugin = body.get("plugin")
+        if not isinstance(plugin, str) or not plugin:
+            raise InvalidRequest(f"plugin must be a plugin name; available: {self.catalog.names()}",
+                                 field="plugin")
+        version = body.get("version")
+        if version is not None and not isinstance(version, str):
+            raise InvalidRequest("version must be a string like 1.0.0", field="version")
+        manifest = self.catalog.get(plugin, version)
+        try:
+            inputs = manifest.validate_inputs(body.get("inputs", {}))
+        except InputError as exc:
+            raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
+                               plugin=manifest.ref) from None
+        if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
+            raise InvalidRequest("Idempotency-Key must be 1 to 200 characters",
+                                 field="Idempotency-Key")
+        request_hash = sha256_hex(canonical_bytes({"plugin": manifest.name,
+                                                   "version": manifest.version, "inputs": inputs}))
+        now = self.clock()
+        job = Job(id=str(uuid.uuid4()), account_id=who.account_id, plugin=manifest.name,
+                  plugin_version=manifest.version, inputs=inputs, state=JobState.QUEUED,
+                  max_attempts=self.settings.max_attempts,
+                  work_units=manifest.work_units_for(inputs), idempotency_key=idempotency_key,
+                  request_hash=request_hash, created_at=now, updated_at=now)
+        job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
+        if not created:
+            if job.request_hash != request_hash:
+                raise IdempotencyConflict(
+                    f"Idempotency-Key {idempotency_key!r} was used for another request (job "
+                    f"{job.id}); use a new key for a new job")
+            return job, False
+        self.hub.notify(job.id)
+        self.on_queued(job)
+        return job, True
+
+    def get(self, who: Principal, job_id: str) -> Job:
+        job = self.repo.get(job_id) if _is_uuid(job_id) else None
+        if job is None or (job.account_id != who.account_id and who.role != "admin"):
+            raise JobNotFound(f"no job {job_id!r} in your account")
+        return job
+
+    def wait(self, who: Principal, job_id: str, timeout_s: float) -> Job:
+        """The job once it is terminal, or as it is when ``timeout_s`` passes."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            version = self.hub.version(job_id)
+            job = self.get(who, job_id)
+            left = deadline - time.monotonic()
+            if job.state.terminal or left <= 0:
+                return job
+            self.hub.wait(job_id, version, min(left, 5.0))
+
+    def events(self, who: Principal, job_id: str, after_id: int = 0) -> list[JobEvent]:
+        self.get(who, job_id)
+        return self.repo.events_after(job_id, after_id)
+
+    def outputs(self, who: Principal, job_id: str) -> list[JobOutput]:
+        self.get(who, job_id)
+        return self.repo.outputs(job_id)
+
+    def output(self, who: Principal, job_id: str, index: int) -> tuple[JobOutput, bytes]:
+        for out in self.outputs(who, job_id):
+            if out.index == index:
+                return out, self.blobs.get(out.sha256)
+        raise OutputNotFound(f"job {job_id} has no output {index}")
+
+    def cancel(self, who: Principal, job_id: str, reason: str = "cancelled by client") -> Job:
+        job = self.get(who, job_id)
+        while not job.state.terminal:
+            moved = self.repo.transition(
+                job.id, [job.state], JobState.CANCELLED, expect_attempt=job.attempt,
+                event=("cancelled", {"reason": reason}), finished_at=self.clock(),
+                error_code="cancelled", error_message=reason)
+            if moved is not None:
+                if job.state in LEASED and job.provider_id:
+                    self.cancel_hook(job)
+                    self.on_released(job.provider_id, job.id)
+                self.hub.notify(job.id)
+                return moved
+            job = self.get(who, job_id)
+        if job.state == JobState.CANCELLED:
+            return job
+        raise JobNotCancellable(f"job {job_id} is already {job.state.value}; only jobs that "
+                                "have not finished can be cancelled")
+
+    # ---- dispatch --------------------------------------------------------------------
+    def queued(self, limit: int = 200) -> list[Job]:
+        return self.repo.queued(limit)
+
+    def assign(self, job: Job, target: AssignmentTarget) -> Job | None:
+        """Lease ``job`` to ``target`` and push it the signed envelope. None when someone
+        else moved the job first."""
+        now = self.clock()
+        attempt = job.attempt
+        envelope = make_envelope(job_id=job.id, attempt=attempt, plugin=job.plugin,
+                                 version=job.plugin_version, inputs=job.inputs,
+                                 provider_key=target.public_key,
+                                 lease_timeout_s=self.settings.lease_timeout_s,
+                                 ttl_s=self.settings.envelope_ttl_s, now=now)
+        moved = self.repo.transition(
+            job.id, [JobState.QUEUED], JobState.MATCHED, expect_attempt=attempt,
+            event=("assigned", {"provider_id": target.provider_id, "attempt": attempt}),
+            provider_id=target.provider_id, envelope=envelope, matched_at=now,
+            lease_expires_at=now + self.settings.lease_timeout_s)
+        if moved is None:
+            return None
+        data, signature = sign_envelope(self.signer, envelope)
+        target.send_assignment(data, signature)
+        self.hub.notify(job.id)
+        return moved
+
+    # ---- agents ----------------------------------------------------------------------
+    def _leased(self, provider_id: str, job_id: str, attempt: int) -> Job:
+        job = self.repo.get(job_id) if _is_uuid(job_id) else None
+        if job is None:
+            raise ReceiptRefused("unknown_job", f"no job {job_id!r}")
+        if job.provider_id != provider_id or job.attempt != attempt or job.state not in LEASED:
+            raise ReceiptRefused("not_your_job",
+                                 f"job {job_id} attempt {attempt} is not leased to you (it is "
+                                 f"{job.state.value}, attempt {job.attempt})")
+        return job
+
+    def accepted(self, provider_id: str, job_id: str, attempt: int) -> None:
+        now = self.clock()
+        moved = self.repo.transition(job_id, [JobState.MATCHED], JobState.RUNNING,
+                                     expect_attempt=attempt, expect_provider=provider_id,
+                                     event=("running", {"attempt": attempt}), started_at=now,
+                                     lease_expires_at=now + self.settings.lease_timeout_s)
+        if moved is not None:
+            self.hub.notify(job_id)
+
+    def progress(self, provider_id: str, job_id: str, attempt: int, step: int, total: int,
+                 message: str = "", text: str = "") -> None:
+        job = self._leased(provider_id, job_id, attempt)
+        data: dict[str, Any] = {"step": step, "total": total}
+        if message:
+            data["message"] = message
+        if text:
+            data["text"] = text
+        self.repo.add_event(job.id, "token" if text and not total else "progress", data,
+                            progress_step=step, progress_total=total)
+        self.hub.notify(job.id)
+
+    def store_output(self, provider_id: str, job_id: str, attempt: int, data: bytes,
+                     sha256: str) -> str:
+        self._leased(provider_id, job_id, attempt)
+        actual = sha256_hex(data)
+        if sha256 and actual != sha256:
+            raise ReceiptRefused("output_hash_mismatch",
+                                 f"output of job {job_id} hashes to {actual}, not {sha256}")
+        return self.blobs.put(data)
+
+    def receipt(self, provider_id: str, provider_key: str, data: bytes, signature: str) -> Job:
+        """Verify a signed receipt and settle the job; idempotent for the same receipt."""
+        try:
+            rec = open_receipt(data, signature, provider_key=provider_key)
+        except EnvelopeError as exc:
+            raise ReceiptRefused(exc.code, str(exc)) from None
+        job_id, attempt = str(rec["job_id"]), int(rec["attempt"])
+        job = self.repo.get(job_id) if _is_uuid(job_id) else None
+        if job is None:
+            raise ReceiptRefused("unknown_job", f"receipt names unknown job {job_id!r}")
+        if (job.receipt == rec and job.provider_id == provider_id
+                and job.state in (JobState.SUBMITTED, JobState.SETTLED)):
+            return job  # a re-sent receipt (e.g. after a reconnect): already settled once
+        job = self._leased(provider_id, job_id, attempt)
+        if rec["envelope_sha256"] != sha256_hex(canonical_bytes(job.envelope)):
+            raise ReceiptRefused("envelope_mismatch", "receipt does not cover this job's envelope")
+        outputs = []
+        for i, out in enumerate(rec["outputs"]):
+            sha = str(out.get("sha256", ""))
+            if not self.blobs.exists(sha):
+                raise ReceiptRefused("output_missing",
+                                     f"output {i} ({sha[:12]}…) was not uploaded before the receipt")
+            outputs.append(JobOutput(job.id, int(out.get("index", i)), sha,
+                                     str(out.get("media_type", "application/octet-stream")),
+                                     int(out.get("size", 0))))
+        self.repo.save_outputs(outputs)
+        now = self.clock()
+        submitted = self.repo.transition(
+            job.id, LEASED, JobState.SUBMITTED, expect_attempt=attempt,
+            expect_provider=provider_id, event=("submitted", {"attempt": attempt}),
+            receipt=rec, receipt_signature=signature, lease_expires_at=None)
+        if submitted is None:
+            raise ReceiptRefused("not_your_job", f"job {job_id} moved before the receipt arrived")
+        settled = self.repo.transition(
+            job.id, [JobState.SUBMITTED], JobState.SETTLED, finished_at=now,
+            event=("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
+                                         "media_type": o.media_type, "size": o.size}
+                                        for o in outputs]}))
+        self.on_released(provider_id, job.id)
+        self.hub.notify(job.id)
+        return settled or submitted
+
+    def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
+               retryable: bool) -> Job | None:
+        try:
+            job = self._leased(provider_id, job_id, attempt)
+        except ReceiptRefused:
+            return None  # already moved (cancelled, requeued): nothing to do
+        self.on_released(provider_id, job_id)
+        if retryable:
+            return self._requeue(job, "failed", f"{code}: {message}")
+        return self._fail(job, code, message)
+
+    def give_back(self, provider_id: str, job_id: str, attempt: int, reason: str) -> Job | None:
+        try:
+            job = self._leased(provider_id, job_id, attempt)
+        except ReceiptRefused:
+            return None
+        self.on_released(provider_id, job_id)
+        return self._requeue(job, "given_back", reason, count_attempt=False)
+
+    def heartbeat(self, provider_id: str, running_job_ids: list[str]) -> None:
+        ids = [j for j in running_job_ids if _is_uuid(j)]
+        self.repo.extend_leases(provider_id, ids, self.clock() + self.settings.lease_timeout_s)
+
+    def reap_expired(self) -> list[Job]:
+        """Requeue (or fail) every job whose lease has expired."""
+        moved = []
+        for job in self.repo.expired_leases(self.clock()):
+            self.on_released(job.provider_id, job.id)
+            self.cancel_hook(job)  # a zombie agent that still runs it must stop
+            result = self._requeue(job, "lease_expired",
+                                   f"provider {job.provider_id} stopped heartbeating")
+            if result is not None:
+                moved.append(result)
+        return moved
+
+    def _requeue(self, job: Job, kind: str, reason: str, count_attempt: bool = True) -> Job | None:
+        """Back to the queue for another provider, or FAILED once attempts run out."""
+        used = job.attempt + 1
+        if count_attempt and used >= job.max_attempts:
+            return self._fail(job, "attempts_exhausted",
+                              f"gave up after {used} attempts; last: {reason}")
+        excluded = sorted(set(job.excluded_providers) | {job.provider_id})
+        moved = self.repo.transition(
+            job.id, [job.state], JobState.QUEUED, expect_attempt=job.attempt,
+            expect_provider=job.provider_id,
+            event=("requeued", {"reason": reason, "why": kind, "attempt": job.attempt + 1}),
+            attempt=job.attempt + 1, provider_id=None, lease_expires_at=None, envelope=None,
+            excluded_providers=excluded, progress_step=0, progress_total=0)
+        if moved is not None:
+            log.info("job %s requeued (%s): %s", job.id, kind, reason)
+            self.hub.notify(job.id)
+            self.on_queued(moved)
+        return moved
+
+    def _fail(self, job: Job, code: str, message: str) -> Job | None:
+        moved = self.repo.transition(job.id, [job.state], JobState.FAILED,
+                                     expect_attempt=job.attempt,
+                                     event=("failed", {"code": code, "message": message}),
+                                     error_code=code, error_message=message,
+                                     finished_at=self.clock(), lease_expires_at=None)
+        if moved is not None:
+            self.hub.notify(job.id)
+        return moved
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(str(value))
+        return True
+    except ValueError:
+        return False

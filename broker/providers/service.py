@@ -1,0 +1,45 @@
+"""ProviderService: registers agent identities under provider accounts."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from broker.auth.service import Principal
+from broker.errors import Forbidden
+from .model import Provider
+
+
+class ProviderService:
+    def __init__(self, repo, clock=time.time):
+        self.repo = repo
+        self.clock = clock
+
+    def connect(self, who: Principal, public_key: str, name: str, *, sandboxed: bool,
+                hardware: dict, plugins: list[dict]) -> Provider:
+        """The provider for ``public_key``, created on first contact under ``who``'s account."""
+        if who.role != "provider":
+            raise Forbidden(f"a {who.role} key cannot run an agent; create one with "
+                            "`sparecycles broker create-key --role provider`")
+        now = self.clock()
+        p = self.repo.by_key(public_key)
+        if p is None:
+            p = Provider(id=str(uuid.uuid4()), account_id=who.account_id, public_key=public_key,
+                         name=name, sandboxed=sandboxed, hardware=hardware, plugins=plugins,
+                         created_at=now, last_seen_at=now)
+            self.repo.add(p)
+            return p
+        if p.account_id != who.account_id:
+            raise Forbidden("this agent key is registered to another provider account")
+        if p.status == "banned":
+            raise Forbidden(f"provider {p.id} is banned; contact the broker's admins")
+        self.repo.update(p.id, name=name, sandboxed=sandboxed, hardware=hardware,
+                         plugins=plugins, last_seen_at=now)
+        p.name, p.sandboxed, p.hardware, p.plugins, p.last_seen_at = (name, sandboxed, hardware,
+                                                                      plugins, now)
+        return p
+
+    def seen(self, provider_id: str) -> None:
+        self.repo.update(provider_id, last_seen_at=self.clock())
+
+    def all(self) -> list[Provider]:
+        return self.repo.all()

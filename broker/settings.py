@@ -1,0 +1,80 @@
+"""Every setting of the broker, in one place. Argument beats environment variable beats
+default; tests build a Settings object and never patch globals.
+
+===========================  ==================================  ===========================
+setting                      variable                            default
+===========================  ==================================  ===========================
+data_dir                     SPARECYCLES_DATA_DIR                ./.sparecycles
+db_url                       SPARECYCLES_DB_URL                  sqlite:///<data_dir>/broker.db
+blob_dir                     SPARECYCLES_BLOB_DIR                <data_dir>/blobs
+http                         SPARECYCLES_HTTP                    127.0.0.1:8080
+grpc                         SPARECYCLES_GRPC                    127.0.0.1:50051
+key_path                     SPARECYCLES_BROKER_KEY              <data_dir>/broker.key
+plugin_dirs                  SPARECYCLES_PLUGIN_DIRS (":"-sep.)  the built-in plugins folder
+lease_timeout_s              SPARECYCLES_LEASE_TIMEOUT_S         30
+max_attempts                 SPARECYCLES_MAX_ATTEMPTS            3
+http_threads                 SPARECYCLES_HTTP_THREADS            48
+===========================  ==================================  ===========================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import broker
+
+BUILTIN_PLUGINS = Path(broker.__file__).resolve().parent.parent / "plugins"
+
+
+@dataclass
+class Settings:
+    data_dir: Path = Path(".sparecycles")
+    db_url: str = ""
+    blob_dir: Path | None = None
+    http: str = "127.0.0.1:8080"
+    grpc: str = "127.0.0.1:50051"
+    key_path: Path | None = None
+    plugin_dirs: list[Path] = field(default_factory=lambda: [BUILTIN_PLUGINS])
+    lease_timeout_s: float = 30.0
+    max_attempts: int = 3
+    http_threads: int = 48
+    envelope_ttl_s: float = 60.0
+
+    def __post_init__(self):
+        self.data_dir = Path(self.data_dir)
+        if not self.db_url:
+            self.db_url = f"sqlite:///{self.data_dir / 'broker.db'}"
+        self.blob_dir = Path(self.blob_dir) if self.blob_dir else self.data_dir / "blobs"
+        self.key_path = Path(self.key_path) if self.key_path else self.data_dir / "broker.key"
+        self.plugin_dirs = [Path(p) for p in self.plugin_dirs]
+        if self.lease_timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return max(0.2, self.lease_timeout_s / 3)
+
+    @classmethod
+    def from_env(cls, env: dict | None = None, **overrides) -> "Settings":
+        env = os.environ if env is None else env
+        conv = {
+            "data_dir": ("SPARECYCLES_DATA_DIR", Path),
+            "db_url": ("SPARECYCLES_DB_URL", str),
+            "blob_dir": ("SPARECYCLES_BLOB_DIR", Path),
+            "http": ("SPARECYCLES_HTTP", str),
+            "grpc": ("SPARECYCLES_GRPC", str),
+            "key_path": ("SPARECYCLES_BROKER_KEY", Path),
+            "plugin_dirs": ("SPARECYCLES_PLUGIN_DIRS",
+                            lambda v: [Path(p) for p in v.split(":") if p]),
+            "lease_timeout_s": ("SPARECYCLES_LEASE_TIMEOUT_S", float),
+            "max_attempts": ("SPARECYCLES_MAX_ATTEMPTS", int),
+            "http_threads": ("SPARECYCLES_HTTP_THREADS", int),
+        }
+        values = {}
+        for name, (var, fn) in conv.items():
+            if var in env and env[var] != "":
+                values[name] = fn(env[var])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})

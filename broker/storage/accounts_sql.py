@@ -1,0 +1,73 @@
+"""SQL implementations of the account/key and provider repositories."""
+from __future__ import annotations
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from broker.auth.service import KeyRecord
+from broker.providers.model import Provider
+from .models import AccountRow, ApiKeyRow, ProviderRow
+
+
+class SqlAccountRepository:
+    def __init__(self, sessions: sessionmaker[Session]):
+        self.sessions = sessions
+
+    def create_account(self, account_id: str, name: str, role: str, now: float) -> None:
+        with self.sessions.begin() as s:
+            s.add(AccountRow(id=account_id, name=name, role=role, created_at=now))
+
+    def add_key(self, record: KeyRecord, now: float) -> None:
+        with self.sessions.begin() as s:
+            s.add(ApiKeyRow(id=record.id, account_id=record.account_id, role=record.role,
+                            secret_sha256=record.secret_sha256, created_at=now))
+
+    def get_key(self, key_id: str) -> KeyRecord | None:
+        with self.sessions() as s:
+            row = s.get(ApiKeyRow, key_id)
+            if row is None:
+                return None
+            return KeyRecord(row.id, row.account_id, row.role, row.secret_sha256, row.revoked_at)
+
+    def revoke_key(self, key_id: str, now: float) -> bool:
+        with self.sessions.begin() as s:
+            return s.execute(update(ApiKeyRow).where(ApiKeyRow.id == key_id,
+                                                     ApiKeyRow.revoked_at.is_(None))
+                             .values(revoked_at=now)).rowcount == 1
+
+
+def _provider(row: ProviderRow) -> Provider:
+    return Provider(id=row.id, account_id=row.account_id, public_key=row.public_key,
+                    name=row.name, status=row.status, sandboxed=row.sandboxed,
+                    hardware=dict(row.hardware or {}), plugins=list(row.plugins or []),
+                    created_at=row.created_at, last_seen_at=row.last_seen_at)
+
+
+class SqlProviderRepository:
+    def __init__(self, sessions: sessionmaker[Session]):
+        self.sessions = sessions
+
+    def by_key(self, public_key: str) -> Provider | None:
+        with self.sessions() as s:
+            row = s.scalars(select(ProviderRow).where(ProviderRow.public_key == public_key)).first()
+            return _provider(row) if row else None
+
+    def get(self, provider_id: str) -> Provider | None:
+        with self.sessions() as s:
+            row = s.get(ProviderRow, provider_id)
+            return _provider(row) if row else None
+
+    def add(self, p: Provider) -> None:
+        with self.sessions.begin() as s:
+            s.add(ProviderRow(id=p.id, account_id=p.account_id, public_key=p.public_key,
+                              name=p.name, status=p.status, sandboxed=p.sandboxed,
+                              hardware=p.hardware, plugins=p.plugins, created_at=p.created_at,
+                              last_seen_at=p.last_seen_at))
+
+    def update(self, provider_id: str, **fields) -> None:
+        with self.sessions.begin() as s:
+            s.execute(update(ProviderRow).where(ProviderRow.id == provider_id).values(**fields))
+
+    def all(self) -> list[Provider]:
+        with self.sessions() as s:
+            return [_provider(r) for r in s.scalars(select(ProviderRow).order_by(ProviderRow.created_at))]

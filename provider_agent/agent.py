@@ -1,0 +1,381 @@
+"""The provider agent: connects to the broker, keeps warm plugin hosts, runs jobs.
+
+Threads: the connection loop (one gRPC stream at a time, reconnecting with capped jittered
+backoff), a heartbeat thread per connection, and one worker per slot. A finished job's
+outputs and signed receipt stay in ``undelivered`` until the broker acknowledges them, so a
+dropped connection never throws work away: they are re-sent after reconnecting.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from sdk.protocol import agent_pb2 as pb
+from sdk.protocol import agent_pb2_grpc as pb_grpc
+from sdk.protocol.canonical import canonical_bytes, sha256_hex
+from sdk.protocol.envelope import (EnvelopeError, ReplayGuard, challenge_document, make_receipt,
+                                   open_envelope)
+from sdk.protocol.manifest import Manifest, load_manifest
+from sdk.protocol.signing import KeyPair
+
+from .config import AgentConfig, save_config
+from .errors import AgentError, ConfigError, HostError
+from .host.manager import PluginHost
+from .weights import folder_digest
+
+log = logging.getLogger("agent")
+VERSION = "0.1.0"
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.keepalive_time_ms", 20_000),
+                ("grpc.keepalive_permit_without_calls", 1)]
+
+
+@dataclass
+class RunningJob:
+    envelope: dict
+    envelope_bytes: bytes
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class ServedPlugin:
+    manifest: Manifest
+    host: PluginHost
+    weights_digest: str
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, identity: KeyPair, *, plugin_dirs: dict[str, Path],
+                 sandboxed: bool, launcher=None, home: Path | None = None,
+                 max_backoff_s: float = 30.0):
+        cfg.check()
+        self.cfg = cfg
+        self.identity = identity
+        self.home = home
+        self.sandboxed = sandboxed
+        self.max_backoff_s = max_backoff_s
+        self.plugins: dict[str, ServedPlugin] = {}
+        for name, folder in plugin_dirs.items():
+            manifest = load_manifest(folder)
+            weights = cfg.weights_for(name)
+            self.plugins[name] = ServedPlugin(
+                manifest, PluginHost(folder, weights, device=cfg.device, launcher=launcher),
+                folder_digest(weights, (home / "weights-cache.json") if home else None))
+        self.replay = ReplayGuard()
+        self.jobs: queue.Queue = queue.Queue()
+        self.running: dict[str, RunningJob] = {}
+        self.undelivered: dict[str, list[pb.AgentMessage]] = {}
+        self._lock = threading.Lock()
+        self._outq: queue.Queue | None = None
+        self._stop = threading.Event()
+        self.draining = False
+        self._signals = 0
+        self.provider_id = ""
+        self.completed = 0
+
+    # ---- outside control ---------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.warning("%s: draining — finishing %d running job(s); send it again to give "
+                        "them back to the broker", signal.Signals(signum).name, len(self.running))
+            self.drain()
+        else:
+            log.warning("second signal: giving running jobs back to the broker")
+            self.give_back_all("agent stopped by its operator")
+
+    def drain(self) -> None:
+        self.draining = True
+        self._send(pb.AgentMessage(drain=pb.Drain(reason="agent shutting down")))
+        threading.Thread(target=self._stop_when_idle, daemon=True).start()
+
+    def _stop_when_idle(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self.running and not self.undelivered and self.jobs.empty()
+            if idle:
+                self.stop()
+                return
+            time.sleep(0.1)
+
+    def give_back_all(self, reason: str) -> None:
+        with self._lock:
+            running = list(self.running.items())
+        for job_id, rj in running:
+            rj.cancelled.set()
+            self._send(pb.AgentMessage(give_back=pb.GiveBack(
+                job_id=job_id, attempt=rj.envelope["attempt"], reason=reason)))
+        time.sleep(0.3)  # let the stream carry the messages out
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            q = self._outq
+        if q is not None:
+            q.put(None)
+
+    # ---- main loop ---------------------------------------------------------------------
+    def start_hosts(self) -> None:
+        for name, served in self.plugins.items():
+            log.info("starting plugin host for %s (%s)", served.manifest.ref,
+                     "sandboxed" if self.sandboxed else "NOT SANDBOXED")
+            served.host.start()
+
+    def run(self) -> int:
+        self.start_hosts()
+        workers = [threading.Thread(target=self._worker, name=f"slot-{i}", daemon=True)
+                   for i in range(self.cfg.slots)]
+        for w in workers:
+            w.start()
+        backoff = 0.5
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    self._session()
+                except ConfigError:
+                    raise
+                except grpc.RpcError as exc:
+                    code = exc.code() if hasattr(exc, "code") else None
+                    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                        raise ConfigError(f"the broker refused this agent: {exc.details()}") from None
+                    log.warning("connection to %s lost: %s", self.cfg.broker,
+                                exc.details() if hasattr(exc, "details") else exc)
+                except Exception as exc:  # noqa: BLE001 - keep the agent alive, reconnect
+                    log.exception("connection error: %s", exc)
+                if self._stop.is_set():
+                    break
+                if time.monotonic() - started > 10:
+                    backoff = 0.5
+                delay = min(self.max_backoff_s, backoff) * (0.5 + random.random() / 2)
+                log.info("reconnecting in %.1fs", delay)
+                self._stop.wait(delay)
+                backoff = min(self.max_backoff_s, backoff * 2)
+        finally:
+            for served in self.plugins.values():
+                served.host.stop()
+        return 0
+
+    def _session(self) -> None:
+        channel = grpc.insecure_channel(self.cfg.broker, options=GRPC_OPTIONS)
+        outq: queue.Queue = queue.Queue()
+
+        def requests():
+            while True:
+                msg = outq.get()
+                if msg is None:
+                    return
+                yield msg
+
+        stub = pb_grpc.AgentGatewayStub(channel)
+        call = stub.Connect(requests(), metadata=[("authorization", f"Bearer {self.cfg.api_key}")])
+        hb_stop = threading.Event()
+        try:
+            me = self.identity.public_key_hex
+            outq.put(pb.AgentMessage(hello=pb.Hello(public_key=me, agent_version=VERSION,
+                                                    name=self.cfg.name)))
+            challenge = next(call).challenge
+            broker_key = challenge.broker_public_key
+            if self.cfg.broker_public_key and self.cfg.broker_public_key != broker_key:
+                raise ConfigError(
+                    f"the broker at {self.cfg.broker} presents key {broker_key[:16]}…, not the "
+                    f"pinned {self.cfg.broker_public_key[:16]}…; if the broker really changed "
+                    "its key, clear broker_public_key in agent.toml")
+            if not self.cfg.broker_public_key:
+                self.cfg.broker_public_key = broker_key
+                if self.home is not None:
+                    save_config(self.cfg, self.home)
+                log.info("pinned broker key %s…", broker_key[:16])
+            signature = self.identity.sign("challenge",
+                                           challenge_document(challenge.nonce, me, broker_key))
+            outq.put(pb.AgentMessage(challenge_response=pb.ChallengeResponse(signature=signature)))
+            outq.put(pb.AgentMessage(capabilities=self._capabilities()))
+            welcome = next(call).welcome
+            self.provider_id = welcome.provider_id
+            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s))",
+                     self.cfg.broker, welcome.provider_id, len(self.plugins), self.cfg.slots)
+            with self._lock:
+                self._outq = outq
+                pending = [m for msgs in self.undelivered.values() for m in msgs]
+            if self.draining:
+                outq.put(pb.AgentMessage(drain=pb.Drain(reason="agent shutting down")))
+            for m in pending:
+                outq.put(m)
+            threading.Thread(target=self._heartbeats, args=(outq, hb_stop,
+                             max(0.1, welcome.heartbeat_interval_s)), daemon=True).start()
+            for msg in call:
+                self._handle(msg)
+        finally:
+            hb_stop.set()
+            with self._lock:
+                if self._outq is outq:
+                    self._outq = None
+            outq.put(None)
+            channel.close()
+
+    def _capabilities(self) -> pb.Capabilities:
+        hw = {}
+        for served in self.plugins.values():
+            if served.host.ready.get("hardware", {}).get("device") == "cuda" or not hw:
+                hw = served.host.ready.get("hardware", {})
+        return pb.Capabilities(
+            plugins=[pb.PluginCapability(name=s.manifest.name, version=s.manifest.version,
+                                         weights_digest=s.weights_digest, warm=s.host.alive())
+                     for s in self.plugins.values()],
+            hardware=pb.Hardware(device=hw.get("device", "cpu"), gpu_name=hw.get("gpu_name", ""),
+                                 vram_gb=float(hw.get("vram_gb", 0.0)),
+                                 cpu_count=int(hw.get("cpu_count", os.cpu_count() or 1)),
+                                 memory_gb=_memory_gb()),
+            slots=self.cfg.slots, sandboxed=self.sandboxed)
+
+    def _heartbeats(self, outq: queue.Queue, stop: threading.Event, interval: float) -> None:
+        while not stop.wait(interval):
+            with self._lock:
+                ids = list(self.running) + list(self.undelivered)
+            outq.put(pb.AgentMessage(heartbeat=pb.Heartbeat(running_job_ids=ids)))
+
+    def _send(self, msg: pb.AgentMessage) -> bool:
+        with self._lock:
+            q = self._outq
+        if q is None:
+            return False
+        q.put(msg)
+        return True
+
+    # ---- broker messages ---------------------------------------------------------------
+    def _handle(self, msg: pb.BrokerMessage) -> None:
+        kind = msg.WhichOneof("body")
+        if kind == "assignment":
+            self._on_assignment(msg.assignment)
+        elif kind == "cancel":
+            with self._lock:
+                rj = self.running.get(msg.cancel.job_id)
+            if rj is not None and rj.envelope["attempt"] == msg.cancel.attempt:
+                log.info("job %s cancelled by the broker: %s", msg.cancel.job_id, msg.cancel.reason)
+                rj.cancelled.set()
+        elif kind == "ack":
+            if msg.ack.what == "receipt":
+                with self._lock:
+                    self.undelivered.pop(msg.ack.job_id, None)
+        elif kind == "refusal":
+            log.warning("broker refused a message about job %s: %s (%s)", msg.refusal.job_id,
+                        msg.refusal.message, msg.refusal.code)
+            if msg.refusal.code in ("not_your_job", "unknown_job", "envelope_mismatch"):
+                with self._lock:
+                    self.undelivered.pop(msg.refusal.job_id, None)
+
+    def _on_assignment(self, a: pb.Assignment) -> None:
+        try:
+            env = open_envelope(a.envelope, a.signature, broker_key=self.cfg.broker_public_key,
+                                my_key=self.identity.public_key_hex, replay=self.replay)
+        except EnvelopeError as exc:
+            log.error("refused a job envelope (%s): %s", exc.code, exc)
+            return
+        if env["plugin"] not in self.plugins:
+            self._send(pb.AgentMessage(failed=pb.JobFailed(
+                job_id=env["job_id"], attempt=env["attempt"], code="plugin_not_served",
+                message=f"this agent does not serve {env['plugin']}", retryable=True)))
+            return
+        with self._lock:
+            self.running[env["job_id"]] = RunningJob(env, bytes(a.envelope))
+        self._send(pb.AgentMessage(accepted=pb.JobAccepted(job_id=env["job_id"],
+                                                           attempt=env["attempt"])))
+        self.jobs.put(env["job_id"])
+
+    # ---- work --------------------------------------------------------------------------
+    def _worker(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job_id = self.jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            with self._lock:
+                rj = self.running.get(job_id)
+            if rj is None:
+                continue
+            try:
+                self._run_job(job_id, rj)
+            finally:
+                with self._lock:
+                    self.running.pop(job_id, None)
+
+    def _run_job(self, job_id: str, rj: RunningJob) -> None:
+        env = rj.envelope
+        attempt = env["attempt"]
+        served = self.plugins[env["plugin"]]
+        if not self.sandboxed:
+            log.warning("job %s runs WITHOUT a sandbox (--no-sandbox)", job_id)
+
+        def progress(step, total, message):
+            self._send(pb.AgentMessage(progress=pb.JobProgress(
+                job_id=job_id, attempt=attempt, step=step, total=total, message=message)))
+
+        def stream(text, _ids):
+            self._send(pb.AgentMessage(progress=pb.JobProgress(job_id=job_id, attempt=attempt,
+                                                               text=text)))
+
+        t0 = time.perf_counter()
+        try:
+            result = served.host.run(job_id, env["inputs"],
+                                     wall_clock_s=served.manifest.wall_clock_s,
+                                     on_progress=progress, on_stream=stream,
+                                     cancelled=rj.cancelled)
+        except HostError as exc:
+            if rj.cancelled.is_set():
+                log.info("job %s stopped (cancelled)", job_id)
+                return
+            log.warning("job %s failed: %s (%s)", job_id, exc, exc.code)
+            self._send(pb.AgentMessage(failed=pb.JobFailed(
+                job_id=job_id, attempt=attempt, code=exc.code, message=str(exc),
+                retryable=exc.retryable)))
+            return
+        if rj.cancelled.is_set():
+            return
+        messages, outputs = [], []
+        for out in result.outputs:
+            sha = sha256_hex(out.data)
+            outputs.append({"index": out.index, "sha256": sha, "media_type": out.media_type,
+                            "size": len(out.data)})
+            messages.append(pb.AgentMessage(output=pb.OutputChunk(
+                job_id=job_id, attempt=attempt, index=out.index, media_type=out.media_type,
+                data=out.data, sha256=sha)))
+        receipt = make_receipt(envelope=env, envelope_bytes=rj.envelope_bytes,
+                               provider_key=self.identity.public_key_hex, outputs=outputs,
+                               work_units=result.work_units,
+                               timings_ms={"run": result.run_ms,
+                                           "total": int((time.perf_counter() - t0) * 1000)})
+        messages.append(pb.AgentMessage(receipt=pb.Receipt(
+            receipt=canonical_bytes(receipt), signature=self.identity.sign("receipt", receipt))))
+        with self._lock:
+            self.undelivered[job_id] = messages
+        for m in messages:
+            if not self._send(m):
+                log.info("job %s done while disconnected; the receipt goes out on reconnect", job_id)
+                break
+        self.completed += 1
+        log.info("job %s done in %d ms", job_id, result.run_ms)
+
+
+def _memory_gb() -> float:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        return 0.0
+
+
+__all__ = ["Agent", "AgentError"]

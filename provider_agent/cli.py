@@ -1,0 +1,92 @@
+"""`sparecycles agent …`: init, run."""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("agent", help="run a provider agent on this machine")
+    asub = p.add_subparsers(dest="agent_command", required=True)
+
+    i = asub.add_parser("init", help="create this machine's identity key and agent config")
+    i.add_argument("--broker", required=True, help="the broker's agent address, HOST:PORT")
+    i.add_argument("--api-key", help="provider API key (default $SPARECYCLES_API_KEY)")
+    i.add_argument("--name", help="machine name shown to admins (default the host name)")
+    i.add_argument("--plugins", help="comma-separated plugins to serve (default echo)")
+    i.add_argument("--slots", type=int, help="jobs at once (default 1)")
+    i.add_argument("--weights-dir", help="folder holding <plugin>/ weight folders")
+    i.add_argument("--home", type=Path, help="config folder (default $SPARECYCLES_AGENT_HOME "
+                                             "or the platform config dir)")
+    i.add_argument("--force", action="store_true", help="overwrite an existing config")
+    i.set_defaults(func=cmd_init)
+
+    r = asub.add_parser("run", help="connect and serve jobs until stopped (SIGTERM drains)")
+    r.add_argument("--plugins", help="comma-separated plugins to serve (overrides the config)")
+    r.add_argument("--slots", type=int)
+    r.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    r.add_argument("--no-sandbox", action="store_true",
+                   help="run plugins WITHOUT the bubblewrap sandbox (unsafe; the broker and "
+                        "its clients are told)")
+    r.add_argument("--home", type=Path)
+    r.set_defaults(func=cmd_run)
+
+
+def cmd_init(args) -> int:
+    import os
+
+    from .config import (AgentConfig, config_path, identity_path, load_identity,
+                         save_config)
+
+    home = args.home
+    path = config_path(home)
+    if path.exists() and not args.force:
+        print(f"{path} already exists; pass --force to overwrite it", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("SPARECYCLES_API_KEY", "")
+    cfg = AgentConfig(broker=args.broker, api_key=api_key)
+    if args.name:
+        cfg.name = args.name
+    if args.plugins:
+        cfg.plugins = [p.strip() for p in args.plugins.split(",") if p.strip()]
+    if args.slots:
+        cfg.slots = args.slots
+    if args.weights_dir:
+        cfg.weights_dir = str(Path(args.weights_dir).resolve())
+    save_config(cfg, home)
+    key = load_identity(home)
+    print(f"agent config: {path}\nidentity key: {identity_path(home)} "
+          f"(public {key.public_key_hex[:16]}…)")
+    if not api_key:
+        print("no API key yet: add api_key to the config or pass --api-key", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from plugins import builtin_plugin_dir
+
+    from .agent import Agent
+    from .config import load_config, load_identity
+    from .errors import AgentError
+    from .launch import host_launcher
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.home)
+        if args.plugins:
+            cfg.plugins = [p.strip() for p in args.plugins.split(",") if p.strip()]
+        if args.slots:
+            cfg.slots = args.slots
+        if args.device:
+            cfg.device = args.device
+        plugin_dirs = {name: builtin_plugin_dir(name) for name in cfg.plugins}
+        launcher = host_launcher(sandboxed=not args.no_sandbox, home=args.home, cfg=cfg)
+        agent = Agent(cfg, load_identity(args.home), plugin_dirs=plugin_dirs,
+                      sandboxed=not args.no_sandbox, launcher=launcher, home=args.home)
+        agent.install_signal_handlers()
+        return agent.run()
+    except (AgentError, LookupError) as exc:
+        logging.getLogger("agent").error("%s", exc)
+        return 2

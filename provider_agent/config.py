@@ -1,0 +1,119 @@
+"""The agent's configuration and identity, kept in the platform config directory.
+
+``<config dir>/agent.toml`` (0600: it holds the provider API key) and
+``<config dir>/identity.key`` (0600: the Ed25519 seed). The config dir is
+``$SPARECYCLES_AGENT_HOME`` when set, else ``platformdirs.user_config_dir("sparecycles")/agent``.
+Flags beat variables beat the file beat defaults.
+
+agent.toml::
+
+    broker = "127.0.0.1:50051"
+    api_key = "sc_provider_…"
+    name = "gaming-pc"
+    broker_public_key = "…"     # pinned on first connect; a different key is refused
+    slots = 1
+    plugins = ["sd15"]
+    device = "auto"
+    weights_dir = "~/.cache/sparecycles/weights"   # <weights_dir>/<plugin>/ per plugin
+    [weights]                                     # per-plugin override
+    sd15 = "/models/stable-diffusion-v1-5"
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from sdk.protocol.signing import KeyPair
+from .errors import ConfigError
+
+
+def config_dir() -> Path:
+    env = os.environ.get("SPARECYCLES_AGENT_HOME")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("sparecycles")) / "agent"
+
+
+def default_weights_dir() -> Path:
+    env = os.environ.get("SPARECYCLES_WEIGHTS_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("sparecycles")) / "weights"
+
+
+@dataclass
+class AgentConfig:
+    broker: str = "127.0.0.1:50051"
+    api_key: str = ""
+    name: str = field(default_factory=socket.gethostname)
+    broker_public_key: str = ""
+    slots: int = 1
+    plugins: list[str] = field(default_factory=lambda: ["echo"])
+    device: str = "auto"
+    weights_dir: str = ""
+    weights: dict[str, str] = field(default_factory=dict)
+
+    def weights_for(self, plugin: str) -> Path | None:
+        if plugin in self.weights:
+            return Path(self.weights[plugin]).expanduser()
+        root = Path(self.weights_dir).expanduser() if self.weights_dir else default_weights_dir()
+        folder = root / plugin
+        return folder if folder.exists() else None
+
+    def check(self) -> None:
+        if not self.api_key:
+            raise ConfigError("no provider API key: run `sparecycles agent init --broker HOST:PORT "
+                              "--api-key sc_provider_…` (an admin creates keys with "
+                              "`sparecycles broker create-key --role provider`)")
+        if not 1 <= self.slots <= 64:
+            raise ConfigError(f"slots is {self.slots}; must be between 1 and 64")
+        if ":" not in self.broker:
+            raise ConfigError(f"broker {self.broker!r} must look like HOST:PORT")
+
+
+def config_path(home: Path | None = None) -> Path:
+    return (home or config_dir()) / "agent.toml"
+
+
+def identity_path(home: Path | None = None) -> Path:
+    return (home or config_dir()) / "identity.key"
+
+
+def load_config(home: Path | None = None) -> AgentConfig:
+    path = config_path(home)
+    if not path.exists():
+        raise ConfigError(f"no agent config at {path}: run `sparecycles agent init --broker "
+                          "HOST:PORT --api-key KEY` first")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    known = set(AgentConfig.__dataclass_fields__)
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}; known: {sorted(known)}")
+    return AgentConfig(**data)
+
+
+def save_config(cfg: AgentConfig, home: Path | None = None) -> Path:
+    path = config_path(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        tomli_w.dump({k: v for k, v in asdict(cfg).items() if v not in (None,)}, f)
+    os.chmod(path, 0o600)
+    return path
+
+
+def load_identity(home: Path | None = None) -> KeyPair:
+    return KeyPair.load_or_create(identity_path(home))

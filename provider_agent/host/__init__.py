@@ -1,0 +1,1 @@
+"""Plugin hosts: one long-lived subprocess per loaded model (DESIGN §3, agent ↔ plugin host)."""

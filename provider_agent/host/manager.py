@@ -1,0 +1,210 @@
+"""PluginHost: the agent's handle on one warm plugin-host subprocess.
+
+``start()`` pays process start and model load once; ``run()`` sends one job and relays its
+progress, streamed text and outputs. A host that dies, hangs past the job's wall clock or
+breaks a limit is killed and restarted, and the job fails with a clear, retryable error.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from provider_agent.errors import HostError
+from .protocol import FrameWriter, read_frame
+
+log = logging.getLogger(__name__)
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class HostOutput:
+    index: int
+    media_type: str
+    data: bytes
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class HostResult:
+    outputs: list[HostOutput]
+    run_ms: int
+    work_units: float
+
+
+class PluginHost:
+    """One plugin, one process, many jobs (one at a time)."""
+
+    def __init__(self, plugin_dir: Path, weights_dir: Path | None, *, device: str = "auto",
+                 launcher: Callable[[list[str]], subprocess.Popen] | None = None,
+                 start_timeout_s: float = 600.0):
+        self.plugin_dir = Path(plugin_dir)
+        self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.device = device
+        self.launcher = launcher or self._plain_launcher
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.ready: dict = {}
+        self._frames: queue.Queue = queue.Queue()
+        self._writer: FrameWriter | None = None
+        self._lock = threading.Lock()  # one job at a time
+        self.name = self.plugin_dir.name
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    @staticmethod
+    def _plain_launcher(argv: list[str]) -> subprocess.Popen:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT),
+                                                          env.get("PYTHONPATH")]))
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def start(self) -> dict:
+        """Start the process and load the model; returns the host's ready message."""
+        t0 = time.perf_counter()
+        self.proc = self.launcher([sys.executable, "-m", "provider_agent.host.main"])
+        self._frames = queue.Queue()
+        self._writer = FrameWriter(self.proc.stdin)
+        threading.Thread(target=self._pump, args=(self.proc, self._frames), daemon=True,
+                         name=f"host-{self.name}").start()
+        self._writer.send({"type": "init", "plugin_dir": str(self.plugin_dir),
+                           "weights_dir": str(self.weights_dir) if self.weights_dir else None,
+                           "device": self.device, "scratch_dir": "/tmp"})
+        header, _ = self._next(self.start_timeout_s, job_id="")
+        if header["type"] != "ready":
+            self.kill()
+            raise HostError(header.get("code", "load_failed"),
+                            f"plugin {self.name} failed to load: {header.get('message')}",
+                            retryable=False)
+        self.ready = header
+        self.ready["start_ms"] = int((time.perf_counter() - t0) * 1000)
+        log.info("plugin host %s ready in %.1fs (model load %.1fs, pid %d)", self.name,
+                 self.ready["start_ms"] / 1000, header.get("load_ms", 0) / 1000, self.proc.pid)
+        return self.ready
+
+    @staticmethod
+    def _pump(proc: subprocess.Popen, frames: queue.Queue) -> None:
+        try:
+            while True:
+                frames.put(read_frame(proc.stdout))
+        except Exception as exc:  # noqa: BLE001 - EOF or garbage: the host is gone
+            frames.put(({"type": "_dead", "message": str(exc)}, b""))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Kill the host and everything it started (the whole sandbox when there is one)."""
+        if self.proc is None:
+            return
+        sandbox = getattr(self.proc, "sandbox", None)
+        if sandbox is not None:
+            sandbox.kill()
+            sandbox.cleanup()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def limit_breached(self) -> str | None:
+        sandbox = getattr(self.proc, "sandbox", None) if self.proc else None
+        return sandbox.limit_breached() if sandbox is not None else None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.alive():
+            try:
+                self._writer.send({"type": "shutdown"})
+                self.proc.wait(timeout_s)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                pass
+        self.kill()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    # ---- jobs --------------------------------------------------------------------------
+    def _next(self, timeout_s: float, job_id: str) -> tuple[dict, bytes]:
+        try:
+            header, body = self._frames.get(timeout=max(0.0, timeout_s))
+        except queue.Empty:
+            raise TimeoutError from None
+        if header["type"] == "_dead":
+            code = self.proc.wait(2) if self.proc else None
+            breached = self.limit_breached()
+            if breached:
+                raise HostError(f"{breached}_limit", f"plugin host {self.name} broke its "
+                                f"{breached} limit during job {job_id or 'load'} and was killed",
+                                retryable=True)
+            raise HostError("host_died", f"plugin host {self.name} exited (code {code}) "
+                                         f"during job {job_id or 'load'}", retryable=True)
+        return header, body
+
+    def cancel(self, job_id: str) -> None:
+        if self.alive():
+            try:
+                self._writer.send({"type": "cancel", "job_id": job_id})
+            except OSError:
+                pass
+
+    def run(self, job_id: str, inputs: dict, *, wall_clock_s: float,
+            on_progress: Callable[[int, int, str], None] = lambda *a: None,
+            on_stream: Callable[[str, list], None] = lambda *a: None,
+            cancelled: threading.Event | None = None) -> HostResult:
+        """Run one job. Raises HostError (``code`` says why) when it fails."""
+        with self._lock:
+            if not self.alive():
+                log.warning("plugin host %s is not running; restarting", self.name)
+                self.start()
+            self._writer.send({"type": "run", "job_id": job_id, "inputs": inputs})
+            deadline = time.monotonic() + wall_clock_s
+            outputs: list[HostOutput] = []
+            cancel_sent = False
+            while True:
+                if cancelled is not None and cancelled.is_set() and not cancel_sent:
+                    self.cancel(job_id)
+                    cancel_sent = True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._recover(f"job {job_id} ran past its wall clock of {wall_clock_s:g}s")
+                    raise HostError("wall_clock_exceeded", f"the job ran longer than "
+                                    f"{wall_clock_s:g}s; the plugin host was restarted",
+                                    retryable=True)
+                try:
+                    header, body = self._next(min(left, 0.1), job_id)
+                except TimeoutError:
+                    continue
+                except HostError:
+                    self._recover(f"host died during job {job_id}")
+                    raise
+                kind = header["type"]
+                if header.get("job_id") not in (job_id, "", None):
+                    continue  # a late frame of an earlier, abandoned job
+                if kind == "progress":
+                    on_progress(header["step"], header["total"], header.get("message", ""))
+                elif kind == "stream":
+                    on_stream(header["text"], header.get("token_ids", []))
+                elif kind == "output":
+                    outputs.append(HostOutput(header["index"], header["media_type"], body,
+                                              header.get("meta", {})))
+                elif kind == "result":
+                    return HostResult(outputs, header["run_ms"], header["work_units"])
+                elif kind == "failed":
+                    raise HostError(header["code"], header["message"],
+                                    retryable=header.get("retryable", True))
+
+    def _recover(self, why: str) -> None:
+        log.error("plugin host %s: %s; restarting it", self.name, why)
+        self.kill()
+        try:
+            self.start()
+        except HostError as exc:
+            log.error("plugin host %s could not restart: %s", self.name, exc)

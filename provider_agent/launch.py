@@ -1,0 +1,57 @@
+"""How plugin hosts are started: inside the bubblewrap sandbox (provider_agent.sandbox), or
+— only when the operator passes --no-sandbox — as plain subprocesses."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+from .errors import ConfigError
+
+log = logging.getLogger("agent")
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# Variables a plugin host may see; everything else of the agent's environment stays out
+# (it may hold the provider API key).
+PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+              "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "CUDA_VISIBLE_DEVICES")
+_counter = itertools.count()
+
+
+def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
+                  memory_limit_mb: int | None = 8192, gpu_devices: list[int] | None = None):
+    """A callable ``argv -> Popen`` for PluginHost, or None for a plain subprocess. The
+    Popen of a sandboxed host carries its Sandbox as ``.sandbox`` (to kill the whole tree)."""
+    if not sandboxed:
+        log.warning("plugins will run WITHOUT a sandbox (--no-sandbox): plugin code can reach "
+                    "the network and this machine's files")
+        return None
+    from .config import config_dir
+    from .sandbox import Sandbox, SandboxPolicy
+
+    ok, reason = Sandbox.available()
+    if not ok:
+        raise ConfigError(f"cannot sandbox plugin hosts: {reason}. Install bubblewrap "
+                          "(apt-get install bubblewrap) or, knowing the risk, run with --no-sandbox")
+    weights = []
+    if cfg is not None:
+        for name in cfg.plugins:
+            w = cfg.weights_for(name)
+            if w is not None:
+                weights.append(w.resolve())
+    env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+    env.update(PYTHONPATH=str(PROJECT_ROOT), HOME="/scratch", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    hide = [(home or config_dir()).resolve()]
+
+    def launch(argv: list[str]) -> subprocess.Popen:
+        policy = SandboxPolicy.for_current_python(
+            ro_paths=[PROJECT_ROOT, *weights], memory_limit_mb=memory_limit_mb,
+            gpu_devices=list(gpu_devices or []), hide_paths=hide, env=env)
+        sandbox = Sandbox(policy, f"host-{os.getpid()}-{next(_counter)}")
+        proc = sandbox.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        proc.sandbox = sandbox
+        return proc
+
+    return launch

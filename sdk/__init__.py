@@ -1,0 +1,26 @@
+"""The Sparecycles Python SDK.
+
+>>> from sdk import Client
+>>> client = Client()                       # SPARECYCLES_URL / SPARECYCLES_API_KEY
+>>> result = client.generate("sd15", prompt="a lighthouse at dusk", seed=7)
+>>> result.images[0].save("lighthouse.png")
+
+Names are imported lazily so that ``sdk.protocol`` (used inside plugin hosts) does not pull
+in the HTTP client.
+"""
+from importlib import import_module
+
+_EXPORTS = {
+    "Client": "sdk.client", "Job": "sdk.client", "Result": "sdk.client", "Event": "sdk.client",
+    **{name: "sdk.errors" for name in (
+        "SparecyclesError", "ConfigurationError", "APIConnectionError", "APIError",
+        "AuthenticationError", "PermissionDeniedError", "NotFoundError", "ConflictError",
+        "InvalidInputError", "ServerError", "JobFailedError", "JobTimeoutError")},
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'sdk' has no attribute {name!r}")

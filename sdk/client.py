@@ -1,0 +1,288 @@
+"""The Python client: ``Client(...).generate("sd15", prompt=...)``.
+
+The key comes from the argument or ``SPARECYCLES_API_KEY``; the broker address from the
+argument or ``SPARECYCLES_URL`` (default http://127.0.0.1:8080). Every POST carries an
+Idempotency-Key that retries reuse, so a retried submit never makes a second job.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from sdk.errors import (APIConnectionError, ConfigurationError, InvalidInputError,
+                        JobFailedError, JobTimeoutError, NotFoundError, error_for)
+from sdk.protocol.schema import InputError, InputSchema
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+TERMINAL = {"settled", "failed", "cancelled", "refunded"}
+RETRY_STATUS = {429, 502, 503, 504}
+
+
+@dataclass
+class Event:
+    id: int
+    kind: str
+    data: dict
+
+
+class Client:
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 timeout: float = 30.0, max_retries: int = 3):
+        self.base_url = (base_url or os.environ.get("SPARECYCLES_URL") or DEFAULT_URL).rstrip("/")
+        self.api_key = api_key or os.environ.get("SPARECYCLES_API_KEY")
+        if not self.api_key:
+            raise ConfigurationError(
+                "no API key: pass Client(api_key=...) or set SPARECYCLES_API_KEY "
+                "(an admin creates one with `sparecycles broker create-key --role client`)")
+        self.max_retries = max_retries
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout,
+                                  headers={"Authorization": f"Bearer {self.api_key}",
+                                           "User-Agent": "sparecycles-python/0.1"})
+        self._schemas: dict[str, InputSchema] = {}
+        self.jobs = Jobs(self)
+
+    # ---- plumbing ----------------------------------------------------------------------
+    def request(self, method: str, path: str, *, json_body: Any = None,
+                params: dict | None = None, idempotency_key: str | None = None,
+                timeout: float | None = None) -> httpx.Response:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = self._http.request(method, path, json=json_body, params=params,
+                                          headers=headers,
+                                          timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+            except httpx.TransportError as exc:
+                if attempt == self.max_retries:
+                    raise APIConnectionError(f"cannot reach the broker at {self.base_url}: {exc}; "
+                                             "is `sparecycles broker serve` running?") from exc
+                self._backoff(attempt)
+                continue
+            if resp.status_code in RETRY_STATUS and attempt < self.max_retries:
+                self._backoff(attempt)
+                continue
+            if resp.status_code >= 400:
+                try:
+                    body = resp.json()
+                except ValueError:
+                    body = {"detail": resp.text[:500]}
+                raise error_for(resp.status_code, body, resp.headers.get("X-Request-Id"))
+            return resp
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _backoff(attempt: int) -> None:
+        time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- API ---------------------------------------------------------------------------
+    def plugins(self) -> list[dict]:
+        return self.request("GET", "/v1/plugins").json()["data"]
+
+    def schema(self, plugin: str) -> InputSchema:
+        if plugin not in self._schemas:
+            body = self.request("GET", f"/v1/plugins/{plugin}").json()
+            self._schemas[plugin] = InputSchema.from_json_schema(body["input_schema"])
+        return self._schemas[plugin]
+
+    def validate(self, plugin: str, inputs: dict) -> dict:
+        """Check ``inputs`` against the plugin's schema with the broker's own messages."""
+        try:
+            schema = self.schema(plugin)
+        except NotFoundError:
+            raise
+        try:
+            return schema.validate(inputs)
+        except InputError as exc:
+            field = f"inputs.{exc.field}" if exc.field else "inputs"
+            raise InvalidInputError(422, "invalid_input", str(exc), field=field) from None
+
+    def generate(self, plugin: str, *, timeout: float = 600.0, version: str | None = None,
+                 **inputs) -> "Result":
+        """Run one job and block until its outputs are ready."""
+        return self.jobs.create(plugin, version=version, **inputs).wait(timeout=timeout)
+
+
+class Jobs:
+    def __init__(self, client: Client):
+        self._c = client
+
+    def create(self, plugin: str, *, version: str | None = None,
+               idempotency_key: str | None = None, validate: bool = True, **inputs) -> "Job":
+        if validate:
+            self._c.validate(plugin, inputs)
+        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs}
+        if version:
+            body["version"] = version
+        resp = self._c.request("POST", "/v1/jobs", json_body=body,
+                               idempotency_key=idempotency_key or str(uuid.uuid4()))
+        return Job(self._c, resp.json())
+
+    def get(self, job_id: str) -> "Job":
+        return Job(self._c, self._c.request("GET", f"/v1/jobs/{job_id}").json())
+
+    def list(self, limit: int = 50) -> list["Job"]:
+        data = self._c.request("GET", "/v1/jobs", params={"limit": limit}).json()["data"]
+        return [Job(self._c, d) for d in data]
+
+
+class Job:
+    def __init__(self, client: Client, data: dict):
+        self._c = client
+        self.data = data
+
+    @property
+    def id(self) -> str:
+        return self.data["id"]
+
+    @property
+    def state(self) -> str:
+        return self.data["state"]
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} {self.data.get('plugin')} {self.state}>"
+
+    def refresh(self, wait_s: float | None = None) -> "Job":
+        params = {"wait": f"{wait_s:.3f}"} if wait_s else None
+        self.data = self._c.request("GET", f"/v1/jobs/{self.id}", params=params,
+                                    timeout=(wait_s or 0) + 30).json()
+        return self
+
+    def cancel(self) -> "Job":
+        self.data = self._c.request("DELETE", f"/v1/jobs/{self.id}").json()
+        return self
+
+    def wait(self, timeout: float | None = 600.0) -> "Result":
+        """Block until the job ends. Returns its Result; raises JobFailedError if it failed
+        or was cancelled, and JobTimeoutError (after cancelling it) when time runs out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = 30.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                try:
+                    self.cancel()
+                except Exception:  # noqa: BLE001 - the timeout is what the caller must see
+                    pass
+                if self.state == "settled":
+                    break
+                raise JobTimeoutError(self, f"job {self.id} did not finish within {timeout:g}s "
+                                            "and was cancelled")
+            self.refresh(wait_s=min(left, 30.0))
+        if self.state != "settled":
+            err = self.data.get("error") or {}
+            raise JobFailedError(self, f"job {self.id} {self.state}: "
+                                       f"{err.get('message', 'no result')} [{err.get('code')}]")
+        return Result(self._c, self)
+
+    def events(self, after: int = 0) -> Iterator[Event]:
+        """Server-sent events until the job ends (reconnects where it left off)."""
+        last = after
+        while True:
+            try:
+                with self._c._http.stream("GET", f"/v1/jobs/{self.id}/events",
+                                          params={"after": last},
+                                          timeout=httpx.Timeout(30.0, read=60.0)) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                        raise error_for(resp.status_code, resp.json(), None)
+                    for ev in _parse_sse(resp.iter_lines()):
+                        last = ev.id
+                        yield ev
+                        if ev.kind in ("done", "failed", "cancelled", "refunded"):
+                            return
+                    return
+            except (httpx.ReadTimeout, httpx.RemoteProtocolError):
+                continue
+
+
+def _parse_sse(lines) -> Iterator[Event]:
+    ev_id, kind, data = 0, "message", []
+    for line in lines:
+        if not line:
+            if data:
+                yield Event(ev_id, kind, json.loads("\n".join(data)))
+            ev_id, kind, data = ev_id, "message", []
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "id":
+                ev_id = int(value)
+            elif name == "event":
+                kind = value
+            elif name == "data":
+                data.append(value)
+
+
+class Result:
+    """The outputs of a settled job. Bytes are fetched lazily, once."""
+
+    def __init__(self, client: Client, job: Job):
+        self._c = client
+        self.job = job
+        self.outputs: list[dict] = job.data.get("outputs", [])
+        self._bytes: dict[int, bytes] = {}
+
+    def output_bytes(self, index: int) -> bytes:
+        if index not in self._bytes:
+            self._bytes[index] = self._c.request("GET", self.outputs[index]["url"],
+                                                 timeout=120).content
+        return self._bytes[index]
+
+    @property
+    def images(self) -> list:
+        from PIL import Image
+
+        return [Image.open(io.BytesIO(self.output_bytes(i)))
+                for i, o in enumerate(self.outputs) if o["media_type"].startswith("image/")]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.output_bytes(i).decode()
+                       for i, o in enumerate(self.outputs) if o["media_type"].startswith("text/"))
+
+    @property
+    def json(self) -> list:
+        return [json.loads(self.output_bytes(i)) for i, o in enumerate(self.outputs)
+                if o["media_type"] == "application/json"]
+
+    def save(self, path: str | Path) -> list[Path]:
+        """Write the outputs: ``out.png`` for one output, ``out-0.png``, ``out-1.png`` … for
+        several. Returns the paths written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written = []
+        for i, o in enumerate(self.outputs):
+            target = path if len(self.outputs) == 1 else path.with_name(
+                f"{path.stem}-{i}{path.suffix or _suffix(o['media_type'])}")
+            if not target.suffix:
+                target = target.with_suffix(_suffix(o["media_type"]))
+            target.write_bytes(self.output_bytes(i))
+            written.append(target)
+        return written
+
+
+def _suffix(media_type: str) -> str:
+    return {"image/png": ".png", "image/jpeg": ".jpg", "text/plain": ".txt",
+            "application/json": ".json"}.get(media_type, ".bin")

@@ -1,0 +1,72 @@
+"""`sparecycles demo`: a broker and two agents on loopback, one real SD 1.5 image."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sdk.localnet import LocalNetwork, LocalNetworkError, cli
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("SPARECYCLES_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparecycles"
+
+
+def _say(msg: str) -> None:
+    print(f"==> {msg}", flush=True)
+
+
+def run_demo(workdir: Path, out_dir: Path, *, sandbox: bool = True) -> int:
+    from sdk import Client
+
+    weights_root = _cache_dir() / "weights"
+    if not (weights_root / "sd15" / "model_index.json").exists():
+        _say(f"building tiny random SD 1.5 weights (diffusers layout) in {weights_root / 'sd15'}")
+        subprocess.run(cli("plugins", "build-tiny", "sd15", "--out", str(weights_root / "sd15")),
+                       check=True)
+    if sandbox and shutil.which("bwrap") is None:
+        _say("bubblewrap is not installed, so plugin hosts run WITHOUT a sandbox "
+             "(install it with: apt-get install bubblewrap)")
+        sandbox = False
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    net = LocalNetwork(workdir)
+    try:
+        _say("starting a broker (SQLite, local blob folder)")
+        info = net.start_broker()
+        _say(f"broker: REST {info['http']}, agents {info['grpc']}")
+        provider_key = net.create_key("provider", "demo-provider")
+        client_key = net.create_key("client", "demo-client")
+        for name in ("alpha", "beta"):
+            net.start_agent(name, provider_key, plugins="sd15", weights_dir=weights_root,
+                            sandbox=sandbox)
+        _say("starting two provider agents (each loads SD 1.5 once in a warm plugin host)")
+        net.wait_for_providers(2)
+        _say("both agents connected; submitting a job with client.generate()")
+        t0 = time.perf_counter()
+        with Client(info["http"], client_key) as client:
+            result = client.generate("sd15", prompt="a lighthouse on a cliff at dusk", seed=42,
+                                     steps=20, width=128, height=128)
+        elapsed = time.perf_counter() - t0
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = (out_dir / f"demo-{result.job.id}.png").resolve()
+        result.save(path)
+        img = result.images[0]
+        _say(f"job {result.job.id} settled in {elapsed:.2f}s on provider "
+             f"{result.job.data.get('provider_id')}")
+        print(f"image: {path} ({img.width}x{img.height})")
+        print(f"job id: {result.job.id}")
+        print(f"logs: {net.workdir}")
+        return 0
+    except LocalNetworkError as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _say("shutting down agents and broker")
+        net.stop()

@@ -1,0 +1,78 @@
+"""Errors the SDK raises: one class per failure kind, each with the request id when known."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class SparecyclesError(Exception):
+    """Root of every SDK error."""
+
+
+class ConfigurationError(SparecyclesError):
+    """The client is missing something it needs (an API key, a URL)."""
+
+
+class APIConnectionError(SparecyclesError):
+    """The broker could not be reached (after retries)."""
+
+
+class APIError(SparecyclesError):
+    """The broker answered with an RFC 7807 problem."""
+
+    def __init__(self, status: int, code: str, detail: str, *, field: str | None = None,
+                 request_id: str | None = None, body: dict | None = None):
+        super().__init__(f"{detail} [{code}, HTTP {status}]")
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.field = field
+        self.request_id = request_id
+        self.body = body or {}
+
+
+class AuthenticationError(APIError):
+    pass
+
+
+class PermissionDeniedError(APIError):
+    pass
+
+
+class NotFoundError(APIError):
+    pass
+
+
+class ConflictError(APIError):
+    pass
+
+
+class InvalidInputError(APIError):
+    """Inputs outside the plugin's schema (raised before sending when the SDK can tell)."""
+
+
+class ServerError(APIError):
+    pass
+
+
+class JobFailedError(SparecyclesError):
+    """The job ended without a result; ``job`` is attached."""
+
+    def __init__(self, job: Any, message: str):
+        super().__init__(message)
+        self.job = job
+
+
+class JobTimeoutError(JobFailedError):
+    """``wait()`` ran out of time; the job was cancelled on the broker."""
+
+
+def error_for(status: int, body: dict, request_id: str | None) -> APIError:
+    cls = {401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
+           409: ConflictError, 422: InvalidInputError}.get(status)
+    if cls is None:
+        cls = ServerError if status >= 500 else APIError
+    code = str(body.get("code", "http_error"))
+    if code in ("invalid_request", "malformed_json") and status == 400:
+        cls = InvalidInputError
+    return cls(status, code, str(body.get("detail", body.get("title", "error"))),
+               field=body.get("field"), request_id=request_id, body=body)

@@ -1,0 +1,186 @@
+"""LocalNetwork: a broker and agents as real processes on loopback.
+
+Used by `sparecycles demo`, the end-to-end tests and the benchmarks. It drives the same
+`sparecycles` commands a person would type (through ``python -m sdk.cli``), so it needs no
+import of the broker or the agent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+class LocalNetworkError(RuntimeError):
+    pass
+
+
+def cli(*args: str) -> list[str]:
+    # -P: never put the working directory on sys.path (a folder there could shadow a package)
+    return [sys.executable, "-P", "-m", "sdk.cli", *args]
+
+
+@dataclass
+class AgentProcess:
+    name: str
+    home: Path
+    proc: subprocess.Popen
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+
+class LocalNetwork:
+    def __init__(self, workdir: Path, *, db_url: str | None = None, lease_timeout_s: float = 30,
+                 env: dict | None = None):
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.db_url = db_url
+        self.lease_timeout_s = lease_timeout_s
+        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.broker: subprocess.Popen | None = None
+        self.info: dict = {}
+        self.agents: list[AgentProcess] = []
+        self._logs: list = []
+
+    # ---- broker ----------------------------------------------------------------------
+    @property
+    def data_dir(self) -> Path:
+        return self.workdir / "broker-data"
+
+    def _broker_args(self) -> list[str]:
+        args = ["--data-dir", str(self.data_dir)]
+        if self.db_url:
+            args += ["--db", self.db_url]
+        return args
+
+    def start_broker(self, http: str = "127.0.0.1:0", grpc: str = "127.0.0.1:0",
+                     timeout_s: float = 60) -> dict:
+        ready = self.workdir / "broker-ready.json"
+        ready.unlink(missing_ok=True)
+        log = open(self.workdir / "broker.log", "ab")
+        self._logs.append(log)
+        self.broker = subprocess.Popen(
+            cli("broker", "serve", *self._broker_args(), "--http", http, "--grpc", grpc,
+                "--lease-timeout", str(self.lease_timeout_s), "--ready-file", str(ready)),
+            stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.broker.poll() is not None:
+                raise LocalNetworkError(f"the broker exited (code {self.broker.returncode}); "
+                                        f"see {self.workdir / 'broker.log'}:\n{self.tail('broker.log')}")
+            if time.monotonic() > deadline:
+                raise LocalNetworkError(f"the broker did not start within {timeout_s:g}s; see "
+                                        f"{self.workdir / 'broker.log'}")
+            time.sleep(0.05)
+        self.info = json.loads(ready.read_text())
+        return self.info
+
+    def restart_broker(self, hard: bool = True) -> dict:
+        """Kill the broker (SIGKILL when ``hard``) and start it again on the same ports."""
+        if self.broker and self.broker.poll() is None:
+            self.broker.send_signal(signal.SIGKILL if hard else signal.SIGTERM)
+            self.broker.wait(30)
+        http = self.info["http"].removeprefix("http://")
+        return self.start_broker(http=http, grpc=self.info["grpc"])
+
+    @property
+    def url(self) -> str:
+        return self.info["http"]
+
+    def create_key(self, role: str, name: str = "") -> str:
+        out = subprocess.run(cli("broker", "create-key", *self._broker_args(), "--role", role,
+                                 "--name", name or role),
+                             capture_output=True, text=True, env=self.env, cwd=self.workdir)
+        if out.returncode != 0:
+            raise LocalNetworkError(f"create-key failed: {out.stderr.strip()}")
+        return out.stdout.strip().splitlines()[-1]
+
+    # ---- agents ----------------------------------------------------------------------
+    def start_agent(self, name: str, api_key: str, *, plugins: str = "echo", slots: int = 1,
+                    weights_dir: Path | None = None, sandbox: bool = True,
+                    extra_env: dict | None = None) -> AgentProcess:
+        home = self.workdir / f"agent-{name}"
+        if not (home / "agent.toml").exists():
+            init = cli("agent", "init", "--home", str(home), "--broker", self.info["grpc"],
+                       "--api-key", api_key, "--name", name, "--plugins", plugins,
+                       "--slots", str(slots))
+            if weights_dir:
+                init += ["--weights-dir", str(weights_dir)]
+            out = subprocess.run(init, capture_output=True, text=True, env=self.env)
+            if out.returncode != 0:
+                raise LocalNetworkError(f"agent init failed: {out.stderr.strip()}")
+        args = cli("agent", "run", "--home", str(home), "--device", "cpu")
+        if not sandbox:
+            args.append("--no-sandbox")
+        log_path = self.workdir / f"agent-{name}.log"
+        log = open(log_path, "ab")
+        self._logs.append(log)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                env={**self.env, **(extra_env or {})}, cwd=self.workdir)
+        agent = AgentProcess(name, home, proc, log_path, args)
+        self.agents.append(agent)
+        return agent
+
+    def restart_agent(self, agent: AgentProcess) -> AgentProcess:
+        log = open(agent.log_path, "ab")
+        self._logs.append(log)
+        agent.proc = subprocess.Popen(agent.args, stdout=log, stderr=subprocess.STDOUT,
+                                      env=self.env, cwd=self.workdir)
+        return agent
+
+    def wait_for_providers(self, n: int, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for a in self.agents:
+                if a.proc.poll() is not None:
+                    raise LocalNetworkError(f"agent {a.name} exited (code {a.proc.returncode}):\n"
+                                            f"{self.tail(a.log_path.name)}")
+            try:
+                body = httpx.get(f"{self.url}/readyz", timeout=5).json()
+                if body.get("providers_online", 0) >= n:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise LocalNetworkError(f"{n} agent(s) did not connect within {timeout_s:g}s")
+
+    def tail(self, log_name: str, lines: int = 30) -> str:
+        try:
+            return "\n".join((self.workdir / log_name).read_text(errors="replace")
+                             .splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    # ---- shutdown --------------------------------------------------------------------
+    def stop(self, timeout_s: float = 30) -> None:
+        for a in self.agents:
+            if a.proc.poll() is None:
+                a.proc.send_signal(signal.SIGTERM)
+        for a in self.agents:
+            try:
+                a.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                a.proc.kill()
+                a.proc.wait()
+        if self.broker and self.broker.poll() is None:
+            self.broker.send_signal(signal.SIGTERM)
+            try:
+                self.broker.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.broker.kill()
+                self.broker.wait()
+        for log in self._logs:
+            log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,133 @@
+"""Job envelopes (signed by the broker) and receipts (signed by the agent).
+
+An envelope tells exactly one provider to run exactly one attempt of a job before it
+expires; its nonce lets the agent refuse replays. A receipt binds the outputs (by sha256)
+and the work done to that envelope.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .canonical import CanonicalEncodingError, canonical_bytes, loads, sha256_hex
+from .signing import KeyPair, SignatureError, verify
+
+ENVELOPE_VERSION = 1
+
+
+class EnvelopeError(ValueError):
+    """An envelope or receipt that must be refused; ``code`` is stable."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def make_envelope(*, job_id: str, attempt: int, plugin: str, version: str, inputs: dict,
+                  provider_key: str, lease_timeout_s: float, ttl_s: float = 60.0,
+                  now: float | None = None, extra: dict | None = None) -> dict:
+    now = time.time() if now is None else now
+    env = {
+        "v": ENVELOPE_VERSION,
+        "job_id": job_id,
+        "attempt": attempt,
+        "plugin": plugin,
+        "version": version,
+        "inputs": inputs,
+        "provider": provider_key,
+        "issued_at_ms": int(now * 1000),
+        "expires_at_ms": int((now + ttl_s) * 1000),
+        "lease_timeout_ms": int(lease_timeout_s * 1000),
+        "nonce": secrets.token_hex(16),
+    }
+    if extra:
+        env.update(extra)
+    return env
+
+
+def sign_envelope(broker: KeyPair, envelope: dict) -> tuple[bytes, str]:
+    return canonical_bytes(envelope), broker.sign("envelope", envelope)
+
+
+@dataclass
+class ReplayGuard:
+    """Remembers nonces of envelopes seen until they expire (agent side)."""
+
+    seen: dict[str, int] = field(default_factory=dict)  # nonce -> expires_at_ms
+
+    def check_and_add(self, nonce: str, expires_at_ms: int, now_ms: int) -> None:
+        for n, exp in list(self.seen.items()):
+            if exp < now_ms:
+                del self.seen[n]
+        if nonce in self.seen:
+            raise EnvelopeError("replayed_envelope", f"envelope nonce {nonce} was already used")
+        self.seen[nonce] = expires_at_ms
+
+
+def open_envelope(data: bytes, signature: str, *, broker_key: str, my_key: str,
+                  replay: ReplayGuard, now: float | None = None) -> dict:
+    """Verify and decode an envelope for this agent; raise EnvelopeError otherwise."""
+    now_ms = int((time.time() if now is None else now) * 1000)
+    try:
+        env = loads(data)
+    except CanonicalEncodingError as exc:
+        raise EnvelopeError("malformed_envelope", str(exc)) from None
+    if not isinstance(env, dict) or env.get("v") != ENVELOPE_VERSION:
+        raise EnvelopeError("malformed_envelope", "envelope is not a v1 job envelope")
+    try:
+        verify(broker_key, "envelope", env, signature)
+    except SignatureError as exc:
+        raise EnvelopeError("bad_signature", str(exc)) from None
+    if env.get("provider") != my_key:
+        raise EnvelopeError("wrong_provider", "envelope is addressed to another provider")
+    if int(env.get("expires_at_ms", 0)) < now_ms:
+        raise EnvelopeError("expired_envelope",
+                            f"envelope expired {(now_ms - env['expires_at_ms']) / 1000:.1f}s ago")
+    replay.check_and_add(str(env.get("nonce", "")), int(env["expires_at_ms"]), now_ms)
+    return env
+
+
+def make_receipt(*, envelope: dict, envelope_bytes: bytes, provider_key: str,
+                 outputs: list[dict], work_units: float, timings_ms: dict[str, int],
+                 extra: dict | None = None) -> dict:
+    """``outputs``: [{"index", "sha256", "media_type", "size"}]."""
+    rec = {
+        "v": ENVELOPE_VERSION,
+        "job_id": envelope["job_id"],
+        "attempt": envelope["attempt"],
+        "envelope_sha256": sha256_hex(envelope_bytes),
+        "provider": provider_key,
+        "outputs": outputs,
+        # Work units are a decimal string so the signed document holds no float surprises.
+        "work_units": f"{work_units:.6f}",
+        "timings_ms": {k: int(v) for k, v in timings_ms.items()},
+    }
+    if extra:
+        rec.update(extra)
+    return rec
+
+
+def open_receipt(data: bytes, signature: str, *, provider_key: str) -> dict:
+    """Verify and decode a receipt from the agent holding ``provider_key``."""
+    try:
+        rec = loads(data)
+    except CanonicalEncodingError as exc:
+        raise EnvelopeError("malformed_receipt", str(exc)) from None
+    if not isinstance(rec, dict) or rec.get("v") != ENVELOPE_VERSION:
+        raise EnvelopeError("malformed_receipt", "receipt is not a v1 receipt")
+    if rec.get("provider") != provider_key:
+        raise EnvelopeError("wrong_provider", "receipt names another provider's key")
+    try:
+        verify(provider_key, "receipt", rec, signature)
+    except SignatureError as exc:
+        raise EnvelopeError("bad_signature", str(exc)) from None
+    for key in ("job_id", "attempt", "outputs", "work_units", "envelope_sha256"):
+        if key not in rec:
+            raise EnvelopeError("malformed_receipt", f"receipt lacks {key!r}")
+    return rec
+
+
+def challenge_document(nonce: str, agent_key: str, broker_key: str) -> dict[str, Any]:
+    return {"nonce": nonce, "agent_key": agent_key, "broker_key": broker_key}
