@@ -1,0 +1,47 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q -c constraints.txt
+
+.PHONY: venv system-deps demo test test-fast bench clean
+
+$(STAMP): pyproject.toml setup.py constraints.txt sdk/protocol/agent.proto
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "==> installing torch (CPU build pinned in constraints.txt) and sparecycles[broker,agent,sdk,dev]"
+	$(PIP) "torch==2.13.0"
+	$(PIP) -e '.[broker,agent,sdk,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# bubblewrap sandboxes plugin hosts; libseccomp backs its syscall filter. Installed when
+# missing and we are root with apt (CI, fresh dev machines); otherwise say what to do.
+system-deps:
+	@if ! command -v bwrap >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing bubblewrap and libseccomp2 (apt)"; \
+	    (apt-get install -y -q bubblewrap libseccomp2 >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap libseccomp2 >/dev/null)); \
+	  else \
+	    echo "!! bubblewrap is missing: install it (e.g. apt-get install bubblewrap); sandbox tests will be skipped"; \
+	  fi; \
+	fi
+
+demo: $(STAMP) system-deps
+	$(BIN)/sparecycles demo
+
+test: $(STAMP) system-deps
+	$(BIN)/python -m pytest -q
+
+# Unit and integration tests only (no real processes); seconds, not minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit tests/integration
+
+bench: $(STAMP)
+	$(BIN)/python bench/dispatch.py
+
+clean:
+	rm -rf $(VENV) .sparecycles .sparecycles-demo out build *.egg-info
+	find . -name '*_pb2*.py' -path './sdk/*' -delete

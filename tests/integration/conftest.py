@@ -1,0 +1,68 @@
+"""A real broker (waitress + gRPC + dispatcher) in this process, on loopback ports."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from broker.server import BrokerServer
+from broker.settings import Settings
+
+
+class LiveBroker:
+    def __init__(self, tmp_path, db_url=None, lease_timeout_s=5.0):
+        self.settings = Settings(data_dir=tmp_path / "broker", db_url=db_url or "",
+                                 http="127.0.0.1:0", grpc="127.0.0.1:0",
+                                 lease_timeout_s=lease_timeout_s, http_threads=16)
+        self.server = BrokerServer(self.settings)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        self.grpc = f"127.0.0.1:{self.server.grpc_port}"
+        self.services = self.server.services
+        time.sleep(0.05)
+
+    def key(self, role: str) -> str:
+        return self.services.auth.create_account_with_key(role)[0]
+
+    def stop(self):
+        self.server.stop()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def live_broker(tmp_path):
+    b = LiveBroker(tmp_path)
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def start_agent(live_broker, tmp_path):
+    """Start an in-process agent serving echo (plain subprocess host) on the live broker."""
+    from plugins import builtin_plugin_dir
+    from provider_agent.agent import Agent
+    from provider_agent.config import AgentConfig
+    from sdk.protocol.signing import KeyPair
+
+    agents = []
+
+    def start(name="agent", slots=1, key=None):
+        cfg = AgentConfig(broker=live_broker.grpc, api_key=key or live_broker.key("provider"),
+                          name=name, slots=slots, plugins=["echo"], device="cpu")
+        agent = Agent(cfg, KeyPair.generate(), plugin_dirs={"echo": builtin_plugin_dir("echo")},
+                      sandboxed=False)
+        t = threading.Thread(target=agent.run, daemon=True)
+        t.start()
+        agents.append((agent, t))
+        deadline = time.monotonic() + 30
+        while not agent.provider_id and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert agent.provider_id, "agent did not connect"
+        return agent
+
+    yield start
+    for agent, t in agents:
+        agent.stop()
+        t.join(10)

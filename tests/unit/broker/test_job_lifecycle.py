@@ -1,0 +1,200 @@
+"""JobService: the lifecycle of DESIGN §2 against a real (SQLite) repository."""
+import pytest
+
+from broker.errors import IdempotencyConflict, InvalidInput, InvalidRequest, UnknownPlugin
+from broker.jobs.dispatch import Dispatcher
+from broker.jobs.errors import JobNotCancellable, JobNotFound, ReceiptRefused
+from broker.jobs.model import JobState
+from sdk.protocol.canonical import canonical_bytes, loads, sha256_hex
+from sdk.protocol.envelope import make_receipt
+from sdk.protocol.signing import KeyPair
+
+from broker_fixtures import RecordingSession, make_world
+
+
+@pytest.fixture
+def world(tmp_path):
+    engine, auth, jobs, clock = make_world(f"sqlite:///{tmp_path / 'b.db'}", tmp_path)
+    _, client = auth.create_account_with_key("client")
+    _, provider_acct = auth.create_account_with_key("provider")
+    yield jobs, clock, client, provider_acct
+    engine.dispose()
+
+
+def _session(key: KeyPair, pid="prov-1"):
+    return RecordingSession(provider_id=pid, public_key=key.public_key_hex,
+                            account_id="acct", plugins={"echo@1.0.0": ""})
+
+
+def _finish(jobs, job, session, key: KeyPair, data=b'{"ok":true}'):
+    env_bytes, _ = session.sent[-1]
+    env = loads(env_bytes)
+    sha = jobs.store_output(session.provider_id, job.id, env["attempt"], data, sha256_hex(data))
+    rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
+                       outputs=[{"index": 0, "sha256": sha, "media_type": "application/json",
+                                 "size": len(data)}], work_units=1.0, timings_ms={"run": 1})
+    return rec, canonical_bytes(rec), key.sign("receipt", rec)
+
+
+def test_submit_match_run_settle(world):
+    jobs, clock, client, _ = world
+    key = KeyPair.generate()
+    s = _session(key)
+    d = Dispatcher(jobs)
+    d.register(s)
+    job, created = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "hi"}})
+    assert created and job.state == JobState.QUEUED and job.inputs["sleep_ms"] == 0
+    assert d.match_once() == 1 and len(s.sent) == 1
+    jobs.accepted(s.provider_id, job.id, 0)
+    jobs.progress(s.provider_id, job.id, 0, 1, 2)
+    _, blob, sig = _finish(jobs, job, s, key)
+    settled = jobs.receipt(s.provider_id, key.public_key_hex, blob, sig)
+    assert settled.state == JobState.SETTLED
+    kinds = [e.kind for e in jobs.events(client, job.id)]
+    assert kinds == ["queued", "assigned", "running", "progress", "submitted", "done"]
+    # The same receipt again (a reconnecting agent) is accepted once, changes nothing.
+    assert jobs.receipt(s.provider_id, key.public_key_hex, blob, sig).state == JobState.SETTLED
+    assert [e.kind for e in jobs.events(client, job.id)] == kinds
+    out, data = jobs.output(client, job.id, 0)
+    assert data == b'{"ok":true}' and out.media_type == "application/json"
+    assert s.active == set()
+
+
+def test_forged_receipt_is_refused_and_moves_nothing(world):
+    jobs, _, client, _ = world
+    key = KeyPair.generate()
+    s = _session(key)
+    d = Dispatcher(jobs)
+    d.register(s)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    d.match_once()
+    rec, blob, _sig = _finish(jobs, job, s, key)
+    thief = KeyPair.generate()
+    with pytest.raises(ReceiptRefused) as exc:
+        jobs.receipt(s.provider_id, key.public_key_hex, blob, thief.sign("receipt", rec))
+    assert exc.value.code == "bad_signature"
+    # A valid signature by another provider for a job it does not hold.
+    other = {**rec, "provider": thief.public_key_hex}
+    with pytest.raises(ReceiptRefused) as exc:
+        jobs.receipt("prov-2", thief.public_key_hex, canonical_bytes(other),
+                     thief.sign("receipt", other))
+    assert exc.value.code == "not_your_job"
+    assert jobs.get(client, job.id).state == JobState.MATCHED
+
+
+def test_receipt_without_uploaded_outputs_is_refused(world):
+    jobs, _, client, _ = world
+    key = KeyPair.generate()
+    s = _session(key)
+    d = Dispatcher(jobs)
+    d.register(s)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    d.match_once()
+    env_bytes, _ = s.sent[-1]
+    env = loads(env_bytes)
+    rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
+                       outputs=[{"index": 0, "sha256": "f" * 64, "media_type": "x", "size": 1}],
+                       work_units=1, timings_ms={})
+    with pytest.raises(ReceiptRefused, match="not uploaded"):
+        jobs.receipt(s.provider_id, key.public_key_hex, canonical_bytes(rec),
+                     key.sign("receipt", rec))
+
+
+def test_expired_lease_requeues_to_another_provider_then_fails(world):
+    jobs, clock, client, _ = world
+    k1, k2 = KeyPair.generate(), KeyPair.generate()
+    s1, s2 = _session(k1, "p1"), _session(k2, "p2")
+    d = Dispatcher(jobs)
+    d.register(s1)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    d.match_once()
+    d.register(s2)
+    clock.advance(11)
+    assert [j.state for j in jobs.reap_expired()] == [JobState.QUEUED]
+    assert s1.cancels and s1.active == set()
+    d.match_once()
+    again = jobs.get(client, job.id)
+    assert again.attempt == 1 and again.provider_id == "p2"   # p1 failed it: p2 preferred
+    # A late receipt from p1 for attempt 0 is refused: the job moved on.
+    with pytest.raises(ReceiptRefused):
+        jobs.accepted("p1", job.id, 0) or jobs.progress("p1", job.id, 0, 1, 1)
+    clock.advance(11)
+    jobs.reap_expired()
+    d.match_once()
+    clock.advance(11)
+    jobs.reap_expired()
+    final = jobs.get(client, job.id)
+    assert final.state == JobState.FAILED and final.error_code == "attempts_exhausted"
+
+
+def test_give_back_requeues_without_using_an_attempt(world):
+    jobs, _, client, _ = world
+    s = _session(KeyPair.generate())
+    d = Dispatcher(jobs)
+    d.register(s)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    d.match_once()
+    moved = jobs.give_back(s.provider_id, job.id, 0, "operator stopped the agent")
+    assert moved.state == JobState.QUEUED and moved.attempt == 1 and moved.max_attempts == 3
+
+
+def test_cancel_running_job_tells_the_agent(world):
+    jobs, _, client, _ = world
+    s = _session(KeyPair.generate())
+    d = Dispatcher(jobs)
+    d.register(s)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 1000}})
+    d.match_once()
+    cancelled = jobs.cancel(client, job.id)
+    assert cancelled.state == JobState.CANCELLED and s.cancels[0][0] == job.id
+    assert jobs.cancel(client, job.id).state == JobState.CANCELLED  # idempotent
+
+
+def test_settled_job_cannot_be_cancelled(world):
+    jobs, _, client, _ = world
+    key = KeyPair.generate()
+    s = _session(key)
+    d = Dispatcher(jobs)
+    d.register(s)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    d.match_once()
+    _, blob, sig = _finish(jobs, job, s, key)
+    jobs.receipt(s.provider_id, key.public_key_hex, blob, sig)
+    with pytest.raises(JobNotCancellable, match="already settled"):
+        jobs.cancel(client, job.id)
+
+
+@pytest.mark.parametrize("body,error,field", [
+    ({"plugin": "nope"}, UnknownPlugin, "plugin"),
+    ({"plugin": "echo", "version": "9.9.9"}, UnknownPlugin, "version"),
+    ({"plugin": "echo", "inputs": {"sleep_ms": -1}}, InvalidInput, "inputs.sleep_ms"),
+    ({"plugin": "echo", "inputs": {"text": 3}}, InvalidInput, "inputs.text"),
+    ({"plugin": "echo", "inputs": {"bogus": 1}}, InvalidInput, "inputs.bogus"),
+    ({"plugin": "echo", "colour": "red"}, InvalidRequest, "colour"),
+    (["not", "an", "object"], InvalidRequest, None),
+])
+def test_bad_requests_create_no_job(world, body, error, field):
+    jobs, _, client, _ = world
+    with pytest.raises(error) as exc:
+        jobs.submit(client, body)
+    assert exc.value.field == field
+    assert jobs.repo.counts_by_state() == {}
+
+
+def test_idempotency_key(world):
+    jobs, _, client, _ = world
+    a, created = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "a"}}, "key-1")
+    b, created2 = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "a"}}, "key-1")
+    assert created and not created2 and a.id == b.id
+    with pytest.raises(IdempotencyConflict):
+        jobs.submit(client, {"plugin": "echo", "inputs": {"text": "b"}}, "key-1")
+    assert jobs.repo.counts_by_state() == {"queued": 1}
+
+
+def test_jobs_are_private_to_their_account(world):
+    jobs, _, client, provider = world
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    with pytest.raises(JobNotFound):
+        jobs.get(provider, job.id)
+    with pytest.raises(JobNotFound):
+        jobs.get(client, "not-a-uuid")

@@ -1,0 +1,89 @@
+"""SqlJobRepository and the migrations, on SQLite and PostgreSQL."""
+import uuid
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+import broker.storage.all_models  # noqa: F401
+from broker.jobs.model import Job, JobOutput, JobState
+from broker.storage.base import Base, make_engine
+from broker.storage.jobs_sql import SqlJobRepository
+from broker.storage.migrate import downgrade, upgrade
+from sqlalchemy.orm import sessionmaker
+
+from broker_fixtures import FakeClock
+
+
+@pytest.fixture
+def repo(db_url):
+    engine = make_engine(db_url)
+    upgrade(engine)
+    sessions = sessionmaker(engine, expire_on_commit=False)
+    from broker.storage.accounts_sql import SqlAccountRepository
+
+    SqlAccountRepository(sessions).create_account("acct", "a", "client", 0)
+    clock = FakeClock()
+    yield SqlJobRepository(sessions, clock=clock), clock
+    engine.dispose()
+
+
+def test_migrations_match_the_models_and_downgrade(db_url):
+    engine = make_engine(db_url)
+    upgrade(engine)
+    with engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    downgrade(engine, "base")
+    upgrade(engine)
+    engine.dispose()
+
+
+def _job(key=None, **kw):
+    return Job(id=str(uuid.uuid4()), account_id="acct", plugin="echo", plugin_version="1.0.0",
+               inputs={"text": "x"}, state=JobState.QUEUED, idempotency_key=key,
+               request_hash="h", created_at=1.0, updated_at=1.0, **kw)
+
+
+def test_create_is_idempotent_per_account_key(repo):
+    r, _ = repo
+    first, created = r.create(_job("k1"), ("queued", {}))
+    again, created2 = r.create(_job("k1"), ("queued", {}))
+    assert created and not created2 and again.id == first.id
+    assert [e.kind for e in r.events_after(first.id, 0)] == ["queued"]
+
+
+def test_transition_is_conditional_and_appends_its_event(repo):
+    r, _ = repo
+    job, _ = r.create(_job(), ("queued", {}))
+    moved = r.transition(job.id, [JobState.QUEUED], JobState.MATCHED, expect_attempt=0,
+                         provider_id="p1", lease_expires_at=5.0, event=("assigned", {"p": 1}))
+    assert moved.state == JobState.MATCHED and moved.provider_id == "p1"
+    # A second, racing transition from QUEUED loses and writes nothing.
+    assert r.transition(job.id, [JobState.QUEUED], JobState.MATCHED, provider_id="p2",
+                        event=("assigned", {"p": 2})) is None
+    assert r.transition(job.id, [JobState.MATCHED], JobState.RUNNING,
+                        expect_provider="p2") is None
+    assert [e.kind for e in r.events_after(job.id, 0)] == ["queued", "assigned"]
+    assert r.get(job.id).provider_id == "p1"
+
+
+def test_leases_expire_and_extend(repo):
+    r, clock = repo
+    job, _ = r.create(_job(), ("queued", {}))
+    r.transition(job.id, [JobState.QUEUED], JobState.MATCHED, provider_id="p1",
+                 lease_expires_at=clock() + 10)
+    assert r.expired_leases(clock() + 5) == []
+    assert r.extend_leases("p1", [job.id], clock() + 20) == 1
+    assert r.extend_leases("p2", [job.id], clock() + 99) == 0
+    assert [j.id for j in r.expired_leases(clock() + 21)] == [job.id]
+    assert [j.id for j in r.leased_to("p1")] == [job.id]
+
+
+def test_outputs_are_saved_idempotently(repo):
+    r, _ = repo
+    job, _ = r.create(_job(), ("queued", {}))
+    outs = [JobOutput(job.id, 0, "a" * 64, "image/png", 10)]
+    r.save_outputs(outs)
+    r.save_outputs(outs)
+    assert r.outputs(job.id) == outs
+    assert r.counts_by_state() == {"queued": 1}
