@@ -1,0 +1,140 @@
+"""Matches per second of the auction, in process.
+
+    .venv/bin/python bench/auction.py [--seconds 1.0] [--seed 7]
+
+For 10, 1,000 and 10,000 standing asks it times ``clear`` (threshold algorithm over the
+order book's sorted views) and the naive baseline ``reference_clear`` (scan every ask,
+check, score, full sort) on the same jobs in the same run, and prints the ratio. The
+market is realistic rather than kind: most asks sit on two popular builds (so one bucket
+holds about half of them), prices, speeds, queues and reliabilities vary, some providers
+are busy, offline, short of VRAM or linked to a client, and jobs mix priorities, sizes,
+VRAM needs and splits. Prints figures; asserts nothing (DESIGN §1: no timed assertions).
+
+Target: at least 5,000 matches/s with 10,000 asks.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from broker.auction import (Ask, JobSpec, NoMatch, OrderBook, Priority,  # noqa: E402
+                            clear, reference_clear)
+
+BUILDS = [("sd15", "1.0.0", "a" * 64), ("sdxl", "1.0.0", "b" * 64),
+          ("llama", "2.0.0", "c" * 64), ("sd15", "0.9.0", "d" * 64),
+          ("llama", "1.0.0", "e" * 64)]
+BUILD_WEIGHTS = [0.5, 0.25, 0.15, 0.05, 0.05]
+
+
+def make_market(n_asks: int, rng: random.Random) -> OrderBook:
+    book = OrderBook()
+    n_operators = max(1, n_asks // 3)
+    for i in range(n_asks):
+        plugin, version, digest = rng.choices(BUILDS, BUILD_WEIGHTS)[0]
+        book.post(Ask(
+            provider_id=f"prov-{i}", operator_id=f"op-{rng.randrange(n_operators)}",
+            plugin=plugin, plugin_version=version, weights_digest=digest,
+            price_micro_per_unit=rng.randint(50, 400),
+            throughput_units_per_s=rng.uniform(0.5, 20.0),
+            queue_s=rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 60)]),
+            cold_start_s=rng.choice([0.0, 0.0, rng.uniform(2, 20)]),
+            reliability=rng.uniform(0.8, 1.0), reputation=rng.uniform(0, 1),
+            online=rng.random() > 0.05, slots_free=rng.choice([0, 1, 1, 1, 2]),
+            vram_gb=rng.choice([8, 12, 16, 24, 24, 48, 80]),
+            linked_accounts=frozenset({f"client-{rng.randrange(50)}"})))
+    return book
+
+
+def make_jobs(n: int, rng: random.Random) -> list[JobSpec]:
+    jobs = []
+    for _ in range(n):
+        plugin, version, digest = rng.choices(BUILDS[:3], [0.6, 0.25, 0.15])[0]
+        jobs.append(JobSpec(
+            plugin=plugin, plugin_version=version, weights_digest=digest,
+            work_units=rng.choice([2.6, 7.9, 15.7, 40.0, 256.0]),
+            client_id=f"client-{rng.randrange(50)}", reserve_micro_per_unit=300,
+            min_vram_gb=rng.choice([0, 8, 12, 16]),
+            priority=rng.choice(list(Priority)),
+            n_slots=rng.choice([1, 1, 1, 1, 4])))
+    return jobs
+
+
+def rate(fn, jobs, book, seconds: float) -> tuple[float, int]:
+    """Matches per second (refusals count: the work was done) and the share refused."""
+    rng = random.Random(1)
+    done = refused = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while True:
+        for job in jobs:
+            try:
+                fn(job, book, rng, 0.0)
+            except NoMatch:
+                refused += 1
+            done += 1
+        if time.perf_counter() >= deadline:
+            break
+    return done / (time.perf_counter() - start), refused / done
+
+
+def update_rate(book: OrderBook, seconds: float) -> float:
+    """Capacity changes per second (each re-indexes the ask in every cached view)."""
+    pids = [a.provider_id for a in book][:1_000]
+    rng = random.Random(3)
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for pid in pids:
+            book.update_provider(pid, queue_s=rng.uniform(0, 60), slots_free=rng.choice([0, 1]))
+        done += len(pids)
+    return done / (time.perf_counter() - start)
+
+
+def through_storage(n_asks: int) -> float | None:
+    """HOOK for the lead: matches/s when asks are loaded from and awards written through the
+    broker's storage (repository + ledger hold). Return None until it is wired."""
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    jobs = make_jobs(500, rng)
+    print(f"{'asks':>7} {'largest bucket':>14} {'clear/s':>10} {'baseline/s':>11} "
+          f"{'ratio':>7} {'refused':>8}")
+    for n_asks in (10, 1_000, 10_000):
+        book = make_market(n_asks, random.Random(args.seed + n_asks))
+        largest = max(len(book.bucket(b) or ()) for b in BUILDS)
+        fast, refused = rate(clear, jobs, book, args.seconds)
+        slow, _ = rate(reference_clear, jobs, book, args.seconds)
+        print(f"{n_asks:>7,} {largest:>14,} {fast:>10,.0f} {slow:>11,.0f} "
+              f"{fast / slow:>6.1f}x {refused:>7.0%}*")
+        storage = through_storage(n_asks)
+        print(f"{'':>7} through the broker's storage: "
+              + ("not wired yet" if storage is None else f"{storage:,.0f} matches/s"))
+    print("* share of jobs refused per pass (no eligible provider / terms), counted as matches")
+    print(f"updates (queue or slot change, re-indexed in every view) at 10,000 asks: "
+          f"{update_rate(book, args.seconds):,.0f}/s")
+    # Worst case for the index: every ask on one build.
+    book = OrderBook()
+    src = make_market(10_000, random.Random(args.seed))
+    for ask in src:
+        book.post(Ask(**{**{f: getattr(ask, f) for f in ask.__slots__},
+                         "plugin": "sd15", "plugin_version": "1.0.0",
+                         "weights_digest": "a" * 64}))
+    one = [j for j in jobs if j.plugin == "sd15"]
+    fast, _ = rate(clear, one, book, args.seconds)
+    slow, _ = rate(reference_clear, one, book, args.seconds)
+    print(f"10,000 asks on one build: clear {fast:,.0f}/s, baseline {slow:,.0f}/s, "
+          f"ratio {fast / slow:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

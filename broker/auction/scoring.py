@@ -1,0 +1,137 @@
+"""The score, eligibility, the critical price and the random tie-break: the pieces both the
+fast clearing path and the reference implementation share, so they cannot drift apart.
+
+Score (micro-credits, lower wins) of an ask at price ``a`` for a job of ``W`` work units::
+
+    score = a·W + λ·(queue_s + cold_start_s + W/θ) + (1 − reliability)·F
+          = W·u + v,   u = a + λ/θ,   v = λ·(queue_s + cold_start_s) + (1 − reliability)·F
+
+It is computed in exactly that ``W·u + v`` form everywhere (scores, index thresholds,
+critical prices), so floating-point rounding is the same on every path and the score is
+monotone in the ask.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from .model import Ask, AuctionRules, JobSpec
+
+T = TypeVar("T")
+
+# Reasons an ask cannot take a job, in the order they are checked (the first one counts).
+OFFLINE = "offline"
+BUSY = "busy"
+EXPIRED = "ask expired"
+LINKED = "linked to the client"
+EXCLUDED = "excluded from this job"
+LOW_VRAM = "not enough VRAM"
+NO_THROUGHPUT = "no measured throughput"
+LOW_REPUTATION = "reputation below the floor"
+ABOVE_RESERVE = "above the reserve"
+# Client terms: the ask is eligible but cannot meet this client's max price or deadline.
+ABOVE_MAX_PRICE = "above the max price"
+TOO_SLOW = "cannot meet the deadline"
+TERMS_REASONS = frozenset({ABOVE_MAX_PRICE, TOO_SLOW})
+
+
+def effective_throughput(ask: Ask, rules: AuctionRules) -> float:
+    """θ the score uses: the broker-measured figure, or a claim discounted by the rules."""
+    if ask.throughput_measured:
+        return float(ask.throughput_units_per_s)
+    return float(ask.throughput_units_per_s) * rules.claimed_throughput_factor
+
+
+def is_active(ask: Ask, rules: AuctionRules) -> bool:
+    """Could this ask take any job at all right now (before job-specific checks)?"""
+    return ask.online and ask.slots_free > 0 and effective_throughput(ask, rules) > 0
+
+
+def score_parts(ask: Ask, lam: float, penalty: float, theta: float) -> tuple[float, float]:
+    """(u, v) of the module docstring: per-unit and fixed parts of the score."""
+    return (ask.price_micro_per_unit + lam / theta,
+            lam * (ask.queue_s + ask.cold_start_s) + (1.0 - ask.reliability) * penalty)
+
+
+def completion_s(ask: Ask, work_units: float, theta: float) -> float:
+    """Expected completion time: wait, cold start, then W/θ."""
+    return ask.queue_s + ask.cold_start_s + work_units / theta
+
+
+def effective_reserve(job: JobSpec) -> int:
+    """The admin reserve, lowered so that n slots at that price fit the client's max price."""
+    if job.max_price_micro is None:
+        return job.reserve_micro_per_unit
+    per_unit = math.floor(job.max_price_micro / (job.n_slots * job.work_units))
+    return min(job.reserve_micro_per_unit, per_unit)
+
+
+def ineligibility(ask: Ask, job: JobSpec, rules: AuctionRules, now_s: float) -> str | None:
+    """Why ``ask`` cannot take ``job`` (first reason, see the constants), or None.
+    Assumes the ask serves the job's plugin build."""
+    if not ask.online:
+        return OFFLINE
+    if ask.slots_free <= 0:
+        return BUSY
+    if ask.expires_at_s is not None and ask.expires_at_s <= now_s:
+        return EXPIRED
+    if job.client_id in ask.linked_accounts or ask.operator_id == job.client_id:
+        return LINKED
+    if ask.provider_id in job.excluded_provider_ids or ask.operator_id in job.excluded_operator_ids:
+        return EXCLUDED
+    if ask.vram_gb < job.min_vram_gb:
+        return LOW_VRAM
+    theta = effective_throughput(ask, rules)
+    if not theta > 0:
+        return NO_THROUGHPUT
+    if ask.reputation < rules.reputation_floor:
+        return LOW_REPUTATION
+    if ask.price_micro_per_unit > job.reserve_micro_per_unit:
+        return ABOVE_RESERVE
+    if ask.price_micro_per_unit > effective_reserve(job):
+        return ABOVE_MAX_PRICE
+    if job.deadline_s is not None and completion_s(ask, job.work_units, theta) > job.deadline_s:
+        return TOO_SLOW
+    return None
+
+
+def critical_ask(boundary_score: float, work_units: float, lam_over_theta: float, v: float,
+                 own_ask: int) -> int:
+    """The highest integer ask ``a`` whose score ``W·(a + λ/θ) + v`` is still ≤ the
+    boundary (the best losing score): computed in closed form, then nudged by at most a few
+    steps so it agrees exactly with the floating-point score. Never below ``own_ask`` (the
+    winner's score is ≤ the boundary by construction)."""
+    w = work_units
+    guess = (boundary_score - v) / w - lam_over_theta
+    if not math.isfinite(guess):
+        return own_ask
+    a = max(own_ask, math.floor(guess))
+    while w * ((a + 1) + lam_over_theta) + v <= boundary_score:
+        a += 1
+    while a > own_ask and w * (a + lam_over_theta) + v > boundary_score:
+        a -= 1
+    return a
+
+
+def tie_key(salt: bytes, provider_id: str) -> bytes:
+    """A per-clearing random order among equal scores: one draw from the injected RNG
+    (the salt) orders every tie the same way on every path."""
+    return hashlib.blake2b(provider_id.encode(), key=salt, digest_size=8).digest()
+
+
+def order_with_ties(items: Sequence[T], score: Callable[[T], float], pid: Callable[[T], str],
+                    salt: bytes) -> list[T]:
+    """``items`` sorted by score, equal scores in random (salted) order."""
+    out = sorted(items, key=lambda it: (score(it), pid(it)))
+    i, n = 0, len(out)
+    while i < n:
+        j = i + 1
+        s = score(out[i])
+        while j < n and score(out[j]) == s:
+            j += 1
+        if j - i > 1:
+            out[i:j] = sorted(out[i:j], key=lambda it: tie_key(salt, pid(it)))
+        i = j
+    return out
