@@ -1,0 +1,221 @@
+"""``Sandbox``: start a plugin host under bubblewrap, seccomp, cgroups and rlimits.
+
+Start-up sequence of ``popen``:
+
+1. build the seccomp BPF and the generated ``/etc/passwd``/``group`` into memfds;
+2. start ``bwrap … --block-fd R -- argv``: bwrap sets up the namespaces and mounts, then
+   waits on the pipe *before* executing the host;
+3. move every process bwrap has made so far into the sandbox's cgroup(s) and set the
+   rlimits on them with ``prlimit`` (children inherit both);
+4. write to the pipe: bwrap installs the seccomp filter and executes the host.
+
+Doing the cgroup and rlimit steps from the agent rather than in a ``preexec_fn`` keeps
+``popen`` safe in the agent's multi-threaded process (``preexec_fn`` can deadlock there),
+and no host code ever runs outside its limits.
+"""
+from __future__ import annotations
+
+import os
+import re
+import resource
+import signal
+import subprocess
+import time
+
+from . import bwrap
+from .cgroups import Limits, make_limits, process_tree
+from .errors import SandboxError, SandboxLimitError, SandboxUnavailable
+from .policy import SandboxPolicy
+from .seccomp_filter import bpf_memfd
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _data_memfd(name: str, text: str) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+class Sandbox:
+    """One sandboxed process tree (a plugin host) with its limits.
+
+    ``name`` must be unique among the agent's live sandboxes (it names the cgroup).
+    Use ``popen`` once; ``kill`` and ``cleanup`` may be called any number of times.
+    """
+
+    def __init__(self, policy: SandboxPolicy, name: str) -> None:
+        if not _NAME_RE.match(name):
+            raise SandboxError(
+                f"sandbox name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        self.policy = policy
+        self.name = name
+        self.process: subprocess.Popen | None = None
+        self._limits: Limits | None = None
+        self._fds: bwrap.BwrapFds | None = None
+        self._breach: str | None = None
+
+    # ----------------------------------------------------------------- static checks
+
+    @staticmethod
+    def available() -> tuple[bool, str]:
+        """Whether bubblewrap and seccomp work here, and why not (what to do next)."""
+        return bwrap.probe()
+
+    # ----------------------------------------------------------------- starting
+
+    def command(self, argv: list[str]) -> list[str]:
+        """The full bubblewrap argv for ``argv``.
+
+        It names file descriptors (the seccomp filter, generated /etc files) that this
+        call opens and ``popen`` passes to bwrap; a ``command`` that is only printed
+        leaves them open until ``cleanup``.
+        """
+        exe = bwrap.bwrap_path()
+        if exe is None:
+            raise SandboxUnavailable(bwrap.probe()[1])
+        self._close_fds()
+        self._fds = bwrap.BwrapFds(seccomp=bpf_memfd(),
+                                   passwd=_data_memfd("passwd", bwrap.PASSWD),
+                                   group=_data_memfd("group", bwrap.GROUP))
+        return bwrap.build_command(self.policy, argv, self._fds, bwrap=exe)
+
+    def popen(self, argv: list[str], **popen_kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside the sandbox and return its ``Popen`` (the pid is bwrap's).
+
+        ``popen_kwargs`` go to ``subprocess.Popen`` (stdin/stdout/stderr, text, …);
+        ``env``, ``cwd`` and ``preexec_fn`` are refused: the policy decides those.
+        """
+        if self.process is not None:
+            raise SandboxError(f"sandbox {self.name!r} already runs pid {self.process.pid}; "
+                               "create a new Sandbox for a new host")
+        for key in ("env", "cwd", "preexec_fn"):
+            if key in popen_kwargs:
+                raise SandboxError(f"popen({key}=…) is not allowed: set it in SandboxPolicy")
+        ok, reason = self.available()
+        if not ok:
+            raise SandboxUnavailable(reason)
+        self._limits = make_limits(self.name, self.policy.memory_limit_mb,
+                                   self.policy.pids_limit)
+        block_r, block_w = os.pipe()
+        try:
+            cmd = self.command(argv)
+            assert self._fds is not None
+            cmd.insert(cmd.index("--"), "--block-fd")
+            cmd.insert(cmd.index("--"), str(block_r))
+            pass_fds = {*self._fds.all(), block_r, *popen_kwargs.pop("pass_fds", ())}
+            self.process = subprocess.Popen(cmd, env={}, pass_fds=sorted(pass_fds),
+                                            start_new_session=True, **popen_kwargs)
+        except BaseException:
+            os.close(block_w)
+            self._limits.remove()
+            raise
+        finally:
+            os.close(block_r)
+            self._close_fds()
+        try:
+            self._attach_when_blocked()
+            os.write(block_w, b"g")
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            os.close(block_w)
+        return self.process
+
+    def _attach_when_blocked(self) -> None:
+        """Put every process bwrap has made into the limits and set their rlimits.
+
+        bwrap forks once (the new pid namespace's init) before blocking; we wait until
+        that process exists so that it, too, is attached.
+        """
+        assert self.process is not None and self._limits is not None
+        deadline = time.monotonic() + 10
+        pids = process_tree(self.process.pid)
+        while len(pids) < 2 and self.process.poll() is None:
+            if time.monotonic() > deadline:
+                raise SandboxError("bubblewrap did not reach its start point within 10 s")
+            time.sleep(0.001)
+            pids = process_tree(self.process.pid)
+        if self.process.poll() is not None:
+            err = self.process.stderr.read() if self.process.stderr else b""
+            raise SandboxError(f"bubblewrap exited with {self.process.returncode} before "
+                               f"starting the host: {err!r}")
+        p = self.policy
+        rlimits = {resource.RLIMIT_NOFILE: p.nofile_limit,
+                   resource.RLIMIT_FSIZE: p.fsize_limit_mb << 20,
+                   resource.RLIMIT_NPROC: p.pids_limit,
+                   resource.RLIMIT_CORE: 0}
+        # Never RLIMIT_AS: CUDA reserves terabytes of virtual address space.
+        for pid in pids:
+            try:
+                self._limits.attach(pid)
+                for res, value in rlimits.items():
+                    resource.prlimit(pid, res, (value, value))
+            except PermissionError as exc:
+                raise SandboxLimitError(
+                    f"could not limit sandbox process {pid}: {exc}. Is bwrap setuid on this "
+                    "machine? Install a non-setuid bubblewrap or run the agent as root") from exc
+            except ProcessLookupError:
+                continue
+        self._limits.start(self.process.pid)
+
+    # ----------------------------------------------------------------- stopping
+
+    def kill(self) -> None:
+        """SIGKILL every process of the sandbox (and bwrap itself); waits for bwrap."""
+        if self._limits is not None:
+            self._limits.kill_all()
+        if self.process is not None:
+            if self.process.poll() is None:
+                for pid in reversed(process_tree(self.process.pid)):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def cleanup(self) -> None:
+        """Kill everything left, remember whether a limit was breached, remove the cgroup."""
+        self.kill()
+        if self._limits is not None:
+            self._breach = self._breach or self._limits.breached()
+            self._limits.remove()
+            self._limits = None
+        self._close_fds()
+
+    def limit_breached(self) -> str | None:
+        """``"memory"`` or ``"pids"`` if the sandbox hit that limit, else ``None``.
+
+        Meaningful once the host has died; it stays answered after ``cleanup``.
+        """
+        if self._breach is None and self._limits is not None:
+            self._breach = self._limits.breached()
+        return self._breach
+
+    @property
+    def enforcement(self) -> dict[str, str]:
+        """What enforces each limit here, for the agent's log: e.g.
+        ``{"memory": "cgroup v1", "pids": "cgroup v1", "nofile": "rlimit", …}``."""
+        base = dict(self._limits.enforcement) if self._limits else {}
+        return {**base, "nofile": "rlimit", "fsize": "rlimit",
+                "scratch": f"tmpfs size={self.policy.scratch_size_mb}M"}
+
+    def _close_fds(self) -> None:
+        if self._fds is not None:
+            for fd in self._fds.all():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds = None
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
