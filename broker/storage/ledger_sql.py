@@ -1,0 +1,362 @@
+"""The ledger's SQL storage: tables and :class:`SqlLedgerRepository` (SQLite and PostgreSQL).
+
+Balances are a cached ``balance_micro`` column on ``ledger_accounts``, moved in the same
+database transaction that appends the entries, after the service locked the rows with
+``SELECT … FOR UPDATE`` (PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already serialises
+writers). Why cached rather than summed from entries: the overdraft check of every hold
+reads the balance, and summing an ever-growing entry table would make it O(history); and
+the account row is the natural thing to lock — with computed balances there is no row to
+lock and preventing concurrent overdrafts would need SERIALIZABLE isolation and retries.
+A CHECK constraint (``allow_negative OR balance_micro >= 0``) backs the service's own check,
+and :meth:`audit` recomputes every balance from the entries.
+
+Entries are append-only: this module never issues UPDATE or DELETE on ``ledger_entries`` or
+``ledger_transactions``. Queries use SQLAlchemy Core on the mapped tables (no ORM identity
+map to go stale between units of work, and fewer round trips).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Iterable, Iterator, Sequence
+
+from sqlalchemy import (
+    BigInteger, Boolean, CheckConstraint, DateTime, ForeignKey, Index, Integer, String, Text,
+    case, func, insert, literal, select, update,
+)
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Mapped, mapped_column
+
+from broker.ledger.model import (
+    Account, AccountId, AccountKind, Entry, HistoryLine, Hold, HoldState, IdempotencyRecord,
+    Transaction, TransactionKind,
+)
+from broker.ledger.ports import RetryableConflict
+from broker.storage.base import Base
+
+# BIGINT everywhere for money; SQLite only auto-numbers an INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer, "sqlite")
+UTC_DATETIME = DateTime(timezone=True)
+
+
+class LedgerAccountRow(Base):
+    __tablename__ = "ledger_accounts"
+    __table_args__ = (
+        CheckConstraint("allow_negative OR balance_micro >= 0", name="non_negative"),
+        Index("ix_ledger_accounts_owner_id", "owner_id"),
+    )
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # "kind:owner"
+    kind: Mapped[str] = mapped_column(String(40))
+    owner_id: Mapped[str] = mapped_column(String(160))
+    allow_negative: Mapped[bool] = mapped_column(Boolean)
+    balance_micro: Mapped[int] = mapped_column(BigInteger)
+
+
+class LedgerTransactionRow(Base):
+    __tablename__ = "ledger_transactions"
+    __table_args__ = (Index("ix_ledger_transactions_hold_id", "hold_id"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(20))
+    created_at: Mapped[datetime] = mapped_column(UTC_DATETIME)
+    memo: Mapped[str] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    hold_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # Unique: a transaction is reversed at most once, even under concurrency.
+    reverses_id: Mapped[str | None] = mapped_column(
+        String(32), ForeignKey("ledger_transactions.id"), nullable=True, unique=True)
+
+
+class LedgerEntryRow(Base):
+    __tablename__ = "ledger_entries"
+    __table_args__ = (
+        CheckConstraint("amount_micro <> 0", name="nonzero"),
+        Index("ix_ledger_entries_account_id_id", "account_id", "id"),
+        Index("ix_ledger_entries_transaction_id", "transaction_id"),
+    )
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    transaction_id: Mapped[str] = mapped_column(String(32), ForeignKey("ledger_transactions.id"))
+    account_id: Mapped[str] = mapped_column(String(200), ForeignKey("ledger_accounts.id"))
+    amount_micro: Mapped[int] = mapped_column(BigInteger)
+
+
+class LedgerHoldRow(Base):
+    __tablename__ = "ledger_holds"
+    __table_args__ = (
+        CheckConstraint("amount_micro > 0", name="positive"),
+        CheckConstraint("captured_micro + released_micro <= amount_micro", name="conserved"),
+        Index("ix_ledger_holds_state_expires_at", "state", "expires_at"),
+        Index("ix_ledger_holds_provider_id_vests_at", "provider_id", "vests_at"),
+        Index("ix_ledger_holds_job_id", "job_id"),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    client_id: Mapped[str] = mapped_column(String(160))
+    job_id: Mapped[str] = mapped_column(String(160))
+    amount_micro: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(10))
+    created_at: Mapped[datetime] = mapped_column(UTC_DATETIME)
+    expires_at: Mapped[datetime] = mapped_column(UTC_DATETIME)
+    hold_transaction_id: Mapped[str] = mapped_column(String(32))
+    resolved_at: Mapped[datetime | None] = mapped_column(UTC_DATETIME, nullable=True)
+    resolve_transaction_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    captured_micro: Mapped[int] = mapped_column(BigInteger)
+    released_micro: Mapped[int] = mapped_column(BigInteger)
+    provider_id: Mapped[str | None] = mapped_column(String(160), nullable=True)
+    provider_micro: Mapped[int] = mapped_column(BigInteger)
+    publisher_id: Mapped[str | None] = mapped_column(String(160), nullable=True)
+    royalty_micro: Mapped[int] = mapped_column(BigInteger)
+    fee_micro: Mapped[int] = mapped_column(BigInteger)
+    vests_at: Mapped[datetime | None] = mapped_column(UTC_DATETIME, nullable=True)
+    vest_transaction_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    refund_transaction_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class LedgerIdempotencyRow(Base):
+    """What an idempotency key produced; inserted in the same transaction as the effect
+    (so a Stripe event id used as the key is deduplicated atomically)."""
+
+    __tablename__ = "ledger_idempotency"
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    operation: Mapped[str] = mapped_column(String(30))
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    result_type: Mapped[str] = mapped_column(String(12))
+    result_id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(UTC_DATETIME)
+
+
+accounts_t = LedgerAccountRow.__table__
+transactions_t = LedgerTransactionRow.__table__
+entries_t = LedgerEntryRow.__table__
+holds_t = LedgerHoldRow.__table__
+idempotency_t = LedgerIdempotencyRow.__table__
+
+#: The ledger's tables, in creation order (for ``Base.metadata.create_all(tables=…)``).
+LEDGER_TABLES = (accounts_t, transactions_t, entries_t, holds_t, idempotency_t)
+
+
+def create_ledger_tables(engine: Engine) -> None:
+    """Create the ledger's tables (tests and the bench; deployments run the migrations)."""
+    Base.metadata.create_all(engine, tables=list(LEDGER_TABLES))
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    # SQLite keeps no offset: values were written as UTC, so read them back as UTC.
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)
+
+
+_RETRYABLE_SQLSTATES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+
+
+class SqlLedgerRepository:
+    """The ledger on SQLAlchemy 2 Core; an engine from :func:`broker.storage.base.make_engine`."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock_rows = engine.dialect.name != "sqlite"  # SQLite has no FOR UPDATE
+
+    @contextmanager
+    def unit_of_work(self) -> Iterator["_SqlUnitOfWork"]:
+        try:
+            with self.engine.begin() as conn:
+                yield _SqlUnitOfWork(conn, self._lock_rows)
+        except IntegrityError as exc:
+            # Two writers inserted the same idempotency key or reversal at once: the loser
+            # retries and then finds the winner's record.
+            if _is_unique_violation(exc):
+                raise RetryableConflict(str(exc.orig)) from exc
+            raise
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) in _RETRYABLE_SQLSTATES:
+                raise RetryableConflict(str(exc.orig)) from exc
+            raise
+
+
+def _is_unique_violation(exc: IntegrityError) -> bool:
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    return sqlstate == "23505" or "UNIQUE constraint failed" in str(exc.orig)
+
+
+class _SqlUnitOfWork:
+    def __init__(self, conn: Connection, lock_rows: bool):
+        self.c = conn
+        self._lock_rows = lock_rows
+
+    # accounts
+    def add_accounts(self, accounts: Iterable[AccountId]) -> None:
+        wanted = {str(a): a for a in accounts}
+        existing = set(self.c.scalars(select(accounts_t.c.id).where(accounts_t.c.id.in_(wanted))))
+        rows = [{"id": key, "kind": a.kind.value, "owner_id": a.owner,
+                 "allow_negative": a.kind.allows_negative, "balance_micro": 0}
+                for key, a in wanted.items() if key not in existing]
+        if rows:
+            self.c.execute(insert(accounts_t), rows)
+
+    def _select_accounts(self, accounts: Sequence[AccountId], lock: bool) -> dict[AccountId, Account]:
+        keys = sorted(str(a) for a in accounts)
+        query = (select(accounts_t.c.id, accounts_t.c.balance_micro)
+                 .where(accounts_t.c.id.in_(keys)).order_by(accounts_t.c.id))
+        if lock and self._lock_rows:
+            query = query.with_for_update()
+        return {AccountId.parse(key): Account(AccountId.parse(key), balance)
+                for key, balance in self.c.execute(query)}
+
+    def lock_accounts(self, accounts: Sequence[AccountId]) -> dict[AccountId, Account]:
+        return self._select_accounts(accounts, lock=True)
+
+    def get_accounts(self, accounts: Sequence[AccountId]) -> dict[AccountId, Account]:
+        return self._select_accounts(accounts, lock=False)
+
+    def accounts_of(self, owner: str) -> list[Account]:
+        rows = self.c.execute(select(accounts_t.c.id, accounts_t.c.balance_micro)
+                              .where(accounts_t.c.owner_id == owner).order_by(accounts_t.c.id))
+        return [Account(AccountId.parse(key), balance) for key, balance in rows]
+
+    # transactions
+    def add_transaction(self, transaction: Transaction) -> None:
+        t = transaction
+        self.c.execute(insert(transactions_t).values(
+            id=t.id, kind=t.kind.value, created_at=t.created_at, memo=t.memo,
+            idempotency_key=t.idempotency_key, hold_id=t.hold_id, reverses_id=t.reverses_id))
+        self.c.execute(insert(entries_t), [
+            {"transaction_id": t.id, "account_id": str(e.account), "amount_micro": e.amount_micro}
+            for e in t.entries])
+        # One UPDATE for all legs (a round trip per leg was a third of a post's time).
+        delta = case(*[(accounts_t.c.id == str(e.account), literal(e.amount_micro, BigInteger))
+                       for e in t.entries])
+        self.c.execute(update(accounts_t)
+                       .where(accounts_t.c.id.in_([str(e.account) for e in t.entries]))
+                       .values(balance_micro=accounts_t.c.balance_micro + delta))
+
+    def _load_transactions(self, where) -> list[Transaction]:
+        rows = self.c.execute(select(transactions_t).where(where)).mappings().all()
+        if not rows:
+            return []
+        entries: dict[str, list[Entry]] = {r["id"]: [] for r in rows}
+        for tid, account, amount in self.c.execute(
+                select(entries_t.c.transaction_id, entries_t.c.account_id, entries_t.c.amount_micro)
+                .where(entries_t.c.transaction_id.in_(list(entries))).order_by(entries_t.c.id)):
+            entries[tid].append(Entry(AccountId.parse(account), amount))
+        return [Transaction(id=r["id"], kind=TransactionKind(r["kind"]),
+                            created_at=_utc(r["created_at"]), entries=tuple(entries[r["id"]]),
+                            memo=r["memo"], idempotency_key=r["idempotency_key"],
+                            hold_id=r["hold_id"], reverses_id=r["reverses_id"]) for r in rows]
+
+    def get_transaction(self, transaction_id: str) -> Transaction | None:
+        found = self._load_transactions(transactions_t.c.id == transaction_id)
+        return found[0] if found else None
+
+    def reversal_of(self, transaction_id: str) -> Transaction | None:
+        found = self._load_transactions(transactions_t.c.reverses_id == transaction_id)
+        return found[0] if found else None
+
+    def history(self, account: AccountId, *, limit: int) -> list[HistoryLine]:
+        rows = self.c.execute(
+            select(entries_t.c.transaction_id, transactions_t.c.kind, transactions_t.c.created_at,
+                   entries_t.c.amount_micro, transactions_t.c.memo, transactions_t.c.hold_id)
+            .join(transactions_t, transactions_t.c.id == entries_t.c.transaction_id)
+            .where(entries_t.c.account_id == str(account))
+            .order_by(entries_t.c.id.desc()).limit(limit))
+        return [HistoryLine(tid, TransactionKind(kind), _utc(at), amount, memo, hold_id)
+                for tid, kind, at, amount, memo, hold_id in rows]
+
+    # holds
+    @staticmethod
+    def _hold_values(h: Hold) -> dict:
+        return {"id": h.id, "client_id": h.client, "job_id": h.job_id,
+                "amount_micro": h.amount_micro, "state": h.state.value,
+                "created_at": h.created_at, "expires_at": h.expires_at,
+                "hold_transaction_id": h.hold_transaction_id, "resolved_at": h.resolved_at,
+                "resolve_transaction_id": h.resolve_transaction_id,
+                "captured_micro": h.captured_micro, "released_micro": h.released_micro,
+                "provider_id": h.provider, "provider_micro": h.provider_micro,
+                "publisher_id": h.publisher, "royalty_micro": h.royalty_micro,
+                "fee_micro": h.fee_micro, "vests_at": h.vests_at,
+                "vest_transaction_id": h.vest_transaction_id,
+                "refund_transaction_id": h.refund_transaction_id}
+
+    @staticmethod
+    def _hold(r) -> Hold:
+        return Hold(id=r["id"], client=r["client_id"], job_id=r["job_id"],
+                    amount_micro=r["amount_micro"], state=HoldState(r["state"]),
+                    created_at=_utc(r["created_at"]), expires_at=_utc(r["expires_at"]),
+                    hold_transaction_id=r["hold_transaction_id"], resolved_at=_utc(r["resolved_at"]),
+                    resolve_transaction_id=r["resolve_transaction_id"],
+                    captured_micro=r["captured_micro"], released_micro=r["released_micro"],
+                    provider=r["provider_id"], provider_micro=r["provider_micro"],
+                    publisher=r["publisher_id"], royalty_micro=r["royalty_micro"],
+                    fee_micro=r["fee_micro"], vests_at=_utc(r["vests_at"]),
+                    vest_transaction_id=r["vest_transaction_id"],
+                    refund_transaction_id=r["refund_transaction_id"])
+
+    def add_hold(self, hold: Hold) -> None:
+        self.c.execute(insert(holds_t).values(**self._hold_values(hold)))
+
+    def save_hold(self, hold: Hold) -> None:
+        values = self._hold_values(hold)
+        del values["id"]
+        self.c.execute(update(holds_t).where(holds_t.c.id == hold.id).values(**values))
+
+    def get_hold(self, hold_id: str, *, for_update: bool = False) -> Hold | None:
+        query = select(holds_t).where(holds_t.c.id == hold_id)
+        if for_update and self._lock_rows:
+            query = query.with_for_update()
+        row = self.c.execute(query).mappings().first()
+        return self._hold(row) if row else None
+
+    def due_hold_ids(self, now: datetime, *, limit: int) -> list[str]:
+        return list(self.c.scalars(
+            select(holds_t.c.id).where(holds_t.c.state == HoldState.PENDING.value,
+                                       holds_t.c.expires_at <= now)
+            .order_by(holds_t.c.expires_at, holds_t.c.id).limit(limit)))
+
+    def lock_vestable_holds(self, provider: str, now: datetime) -> list[Hold]:
+        query = (select(holds_t).where(
+            holds_t.c.provider_id == provider, holds_t.c.state == HoldState.POSTED.value,
+            holds_t.c.provider_micro > 0, holds_t.c.vests_at <= now,
+            holds_t.c.vest_transaction_id.is_(None), holds_t.c.refund_transaction_id.is_(None))
+            .order_by(holds_t.c.id))
+        if self._lock_rows:
+            query = query.with_for_update()
+        return [self._hold(r) for r in self.c.execute(query).mappings()]
+
+    # idempotency
+    def get_idempotency(self, key: str) -> IdempotencyRecord | None:
+        row = self.c.execute(select(idempotency_t).where(idempotency_t.c.key == key)).mappings().first()
+        if row is None:
+            return None
+        return IdempotencyRecord(key=row["key"], operation=row["operation"],
+                                 fingerprint=row["fingerprint"], result_type=row["result_type"],
+                                 result_id=row["result_id"], created_at=_utc(row["created_at"]))
+
+    def add_idempotency(self, record: IdempotencyRecord) -> None:
+        self.c.execute(insert(idempotency_t).values(
+            key=record.key, operation=record.operation, fingerprint=record.fingerprint,
+            result_type=record.result_type, result_id=record.result_id,
+            created_at=record.created_at))
+
+    # audit
+    def audit(self) -> tuple[int, int, list[str]]:
+        problems: list[str] = []
+        total = self.c.scalar(select(func.coalesce(func.sum(entries_t.c.amount_micro), 0)))
+        count = self.c.scalar(select(func.count()).select_from(transactions_t))
+        for tid, s in self.c.execute(
+                select(entries_t.c.transaction_id, func.sum(entries_t.c.amount_micro))
+                .group_by(entries_t.c.transaction_id)
+                .having(func.sum(entries_t.c.amount_micro) != 0)):
+            problems.append(f"transaction {tid} sums to {s}")
+        sums = (select(entries_t.c.account_id, func.sum(entries_t.c.amount_micro).label("s"))
+                .group_by(entries_t.c.account_id).subquery())
+        computed = func.coalesce(sums.c.s, 0)
+        for key, cached, s, allow_negative in self.c.execute(
+                select(accounts_t.c.id, accounts_t.c.balance_micro, computed,
+                       accounts_t.c.allow_negative)
+                .outerjoin(sums, sums.c.account_id == accounts_t.c.id)):
+            if cached != s:
+                problems.append(f"{key}: cached balance {cached}, entries sum {s}")
+            if s < 0 and not (allow_negative and AccountKind(key.partition(":")[0]).allows_negative):
+                problems.append(f"{key} is negative ({s}) but its kind forbids it")
+        return int(total), int(count), problems
