@@ -53,11 +53,11 @@ def run_demo(workdir: Path, out_dir: Path, *, sandbox: bool = True) -> int:
         with Client(info["http"], client_key) as client:
             result = client.generate("sd15", prompt="a lighthouse on a cliff at dusk", seed=42,
                                      steps=20, width=128, height=128)
-        elapsed = time.perf_counter() - t0
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = (out_dir / f"demo-{result.job.id}.png").resolve()
-        result.save(path)
-        img = result.images[0]
+            elapsed = time.perf_counter() - t0
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path = (out_dir / f"demo-{result.job.id}.png").resolve()
+            result.save(path)
+            img = result.images[0]
         _say(f"job {result.job.id} settled in {elapsed:.2f}s on provider "
              f"{result.job.data.get('provider_id')}")
         print(f"image: {path} ({img.width}x{img.height})")

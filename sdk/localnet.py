@@ -34,6 +34,7 @@ class AgentProcess:
     proc: subprocess.Popen
     log_path: Path
     args: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
 
 
 class LocalNetwork:
@@ -122,9 +123,12 @@ class LocalNetwork:
         log_path = self.workdir / f"agent-{name}.log"
         log = open(log_path, "ab")
         self._logs.append(log)
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                env={**self.env, **(extra_env or {})}, cwd=self.workdir)
-        agent = AgentProcess(name, home, proc, log_path, args)
+        # Several agents share this machine's cores: one torch thread each avoids
+        # oversubscription (an operator's single agent keeps torch's default).
+        env = {"OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=self.workdir)
+        agent = AgentProcess(name, home, proc, log_path, args, env)
         self.agents.append(agent)
         return agent
 
@@ -132,7 +136,7 @@ class LocalNetwork:
         log = open(agent.log_path, "ab")
         self._logs.append(log)
         agent.proc = subprocess.Popen(agent.args, stdout=log, stderr=subprocess.STDOUT,
-                                      env=self.env, cwd=self.workdir)
+                                      env=agent.env, cwd=self.workdir)
         return agent
 
     def wait_for_providers(self, n: int, timeout_s: float = 180) -> None:

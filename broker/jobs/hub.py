@@ -1,38 +1,51 @@
 """EventHub: wakes threads waiting on a job (long-poll GETs, server-sent event streams).
 
 The events themselves live in the database; the hub only says "something happened to job
-X", so a waiter re-reads. One condition variable with a version per job keeps it simple.
+X", so a waiter re-reads. Each job has its own waiters: a notification wakes only the
+threads watching that job (one shared condition would wake every long-poll on every event
+and have each of them re-query the database).
 """
 from __future__ import annotations
 
 import threading
-import time
 
 
 class EventHub:
+    MAX_TRACKED = 100_000
+
     def __init__(self):
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._versions: dict[str, int] = {}
+        self._waiters: dict[str, list[threading.Event]] = {}
 
     def version(self, job_id: str) -> int:
-        with self._cond:
+        with self._lock:
             return self._versions.get(job_id, 0)
 
     def notify(self, job_id: str) -> None:
-        with self._cond:
-            self._versions[job_id] = self._versions.get(job_id, 0) + 1
-            if len(self._versions) > 100_000:
+        with self._lock:
+            if len(self._versions) > self.MAX_TRACKED:
+                # Forgetting versions only makes a waiter re-read once too often.
                 self._versions.clear()
-            self._cond.notify_all()
+            self._versions[job_id] = self._versions.get(job_id, 0) + 1
+            waiters = self._waiters.pop(job_id, ())
+        for ev in waiters:
+            ev.set()
 
     def wait(self, job_id: str, seen_version: int, timeout_s: float) -> int:
         """Block until the job's version differs from ``seen_version`` or the timeout passes;
         returns the current version."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._versions.get(job_id, 0) == seen_version:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
+        ev = threading.Event()
+        with self._lock:
+            current = self._versions.get(job_id, 0)
+            if current != seen_version:
+                return current
+            self._waiters.setdefault(job_id, []).append(ev)
+        ev.wait(timeout_s)
+        with self._lock:
+            waiting = self._waiters.get(job_id)
+            if waiting and ev in waiting:
+                waiting.remove(ev)
+                if not waiting:
+                    del self._waiters[job_id]
             return self._versions.get(job_id, 0)

@@ -1,0 +1,134 @@
+"""Dispatch benchmark: jobs/s and added latency of the broker path with the echo plugin.
+
+Starts a real broker (SQLite, as `make demo` does) and 1, 2 and 4 real agents on loopback,
+then measures
+  * added latency: one client, one job at a time, submit → settled (p50/p99), minus the
+    direct in-process plugin call measured in the same run;
+  * throughput: many clients in parallel (closed loop), completed jobs per second.
+Prints a table and the ratio against the direct call. Targets (issue #2, 2-core machine):
+>= 300 jobs/s and <= 15 ms p50 added latency.
+
+    python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sdk import Client  # noqa: E402
+from sdk.localnet import LocalNetwork  # noqa: E402
+
+
+def direct_call_ms(n: int = 2000) -> list[float]:
+    """The echo plugin called in-process: the floor any network path is compared with."""
+    from plugins import builtin_plugin_dir
+    from plugins.api import load_manifest
+    sys.path.insert(0, str(builtin_plugin_dir("echo")))
+    from plugin import Echo  # type: ignore
+
+    class Ctx:
+        job_id = "bench"
+        scratch_dir = Path(tempfile.gettempdir())
+
+        def progress(self, *a): pass
+        def stream(self, *a): pass
+        def cancelled(self): return False
+        def check_cancelled(self): pass
+
+    manifest = load_manifest(builtin_plugin_dir("echo"))
+    plugin = Echo()
+    plugin.setup(None, "cpu")
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        plugin.run(manifest.validate_inputs({"text": "x"}), Ctx())
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="sc-bench-"))
+    net = LocalNetwork(work)
+    try:
+        net.start_broker()
+        pkey = net.create_key("provider")
+        ckey = net.create_key("client")
+        for i in range(n_agents):
+            net.start_agent(f"a{i}", pkey, plugins="echo", slots=slots, sandbox=sandbox)
+        net.wait_for_providers(n_agents)
+        client = Client(net.url, ckey)
+        for _ in range(20):  # warm-up: connections, caches, first-call paths
+            client.generate("echo", text="warm")
+        lat = []
+        for _ in range(min(jobs, 200)):
+            t = time.perf_counter()
+            client.generate("echo", text="x")
+            lat.append((time.perf_counter() - t) * 1000)
+        client.close()
+
+        done = 0
+        lock = threading.Lock()
+        per_client = max(1, jobs // clients)
+
+        def worker():
+            nonlocal done
+            with Client(net.url, ckey) as c:
+                for _ in range(per_client):
+                    c.generate("echo", text="y")
+                    with lock:
+                        done += 1
+
+        threads = [threading.Thread(target=worker) for _ in range(clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        return {"agents": n_agents, "lat": lat, "jobs_per_s": done / elapsed, "done": done}
+    finally:
+        net.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--agents", default="1,2,4")
+    ap.add_argument("--jobs", type=int, default=600)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--no-sandbox", action="store_true")
+    args = ap.parse_args()
+    sandbox = not args.no_sandbox and shutil.which("bwrap") is not None
+
+    direct = direct_call_ms()
+    d50 = statistics.median(direct)
+    print(f"direct in-process echo call: p50 {d50:.3f} ms, p99 {pct(direct, 99):.3f} ms")
+    print(f"broker path: SQLite, sandbox {'on' if sandbox else 'off'}, {args.clients} clients, "
+          f"{args.slots} slot(s) per agent")
+    print(f"{'agents':>6} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
+          f"{'added p99':>10} {'p50 ÷ direct':>13}")
+    for n in [int(x) for x in args.agents.split(",")]:
+        r = run_one(n, args.jobs, args.clients, args.slots, sandbox)
+        p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
+        print(f"{n:>6} {r['jobs_per_s']:>8.0f} {p50:>8.2f} {p99:>8.2f} {p50 - d50:>10.2f} "
+              f"{p99 - d50:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x", flush=True)
+    print("targets: >= 300 jobs/s, <= 15 ms added p50")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

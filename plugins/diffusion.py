@@ -1,0 +1,222 @@
+"""What the built-in Stable Diffusion plugins (sd15, sdxl) share: one base class on diffusers.
+
+A subclass names its two pipeline classes (text-to-image and image-to-image); this class
+loads the first once in ``setup()``, derives the second from the same components (no
+second copy of the weights), and per job: swaps the sampler, checks that the prompts fit
+the text encoders, runs with one seeded CPU generator per image (so image ``i`` of a job
+with seed ``s`` is the image of a one-image job with seed ``s + i``, up to the rounding
+that batching changes, whatever the device),
+reports progress and honours cancellation every step, and encodes deterministic PNGs.
+
+This module is shared by built-in plugins only; a third-party plugin imports just
+``plugins.api`` and its ML libraries.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import io
+import logging
+import secrets
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler,
+                       EulerAncestralDiscreteScheduler, EulerDiscreteScheduler)
+from PIL import Image
+
+from plugins.api import BadInput, Output, Plugin, PluginError, RunContext
+
+# Sampler name (the `scheduler` input) -> (class, settings over the model's saved config).
+SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "euler": (EulerDiscreteScheduler, {}),
+    "euler_a": (EulerAncestralDiscreteScheduler, {}),
+    # The SD noise schedule is trained without clipping and with alpha_prod at t<0 = alpha_0.
+    "ddim": (DDIMScheduler, {"clip_sample": False, "set_alpha_to_one": False}),
+    "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+}
+MAX_INIT_IMAGE_PIXELS = 4096 * 4096
+PNG_COMPRESS_LEVEL = 6  # fixed: the PNG bytes are part of what verification compares
+
+
+def encode_png(image: Image.Image) -> bytes:
+    """PNG bytes that depend only on the pixels (no timestamps or text chunks)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    return buf.getvalue()
+
+
+def decode_init_image(b64: str, width: int, height: int) -> Image.Image:
+    """The ``init_image`` input (base64 PNG or JPEG) as an RGB image of width × height."""
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadInput("init_image must be a base64-encoded PNG or JPEG "
+                       "(standard alphabet, no data: prefix, no line breaks)") from None
+    try:
+        image = Image.open(io.BytesIO(raw))
+        if image.format not in ("PNG", "JPEG"):
+            raise BadInput(f"init_image is a {image.format} image; send a PNG or JPEG")
+        if image.width * image.height > MAX_INIT_IMAGE_PIXELS:
+            raise BadInput(f"init_image is {image.width}x{image.height}; at most "
+                           f"{MAX_INIT_IMAGE_PIXELS} pixels are accepted")
+        image = image.convert("RGB")
+    except BadInput:
+        raise
+    except Exception as exc:  # noqa: BLE001 - PIL raises many kinds for corrupt data
+        raise BadInput(f"init_image could not be read as an image: {exc}") from None
+    if image.size != (width, height):
+        image = image.resize((width, height), Image.Resampling.LANCZOS)
+    return image
+
+
+class _DropEmptyFp32Notice(logging.Filter):
+    """diffusers warns "modules that should be kept in float32: []" whenever a pipeline
+    casts its VAE (SDXL img2img does, every job) even when the list is empty; that says
+    nothing, so it is dropped. Non-empty lists still get through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "should be kept in float32: []" not in record.getMessage()
+
+
+def _install_log_filter() -> None:
+    log = logging.getLogger("diffusers.models.modeling_utils")
+    if not any(isinstance(f, _DropEmptyFp32Notice) for f in log.filters):
+        log.addFilter(_DropEmptyFp32Notice())
+
+
+@contextlib.contextmanager
+def _quiet_diffusers():
+    """Hide load-time chatter (progress bars, deprecation notes) from the host's log."""
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    level, bars = dlog.get_verbosity(), (dlog.is_progress_bar_enabled(),
+                                         tlog.is_progress_bar_enabled())
+    dlog.set_verbosity_error()
+    dlog.disable_progress_bar()
+    tlog.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            yield
+    finally:
+        dlog.set_verbosity(level)
+        if bars[0]:
+            dlog.enable_progress_bar()
+        if bars[1]:
+            tlog.enable_progress_bar()
+
+
+class DiffusersImagePlugin(Plugin):
+    """Base of the diffusers image plugins; a subclass sets the two pipeline classes."""
+
+    pipeline_class: ClassVar[type]
+    img2img_class: ClassVar[type]
+
+    pipe: Any = None
+    img2img: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def setup(self, weights_dir: Path | None, device: str) -> None:
+        if weights_dir is None:
+            raise PluginError(f"{type(self).__name__} needs a weights folder in the diffusers "
+                              f"layout (model_index.json, unet/, vae/, ...)", retryable=False)
+        _install_log_filter()
+        self.device = torch.device(device)
+        self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        with _quiet_diffusers():
+            # torch_dtype rather than dtype: the older diffusers we support know only it.
+            pipe = self.pipeline_class.from_pretrained(weights_dir, torch_dtype=self.dtype)
+            pipe.to(self.device)
+            pipe.set_progress_bar_config(disable=True)
+            # Same modules, a second front end: no reload. torch_dtype keeps from_pipe
+            # from casting the shared modules to its float32 default.
+            img2img = self.img2img_class.from_pipe(pipe, torch_dtype=self.dtype)
+            img2img.set_progress_bar_config(disable=True)
+        self.pipe, self.img2img = pipe, img2img
+        self.scheduler_config = dict(pipe.scheduler.config)
+
+    def teardown(self) -> None:
+        self.pipe = self.img2img = None
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- one job -----------------------------------------------------------------------
+    def run(self, inputs: dict[str, Any], ctx: RunContext) -> list[Output]:
+        if self.pipe is None:
+            raise PluginError("run() called before setup()")
+        ctx.check_cancelled()
+        width, height, n = inputs["width"], inputs["height"], inputs["n"]
+        seed = inputs.get("seed")
+        if seed is None:  # the client left it to us: draw one and report it in meta
+            seed = secrets.randbelow(2**32)
+        for name in ("prompt", "negative_prompt"):
+            self.check_prompt_length(name, inputs.get(name) or "")
+
+        init = inputs.get("init_image")
+        pipe = self.img2img if init else self.pipe
+        pipe.scheduler = self.make_scheduler(inputs["scheduler"])
+        kwargs: dict[str, Any] = dict(
+            prompt=inputs["prompt"], negative_prompt=inputs.get("negative_prompt") or None,
+            guidance_scale=inputs["guidance_scale"], num_inference_steps=inputs["steps"],
+            num_images_per_prompt=n, output_type="pil",
+            generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(n)],
+            callback_on_step_end=self._step_callback(ctx),
+        )
+        if init:
+            strength = inputs["strength"]
+            if int(inputs["steps"] * strength) < 1:
+                raise BadInput(f"steps × strength is {inputs['steps']} × {strength}, which "
+                               f"leaves no denoising step; raise steps or strength")
+            kwargs.update(image=decode_init_image(init, width, height), strength=strength)
+            # img2img takes its size from the image (already width × height)
+        else:
+            kwargs.update(width=width, height=height)
+
+        result = pipe(**kwargs)
+        nsfw = getattr(result, "nsfw_content_detected", None)
+        outputs = []
+        for i, image in enumerate(result.images):
+            meta: dict[str, Any] = {"seed": seed + i, "index": i}
+            if nsfw is not None:
+                meta["nsfw"] = bool(nsfw[i])
+            outputs.append(Output(data=encode_png(image), media_type="image/png", meta=meta))
+        return outputs
+
+    # -- hooks and helpers -------------------------------------------------------------
+    def make_scheduler(self, name: str):
+        """A fresh sampler ``name`` on the model's noise schedule (cheap; no weights)."""
+        try:
+            cls, overrides = SCHEDULERS[name]
+        except KeyError:
+            raise BadInput(f"scheduler {name!r} is not available; "
+                           f"choose one of {sorted(SCHEDULERS)}") from None
+        return cls.from_config(self.scheduler_config, **overrides)
+
+    def check_prompt_length(self, field: str, text: str) -> None:
+        """Refuse (never silently cut) a prompt longer than a text encoder reads."""
+        for tokenizer in self.tokenizers():
+            limit = tokenizer.model_max_length
+            count = len(tokenizer(text, truncation=False).input_ids)
+            if count > limit:
+                raise BadInput(
+                    f"{field} is {count - 2} tokens long; this model reads at most "
+                    f"{limit - 2} tokens. Shorten it (it is refused rather than cut, so the "
+                    f"image matches the whole prompt).")
+
+    def tokenizers(self) -> list:
+        return [t for t in (getattr(self.pipe, "tokenizer", None),
+                            getattr(self.pipe, "tokenizer_2", None)) if t is not None]
+
+    @staticmethod
+    def _step_callback(ctx: RunContext):
+        def on_step_end(pipe, step_index, timestep, callback_kwargs):
+            ctx.check_cancelled()
+            ctx.progress(step_index + 1, pipe.num_timesteps)
+            return callback_kwargs
+
+        return on_step_end

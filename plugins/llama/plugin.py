@@ -1,0 +1,242 @@
+"""The llama plugin: text generation with a Llama-family causal LM on transformers.
+
+Weights are a transformers folder (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a chat template): a published Llama checkpoint, or the tiny
+one from ``plugins.tiny.build_tiny_llama``.
+
+Generation is a plain sampling loop over the KV cache rather than ``model.generate``,
+because the market needs three things generate() does not give together: sampling from
+a seeded *CPU* generator on float32 probabilities (the same seed picks the same tokens on
+any device whose logits agree), the log-probability of every chosen token under the
+model's own distribution (what a verifier re-scores by teacher forcing, DESIGN §6), and
+a cancellation check and a streamed piece of text after every token.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from plugins.api import BadInput, Output, Plugin, PluginError, RunContext
+
+ROLES = ("system", "user", "assistant")
+# transformers 4.56 renamed from_pretrained's torch_dtype to dtype (the old name warns).
+_DTYPE_KWARG = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+class Llama(Plugin):
+    """A causal LM: raw ``prompt`` completion or chat ``messages``, streamed per token."""
+
+    model: Any = None
+    tokenizer: Any = None
+
+    def setup(self, weights_dir: Path | None, device: str) -> None:
+        if weights_dir is None:
+            raise PluginError("llama needs a weights folder in the transformers layout "
+                              "(config.json, model.safetensors, tokenizer.json)", retryable=False)
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            dtype = torch.float32
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # keep the host's log readable
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(weights_dir)
+            self.model = AutoModelForCausalLM.from_pretrained(weights_dir, **{_DTYPE_KWARG: dtype})
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        self.model.to(self.device).eval()
+        self.context_tokens = int(getattr(self.model.config, "max_position_embeddings", 0)
+                                  or self.tokenizer.model_max_length)
+        # transformers 5.x renamed the KV cache argument and output field past_key_values
+        # to cache; use whichever this version has.
+        self._forward_params = set(inspect.signature(self.model.forward).parameters)
+        self._cache_arg = "cache" if "cache" in self._forward_params else "past_key_values"
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {int(i) for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+
+    def teardown(self) -> None:
+        self.model = self.tokenizer = None
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- one job -----------------------------------------------------------------------
+    def run(self, inputs: dict[str, Any], ctx: RunContext) -> list[Output]:
+        if self.model is None:
+            raise PluginError("run() called before setup()")
+        ctx.check_cancelled()
+        prompt_ids = self.encode(inputs)
+        max_new = inputs["max_new_tokens"]
+        if len(prompt_ids) + max_new > self.context_tokens:
+            raise BadInput(
+                f"the prompt is {len(prompt_ids)} tokens and max_new_tokens is {max_new}; "
+                f"together they must fit this model's context of {self.context_tokens} tokens. "
+                f"Shorten the prompt or lower max_new_tokens.")
+        seed = inputs.get("seed")
+        if seed is None:
+            seed = secrets.randbelow(2**32)
+        generator = torch.Generator("cpu").manual_seed(seed)
+        text = _StreamingText(self.tokenizer, inputs.get("stop"), ctx)
+
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        banned = sorted(self.eos_ids) if inputs.get("ignore_eos") else []
+        with torch.inference_mode():
+            out = self._forward(prompt_ids, cache=None, last_only=True)
+            for step in range(1, max_new + 1):
+                logits = out.logits[0, -1].float().cpu()
+                token = _sample(logits, inputs["temperature"], inputs["top_p"], generator,
+                                banned)
+                token_ids.append(token)
+                logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+                ctx.check_cancelled()
+                ctx.progress(step, max_new)
+                if token in self.eos_ids:
+                    finish = "stop"
+                    break
+                if text.add(token):  # the stop string appeared
+                    finish = "stop"
+                    break
+                if step < max_new:
+                    out = self._forward([token], cache=self._cache_of(out))
+        final = text.finish()
+        meta = {
+            "seed": seed, "token_ids": token_ids, "logprobs": logprobs,
+            "prompt_tokens": len(prompt_ids), "generated_tokens": len(token_ids),
+            "work_units": len(prompt_ids) + len(token_ids), "finish_reason": finish,
+        }
+        return [Output(data=final.encode("utf-8"), media_type="text/plain", meta=meta)]
+
+    def _forward(self, ids: list[int], cache, last_only: bool = False):
+        kwargs: dict[str, Any] = {"use_cache": True}
+        if cache is not None:
+            kwargs[self._cache_arg] = cache
+        if last_only and "logits_to_keep" in self._forward_params:
+            kwargs["logits_to_keep"] = 1  # a long prompt needs no vocab-sized row per token
+        return self.model(input_ids=torch.tensor([ids], device=self.device), **kwargs)
+
+    def _cache_of(self, out):
+        return getattr(out, self._cache_arg)
+
+    def encode(self, inputs: dict[str, Any]) -> list[int]:
+        """Token ids of the raw prompt, or of the messages through the chat template."""
+        prompt, messages = inputs.get("prompt"), inputs.get("messages")
+        if (prompt is None) == (messages is None):
+            raise BadInput("give exactly one of prompt (raw text) or messages (a JSON array "
+                           "of chat messages)")
+        if prompt is not None:
+            return list(self.tokenizer(prompt).input_ids)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadInput("this model has no chat template; send a raw prompt instead")
+        chat = _parse_messages(messages)
+        # Render to text, then tokenize without adding special tokens: the template
+        # already holds them (and the tokenize=True return type differs across versions).
+        rendered = self.tokenizer.apply_chat_template(chat, tokenize=False,
+                                                      add_generation_prompt=True)
+        return list(self.tokenizer(rendered, add_special_tokens=False).input_ids)
+
+
+def _parse_messages(raw: str) -> list[dict[str, str]]:
+    try:
+        chat = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"messages is not valid JSON ({exc.msg} at character {exc.pos}); "
+                       f'send [{{"role": "user", "content": "..."}}]') from None
+    if not isinstance(chat, list) or not chat:
+        raise BadInput('messages must be a non-empty JSON array like '
+                       '[{"role": "user", "content": "Hello"}]')
+    for i, message in enumerate(chat):
+        if (not isinstance(message, dict) or set(message) != {"role", "content"}
+                or message["role"] not in ROLES or not isinstance(message["content"], str)):
+            raise BadInput(f"messages[{i}] is {message!r}; each message must be "
+                           f'{{"role": one of {list(ROLES)}, "content": a string}}')
+    return chat
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float,
+            generator: torch.Generator, banned: list[int] = ()) -> int:
+    """One token id from float32 CPU logits: greedy at temperature 0, else nucleus
+    sampling; ``banned`` ids (end-of-text under ignore_eos) are never picked."""
+    if banned:
+        logits = logits.clone()
+        logits[list(banned)] = float("-inf")
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    if top_p < 1.0:
+        # keep the smallest head whose mass reaches top_p (always at least one token)
+        outside = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) >= top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    pick = torch.multinomial(sorted_probs, 1, generator=generator)
+    return int(order[pick])
+
+
+class _StreamingText:
+    """Turns tokens into streamed text pieces whose concatenation is the final text.
+
+    Text is held back while it ends in an incomplete UTF-8 character (byte-level tokens
+    can split one) or in what may be the start of the stop string. Decoding restarts at
+    the last point where everything was sent, so a long answer is not re-decoded from the
+    start at every token.
+    """
+
+    def __init__(self, tokenizer, stop: str | None, ctx: RunContext):
+        self.tokenizer, self.stop, self.ctx = tokenizer, stop, ctx
+        self.ids: list[int] = []       # text tokens since the last clean restart point
+        self.sent_chars = 0            # characters of decode(self.ids) already streamed
+        self.unsent_ids: list[int] = []
+        self.pieces: list[str] = []
+        self.stopped = False
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+
+    def _send(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+            self.ctx.stream(piece, self.unsent_ids)
+            self.unsent_ids = []
+
+    def add(self, token: int) -> bool:
+        """Take one generated token; True once the stop string has appeared."""
+        self.ids.append(token)
+        self.unsent_ids.append(token)
+        text = self._decode()
+        if self.stop:
+            at = text.find(self.stop, self.sent_chars)
+            if at >= 0:
+                self._send(text[self.sent_chars:at])
+                self.stopped = True
+                return True
+        end = len(text.rstrip("\ufffd"))
+        if self.stop:
+            for k in range(min(len(self.stop) - 1, end), 0, -1):
+                if text[:end].endswith(self.stop[:k]):
+                    end -= k
+                    break
+        end = max(end, self.sent_chars)
+        self._send(text[self.sent_chars:end])
+        if end == len(text):  # all sent and nothing pending: restart decoding here
+            self.ids, self.sent_chars = [], 0
+        else:
+            self.sent_chars = end
+        return False
+
+    def finish(self) -> str:
+        """Send whatever is held back (unless stopped) and return the whole text."""
+        if not self.stopped:
+            self._send(self._decode()[self.sent_chars:])
+        return "".join(self.pieces)

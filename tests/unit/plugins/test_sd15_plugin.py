@@ -1,0 +1,158 @@
+"""The sd15 plugin on tiny seeded weights, on the CPU: what a client of the marketplace sees."""
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from plugins.api import BadInput, Cancelled
+from sdk.protocol.schema import InputError
+
+pytest.importorskip("diffusers", reason="plugin tests need the [agent] extra")
+import numpy as np  # noqa: E402 - after the skip: numpy comes with the extra
+
+FAST = {"prompt": "a lighthouse at dusk", "steps": 4, "width": 64, "height": 64}
+
+
+@pytest.fixture
+def run(sd15, make_ctx):
+    """run(ctx=None, **inputs): validate like the host does, then run one job."""
+    plugin, manifest = sd15
+
+    def run_job(ctx=None, **inputs):
+        return plugin.run(manifest.validate_inputs({**FAST, **inputs}), ctx or make_ctx())
+
+    return run_job
+
+
+def pixels(output) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(output.data)).convert("RGB")).astype(np.int16)
+
+
+def test_manifest_work_units_are_steps_times_megapixels_times_images(sd15):
+    _, manifest = sd15
+    inputs = manifest.validate_inputs({"prompt": "x", "steps": 20, "width": 1024,
+                                       "height": 512, "n": 3})
+    assert manifest.work_units_for(inputs) == 20 * 0.5 * 3
+    assert manifest.validate_inputs({"prompt": "x"})["width"] == 512
+
+
+def test_txt2img_returns_one_png_of_the_asked_size(run):
+    [out] = run(seed=1, width=80, height=64)
+    assert out.media_type == "image/png" and out.data.startswith(b"\x89PNG")
+    assert Image.open(io.BytesIO(out.data)).size == (80, 64)
+    assert out.meta == {"seed": 1, "index": 0}
+
+
+def test_same_seed_same_bytes_other_seed_other_image(run):
+    a, = run(seed=42)
+    b, = run(seed=42)
+    c, = run(seed=43)
+    assert a.data == b.data
+    assert a.data != c.data
+
+
+def test_n_images_use_consecutive_seeds(run):
+    outs = run(seed=10, n=2)
+    assert [o.meta for o in outs] == [{"seed": 10, "index": 0}, {"seed": 11, "index": 1}]
+    alone, = run(seed=11)
+    # batching may change rounding, never the picture
+    assert np.abs(pixels(outs[1]) - pixels(alone)).max() <= 2
+    assert outs[0].data != outs[1].data
+
+
+def test_seed_left_out_is_drawn_and_reported(run):
+    out, = run()
+    again, = run(seed=out.meta["seed"])
+    assert out.data == again.data
+
+
+def test_img2img_moves_further_from_the_init_image_as_strength_grows(run, make_ctx):
+    init = Image.new("RGB", (64, 64), (200, 40, 40))
+    buf = io.BytesIO()
+    init.save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    distance, steps_run = {}, {}
+    for strength in (0.25, 1.0):
+        ctx = make_ctx()
+        out, = run(ctx, seed=3, steps=4, init_image=b64, strength=strength)
+        distance[strength] = np.abs(pixels(out) - np.asarray(init, dtype=np.int16)).mean()
+        steps_run[strength] = ctx.progress_calls[-1]
+    assert distance[0.25] < distance[1.0]
+    assert steps_run == {0.25: (1, 1), 1.0: (4, 4)}  # img2img runs steps × strength steps
+
+
+def test_img2img_and_scheduler_swaps_reuse_the_loaded_weights(sd15, run):
+    plugin, _ = sd15
+    unet = plugin.pipe.unet
+    run(seed=0, steps=2, scheduler="ddim")
+    assert plugin.img2img.unet is unet and plugin.img2img.vae is plugin.pipe.vae
+    assert plugin.pipe.unet is unet
+
+
+def test_img2img_resizes_the_init_image_to_the_asked_size(run):
+    buf = io.BytesIO()
+    Image.new("RGB", (100, 30), (0, 90, 200)).save(buf, format="JPEG")
+    out, = run(seed=0, init_image=base64.b64encode(buf.getvalue()).decode(), strength=0.5)
+    assert Image.open(io.BytesIO(out.data)).size == (64, 64)
+
+
+@pytest.mark.parametrize("bad", ["not base64!", base64.b64encode(b"GIF89a not a png").decode()])
+def test_img2img_refuses_an_unreadable_init_image(run, bad):
+    with pytest.raises(BadInput, match="init_image"):
+        run(init_image=bad)
+
+
+@pytest.mark.parametrize("scheduler", ["euler", "euler_a", "ddim", "dpmpp_2m"])
+def test_every_scheduler_runs_and_is_reproducible(run, scheduler):
+    a, = run(seed=5, steps=3, scheduler=scheduler)
+    b, = run(seed=5, steps=3, scheduler=scheduler)
+    assert a.data == b.data
+
+
+def test_schedulers_give_different_images(run):
+    images = {run(seed=5, steps=3, scheduler=s)[0].data for s in ("euler", "ddim")}
+    assert len(images) == 2
+
+
+def test_progress_is_reported_every_step(run, make_ctx):
+    ctx = make_ctx()
+    run(ctx, seed=0, steps=5)
+    assert ctx.progress_calls == [(i, 5) for i in range(1, 6)]
+
+
+def test_cancellation_stops_between_steps(run, make_ctx):
+    ctx = make_ctx(cancel_at_step=2)
+    with pytest.raises(Cancelled):
+        run(ctx, seed=0, steps=6)
+    assert ctx.progress_calls == [(1, 6), (2, 6)]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("width", 100, "multiple of 8"),
+    ("height", 2048, "between 64 and 1024"),
+    ("width", 32, "between 64 and 1024"),
+    ("scheduler", "lms", "one of"),
+    ("n", 9, "between 1 and 4"),
+])
+def test_bad_inputs_are_refused_by_the_schema(sd15, field, value, message):
+    _, manifest = sd15
+    with pytest.raises(InputError, match=message) as info:
+        manifest.validate_inputs({**FAST, field: value})
+    assert info.value.field == field
+
+
+def test_a_prompt_longer_than_the_text_encoder_reads_is_refused(run):
+    long_prompt = " ".join(["lighthouse"] * 80)
+    with pytest.raises(BadInput, match="at most 75 tokens"):
+        run(prompt=long_prompt)
+    with pytest.raises(BadInput, match="negative_prompt"):
+        run(negative_prompt=long_prompt)
+
+
+def test_benchmark_payload_is_valid_and_small(sd15):
+    _, manifest = sd15
+    inputs = manifest.validate_inputs(manifest.benchmark_inputs)
+    assert manifest.work_units_for(inputs) <= 1.0
