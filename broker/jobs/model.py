@@ -30,10 +30,12 @@ LEASED = frozenset({JobState.MATCHED, JobState.RUNNING})
 # MATCHED/RUNNING -> QUEUED with attempt + 1.
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.MATCHED, JobState.CANCELLED, JobState.FAILED}),
-    JobState.MATCHED: frozenset({JobState.RUNNING, JobState.SUBMITTED, JobState.QUEUED,
+    # MATCHED/RUNNING -> SETTLED: a verified receipt settles in one step while no
+    # verification is required (the events still record "submitted" then "done").
+    JobState.MATCHED: frozenset({JobState.RUNNING, JobState.SUBMITTED, JobState.SETTLED,
+                                 JobState.QUEUED, JobState.CANCELLED, JobState.FAILED}),
+    JobState.RUNNING: frozenset({JobState.SUBMITTED, JobState.SETTLED, JobState.QUEUED,
                                  JobState.CANCELLED, JobState.FAILED}),
-    JobState.RUNNING: frozenset({JobState.SUBMITTED, JobState.QUEUED, JobState.CANCELLED,
-                                 JobState.FAILED}),
     JobState.SUBMITTED: frozenset({JobState.VERIFYING, JobState.SETTLED, JobState.CANCELLED}),
     JobState.VERIFYING: frozenset({JobState.SETTLED, JobState.DISPUTED, JobState.CANCELLED}),
     JobState.DISPUTED: frozenset({JobState.SETTLED, JobState.REFUNDED}),

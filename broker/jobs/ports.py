@@ -20,10 +20,12 @@ class JobRepository(Protocol):
 
     def transition(self, job_id: str, expect: Iterable[JobState], to: JobState, *,
                    expect_attempt: int | None = None, expect_provider: str | None = None,
-                   event: tuple[str, dict] | None = None, **fields) -> Job | None:
+                   event: tuple[str, dict] | None = None,
+                   events: list[tuple[str, dict]] | None = None,
+                   outputs: list[JobOutput] | None = None, **fields) -> Job | None:
         """Atomically move the job to ``to`` (setting ``fields``) if it is in one of
         ``expect`` (and at ``expect_attempt`` / held by ``expect_provider`` when given);
-        append ``event`` in the same transaction. Returns the new job, or None when the
+        append ``event``/``events`` and insert ``outputs`` in the same transaction. Returns the new job, or None when the
         job was not in an expected state (someone else moved it first)."""
 
     def add_event(self, job_id: str, kind: str, data: dict, **fields) -> int:
@@ -36,8 +38,6 @@ class JobRepository(Protocol):
     def extend_leases(self, provider_id: str, job_ids: list[str], until: float) -> int: ...
 
     def leased_to(self, provider_id: str) -> list[Job]: ...
-
-    def save_outputs(self, outputs: list[JobOutput]) -> None: ...
 
     def outputs(self, job_id: str) -> list[JobOutput]: ...
 

@@ -19,10 +19,10 @@ from sdk.protocol.signing import KeyPair
 
 from broker.auth.service import Principal
 from broker.catalog.registry import PluginCatalog
-from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
+from broker.errors import IdempotencyConflict, InvalidInput, InvalidRequest
 from .errors import JobNotCancellable, JobNotFound, OutputNotFound, ReceiptRefused
 from .hub import EventHub
-from .model import LEASED, TERMINAL, Job, JobEvent, JobOutput, JobState
+from .model import LEASED, Job, JobEvent, JobOutput, JobState
 from .ports import BlobStore, JobRepository
 
 log = logging.getLogger(__name__)
@@ -248,22 +248,22 @@ class JobService:
             outputs.append(JobOutput(job.id, int(out.get("index", i)), sha,
                                      str(out.get("media_type", "application/octet-stream")),
                                      int(out.get("size", 0))))
-        self.repo.save_outputs(outputs)
         now = self.clock()
-        submitted = self.repo.transition(
-            job.id, LEASED, JobState.SUBMITTED, expect_attempt=attempt,
-            expect_provider=provider_id, event=("submitted", {"attempt": attempt}),
-            receipt=rec, receipt_signature=signature, lease_expires_at=None)
-        if submitted is None:
-            raise ReceiptRefused("not_your_job", f"job {job_id} moved before the receipt arrived")
+        # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
+        # receipt settles at once, in one transaction with its outputs and both events.
         settled = self.repo.transition(
-            job.id, [JobState.SUBMITTED], JobState.SETTLED, finished_at=now,
-            event=("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
-                                         "media_type": o.media_type, "size": o.size}
-                                        for o in outputs]}))
+            job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
+            expect_provider=provider_id, outputs=outputs,
+            events=[("submitted", {"attempt": attempt}),
+                    ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
+                                           "media_type": o.media_type, "size": o.size}
+                                          for o in outputs]})],
+            receipt=rec, receipt_signature=signature, lease_expires_at=None, finished_at=now)
+        if settled is None:
+            raise ReceiptRefused("not_your_job", f"job {job_id} moved before the receipt arrived")
         self.on_released(provider_id, job.id)
         self.hub.notify(job.id)
-        return settled or submitted
+        return settled
 
     def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
                retryable: bool) -> Job | None:

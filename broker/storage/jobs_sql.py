@@ -16,12 +16,17 @@ from broker.jobs.model import Job, JobEvent, JobOutput, JobState, LEASED
 from .models import JobEventRow, JobOutputRow, JobRow
 
 _FIELDS = [c for c in Job.__dataclass_fields__]
+JOBS = JobRow.__table__
+# Hot paths read through Core (plain rows), not the ORM's identity map: several times
+# cheaper per call, and jobs are immutable snapshots for the domain anyway.
+_SELECT = select(*[JOBS.c[name] for name in _FIELDS])
 
 
-def _to_job(row: JobRow) -> Job:
-    values = {name: getattr(row, name) for name in _FIELDS}
-    values["state"] = JobState(row.state)
-    values["excluded_providers"] = list(row.excluded_providers or [])
+def _to_job(row) -> Job:
+    values = dict(row._mapping) if hasattr(row, "_mapping") else {
+        name: getattr(row, name) for name in _FIELDS}
+    values["state"] = JobState(values["state"])
+    values["excluded_providers"] = list(values["excluded_providers"] or [])
     return Job(**values)
 
 
@@ -56,7 +61,7 @@ class SqlJobRepository:
 
     def get(self, job_id: str) -> Job | None:
         with self.sessions() as s:
-            row = s.get(JobRow, job_id)
+            row = s.execute(_SELECT.where(JOBS.c.id == job_id)).first()
             return _to_job(row) if row else None
 
     def list_for_account(self, account_id: str, limit: int = 50) -> list[Job]:
@@ -67,14 +72,17 @@ class SqlJobRepository:
 
     def queued(self, limit: int) -> list[Job]:
         with self.sessions() as s:
-            rows = s.scalars(select(JobRow).where(JobRow.state == JobState.QUEUED.value)
-                             .order_by(JobRow.created_at).limit(limit))
+            rows = s.execute(_SELECT.where(JOBS.c.state == JobState.QUEUED.value)
+                             .order_by(JOBS.c.created_at).limit(limit))
             return [_to_job(r) for r in rows]
 
     def transition(self, job_id: str, expect: Iterable[JobState], to: JobState, *,
                    expect_attempt: int | None = None, expect_provider: str | None = None,
-                   event: tuple[str, dict] | None = None, **fields) -> Job | None:
+                   event: tuple[str, dict] | None = None,
+                   events: list[tuple[str, dict]] | None = None,
+                   outputs: list[JobOutput] | None = None, **fields) -> Job | None:
         now = self.clock()
+        all_events = ([event] if event else []) + list(events or [])
         cond = [JobRow.id == job_id, JobRow.state.in_([e.value for e in expect])]
         if expect_attempt is not None:
             cond.append(JobRow.attempt == expect_attempt)
@@ -85,10 +93,14 @@ class SqlJobRepository:
                                .values(state=to.value, updated_at=now, **fields))
             if result.rowcount != 1:
                 return None
-            if event is not None:
-                s.execute(insert(JobEventRow).values(job_id=job_id, kind=event[0], data=event[1],
+            for kind, data in all_events:
+                s.execute(insert(JobEventRow).values(job_id=job_id, kind=kind, data=data,
                                                      created_at=now))
-            return _to_job(s.get(JobRow, job_id))
+            for o in outputs or []:
+                s.execute(insert(JobOutputRow).values(job_id=o.job_id, index=o.index,
+                                                      sha256=o.sha256, media_type=o.media_type,
+                                                      size=o.size))
+            return _to_job(s.execute(_SELECT.where(JOBS.c.id == job_id)).first())
 
     def add_event(self, job_id: str, kind: str, data: dict, **fields) -> int:
         now = self.clock()
@@ -108,9 +120,9 @@ class SqlJobRepository:
 
     def expired_leases(self, now: float, limit: int = 100) -> list[Job]:
         with self.sessions() as s:
-            rows = s.scalars(select(JobRow).where(JobRow.state.in_([x.value for x in LEASED]),
-                                                  JobRow.lease_expires_at < now)
-                             .order_by(JobRow.lease_expires_at).limit(limit))
+            rows = s.execute(_SELECT.where(JOBS.c.state.in_([x.value for x in LEASED]),
+                                           JOBS.c.lease_expires_at < now)
+                             .order_by(JOBS.c.lease_expires_at).limit(limit))
             return [_to_job(r) for r in rows]
 
     def extend_leases(self, provider_id: str, job_ids: list[str], until: float) -> int:
@@ -127,14 +139,6 @@ class SqlJobRepository:
             rows = s.scalars(select(JobRow).where(JobRow.provider_id == provider_id,
                                                   JobRow.state.in_([x.value for x in LEASED])))
             return [_to_job(r) for r in rows]
-
-    def save_outputs(self, outputs: list[JobOutput]) -> None:
-        if not outputs:
-            return
-        with self.sessions.begin() as s:
-            for o in outputs:
-                s.merge(JobOutputRow(job_id=o.job_id, index=o.index, sha256=o.sha256,
-                                     media_type=o.media_type, size=o.size))
 
     def outputs(self, job_id: str) -> list[JobOutput]:
         with self.sessions() as s:

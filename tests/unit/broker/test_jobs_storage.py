@@ -79,11 +79,12 @@ def test_leases_expire_and_extend(repo):
     assert [j.id for j in r.leased_to("p1")] == [job.id]
 
 
-def test_outputs_are_saved_idempotently(repo):
+def test_outputs_are_saved_with_the_settling_transition(repo):
     r, _ = repo
     job, _ = r.create(_job(), ("queued", {}))
     outs = [JobOutput(job.id, 0, "a" * 64, "image/png", 10)]
-    r.save_outputs(outs)
-    r.save_outputs(outs)
-    assert r.outputs(job.id) == outs
-    assert r.counts_by_state() == {"queued": 1}
+    settled = r.transition(job.id, [JobState.QUEUED], JobState.SETTLED, outputs=outs,
+                           events=[("submitted", {}), ("done", {})])
+    assert settled.state == JobState.SETTLED and r.outputs(job.id) == outs
+    assert [e.kind for e in r.events_after(job.id, 0)] == ["queued", "submitted", "done"]
+    assert r.counts_by_state() == {"settled": 1}
