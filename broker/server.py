@@ -93,6 +93,13 @@ class BrokerServer:
         self.grpc_server.stop(grace=2).wait(3)
         self.services.dispatcher.stop()
         self.http.close()
+        # Idle keep-alive connections would keep waitress's loop alive until they time out.
+        for channel in list(getattr(self.http, "_map", {}).values()):
+            try:
+                channel.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        self.http.task_dispatcher.shutdown(timeout=2)
         self.services.engine.dispose()
 
 
