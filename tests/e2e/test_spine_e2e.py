@@ -3,12 +3,14 @@ import hashlib
 import shutil
 import os
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from sdk import Client
+from sdk.localnet import cli
 
 SANDBOX = shutil.which("bwrap") is not None
 
@@ -46,6 +48,17 @@ def test_twenty_jobs_two_agents_and_a_killed_agent(localnet, tiny_weights):
     assert len({sha for shas in by_seed.values() for sha in shas}) == 10
     assert len({p for *_, p, _ in results}) == 2, "both agents should have served jobs"
 
+    # The command-line client gives the same bytes as the SDK for the same inputs.
+    out = localnet.workdir / "cli.png"
+    cli_run = subprocess.run(cli("generate", "sd15", "--prompt", "a red cube", "--seed", "4",
+                                 "--steps", "4", "--width", "64", "--height", "64",
+                                 "--out", str(out)),
+                             env={**os.environ, "SPARECYCLES_URL": localnet.url,
+                                  "SPARECYCLES_API_KEY": client_key},
+                             capture_output=True, text=True, timeout=240)
+    assert cli_run.returncode == 0, cli_run.stderr
+    assert hashlib.sha256(out.read_bytes()).hexdigest() in by_seed[4]
+
     # Kill the agent running a long job mid-way: the job must finish on the other one.
     job = client.jobs.create("sd15", prompt="a blue sphere", seed=3, steps=30, width=64,
                              height=64)
@@ -80,4 +93,49 @@ def test_sigterm_drains_the_running_job(localnet, tiny_weights):
     result = job.wait(timeout=30)
     assert result.json[0]["text"] == "finish me" and result.job.data["attempt"] == 0
     assert agent.proc.wait(30) == 0
+    client.close()
+
+
+@pytest.mark.localnet(lease_timeout_s=15)
+def test_broker_killed_mid_job_resumes_and_accepts_the_receipt_once(localnet):
+    localnet.start_broker()
+    provider_key = localnet.create_key("provider")
+    client_key = localnet.create_key("client")
+    localnet.start_agent("solo", provider_key, plugins="echo", sandbox=SANDBOX)
+    localnet.wait_for_providers(1)
+    with Client(localnet.url, client_key) as client:
+        job = client.jobs.create("echo", text="outlive the broker", sleep_ms=3000, steps=30)
+        for ev in job.events():
+            if ev.kind == "progress":
+                break
+    localnet.restart_broker(hard=True)          # SIGKILL, then start on the same ports
+    with Client(localnet.url, client_key) as client:
+        result = client.jobs.get(job.id).wait(timeout=60)
+        assert result.json[0]["text"] == "outlive the broker"
+        assert result.job.data["attempt"] == 0   # same provider, not requeued
+        kinds = [e.kind for e in client.jobs.get(job.id).events()]
+        assert kinds.count("done") == 1 and "requeued" not in kinds
+
+
+def test_second_signal_gives_the_job_back(localnet):
+    localnet.start_broker()
+    provider_key = localnet.create_key("provider")
+    client = Client(localnet.url, localnet.create_key("client"))
+    quitter = localnet.start_agent("quitter", provider_key, plugins="echo", sandbox=SANDBOX)
+    localnet.wait_for_providers(1)
+    job = client.jobs.create("echo", text="hand me over", sleep_ms=20000, steps=200)
+    for ev in job.events():
+        if ev.kind == "progress":
+            break
+    quitter.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    quitter.proc.send_signal(signal.SIGTERM)
+    quitter.proc.wait(30)
+    deadline = time.monotonic() + 10
+    while job.refresh().state != "queued":       # given back: requeued at once, no lease wait
+        assert time.monotonic() < deadline, job.data
+        time.sleep(0.1)
+    assert job.data["attempt"] == 1
+    localnet.start_agent("taker", provider_key, plugins="echo", sandbox=SANDBOX)
+    job.cancel()
     client.close()
