@@ -60,7 +60,10 @@ class Dispatcher:
         self._kicked = True
         self._stop = False
         self._thread: threading.Thread | None = None
-        jobs.on_queued = lambda job: self.kick()
+        # True while queued jobs may be waiting for a slot: then a new job must queue
+        # behind them instead of being handed out directly (first come, first served).
+        self._backlog = True
+        jobs.on_queued = self._queued
         jobs.on_released = self._released
         jobs.cancel_hook = self._cancel
 
@@ -101,6 +104,29 @@ class Dispatcher:
             except Exception:  # noqa: BLE001 - a dead stream must not stop a cancel
                 log.exception("could not send cancel for %s", job.id)
 
+    def _queued(self, job: Job) -> None:
+        """A job was queued: hand it out at once from the caller's thread when nothing is
+        waiting ahead of it (saves a thread hop and a queue scan); else wake the loop."""
+        if not self._backlog:
+            session = self._choose(job)
+            if session is not None and self._assign(job, session):
+                return
+        self.kick()
+
+    def _assign(self, job: Job, session: AgentSession) -> bool:
+        with self._cond:
+            session.active.add(job.id)
+        try:
+            moved = self.jobs.assign(job, session)
+        except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
+            log.exception("assignment of %s to %s failed", job.id, session.provider_id)
+            moved = None
+        if moved is None:
+            with self._cond:
+                session.active.discard(job.id)
+            return False
+        return True
+
     # ---- loop ------------------------------------------------------------------------
     def kick(self) -> None:
         with self._cond:
@@ -140,33 +166,28 @@ class Dispatcher:
     def match_once(self) -> int:
         """Assign as many queued jobs as there are free slots; returns how many."""
         if not any(s.free > 0 for s in self.sessions()):
+            self._backlog = True
             return 0
+        self._backlog = True
         assigned = 0
         while True:
             batch = self.jobs.queued(limit=256)
             if not batch:
+                self._backlog = False
                 return assigned
             progress = False
+            left = 0
             for job in batch:
                 session = self._choose(job)
-                if session is None:
-                    continue
-                with self._cond:
-                    session.active.add(job.id)
-                try:
-                    moved = self.jobs.assign(job, session)
-                except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
-                    log.exception("assignment of %s to %s failed", job.id, session.provider_id)
-                    moved = None
-                if moved is None:
-                    with self._cond:
-                        session.active.discard(job.id)
+                if session is None or not self._assign(job, session):
+                    left += 1
                     continue
                 assigned += 1
                 progress = True
                 if not any(s.free > 0 for s in self.sessions()):
                     return assigned
             if not progress or len(batch) < 256:
+                self._backlog = left > 0
                 return assigned
 
     def _choose(self, job: Job) -> AgentSession | None:
