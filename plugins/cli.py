@@ -1,6 +1,6 @@
 """`sparecycles plugins ...`: commands about the built-in plugins.
 
-    sparecycles plugins build-tiny {sd15,sdxl,llama} --out DIR [--seed N]
+    sparecycles plugins build-tiny {sd15,sdxl,llama,lora-sd15,lora-sdxl,lora-llama} --out DIR [--seed N]
 
 builds tiny random weights (``plugins.tiny``) for tests and the demo, in the real layout
 the plugin loads. ``register`` is looked up through the ``sparecycles.commands`` entry

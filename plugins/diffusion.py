@@ -28,6 +28,7 @@ from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler,
                        EulerAncestralDiscreteScheduler, EulerDiscreteScheduler)
 from PIL import Image
 
+from plugins.adapters import AdapterCache, AdapterRequest, adapter_roots, parse_adapters
 from plugins.api import BadInput, Output, Plugin, PluginError, RunContext
 
 # Sampler name (the `scheduler` input) -> (class, settings over the model's saved config).
@@ -116,6 +117,7 @@ class DiffusersImagePlugin(Plugin):
 
     pipeline_class: ClassVar[type]
     img2img_class: ClassVar[type]
+    family: ClassVar[str]  # the base model LoRA adapters must be made for (plugins.adapters)
 
     pipe: Any = None
     img2img: Any = None
@@ -139,6 +141,8 @@ class DiffusersImagePlugin(Plugin):
             img2img.set_progress_bar_config(disable=True)
         self.pipe, self.img2img = pipe, img2img
         self.scheduler_config = dict(pipe.scheduler.config)
+        self.adapters = AdapterCache(adapter_roots(weights_dir, self.family), self.family,
+                                     load=self._load_adapter, unload=self._unload_adapter)
 
     def teardown(self) -> None:
         self.pipe = self.img2img = None
@@ -156,6 +160,8 @@ class DiffusersImagePlugin(Plugin):
             seed = secrets.randbelow(2**32)
         for name in ("prompt", "negative_prompt"):
             self.check_prompt_length(name, inputs.get(name) or "")
+        adapters = parse_adapters(inputs.get("adapters"))
+        self.use_adapters(adapters)
 
         init = inputs.get("init_image")
         pipe = self.img2img if init else self.pipe
@@ -184,8 +190,39 @@ class DiffusersImagePlugin(Plugin):
             meta: dict[str, Any] = {"seed": seed + i, "index": i}
             if nsfw is not None:
                 meta["nsfw"] = bool(nsfw[i])
+            if adapters:
+                meta["adapters"] = {a.name: a.scale for a in adapters}
             outputs.append(Output(data=encode_png(image), media_type="image/png", meta=meta))
         return outputs
+
+    # -- LoRA adapters (diffusers' peft backend) ---------------------------------------
+    def use_adapters(self, adapters: list[AdapterRequest]) -> None:
+        """Make exactly ``adapters`` active at their scales on the warm pipeline (the
+        img2img front end shares its modules). Loads only adapters not already cached."""
+        if not adapters:
+            if self.adapters.loaded:
+                self.pipe.disable_lora()
+            return
+        self.adapters.prepare(adapters)
+        self.pipe.enable_lora()
+        self.pipe.set_adapters([a.name for a in adapters], [a.scale for a in adapters])
+
+    def _load_adapter(self, name: str, folder: Path) -> None:
+        files = sorted(folder.glob("*.safetensors"))
+        weight_name = ("pytorch_lora_weights.safetensors"
+                       if (folder / "pytorch_lora_weights.safetensors").exists()
+                       else files[0].name if len(files) == 1 else None)
+        if weight_name is None:
+            raise BadInput(f"adapters: {name!r} has no pytorch_lora_weights.safetensors "
+                           f"(and not exactly one other .safetensors file) in its folder")
+        with _quiet_diffusers():
+            self.pipe.load_lora_weights(folder, weight_name=weight_name, adapter_name=name)
+        if not any(name in names for names in self.pipe.get_list_adapters().values()):
+            raise BadInput(f"adapters: no layer of this {self.family} model matches {name!r}; "
+                           f"is it an adapter for another base model?")
+
+    def _unload_adapter(self, name: str) -> None:
+        self.pipe.delete_adapters([name])
 
     # -- hooks and helpers -------------------------------------------------------------
     def make_scheduler(self, name: str):

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Callable
 
 MARKER = "sparecycles-tiny.json"
-KINDS = ("sd15", "sdxl", "llama")
+KINDS = ("sd15", "sdxl", "llama", "lora-sd15", "lora-sdxl", "lora-llama")
+LORA_RANK = 4
 
 # Words that become single tokens of the tiny CLIP vocabulary, so that ordinary prompts
 # fit in 77 tokens as they do with the real tokenizer. Any other text still tokenizes
@@ -78,7 +79,7 @@ _LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"
 
 # -- public API ------------------------------------------------------------------------
 def build_tiny(kind: str, out_dir: Path | str, seed: int = 0) -> Path:
-    """Build tiny weights of ``kind`` (one of sd15, sdxl, llama) into ``out_dir``."""
+    """Build tiny weights of ``kind`` (one of ``KINDS``) into ``out_dir``."""
     try:
         builder = _BUILDERS[kind]
     except KeyError:
@@ -99,6 +100,23 @@ def build_tiny_sdxl(out_dir: Path | str, seed: int = 0) -> Path:
 def build_tiny_llama(out_dir: Path | str, seed: int = 0) -> Path:
     """A LlamaForCausalLM folder (2 layers, width 64) with a byte-level BPE tokenizer."""
     return _build("llama", Path(out_dir), seed, _write_llama)
+
+
+def build_tiny_lora_sd15(out_dir: Path | str, seed: int = 0) -> Path:
+    """A diffusers LoRA for the tiny sd15 (``pytorch_lora_weights.safetensors``: UNet
+    attention, rank 4), as ``save_lora_weights`` writes it."""
+    return _build("lora-sd15", Path(out_dir), seed, _write_lora_sd15)
+
+
+def build_tiny_lora_sdxl(out_dir: Path | str, seed: int = 0) -> Path:
+    """A diffusers LoRA for the tiny sdxl (UNet attention, rank 4)."""
+    return _build("lora-sdxl", Path(out_dir), seed, _write_lora_sdxl)
+
+
+def build_tiny_lora_llama(out_dir: Path | str, seed: int = 0) -> Path:
+    """A peft LoRA for the tiny llama (``adapter_model.safetensors`` and
+    ``adapter_config.json``: q_proj and v_proj, rank 4), as ``save_pretrained`` writes it."""
+    return _build("lora-llama", Path(out_dir), seed, _write_lora_llama)
 
 
 def weights_digest(folder: Path | str) -> str:
@@ -137,6 +155,10 @@ def _build(kind: str, out_dir: Path, seed: int, write: Callable[[Path, int], Non
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     marker = {"kind": kind, "seed": seed, "versions": _versions()}
+    if kind.startswith("lora-"):
+        import peft
+
+        marker["versions"]["peft"] = peft.__version__
     if out_dir.exists():
         existing = read_marker(out_dir)
         if existing == marker:
@@ -309,6 +331,10 @@ class _quiet:
 
 
 def _write_sd15(folder: Path, seed: int) -> None:
+    _save_pipeline(_sd15_pipeline(seed), folder)
+
+
+def _sd15_pipeline(seed: int):
     import torch
     from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel
@@ -327,10 +353,14 @@ def _write_sd15(folder: Path, seed: int) -> None:
         vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
         scheduler=EulerDiscreteScheduler(**_sd_scheduler_config()),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    _save_pipeline(pipe, folder)
+    return pipe
 
 
 def _write_sdxl(folder: Path, seed: int) -> None:
+    _save_pipeline(_sdxl_pipeline(seed), folder)
+
+
+def _sdxl_pipeline(seed: int):
     import torch
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
@@ -360,25 +390,11 @@ def _write_sdxl(folder: Path, seed: int) -> None:
         tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet,
         scheduler=EulerDiscreteScheduler(**_sd_scheduler_config()),
         force_zeros_for_empty_prompt=True, add_watermarker=False)
-    _save_pipeline(pipe, folder)
+    return pipe
 
 
 def _write_llama(folder: Path, seed: int) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = _llama_tokenizer()
-    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|eot_id|>")]
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids,
-        pad_token_id=tokenizer.pad_token_id)
+    model, tokenizer = _llama_model(seed)
     with _quiet():
         model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
@@ -395,5 +411,100 @@ def _write_llama(folder: Path, seed: int) -> None:
         json.dumps(tok_config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+def _llama_model(seed: int):
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _llama_tokenizer()
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|eot_id|>")]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id)
+    return model, tokenizer
+
+
+# -- LoRA adapters ---------------------------------------------------------------------
+# A LoRA is made for a base architecture, not for one set of base weights: the builders
+# attach it to the tiny base built with seed 0 (only its shapes matter) and draw the LoRA
+# matrices from ``seed``. Both factors are random (peft's usual init zeroes B, which would
+# make a no-op adapter) and B is scaled down so the adapter changes the output without
+# swamping it. ``adapter.json`` declares the base model, which the plugins check.
+_LORA_B_SCALE = 0.1
+
+
+def _randomize_lora(module, seed: int) -> None:
+    import torch
+
+    generator = torch.Generator("cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters()):
+            if ".lora_A." in name:
+                bound = 1.0 / param.shape[1] ** 0.5
+                param.copy_((torch.rand(param.shape, generator=generator) * 2 - 1) * bound)
+            elif ".lora_B." in name:
+                bound = _LORA_B_SCALE / param.shape[1] ** 0.5
+                param.copy_((torch.rand(param.shape, generator=generator) * 2 - 1) * bound)
+
+
+def _lora_config(targets: list[str], **extra):
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=targets,
+                      init_lora_weights=False, **extra)
+
+
+def _write_lora_diffusers(folder: Path, seed: int, family: str, pipe) -> None:
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    # UNet attention only, the commonest kind of SD LoRA. (Text-encoder parts are left out:
+    # diffusers 0.42 with transformers 5 and peft < 0.22 loads them as MISSING.)
+    layers = {}
+    parts = [("unet", ["to_q", "to_k", "to_v", "to_out.0"])]
+    for i, (name, targets) in enumerate(parts):
+        module = getattr(pipe, name)
+        inject_adapter_in_model(_lora_config(targets), module)  # works on any nn.Module
+        _randomize_lora(module, seed * 16 + i)
+        layers[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(
+            get_peft_model_state_dict(module))
+    with _quiet():
+        type(pipe).save_lora_weights(folder, safe_serialization=True, **layers)
+    _declare_adapter(folder, family, "diffusers-lora")
+
+
+def _write_lora_sd15(folder: Path, seed: int) -> None:
+    _write_lora_diffusers(folder, seed, "sd15", _sd15_pipeline(0))
+
+
+def _write_lora_sdxl(folder: Path, seed: int) -> None:
+    _write_lora_diffusers(folder, seed, "sdxl", _sdxl_pipeline(0))
+
+
+def _write_lora_llama(folder: Path, seed: int) -> None:
+    from peft import get_peft_model
+
+    model, _ = _llama_model(0)
+    model = get_peft_model(model, _lora_config(["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    _randomize_lora(model, seed)
+    with _quiet():
+        model.save_pretrained(folder, safe_serialization=True)
+    _declare_adapter(folder, "llama", "peft-lora")
+
+
+def _declare_adapter(folder: Path, family: str, fmt: str) -> None:
+    (folder / "adapter.json").write_text(json.dumps(
+        {"base_model": family, "format": fmt, "rank": LORA_RANK}, indent=2, sort_keys=True) + "\n")
+
+
 _BUILDERS: dict[str, Callable[..., Path]] = {
-    "sd15": build_tiny_sd15, "sdxl": build_tiny_sdxl, "llama": build_tiny_llama}
+    "sd15": build_tiny_sd15, "sdxl": build_tiny_sdxl, "llama": build_tiny_llama,
+    "lora-sd15": build_tiny_lora_sd15, "lora-sdxl": build_tiny_lora_sdxl,
+    "lora-llama": build_tiny_lora_llama}

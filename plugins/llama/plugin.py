@@ -24,6 +24,7 @@ import transformers
 from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from plugins.adapters import AdapterCache, AdapterRequest, adapter_roots, parse_adapters
 from plugins.api import BadInput, Output, Plugin, PluginError, RunContext
 
 ROLES = ("system", "user", "assistant")
@@ -34,6 +35,7 @@ _DTYPE_KWARG = "dtype" if Version(transformers.__version__) >= Version("4.56") e
 class Llama(Plugin):
     """A causal LM: raw ``prompt`` completion or chat ``messages``, streamed per token."""
 
+    family = "llama"  # the base model LoRA adapters must be made for (plugins.adapters)
     model: Any = None
     tokenizer: Any = None
 
@@ -64,6 +66,8 @@ class Llama(Plugin):
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {int(i) for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+        self.adapters = AdapterCache(adapter_roots(weights_dir, self.family), self.family,
+                                     load=self._load_adapter, unload=self._unload_adapter)
 
     def teardown(self) -> None:
         self.model = self.tokenizer = None
@@ -76,12 +80,14 @@ class Llama(Plugin):
             raise PluginError("run() called before setup()")
         ctx.check_cancelled()
         prompt_ids = self.encode(inputs)
+        adapters = parse_adapters(inputs.get("adapters"))
         max_new = inputs["max_new_tokens"]
         if len(prompt_ids) + max_new > self.context_tokens:
             raise BadInput(
                 f"the prompt is {len(prompt_ids)} tokens and max_new_tokens is {max_new}; "
                 f"together they must fit this model's context of {self.context_tokens} tokens. "
                 f"Shorten the prompt or lower max_new_tokens.")
+        self.use_adapters(adapters)
         seed = inputs.get("seed")
         if seed is None:
             seed = secrets.randbelow(2**32)
@@ -116,7 +122,51 @@ class Llama(Plugin):
             "prompt_tokens": len(prompt_ids), "generated_tokens": len(token_ids),
             "work_units": len(prompt_ids) + len(token_ids), "finish_reason": finish,
         }
+        if adapters:
+            meta["adapters"] = {a.name: a.scale for a in adapters}
         return [Output(data=final.encode("utf-8"), media_type="text/plain", meta=meta)]
+
+    # -- LoRA adapters (peft) ------------------------------------------------------------
+    # peft injects LoRA layers into self.model in place (the PeftModel wrapper is only
+    # the handle that loads, activates and deletes them), so _forward runs unchanged.
+    peft_model: Any = None
+
+    def use_adapters(self, adapters: list[AdapterRequest]) -> None:
+        """Make exactly ``adapters`` active at their scales on the warm model; several are
+        summed, each at its own scale. Loads only adapters not already cached."""
+        if not adapters:
+            if self.peft_model is not None and self.adapters.loaded:
+                self.peft_model.base_model.disable_adapter_layers()
+            return
+        from peft.tuners.lora import LoraLayer
+
+        self.adapters.prepare(adapters)
+        lora = self.peft_model.base_model
+        lora.enable_adapter_layers()
+        lora.set_adapter([a.name for a in adapters])
+        for module in self.model.modules():
+            if isinstance(module, LoraLayer):
+                for a in adapters:
+                    module.set_scale(a.name, a.scale)  # scale × alpha / r of its config
+
+    def _load_adapter(self, name: str, folder: Path) -> None:
+        from peft import PeftModel
+
+        if not (folder / "adapter_config.json").exists():
+            raise BadInput(f"adapters: {name!r} is not a peft adapter (no adapter_config.json "
+                           f"in its folder); is it an adapter for another base model?")
+        _check_lora_fits(self.model, folder / "adapter_model.safetensors", name)
+        if self.peft_model is None:
+            self.peft_model = PeftModel.from_pretrained(self.model, str(folder),
+                                                        adapter_name=name, is_trainable=False)
+        else:
+            self.peft_model.load_adapter(str(folder), adapter_name=name, is_trainable=False)
+        self.model.eval()
+
+    def _unload_adapter(self, name: str) -> None:
+        if self.peft_model is not None and name in self.peft_model.peft_config:
+            self.peft_model.base_model.delete_adapter(name)
+            self.peft_model.peft_config.pop(name, None)
 
     def _forward(self, ids: list[int], cache, last_only: bool = False):
         kwargs: dict[str, Any] = {"use_cache": True}
@@ -145,6 +195,31 @@ class Llama(Plugin):
         rendered = self.tokenizer.apply_chat_template(chat, tokenize=False,
                                                       add_generation_prompt=True)
         return list(self.tokenizer(rendered, add_special_tokens=False).input_ids)
+
+
+def _check_lora_fits(model, weights: Path, name: str) -> None:
+    """Refuse a peft LoRA whose matrices do not fit ``model``'s layers, before anything
+    is injected (peft would otherwise leave half-added layers behind)."""
+    from safetensors import safe_open
+
+    if not weights.exists():
+        raise BadInput(f"adapters: {name!r} has no adapter_model.safetensors in its folder")
+    with safe_open(str(weights), framework="pt") as f:
+        shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
+    for key, shape in shapes.items():
+        path, part, _ = key.removeprefix("base_model.model.").partition(".lora_")
+        try:
+            layer = model.get_submodule(path)
+        except AttributeError:
+            raise BadInput(f"adapters: {name!r} changes a layer {path!r} this llama model does "
+                           f"not have; is it an adapter for another base model?") from None
+        want = (getattr(layer, "in_features", None) if part.startswith("A")
+                else getattr(layer, "out_features", None) if part.startswith("B") else None)
+        have = shape[1] if part.startswith("A") else shape[0]
+        if want is not None and have != want:
+            raise BadInput(f"adapters: {name!r} was made for a model whose {path} has "
+                           f"{have} features, this one has {want}; is it an adapter for "
+                           f"another base model?")
 
 
 def _parse_messages(raw: str) -> list[dict[str, str]]:

@@ -13,4 +13,5 @@ class StableDiffusion15(DiffusersImagePlugin):
     """Stable Diffusion 1.5: txt2img, or img2img when ``init_image`` is given."""
 
     pipeline_class = StableDiffusionPipeline
+    family = "sd15"
     img2img_class = StableDiffusionImg2ImgPipeline

@@ -14,4 +14,5 @@ class StableDiffusionXL(DiffusersImagePlugin):
     """Stable Diffusion XL: txt2img, or img2img when ``init_image`` is given."""
 
     pipeline_class = StableDiffusionXLPipeline
+    family = "sdxl"
     img2img_class = StableDiffusionXLImg2ImgPipeline
