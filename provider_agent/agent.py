@@ -64,6 +64,11 @@ class Agent:
         self.home = home
         self.sandboxed = sandboxed
         self.max_backoff_s = max_backoff_s
+        if sandboxed and launcher is None:
+            # Never claim a sandbox to the broker while running plain subprocesses.
+            from .launch import host_launcher
+            launcher = host_launcher(sandboxed=True, home=home, cfg=cfg,
+                                     plugin_dirs=list(plugin_dirs.values()))
         self.plugins: dict[str, ServedPlugin] = {}
         for name, folder in plugin_dirs.items():
             manifest = load_manifest(folder)
@@ -335,7 +340,11 @@ class Agent:
                                      wall_clock_s=served.manifest.wall_clock_s,
                                      on_progress=progress, on_stream=stream,
                                      cancelled=rj.cancelled)
-        except HostError as exc:
+        except Exception as exc:  # noqa: BLE001 - a bad job must never stop this worker
+            if not isinstance(exc, HostError):
+                log.exception("job %s: unexpected error in the agent", job_id)
+                exc = HostError("agent_error", f"the agent failed running the job: "
+                                f"{type(exc).__name__}: {exc}", retryable=True)
             if rj.cancelled.is_set():
                 log.info("job %s stopped (cancelled)", job_id)
                 return

@@ -20,9 +20,13 @@ _counter = itertools.count()
 
 
 def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
-                  memory_limit_mb: int | None = 8192, gpu_devices: list[int] | None = None):
+                  memory_limit_mb: int | None = 8192, pids_limit: int = 256,
+                  gpu_devices: list[int] | None = None, plugin_dirs: list[Path] | None = None):
     """A callable ``argv -> Popen`` for PluginHost, or None for a plain subprocess. The
-    Popen of a sandboxed host carries its Sandbox as ``.sandbox`` (to kill the whole tree)."""
+    Popen of a sandboxed host carries its Sandbox as ``.sandbox`` (to kill the whole tree).
+
+    The host is told ``SPARECYCLES_SANDBOXED=1``: alone in its pid namespace, it may then
+    kill whatever a job left running (see provider_agent.host.main)."""
     if not sandboxed:
         log.warning("plugins will run WITHOUT a sandbox (--no-sandbox): plugin code can reach "
                     "the network and this machine's files")
@@ -34,21 +38,23 @@ def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
     if not ok:
         raise ConfigError(f"cannot sandbox plugin hosts: {reason}. Install bubblewrap "
                           "(apt-get install bubblewrap) or, knowing the risk, run with --no-sandbox")
-    weights = []
+    # Plugin folders outside the source tree (installed ones) are bound read-only too.
+    extra_ro = [Path(d).resolve() for d in plugin_dirs or ()]
     if cfg is not None:
         for name in cfg.plugins:
             w = cfg.weights_for(name)
             if w is not None:
-                weights.append(w.resolve())
+                extra_ro.append(w.resolve())
     env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
     env.update(PYTHONPATH=str(PROJECT_ROOT), HOME="/scratch", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+               TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1",
+               SPARECYCLES_SANDBOXED="1")
     hide = [(home or config_dir()).resolve()]
 
     def launch(argv: list[str]) -> subprocess.Popen:
         policy = SandboxPolicy.for_current_python(
-            ro_paths=[PROJECT_ROOT, *weights], memory_limit_mb=memory_limit_mb,
-            gpu_devices=list(gpu_devices or []), hide_paths=hide, env=env)
+            ro_paths=[PROJECT_ROOT, *extra_ro], memory_limit_mb=memory_limit_mb,
+            pids_limit=pids_limit, gpu_devices=list(gpu_devices or []), hide_paths=hide, env=env)
         sandbox = Sandbox(policy, f"host-{os.getpid()}-{next(_counter)}")
         proc = sandbox.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         proc.sandbox = sandbox

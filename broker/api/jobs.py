@@ -20,11 +20,14 @@ def output_to_json(job_id: str, o: JobOutput) -> dict:
             "url": f"/v1/jobs/{job_id}/outputs/{o.index}"}
 
 
-def job_to_json(job: Job, outputs: list[JobOutput] | None = None) -> dict:
+def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
+                sandboxed: bool | None = None) -> dict:
     body = {
         "id": job.id, "object": "job", "plugin": job.plugin, "version": job.plugin_version,
         "state": job.state.value, "attempt": job.attempt, "inputs": job.inputs,
         "work_units": job.work_units, "provider_id": job.provider_id,
+        # False when the provider runs plugins without the sandbox (--no-sandbox).
+        "sandboxed": sandboxed,
         "progress": {"step": job.progress_step, "total": job.progress_total},
         "created_at": job.created_at, "updated_at": job.updated_at,
         "started_at": job.started_at, "finished_at": job.finished_at,
@@ -37,8 +40,9 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None) -> dict:
 
 
 def _render(job: Job) -> dict:
-    outputs = services().jobs.repo.outputs(job.id) if job.state.value == "settled" else []
-    return job_to_json(job, outputs)
+    svc = services()
+    outputs = svc.jobs.repo.outputs(job.id) if job.state.value == "settled" else []
+    return job_to_json(job, outputs, sandboxed=svc.providers.sandboxed_of(job.provider_id))
 
 
 @bp.post("/v1/jobs")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -106,6 +107,10 @@ def main() -> int:
                  "load_ms": int((time.perf_counter() - t0) * 1000),
                  "schema": manifest.inputs.json_schema(), "hardware": _hardware(device)})
 
+    # Inside the sandbox the host is alone in its pid namespace with bwrap's init: whatever
+    # a job starts and leaves running can be found and killed. Outside it, /proc is the
+    # provider's whole machine, so the host never does this.
+    reaper = StrayReaper() if os.environ.get("SPARECYCLES_SANDBOXED") == "1" else None
     jobs: list = []
     jobs_cv = threading.Condition()
     current: dict[str, Context] = {}
@@ -148,28 +153,95 @@ def main() -> int:
         ctx = Context(job_id, writer, scratch)
         current[job_id] = ctx
         t_run = time.perf_counter()
+        failure: dict | None = None
         try:
             inputs = manifest.validate_inputs(h["inputs"])
-            outputs = plugin.run(inputs, ctx)
-            for i, out in enumerate(outputs):
-                writer.send({"type": "output", "job_id": job_id, "index": i,
-                             "media_type": out.media_type, "meta": out.meta}, out.data)
-            writer.send({"type": "result", "job_id": job_id, "count": len(outputs),
-                         "run_ms": int((time.perf_counter() - t_run) * 1000),
-                         "work_units": manifest.work_units_for(inputs)})
+            outputs = [(out.media_type, out.meta, out.data)
+                       for out in plugin.run(inputs, ctx)]
+            work_units = manifest.work_units_for(inputs)
         except PluginError as exc:
-            writer.send({"type": "failed", "job_id": job_id, "code": exc.code,
-                         "message": str(exc), "retryable": exc.retryable})
+            failure = {"code": exc.code, "message": str(exc), "retryable": exc.retryable}
         except ValueError as exc:  # schema errors from validate_inputs
-            writer.send({"type": "failed", "job_id": job_id, "code": "bad_input",
-                         "message": str(exc), "retryable": False})
+            failure = {"code": "bad_input", "message": str(exc), "retryable": False}
         except Exception as exc:  # noqa: BLE001 - any plugin bug becomes a clean job failure
             traceback.print_exc()
-            writer.send({"type": "failed", "job_id": job_id, "code": "plugin_crashed",
-                         "message": f"{type(exc).__name__}: {exc}", "retryable": True})
+            failure = {"code": "plugin_crashed", "message": f"{type(exc).__name__}: {exc}",
+                       "retryable": True}
         finally:
             current.pop(job_id, None)
             _rmtree(scratch)
+        strays = reaper.reap() if reaper is not None else []
+        if strays:
+            print(f"plugin host: killed {len(strays)} process(es) left by job {job_id}",
+                  file=sys.stderr)
+            if failure is None:
+                failure = {"code": "stray_processes", "retryable": False,
+                           "message": f"the plugin left {len(strays)} process(es) running after "
+                                      "the job; they were killed. A plugin must wait for every "
+                                      "process it starts before run() returns"}
+            else:
+                failure["message"] += f" ({len(strays)} leftover process(es) were killed)"
+        if failure is not None:
+            writer.send({"type": "failed", "job_id": job_id, **failure})
+            continue
+        for i, (media_type, meta, data) in enumerate(outputs):
+            writer.send({"type": "output", "job_id": job_id, "index": i,
+                         "media_type": media_type, "meta": meta}, data)
+        writer.send({"type": "result", "job_id": job_id, "count": len(outputs),
+                     "run_ms": int((time.perf_counter() - t_run) * 1000),
+                     "work_units": work_units})
+
+
+class StrayReaper:
+    """Finds and kills the processes a job left behind, inside the sandbox's pid namespace.
+
+    Everything alive when it is made (bwrap's init, this host, helpers the plugin started
+    in ``setup()``) is kept; any other process seen after a job is SIGKILLed, repeatedly
+    until none is left, so a fork loop cannot outrun it. Processes are told apart by pid
+    *and* start time, so a recycled pid is not mistaken for a kept one.
+    """
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self.proc = proc
+        self.keep = {(pid, start) for pid, (state, start) in self._live().items()}
+        self.keep.add((os.getpid(), self._stat(os.getpid())[1]))
+
+    def _stat(self, pid: int) -> tuple[str, int]:
+        raw = (self.proc / str(pid) / "stat").read_bytes()
+        fields = raw[raw.rindex(b")") + 2:].split()
+        return fields[0].decode(), int(fields[19])   # state, starttime (clock ticks)
+
+    def _live(self) -> dict[int, tuple[str, int]]:
+        out = {}
+        for name in os.listdir(self.proc):
+            if name.isdigit():
+                try:
+                    out[int(name)] = self._stat(int(name))
+                except (OSError, ValueError, IndexError):
+                    continue  # gone meanwhile
+        return out
+
+    def reap(self, rounds: int = 200) -> list[int]:
+        """Kill every process not kept; return their pids (empty when there were none)."""
+        killed: set[int] = set()
+        for _ in range(rounds):
+            strays = [pid for pid, (state, start) in self._live().items()
+                      if state not in ("Z", "X") and (pid, start) not in self.keep]
+            if not strays:
+                break
+            for pid in strays:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                killed.add(pid)
+            time.sleep(0.001)
+        for pid in killed:  # our own children would stay zombies; init reaps the rest
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        return sorted(killed)
 
 
 def _rmtree(path: Path) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from provider_agent.errors import HostError
+from provider_agent.errors import AgentError, HostError
 from .protocol import FrameWriter, read_frame
 
 log = logging.getLogger(__name__)
@@ -68,15 +68,31 @@ class PluginHost:
     def start(self) -> dict:
         """Start the process and load the model; returns the host's ready message."""
         t0 = time.perf_counter()
-        self.proc = self.launcher([sys.executable, "-m", "provider_agent.host.main"])
+        try:
+            self.proc = self.launcher([sys.executable, "-m", "provider_agent.host.main"])
+        except AgentError as exc:  # the sandbox could not be set up (SandboxError)
+            raise HostError("host_start_failed", f"could not start the plugin host for "
+                            f"{self.name}: {exc}", retryable=True) from exc
         self._frames = queue.Queue()
         self._writer = FrameWriter(self.proc.stdin)
         threading.Thread(target=self._pump, args=(self.proc, self._frames), daemon=True,
                          name=f"host-{self.name}").start()
-        self._writer.send({"type": "init", "plugin_dir": str(self.plugin_dir),
-                           "weights_dir": str(self.weights_dir) if self.weights_dir else None,
-                           "device": self.device, "scratch_dir": "/tmp"})
-        header, _ = self._next(self.start_timeout_s, job_id="")
+        try:
+            self._writer.send({"type": "init", "plugin_dir": str(self.plugin_dir),
+                               "weights_dir": str(self.weights_dir) if self.weights_dir else None,
+                               "device": self.device, "scratch_dir": "/tmp"})
+            header, _ = self._next(self.start_timeout_s, job_id="")
+        except TimeoutError:  # (an OSError: caught first)
+            self.kill()
+            raise HostError("start_timeout", f"plugin {self.name} did not load within "
+                            f"{self.start_timeout_s:g}s", retryable=True) from None
+        except (OSError, ValueError):  # the pipe broke: the host died at once
+            self.kill()
+            raise HostError("host_died", f"plugin host {self.name} exited while starting",
+                            retryable=True) from None
+        except HostError:
+            self.kill()  # also removes its sandbox (cgroup)
+            raise
         if header["type"] != "ready":
             self.kill()
             raise HostError(header.get("code", "load_failed"),
@@ -138,14 +154,19 @@ class PluginHost:
         except queue.Empty:
             raise TimeoutError from None
         if header["type"] == "_dead":
-            code = self.proc.wait(2) if self.proc else None
+            try:
+                code = self.proc.wait(2) if self.proc else None
+            except subprocess.TimeoutExpired:
+                code = "unknown: it closed its pipe"
             breached = self.limit_breached()
-            if breached:
-                raise HostError(f"{breached}_limit", f"plugin host {self.name} broke its "
-                                f"{breached} limit during job {job_id or 'load'} and was killed",
+            if breached == "memory":  # the kernel (or the watchdog) killed it for this
+                raise HostError("memory_limit", f"plugin host {self.name} broke its memory "
+                                f"limit during job {job_id or 'load'} and was killed",
                                 retryable=True)
+            # Hitting the pids limit only makes fork fail; it is a clue, never the killer.
+            clue = f" (it had hit its {breached} limit)" if breached else ""
             raise HostError("host_died", f"plugin host {self.name} exited (code {code}) "
-                                         f"during job {job_id or 'load'}", retryable=True)
+                                         f"during job {job_id or 'load'}{clue}", retryable=True)
         return header, body
 
     def cancel(self, job_id: str) -> None:
@@ -164,7 +185,12 @@ class PluginHost:
             if not self.alive():
                 log.warning("plugin host %s is not running; restarting", self.name)
                 self.start()
-            self._writer.send({"type": "run", "job_id": job_id, "inputs": inputs})
+            try:
+                self._writer.send({"type": "run", "job_id": job_id, "inputs": inputs})
+            except (OSError, ValueError):  # it died between jobs: the pipe is broken
+                self._recover(f"host was gone when job {job_id} arrived")
+                raise HostError("host_died", f"plugin host {self.name} had exited before job "
+                                f"{job_id} started; it was restarted", retryable=True) from None
             deadline = time.monotonic() + wall_clock_s
             outputs: list[HostOutput] = []
             cancel_sent = False

@@ -1,0 +1,286 @@
+"""A hostile plugin against the real sandbox, through a real agent and a live broker.
+
+One broker and one sandboxed agent (echo + the hostile test plugin, 2 slots) serve the
+whole module, so every test also shows that the agent survived the attacks before it.
+Each attack runs as a client's job; a refused attack ends the job failed with the
+plugin's ``attack_refused`` and the errors it hit, a broken limit ends it failed with the
+host's code. After each, a benign job on the same (restarted, if need be) host succeeds.
+
+The broker runs with ``max_attempts=1`` so that a retryable failure (the host died or
+broke a limit) ends the job at once as ``attempts_exhausted`` naming the agent's code,
+instead of waiting in the queue for another provider.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from plugins import BUILTIN_DIR, builtin_plugin_dir
+from provider_agent.agent import Agent
+from provider_agent.config import (AgentConfig, config_dir, config_path, identity_path,
+                                   load_identity, save_config)
+from provider_agent.host.manager import PluginHost
+from provider_agent.launch import host_launcher
+from provider_agent.sandbox import Sandbox
+from sdk import Client, JobFailedError, JobTimeoutError
+
+from tests.integration.conftest import LiveBroker
+
+_ok, _reason = Sandbox.available()
+pytestmark = pytest.mark.skipif(not _ok, reason=f"sandbox unavailable: {_reason}")
+
+PROJECT = Path(__file__).resolve().parents[2]
+FIXTURE_PLUGINS = PROJECT / "tests" / "fixtures" / "plugins"
+MEMORY_LIMIT_MB = 256
+PIDS_LIMIT = 64
+
+
+def _start_agent(broker, home: Path, *, sandboxed: bool, name: str,
+                 plugins=("echo", "hostile")) -> tuple[Agent, threading.Thread]:
+    cfg = AgentConfig(broker=broker.grpc, api_key=broker.key("provider"), name=name, slots=2,
+                      plugins=list(plugins), device="cpu")
+    save_config(cfg, home)                       # the files a plugin must not read
+    identity = load_identity(home)
+    folders = {"echo": builtin_plugin_dir("echo"), "hostile": FIXTURE_PLUGINS / "hostile"}
+    plugin_dirs = {p: folders[p] for p in plugins}
+    launcher = host_launcher(sandboxed=sandboxed, home=home, cfg=cfg,
+                             memory_limit_mb=MEMORY_LIMIT_MB, pids_limit=PIDS_LIMIT,
+                             plugin_dirs=list(plugin_dirs.values()))
+    agent = Agent(cfg, identity, plugin_dirs=plugin_dirs, sandboxed=sandboxed,
+                  launcher=launcher, home=home)
+    thread = threading.Thread(target=agent.run, daemon=True, name=f"agent-{name}")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not agent.provider_id and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert agent.provider_id, "agent did not connect"
+    return agent, thread
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sandbox-hostile")
+    broker = LiveBroker(tmp, plugin_dirs=[BUILTIN_DIR, FIXTURE_PLUGINS], max_attempts=1)
+    home = tmp / "agent-home"
+    home.mkdir()
+    agent, thread = _start_agent(broker, home, sandboxed=True, name="sandboxed")
+    client = Client(broker.url, broker.key("client"))  # a funded client (dev funding)
+    yield SimpleNamespace(broker=broker, agent=agent, thread=thread, client=client, home=home,
+                          tmp=tmp)
+    client.close()
+    agent.stop()
+    thread.join(10)
+    broker.stop()
+
+
+def run_job(env, plugin="hostile", timeout=30.0, **inputs) -> dict:
+    """Submit a job as a client; return the job JSON the client ends with, plus
+    ``output`` (the first JSON output) when it settled and ``elapsed_s``."""
+    t0 = time.monotonic()
+    job = env.client.jobs.create(plugin, **inputs)
+    try:
+        output = job.wait(timeout).json[0]
+    except JobTimeoutError:
+        raise
+    except JobFailedError as exc:
+        return {**exc.job.data, "elapsed_s": time.monotonic() - t0}
+    return {**job.data, "output": output, "elapsed_s": time.monotonic() - t0}
+
+
+def assert_refused(job: dict, *fragments: str) -> str:
+    assert job["state"] == "failed", f"the attack was not refused: {job.get('output')}"
+    assert job["error"]["code"] == "attack_refused", job["error"]
+    message = job["error"]["message"]
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def assert_still_serving(env) -> None:
+    """The agent is up, connected, and the hostile plugin's host runs a benign job."""
+    assert env.thread.is_alive() and env.agent.provider_id
+    job = run_job(env, attack="none")
+    assert job["state"] == "settled", job.get("error")
+    assert job["output"] == {"ok": True, "job_id": job["id"]}
+
+
+# ---- network ---------------------------------------------------------------------------
+
+def test_connect_to_the_brokers_own_ports_fails_at_once(env):
+    b = env.broker.server
+    job = run_job(env, attack="connect",
+                  target=f"127.0.0.1:{b.grpc_port},127.0.0.1:{b.http_port}")
+    message = assert_refused(job, f"127.0.0.1:{b.grpc_port} PermissionError EPERM",
+                             f"127.0.0.1:{b.http_port} PermissionError EPERM",
+                             f"::1:{b.grpc_port} PermissionError EPERM")
+    assert "after 0 ms" in message and job["elapsed_s"] < 3  # refused, not timed out
+    assert_still_serving(env)
+
+
+def test_connect_to_an_outside_address_fails_at_once(env):
+    job = run_job(env, attack="connect", target="1.1.1.1:443,93.184.216.34:80")
+    assert_refused(job, "1.1.1.1:443 PermissionError EPERM", "udp 1.1.1.1:443 PermissionError",
+                   "93.184.216.34:80 PermissionError EPERM")
+    assert job["elapsed_s"] < 3
+    assert_still_serving(env)
+
+
+def test_resolving_a_host_name_fails(env):
+    job = run_job(env, attack="resolve", target="example.com,pypi.org,localhost")
+    assert_refused(job, "example.com gaierror", "pypi.org gaierror", "localhost gaierror")
+    assert_still_serving(env)
+
+
+# ---- files -----------------------------------------------------------------------------
+
+def test_the_agents_identity_key_and_config_are_invisible(env):
+    secrets = [identity_path(env.home), config_path(env.home)]
+    assert all(p.exists() for p in secrets)      # they are there, outside the sandbox
+    targets = [*secrets, env.home, config_dir()]
+    job = run_job(env, attack="read", target=",".join(map(str, targets)))
+    assert_refused(job, *(f"{p} FileNotFoundError ENOENT" for p in targets))
+    assert_still_serving(env)
+
+
+def test_writing_outside_the_scratch_fails_and_leaves_no_file(env):
+    targets = [env.home / "pwned", PROJECT / "pwned-by-hostile", Path(sys.prefix) / "pwned"]
+    job = run_job(env, attack="write", target=",".join(map(str, targets)))
+    assert_refused(job, f"{env.home / 'pwned'} FileNotFoundError",
+                   f"{PROJECT / 'pwned-by-hostile'} OSError EROFS",
+                   f"{Path(sys.prefix) / 'pwned'} OSError EROFS",
+                   "hostile/pwned OSError EROFS", "/usr/pwned OSError EROFS")
+    assert not any(p.exists() for p in targets)
+    assert not (FIXTURE_PLUGINS / "hostile" / "pwned").exists()
+    assert_still_serving(env)
+
+
+def test_another_jobs_scratch_cannot_be_read(env):
+    planted = run_job(env, attack="plant")
+    assert planted["state"] == "settled"
+    earlier = planted["output"]["path"]          # an earlier job on this very host
+    slow = env.client.jobs.create("echo", text="busy", sleep_ms=2000)
+    deadline = time.monotonic() + 10
+    while slow.refresh().state != "running" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert slow.state == "running"
+    other_host = f"/tmp/job-{slow.id}"           # a job running now, in the echo host
+    on_disk = env.tmp / "other-job"              # another job's files on the provider
+    on_disk.mkdir()
+    (on_disk / "result.png").write_bytes(b"not yours")
+    job = run_job(env, attack="read", target=f"{earlier},{other_host},{on_disk / 'result.png'}")
+    assert_refused(job, f"{earlier} FileNotFoundError", f"{other_host} FileNotFoundError",
+                   "result.png FileNotFoundError")
+    assert slow.wait(10).json[0]["text"] == "busy"
+    assert_still_serving(env)
+
+
+# ---- limits ----------------------------------------------------------------------------
+
+def test_fork_bomb_hits_the_pids_limit_and_the_children_are_killed(env):
+    job = run_job(env, attack="fork")
+    message = assert_refused(job, "BlockingIOError EAGAIN", "leftover process(es) were killed")
+    forked = int(message.split("fork failed after ")[1].split()[0])
+    assert 0 < forked < PIDS_LIMIT
+    assert_still_serving(env)
+
+
+def test_allocating_past_the_memory_budget_kills_the_host_and_fails_the_job(env):
+    job = run_job(env, attack="memory")
+    assert job["state"] == "failed"
+    assert job["error"]["code"] == "attempts_exhausted"      # retryable: requeue path
+    assert "last: memory_limit: plugin host hostile broke its memory limit" in \
+        job["error"]["message"]
+    assert_still_serving(env)
+
+
+def test_sleeping_past_the_wall_clock_kills_the_host_and_fails_the_job(env):
+    job = run_job(env, attack="sleep")
+    assert job["state"] == "failed"
+    assert "last: wall_clock_exceeded: the job ran longer than 3s" in job["error"]["message"]
+    assert 3 <= job["elapsed_s"] < 15
+    assert_still_serving(env)
+
+
+def test_a_child_left_running_after_the_job_is_killed(env):
+    job = run_job(env, attack="orphan")
+    assert job["state"] == "failed"
+    assert job["error"]["code"] == "stray_processes"
+    assert "left 1 process(es) running after the job; they were killed" in \
+        job["error"]["message"]
+    alive = run_job(env, attack="orphan_alive")  # the next job on the same host looks
+    assert_refused(alive, "is gone")
+    assert_still_serving(env)
+
+
+# ---- syscalls --------------------------------------------------------------------------
+
+def test_ptrace_is_refused(env):
+    job = run_job(env, attack="ptrace")
+    assert_refused(job, "PTRACE_TRACEME: EPERM", "PTRACE_ATTACH to init: EPERM")
+    assert_still_serving(env)
+
+
+def test_mount_and_new_namespaces_are_refused(env):
+    job = run_job(env, attack="mount")
+    assert_refused(job, "mount tmpfs: EPERM", "unshare(user+mount ns): EPERM")
+    assert_still_serving(env)
+
+
+# ---- the host dies; benign output; --no-sandbox ----------------------------------------
+
+def test_a_host_killed_mid_job_is_reported_restarted_and_serves_again(env):
+    host = env.agent.plugins["hostile"].host
+    old_pid = host.proc.pid
+    slow = env.client.jobs.create("hostile", attack="sleep")
+    deadline = time.monotonic() + 10
+    while slow.refresh().state != "running" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    host.proc.kill()                             # the sandbox's bwrap: the host dies with it
+    with pytest.raises(JobFailedError) as exc:
+        slow.wait(10)
+    error = exc.value.job.data["error"]
+    assert error["code"] == "attempts_exhausted"
+    assert error["message"].startswith("gave up after 1 attempts; last: host_died: "
+                                       "plugin host hostile exited")
+    assert_still_serving(env)
+    assert host.proc.pid != old_pid and host.alive()
+
+
+def test_benign_plugin_output_is_the_same_inside_and_outside_the_sandbox(env):
+    inputs = {"text": "héllo, sandbox", "sleep_ms": 20, "steps": 2}
+    outputs = []
+    for sandboxed in (False, True):
+        launcher = host_launcher(sandboxed=sandboxed, home=env.home, memory_limit_mb=512)
+        host = PluginHost(builtin_plugin_dir("echo"), None, device="cpu", launcher=launcher)
+        host.start()
+        try:
+            result = host.run("same-job", inputs, wall_clock_s=10)
+        finally:
+            host.stop()
+        outputs.append([(o.media_type, o.data) for o in result.outputs])
+    assert outputs[0] == outputs[1]
+    job = run_job(env, plugin="echo", text="through the agent")
+    assert job["output"] == {"text": "through the agent", "job_id": job["id"]}
+
+
+def test_the_broker_records_whether_each_agent_is_sandboxed(env):
+    home = env.tmp / "unsandboxed-home"
+    home.mkdir()
+    plain, thread = _start_agent(env.broker, home, sandboxed=False, name="plain",
+                                 plugins=["echo"])
+    try:
+        stored = {p.id: p.sandboxed for p in env.broker.services.providers.all()}
+        assert stored[env.agent.provider_id] is True
+        assert stored[plain.provider_id] is False
+        # Clients see it on every job, whichever of the two agents ran it.
+        for _ in range(4):
+            job = run_job(env, plugin="echo", text="who ran me?")
+            assert job["sandboxed"] is stored[job["provider_id"]]
+    finally:
+        plain.stop()
+        thread.join(10)

@@ -1,0 +1,67 @@
+"""PluginHost when the host process misbehaves while starting or between jobs.
+
+Hosts here are plain subprocesses (the sandboxed paths are in
+tests/integration/test_sandbox_hostile.py): what is checked is that every way of failing
+becomes a ``HostError`` with a clear code (never a raw exception that would kill an agent
+worker), and that the next job gets a fresh host.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from plugins import builtin_plugin_dir
+from provider_agent.errors import HostError
+from provider_agent.host.manager import PluginHost
+from provider_agent.sandbox import SandboxUnavailable
+
+ECHO = builtin_plugin_dir("echo")
+
+
+def _python(code: str):
+    def launch(argv):
+        return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE)
+    return launch
+
+
+def test_a_host_that_exits_while_starting_is_host_died():
+    host = PluginHost(ECHO, None, device="cpu", launcher=_python("raise SystemExit(7)"))
+    with pytest.raises(HostError) as exc:
+        host.start()
+    assert exc.value.code == "host_died" and exc.value.retryable
+    assert "exited" in str(exc.value) and not host.alive()
+
+
+def test_a_host_that_never_gets_ready_is_start_timeout_and_is_killed():
+    host = PluginHost(ECHO, None, device="cpu", launcher=_python("import time; time.sleep(60)"),
+                      start_timeout_s=0.3)
+    with pytest.raises(HostError) as exc:
+        host.start()
+    assert exc.value.code == "start_timeout" and "did not load within 0.3s" in str(exc.value)
+    assert not host.alive()
+
+
+def test_a_sandbox_that_cannot_start_is_host_start_failed():
+    def launch(argv):
+        raise SandboxUnavailable("bubblewrap is not installed")
+
+    host = PluginHost(ECHO, None, device="cpu", launcher=launch)
+    with pytest.raises(HostError) as exc:
+        host.start()
+    assert exc.value.code == "host_start_failed" and "bubblewrap" in str(exc.value)
+
+
+def test_a_host_that_died_between_jobs_is_restarted_for_the_next_job():
+    host = PluginHost(ECHO, None, device="cpu")
+    host.start()
+    try:
+        first = host.proc.pid
+        host.proc.kill()
+        host.proc.wait()
+        result = host.run("j1", {"text": "again", "sleep_ms": 0, "steps": 1}, wall_clock_s=10)
+        assert b'"again"' in result.outputs[0].data and host.proc.pid != first
+    finally:
+        host.stop()
