@@ -9,7 +9,7 @@ from werkzeug.exceptions import HTTPException
 from broker.errors import BrokerError
 
 log = logging.getLogger(__name__)
-PUBLIC = ("/livez", "/readyz", "/openapi.json")
+PUBLIC = ("/livez", "/readyz", "/openapi.json", "/v1/stripe/webhook")
 
 
 def create_app(services) -> Flask:
@@ -17,9 +17,9 @@ def create_app(services) -> Flask:
     app.extensions["sparecycles"] = services
     app.config["MAX_CONTENT_LENGTH"] = 32 * 1024 * 1024
 
-    from .api import health, jobs, openapi, plugins
+    from .api import account, credits, health, jobs, openapi, plugins
 
-    for bp in (health.bp, jobs.bp, plugins.bp, openapi.bp):
+    for bp in (health.bp, jobs.bp, plugins.bp, openapi.bp, account.bp, credits.bp):
         app.register_blueprint(bp)
 
     @app.before_request

@@ -41,7 +41,15 @@ def register(sub) -> None:
     _common(k)
     k.add_argument("--role", required=True, choices=["client", "provider", "publisher", "admin"])
     k.add_argument("--name", default="", help="account name shown to admins")
+    k.add_argument("--credits", help="grant this many credits to the new account (dev funding "
+                                     "mode only; same as `broker grant` afterwards)")
     k.set_defaults(func=cmd_create_key)
+
+    g = bsub.add_parser("grant", help="credit an account (dev funding mode: no Stripe keys)")
+    _common(g)
+    g.add_argument("--account", required=True, help="the account id printed by create-key")
+    g.add_argument("--credits", required=True, help="credits to grant, e.g. 100 or 2.5")
+    g.set_defaults(func=cmd_grant)
 
 
 def cmd_serve(args) -> int:
@@ -59,8 +67,34 @@ def cmd_create_key(args) -> int:
     services = build_services(_settings(args))
     try:
         key, who = services.auth.create_account_with_key(args.role, args.name)
+        if args.credits:
+            from broker.payments.service import credits_to_micro
+
+            services.payments.grant(who.account_id, credits_to_micro(args.credits), by="cli")
     finally:
         services.engine.dispose()
     print(key)
     print(f"# {args.role} account {who.account_id}; this key is shown only once", file=sys.stderr)
+    return 0
+
+
+def cmd_grant(args) -> int:
+    from broker.errors import BrokerError
+    from broker.ledger.model import format_credits
+    from broker.payments.service import credits_to_micro
+    from broker.services import build_services
+
+    services = build_services(_settings(args))
+    try:
+        amount = credits_to_micro(args.credits)
+        txn = services.payments.grant(args.account, amount, by="cli")
+        balance = services.ledger.balances(args.account)
+    except BrokerError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        services.engine.dispose()
+    available = next((v for k, v in balance.items() if k.value == "client_available"), 0)
+    print(f"granted {format_credits(amount)} to {args.account} (transaction {txn.id}); "
+          f"available: {format_credits(available)}")
     return 0

@@ -62,6 +62,7 @@ class BrokerServer:
     def start_background(self) -> None:
         """Start dispatcher and gRPC; HTTP runs in :meth:`serve_forever`."""
         self.services.dispatcher.start()
+        self.services.maintenance.start()
         self.grpc_server.start()
 
     def serve_forever(self, ready_file: Path | None = None) -> None:
@@ -92,6 +93,7 @@ class BrokerServer:
         log.info("broker stopping")
         self.grpc_server.stop(grace=2).wait(3)
         self.services.dispatcher.stop()
+        self.services.maintenance.stop()
         self.http.close()
         # Idle keep-alive connections would keep waitress's loop alive until they time out.
         for channel in list(getattr(self.http, "_map", {}).values()):

@@ -12,16 +12,24 @@ from sqlalchemy.orm import sessionmaker
 from sdk.protocol.signing import KeyPair
 
 from broker.auth.service import ApiKeyService
+from broker.billing.service import JobBilling
 from broker.blobs.local import LocalBlobStore
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
 from broker.jobs.hub import EventHub
 from broker.jobs.service import JobService, JobSettings
+from broker.ledger.service import LedgerService
+from broker.maintenance import Maintenance
+from broker.payments.service import PaymentService
+from broker.pricing.service import PricingService
 from broker.providers.service import ProviderService
 from broker.settings import Settings
 from broker.storage.accounts_sql import SqlAccountRepository, SqlProviderRepository
 from broker.storage.base import make_engine
 from broker.storage.jobs_sql import SqlJobRepository
+from broker.storage.ledger_sql import SqlLedgerRepository
+from broker.storage.payments_sql import SqlPaymentsRepository
+from broker.storage.pricing_sql import SqlPriceRepository
 from broker.storage.migrate import upgrade
 
 log = logging.getLogger(__name__)
@@ -37,8 +45,14 @@ class Services:
     jobs: JobService
     providers: ProviderService
     dispatcher: Dispatcher
+    ledger: LedgerService
+    pricing: PricingService
+    billing: JobBilling
+    payments: PaymentService
+    maintenance: Maintenance
 
     def close(self) -> None:
+        self.maintenance.stop()
         self.dispatcher.stop()
         self.engine.dispose()
 
@@ -51,12 +65,44 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     sessions = sessionmaker(engine, expire_on_commit=False)
     signer = KeyPair.load_or_create(settings.key_path)
     catalog = PluginCatalog.from_folders(settings.plugin_dirs)
+    accounts = SqlAccountRepository(sessions)
+    providers = ProviderService(SqlProviderRepository(sessions))
+    ledger = LedgerService(SqlLedgerRepository(engine))
+    ledger.open_platform_accounts()
+    pricing = PricingService(SqlPriceRepository(sessions))
+    gateway = None
+    if settings.stripe_secret_key:
+        from broker.payments.stripe_gateway import StripeGateway
+
+        gateway = StripeGateway(settings.stripe_secret_key, settings.stripe_webhook_secret or None,
+                                api_base=settings.stripe_api_base or None)
+    payments = PaymentService(ledger, SqlPaymentsRepository(sessions), gateway,
+                              credit_price_cents=settings.credit_price_cents,
+                              currency=settings.currency, public_url=settings.public_url,
+                              account_exists=lambda a: accounts.get_account(a) is not None)
+    billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
+                         how_to_fund=payments.how_to_fund)
     jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
                       signer, EventHub(),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
-                                  envelope_ttl_s=settings.envelope_ttl_s))
-    return Services(settings=settings, engine=engine, signer=signer,
-                    auth=ApiKeyService(SqlAccountRepository(sessions)), catalog=catalog,
-                    jobs=jobs, providers=ProviderService(SqlProviderRepository(sessions)),
-                    dispatcher=Dispatcher(jobs))
+                                  envelope_ttl_s=settings.envelope_ttl_s), billing=billing)
+    auth = ApiKeyService(accounts)
+    auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
+    providers.on_connected = lambda p: ledger.open_provider(p.account_id)
+    return Services(settings=settings, engine=engine, signer=signer, auth=auth, catalog=catalog,
+                    jobs=jobs, providers=providers, dispatcher=Dispatcher(jobs), ledger=ledger,
+                    pricing=pricing, billing=billing, payments=payments,
+                    maintenance=Maintenance(ledger, providers,
+                                            interval_s=settings.maintenance_interval_s))
+
+
+def _open_ledger_accounts(ledger: LedgerService, account_id: str, role: str) -> None:
+    """Clients (and admins, who may submit jobs) get client accounts; providers get theirs
+    when they create an account and again, idempotently, when an agent connects."""
+    if role in ("client", "admin"):
+        ledger.open_client(account_id)
+    elif role == "provider":
+        ledger.open_provider(account_id)
+    elif role == "publisher":
+        ledger.open_publisher(account_id)

@@ -14,6 +14,14 @@ plugin_dirs                  SPARECYCLES_PLUGIN_DIRS (":"-sep.)  the built-in pl
 lease_timeout_s              SPARECYCLES_LEASE_TIMEOUT_S         30
 max_attempts                 SPARECYCLES_MAX_ATTEMPTS            3
 http_threads                 SPARECYCLES_HTTP_THREADS            48
+public_url                   SPARECYCLES_PUBLIC_URL              http://<http>
+stripe_secret_key            SPARECYCLES_STRIPE_SECRET_KEY       (none: dev funding mode)
+stripe_webhook_secret        SPARECYCLES_STRIPE_WEBHOOK_SECRET   (none)
+stripe_api_base              SPARECYCLES_STRIPE_API_BASE         https://api.stripe.com
+credit_price_cents           SPARECYCLES_CREDIT_PRICE_CENTS      1 (one credit costs 1 cent)
+currency                     SPARECYCLES_CURRENCY                usd
+hold_ttl_s                   SPARECYCLES_HOLD_TTL_S              86400
+maintenance_interval_s       SPARECYCLES_MAINTENANCE_INTERVAL_S  5
 ===========================  ==================================  ===========================
 """
 from __future__ import annotations
@@ -40,6 +48,14 @@ class Settings:
     max_attempts: int = 3
     http_threads: int = 48
     envelope_ttl_s: float = 60.0
+    public_url: str = ""
+    stripe_secret_key: str = ""
+    stripe_webhook_secret: str = ""
+    stripe_api_base: str = ""
+    credit_price_cents: int = 1
+    currency: str = "usd"
+    hold_ttl_s: int = 24 * 3600
+    maintenance_interval_s: float = 5.0
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -48,6 +64,10 @@ class Settings:
         self.blob_dir = Path(self.blob_dir) if self.blob_dir else self.data_dir / "blobs"
         self.key_path = Path(self.key_path) if self.key_path else self.data_dir / "broker.key"
         self.plugin_dirs = [Path(p) for p in self.plugin_dirs]
+        if not self.public_url:
+            self.public_url = f"http://{self.http}"
+        if self.credit_price_cents <= 0 or 1_000_000 % self.credit_price_cents:
+            raise ValueError(f"credit_price_cents must divide 1,000,000, got {self.credit_price_cents}")
         if self.lease_timeout_s <= 0:
             raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
 
@@ -70,6 +90,14 @@ class Settings:
             "lease_timeout_s": ("SPARECYCLES_LEASE_TIMEOUT_S", float),
             "max_attempts": ("SPARECYCLES_MAX_ATTEMPTS", int),
             "http_threads": ("SPARECYCLES_HTTP_THREADS", int),
+            "public_url": ("SPARECYCLES_PUBLIC_URL", str),
+            "stripe_secret_key": ("SPARECYCLES_STRIPE_SECRET_KEY", str),
+            "stripe_webhook_secret": ("SPARECYCLES_STRIPE_WEBHOOK_SECRET", str),
+            "stripe_api_base": ("SPARECYCLES_STRIPE_API_BASE", str),
+            "credit_price_cents": ("SPARECYCLES_CREDIT_PRICE_CENTS", int),
+            "currency": ("SPARECYCLES_CURRENCY", str),
+            "hold_ttl_s": ("SPARECYCLES_HOLD_TTL_S", int),
+            "maintenance_interval_s": ("SPARECYCLES_MAINTENANCE_INTERVAL_S", float),
         }
         values = {}
         for name, (var, fn) in conv.items():

@@ -118,6 +118,49 @@ class Client:
         """Run one job and block until its outputs are ready."""
         return self.jobs.create(plugin, version=version, **inputs).wait(timeout=timeout)
 
+    def quote(self, plugin: str, *, version: str | None = None, **inputs) -> dict:
+        """What a job would cost, without running it: ``min_micro``, ``expected_micro`` and
+        ``max_micro`` (the hold placed at submit), in micro-credits (1 credit = 1,000,000)."""
+        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs}
+        if version:
+            body["version"] = version
+        return self.request("POST", "/v1/quotes", json_body=body).json()
+
+    def account(self) -> dict:
+        """Balances in micro-credits (available, held, vesting, paid out) and ``funding``
+        (``"stripe"``, or ``"dev"`` where an admin grants credits)."""
+        return self.request("GET", "/v1/account").json()
+
+    def transactions(self, limit: int = 100) -> list[dict]:
+        return self.request("GET", "/v1/account/transactions", params={"limit": limit}).json()["data"]
+
+    def buy_credits(self, credits: int) -> dict:
+        """A Stripe Checkout session for ``credits``; open its ``url`` to pay."""
+        return self.request("POST", "/v1/credits/checkout", json_body={"credits": credits},
+                            idempotency_key=str(uuid.uuid4())).json()
+
+    def stream(self, plugin: str, *, timeout: float = 600.0, version: str | None = None,
+               **inputs) -> Iterator[str]:
+        """Run one job and yield its text as it is made (``for token in
+        client.stream("llama", prompt=...)``); the pieces join to the job's final text.
+        Raises JobFailedError if the job fails. If the job is requeued to another provider
+        mid-way, the text already yielded is not repeated (the same seed gives the same
+        tokens)."""
+        job = self.jobs.create(plugin, version=version, **inputs)
+        sent, skip = 0, 0  # characters yielded; characters of a new attempt to pass over
+        for ev in job.events():
+            if ev.kind == "token":
+                text = ev.data.get("text", "")
+                if skip:
+                    cut = min(skip, len(text))
+                    text, skip = text[cut:], skip - cut
+                if text:
+                    sent += len(text)
+                    yield text
+            elif ev.kind == "requeued":
+                skip = sent
+        job.wait(timeout=timeout)  # raises JobFailedError unless the job settled
+
 
 class Jobs:
     def __init__(self, client: Client):

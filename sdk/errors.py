@@ -46,6 +46,11 @@ class ConflictError(APIError):
     pass
 
 
+class InsufficientCreditsError(APIError):
+    """HTTP 402: the balance does not cover the job's maximum price (``body`` has
+    ``needed_micro``, ``available_micro``, ``shortfall_micro``)."""
+
+
 class InvalidInputError(APIError):
     """Inputs outside the plugin's schema (raised before sending when the SDK can tell)."""
 
@@ -68,7 +73,8 @@ class JobTimeoutError(JobFailedError):
 
 def error_for(status: int, body: dict, request_id: str | None) -> APIError:
     cls = {401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
-           409: ConflictError, 422: InvalidInputError}.get(status)
+           402: InsufficientCreditsError, 409: ConflictError,
+           422: InvalidInputError}.get(status)
     if cls is None:
         cls = ServerError if status >= 500 else APIError
     code = str(body.get("code", "http_error"))

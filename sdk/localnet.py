@@ -95,9 +95,11 @@ class LocalNetwork:
     def url(self) -> str:
         return self.info["http"]
 
-    def create_key(self, role: str, name: str = "") -> str:
+    def create_key(self, role: str, name: str = "", *, credits: str | None = "1000") -> str:
+        """A new account's API key; a client account is granted ``credits`` (dev funding)."""
+        grant = ["--credits", credits] if credits and role == "client" else []
         out = subprocess.run(cli("broker", "create-key", *self._broker_args(), "--role", role,
-                                 "--name", name or role),
+                                 "--name", name or role, *grant),
                              capture_output=True, text=True, env=self.env, cwd=self.workdir)
         if out.returncode != 0:
             raise LocalNetworkError(f"create-key failed: {out.stderr.strip()}")

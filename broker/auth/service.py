@@ -56,6 +56,7 @@ class ApiKeyService:
         self.clock = clock
         self._cache: dict[str, tuple[Principal, float]] = {}
         self._lock = threading.Lock()
+        self.on_account_created = lambda account_id, role: None  # opens ledger accounts
 
     def create_account_with_key(self, role: str, name: str = "") -> tuple[str, Principal]:
         """Create an account and its first key; returns (plaintext key, principal)."""
@@ -64,6 +65,7 @@ class ApiKeyService:
                                  field="role")
         account_id = str(uuid.uuid4())
         self.repo.create_account(account_id, name or f"{role}-{account_id[:8]}", role, self.clock())
+        self.on_account_created(account_id, role)
         return self.add_key(account_id, role)
 
     def add_key(self, account_id: str, role: str) -> tuple[str, Principal]:

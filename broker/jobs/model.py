@@ -81,6 +81,8 @@ class Job:
     started_at: float | None = None
     finished_at: float | None = None
     deadline_at: float | None = None
+    hold_id: str | None = None        # the ledger hold for the job's maximum price
+    max_price_micro: int = 0          # that maximum (micro-credits)
 
 
 @dataclass

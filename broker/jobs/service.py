@@ -48,8 +48,9 @@ class AssignmentTarget:
 class JobService:
     def __init__(self, repo: JobRepository, blobs: BlobStore, catalog: PluginCatalog,
                  signer: KeyPair, hub: EventHub | None = None,
-                 settings: JobSettings | None = None, clock=time.time):
+                 settings: JobSettings | None = None, clock=time.time, billing=None):
         self.repo = repo
+        self.billing = billing  # broker.billing.JobBilling; None: jobs cost nothing
         self.blobs = blobs
         self.catalog = catalog
         self.signer = signer
@@ -90,12 +91,34 @@ class JobService:
         request_hash = sha256_hex(canonical_bytes({"plugin": manifest.name,
                                                    "version": manifest.version, "inputs": inputs}))
         now = self.clock()
-        job = Job(id=str(uuid.uuid4()), account_id=who.account_id, plugin=manifest.name,
+        # With an idempotency key the job id is derived from it, so a resubmit finds the
+        # first job before holding, and a racing resubmit gets the same hold (same key).
+        job_id = (str(uuid.uuid5(_JOB_IDS, f"{who.account_id}:{idempotency_key}"))
+                  if idempotency_key is not None else str(uuid.uuid4()))
+        existing = self.repo.get(job_id) if idempotency_key is not None else None
+        if existing is not None:
+            if existing.request_hash != request_hash:
+                raise IdempotencyConflict(
+                    f"Idempotency-Key {idempotency_key!r} was used for another request (job "
+                    f"{existing.id}); use a new key for a new job")
+            return existing, False
+        work_units = manifest.work_units_for(inputs)
+        hold_id, max_price = None, 0
+        if self.billing is not None:
+            hold_id, max_price = self.billing.hold(job_id, who.account_id, manifest.name, work_units)
+        job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
                   plugin_version=manifest.version, inputs=inputs, state=JobState.QUEUED,
                   max_attempts=self.settings.max_attempts,
-                  work_units=manifest.work_units_for(inputs), idempotency_key=idempotency_key,
-                  request_hash=request_hash, created_at=now, updated_at=now)
-        job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
+                  work_units=work_units, idempotency_key=idempotency_key,
+                  request_hash=request_hash, created_at=now, updated_at=now,
+                  hold_id=hold_id, max_price_micro=max_price)
+        try:
+            job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
+        except BaseException:
+            # No job without its hold, and no hold without its job.
+            if hold_id is not None and self.repo.get(job_id) is None:
+                self.billing.release_hold(hold_id, job_id, "job was not created")
+            raise
         if not created:
             if job.request_hash != request_hash:
                 raise IdempotencyConflict(
@@ -148,6 +171,7 @@ class JobService:
                 if job.state in LEASED and job.provider_id:
                     self.cancel_hook(job)
                     self.on_released(job.provider_id, job.id)
+                self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
                 self.hub.notify(job.id)
                 return moved
             job = self.get(who, job_id)
@@ -235,7 +259,10 @@ class JobService:
             raise ReceiptRefused("unknown_job", f"receipt names unknown job {job_id!r}")
         if (job.receipt == rec and job.provider_id == provider_id
                 and job.state in (JobState.SUBMITTED, JobState.SETTLED)):
-            return job  # a re-sent receipt (e.g. after a reconnect): already settled once
+            # A re-sent receipt (e.g. after a reconnect): already settled once; the post is
+            # idempotent, so this also finishes a settlement interrupted before its post.
+            self._charge(job, rec)
+            return job
         job = self._leased(provider_id, job_id, attempt)
         if rec["envelope_sha256"] != sha256_hex(canonical_bytes(job.envelope)):
             raise ReceiptRefused("envelope_mismatch", "receipt does not cover this job's envelope")
@@ -261,6 +288,7 @@ class JobService:
             receipt=rec, receipt_signature=signature, lease_expires_at=None, finished_at=now)
         if settled is None:
             raise ReceiptRefused("not_your_job", f"job {job_id} moved before the receipt arrived")
+        self._charge(settled, rec)
         self.on_released(provider_id, job.id)
         self.hub.notify(job.id)
         return settled
@@ -326,8 +354,28 @@ class JobService:
                                      error_code=code, error_message=message,
                                      finished_at=self.clock(), lease_expires_at=None)
         if moved is not None:
+            self._money("release", moved, lambda: self.billing.failed(moved, f"{code}: {message}"))
             self.hub.notify(job.id)
         return moved
+
+    # ---- money -----------------------------------------------------------------------
+    def _charge(self, job: Job, receipt: dict) -> None:
+        units = receipt.get("work_units", job.work_units)
+        self._money("settle", job, lambda: self.billing.settle(job, units))
+
+    def _money(self, what: str, job: Job, action) -> None:
+        """Run a billing step after the job's state change. The state change stands even if
+        the ledger fails (the hold then expires back to the client after its TTL); the
+        failure is logged with the job id to be reconciled."""
+        if self.billing is None or job.hold_id is None:
+            return
+        try:
+            action()
+        except Exception:  # noqa: BLE001 - the job already moved; money is reconciled later
+            log.exception("job %s: ledger %s failed", job.id, what)
+
+
+_JOB_IDS = uuid.UUID("6f1c0c5e-8a39-4c3e-9a55-5d0b3e2f7a11")  # namespace of derived job ids
 
 
 def _is_uuid(value: str) -> bool:

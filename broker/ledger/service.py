@@ -161,11 +161,18 @@ class LedgerService:
             return hold
         return self._idempotent("hold", idempotency_key, payload, work)
 
-    def post(self, hold_id: str, splits: Splits, *, idempotency_key: str) -> Transaction:
+    def post(self, hold_id: str, splits: Splits, *, idempotency_key: str,
+             vesting_window_s: int | None = None) -> Transaction:
         """Settle a pending hold: the provider's share goes to its vesting account, the
         royalty to the publisher, the fee to the platform, and whatever the hold reserved
-        beyond their sum back to the client (a partial post). Resolves the hold."""
+        beyond their sum back to the client (a partial post). Resolves the hold. The share
+        vests after ``vesting_window_s`` (default: the service's window)."""
         _check_id("hold_id", hold_id)
+        if vesting_window_s is not None and (type(vesting_window_s) is not int
+                                             or vesting_window_s < 0):
+            raise InvalidArgument(f"vesting_window_s is {vesting_window_s!r}; it must be an int "
+                                  ">= 0 of seconds")
+        window_s = self.vesting_window_s if vesting_window_s is None else vesting_window_s
         if not isinstance(splits, Splits):
             raise InvalidArgument(f"splits is {splits!r}; it must be a Splits")
         _check_id("splits.provider", splits.provider)
@@ -183,6 +190,8 @@ class LedgerService:
         payload = {"hold_id": hold_id, "provider": splits.provider,
                    "provider_micro": splits.provider_micro, "fee_micro": splits.fee_micro,
                    "publisher": splits.publisher, "royalty_micro": splits.royalty_micro}
+        if vesting_window_s is not None:
+            payload["vesting_window_s"] = vesting_window_s
 
         def work(uow: LedgerUnitOfWork) -> Transaction:
             now = self.clock.now()
@@ -208,7 +217,7 @@ class LedgerService:
                 provider=splits.provider, provider_micro=splits.provider_micro,
                 publisher=splits.publisher, royalty_micro=splits.royalty_micro,
                 fee_micro=splits.fee_micro,
-                vests_at=now + timedelta(seconds=self.vesting_window_s)))
+                vests_at=now + timedelta(seconds=window_s)))
             return txn
         return self._idempotent("post", idempotency_key, payload, work)
 

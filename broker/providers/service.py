@@ -13,6 +13,7 @@ class ProviderService:
     def __init__(self, repo, clock=time.time):
         self.repo = repo
         self.clock = clock
+        self.on_connected = lambda provider: None  # opens the provider's ledger accounts
 
     def connect(self, who: Principal, public_key: str, name: str, *, sandboxed: bool,
                 hardware: dict, plugins: list[dict]) -> Provider:
@@ -27,6 +28,7 @@ class ProviderService:
                          name=name, sandboxed=sandboxed, hardware=hardware, plugins=plugins,
                          created_at=now, last_seen_at=now)
             self.repo.add(p)
+            self.on_connected(p)
             return p
         if p.account_id != who.account_id:
             raise Forbidden("this agent key is registered to another provider account")
@@ -36,7 +38,21 @@ class ProviderService:
                          plugins=plugins, last_seen_at=now)
         p.name, p.sandboxed, p.hardware, p.plugins, p.last_seen_at = (name, sandboxed, hardware,
                                                                       plugins, now)
+        self.on_connected(p)
         return p
+
+    def owner_of(self, provider_id: str) -> str | None:
+        """The provider account that owns machine ``provider_id`` (it earns the credits)."""
+        p = self.repo.get(provider_id)
+        return p.account_id if p else None
+
+    def sandboxed_of(self, provider_id: str | None) -> bool | None:
+        """Whether machine ``provider_id`` runs plugins in the sandbox (None: no provider)."""
+        p = self.repo.get(provider_id) if provider_id else None
+        return p.sandboxed if p else None
+
+    def owners(self) -> list[str]:
+        return sorted({p.account_id for p in self.repo.all()})
 
     def seen(self, provider_id: str) -> None:
         self.repo.update(provider_id, last_seen_at=self.clock())

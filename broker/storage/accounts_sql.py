@@ -17,6 +17,12 @@ class SqlAccountRepository:
         with self.sessions.begin() as s:
             s.add(AccountRow(id=account_id, name=name, role=role, created_at=now))
 
+    def get_account(self, account_id: str) -> tuple[str, str] | None:
+        """(name, role) of an account, or None."""
+        with self.sessions() as s:
+            row = s.get(AccountRow, account_id)
+            return (row.name, row.role) if row else None
+
     def add_key(self, record: KeyRecord, now: float) -> None:
         with self.sessions.begin() as s:
             s.add(ApiKeyRow(id=record.id, account_id=record.account_id, role=record.role,

@@ -1,7 +1,7 @@
 """Tables of the broker (jobs, accounts, keys, providers). Times are epoch seconds."""
 from __future__ import annotations
 
-from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text,
+from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text,
                         UniqueConstraint)
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -75,6 +75,8 @@ class JobRow(Base):
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     deadline_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    hold_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    max_price_micro: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class JobEventRow(Base):

@@ -37,3 +37,18 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture(scope="session")
+def model_weights(tmp_path_factory):
+    """A weights root for the model plugins: tiny sd15, sdxl and llama in their real layouts,
+    and one sd15 LoRA at ``sd15/adapters/ink`` (inside the weights folder, which the sandboxed
+    plugin host can read)."""
+    import sys
+
+    root = tmp_path_factory.mktemp("model-weights")
+    script = ("import sys; from plugins.tiny import build_tiny; r = sys.argv[1]\n"
+              "for kind in ('sd15', 'sdxl', 'llama'): build_tiny(kind, f'{r}/{kind}')\n"
+              "build_tiny('lora-sd15', f'{r}/sd15/adapters/ink', seed=1)\n")
+    subprocess.run([sys.executable, "-c", script, str(root)], check=True, capture_output=True)
+    return root

@@ -11,10 +11,15 @@ from broker.settings import Settings
 
 
 class LiveBroker:
-    def __init__(self, tmp_path, db_url=None, lease_timeout_s=5.0):
+    def __init__(self, tmp_path, db_url=None, lease_timeout_s=5.0, plugin_dirs=None,
+                 max_attempts=None, **settings):
+        extra = {"plugin_dirs": list(plugin_dirs)} if plugin_dirs is not None else {}
+        extra.update(settings)  # any other Settings field (e.g. Stripe against a stub)
+        if max_attempts is not None:
+            extra["max_attempts"] = max_attempts
         self.settings = Settings(data_dir=tmp_path / "broker", db_url=db_url or "",
                                  http="127.0.0.1:0", grpc="127.0.0.1:0",
-                                 lease_timeout_s=lease_timeout_s, http_threads=16)
+                                 lease_timeout_s=lease_timeout_s, http_threads=16, **extra)
         self.server = BrokerServer(self.settings)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -23,8 +28,12 @@ class LiveBroker:
         self.services = self.server.services
         time.sleep(0.05)
 
-    def key(self, role: str) -> str:
-        return self.services.auth.create_account_with_key(role)[0]
+    def key(self, role: str, credits: int = 1000) -> str:
+        """A new account's key; clients are granted ``credits`` (dev funding mode)."""
+        key, who = self.services.auth.create_account_with_key(role)
+        if role == "client" and credits and self.services.payments.funding_mode == "dev":
+            self.services.payments.grant(who.account_id, credits * 1_000_000, by="test")
+        return key
 
     def stop(self):
         self.server.stop()

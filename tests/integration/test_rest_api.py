@@ -10,7 +10,8 @@ from broker.settings import Settings
 def api(tmp_path):
     services = build_services(Settings(data_dir=tmp_path))
     app = create_app(services)
-    key, _ = services.auth.create_account_with_key("client")
+    key, who = services.auth.create_account_with_key("client")
+    services.payments.grant(who.account_id, 1000 * 1_000_000, by="test")
     client = app.test_client()
     client.environ_base["HTTP_AUTHORIZATION"] = f"Bearer {key}"
     yield client, services

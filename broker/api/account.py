@@ -1,0 +1,106 @@
+"""/v1/account (balances), /v1/account/transactions, /v1/quotes; and the funding-mode header
+on every response (``X-Sparecycles-Funding: dev`` when credits are granted, not sold)."""
+from __future__ import annotations
+
+from flask import Blueprint, current_app, request
+
+from broker.errors import InvalidInput, InvalidRequest
+from broker.ledger.model import AccountId, AccountKind
+from sdk.protocol.schema import InputError
+from .common import json_body, principal, services
+
+bp = Blueprint("account", __name__)
+
+FUNDING_HEADER = "X-Sparecycles-Funding"
+
+
+@bp.after_app_request
+def funding_header(response):
+    svc = current_app.extensions.get("sparecycles")
+    payments = getattr(svc, "payments", None)
+    if payments is not None:
+        response.headers[FUNDING_HEADER] = payments.funding_mode
+    return response
+
+
+def _kinds(role: str) -> dict[str, AccountKind]:
+    if role == "provider":
+        return {"available": AccountKind.PROVIDER_AVAILABLE, "vesting": AccountKind.PROVIDER_VESTING,
+                "stake": AccountKind.PROVIDER_STAKE}
+    if role == "publisher":
+        return {"available": AccountKind.PUBLISHER_ROYALTIES}
+    return {"available": AccountKind.CLIENT_AVAILABLE, "held": AccountKind.CLIENT_HELD}
+
+
+@bp.get("/v1/account")
+def get_account():
+    who = principal()
+    svc = services()
+    balances = svc.ledger.balances(who.account_id)
+    body = {"object": "account", "id": who.account_id, "role": who.role,
+            "funding": svc.payments.funding_mode, "currency_unit": "micro-credit",
+            "available_micro": 0, "held_micro": 0, "vesting_micro": 0, "stake_micro": 0,
+            "paid_out_micro": 0}
+    for name, kind in _kinds(who.role).items():
+        body[f"{name}_micro"] = balances.get(kind, 0)
+    if who.role in ("provider", "publisher"):
+        body["paid_out_micro"] = sum(p.amount_micro for p in svc.payments.payouts(who.account_id)
+                                     if p.status == "paid")
+    if svc.payments.funding_mode == "dev":
+        body["notice"] = ("dev funding mode: credits are granted by an admin, not bought "
+                          "(no Stripe keys configured)")
+    return body
+
+
+@bp.get("/v1/account/transactions")
+def list_transactions():
+    who = principal()
+    raw = request.args.get("limit", "100")
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"limit must be an integer, got {raw!r}", field="limit") from None
+    if not 1 <= limit <= 1000:
+        raise InvalidRequest("limit must be between 1 and 1000", field="limit")
+    ledger = services().ledger
+    owned = ledger.balances(who.account_id)
+    lines = []
+    for name, kind in _kinds(who.role).items():
+        if kind not in owned:
+            continue
+        for line in ledger.history(AccountId(kind, who.account_id), limit=limit):
+            lines.append({"transaction_id": line.transaction_id, "kind": line.kind.value,
+                          "account": name, "amount_micro": line.amount_micro,
+                          "created_at": line.created_at.isoformat(), "memo": line.memo,
+                          "hold_id": line.hold_id})
+    lines.sort(key=lambda x: x["created_at"], reverse=True)
+    return {"object": "list", "data": lines[:limit]}
+
+
+@bp.post("/v1/quotes")
+def create_quote():
+    body = json_body()
+    if not isinstance(body, dict):
+        raise InvalidRequest('send a JSON object like {"plugin": "sd15", "inputs": {...}}')
+    unknown = set(body) - {"plugin", "version", "inputs"}
+    if unknown:
+        field = sorted(unknown)[0]
+        raise InvalidRequest(f"unknown field {field!r}; allowed: plugin, version, inputs", field=field)
+    svc = services()
+    plugin, version = body.get("plugin"), body.get("version")
+    if not isinstance(plugin, str) or not plugin:
+        raise InvalidRequest(f"plugin must be a plugin name; available: {svc.catalog.names()}",
+                             field="plugin")
+    manifest = svc.catalog.get(plugin, version)
+    try:
+        inputs = manifest.validate_inputs(body.get("inputs", {}))
+    except InputError as exc:
+        raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
+                           plugin=manifest.ref) from None
+    q = svc.pricing.quote(manifest.name, manifest.version, manifest.work_units_for(inputs))
+    return {"object": "quote", "plugin": q.plugin, "version": q.version,
+            "work_units": q.work_units, "min_micro": q.min_micro,
+            "expected_micro": q.expected_micro, "max_micro": q.max_micro,
+            "held_at_submit_micro": q.max_micro,
+            "price": {"reserve_micro_per_unit": q.price.reserve_micro_per_unit,
+                      "fee_bps": q.price.fee_bps, "min_charge_micro": q.price.min_charge_micro}}

@@ -1,0 +1,223 @@
+"""Jobs and money through the real wiring (SQLite): the hold at submit, the split at
+settlement to the micro-credit, refunds on cancel and failure, idempotent resubmits, quotes."""
+import pytest
+
+from broker.app import create_app
+from broker.ledger.model import AccountKind, HoldState
+from broker.services import build_services
+from broker.settings import Settings
+from sdk.protocol.canonical import canonical_bytes, loads, sha256_hex
+from sdk.protocol.envelope import make_receipt
+from sdk.protocol.signing import KeyPair
+
+from broker_fixtures import RecordingSession
+
+MICRO = 1_000_000
+C, P, PLATFORM = AccountKind.CLIENT_AVAILABLE, AccountKind.PROVIDER_VESTING, "platform"
+
+
+@pytest.fixture
+def world(tmp_path):
+    services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0))
+    _, client = services.auth.create_account_with_key("client")
+    _, prov_acct = services.auth.create_account_with_key("provider")
+    key = KeyPair.generate()
+    provider = services.providers.connect(prov_acct, key.public_key_hex, "m1", sandboxed=True,
+                                          hardware={}, plugins=[])
+    session = RecordingSession(provider_id=provider.id, public_key=key.public_key_hex,
+                               account_id=prov_acct.account_id, plugins={"echo@1.0.0": ""})
+    services.dispatcher.register(session)
+    # echo: 1 + sleep_ms/1000 work units at 0.25 credit each, 10 % fee, 0.1 credit minimum
+    services.pricing.set_price("echo", {"reserve_micro_per_unit": 250_000, "fee_bps": 1_000,
+                                        "min_charge_micro": 100_000, "vesting_window_s": 3600},
+                               by="test")
+    yield services, client, prov_acct, session, key
+    services.engine.dispose()
+
+
+def _bal(services, owner, kind):
+    return services.ledger.balances(owner).get(kind, 0)
+
+
+def _run(services, job, session, key, work_units):
+    assert services.dispatcher.match_once() == 1
+    env_bytes, _ = session.sent[-1]
+    env = loads(env_bytes)
+    services.jobs.accepted(session.provider_id, job.id, env["attempt"])
+    data = b'{"ok":true}'
+    sha = services.jobs.store_output(session.provider_id, job.id, env["attempt"], data,
+                                     sha256_hex(data))
+    rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
+                       outputs=[{"index": 0, "sha256": sha, "media_type": "application/json",
+                                 "size": len(data)}], work_units=work_units, timings_ms={"run": 1})
+    return services.jobs.receipt(session.provider_id, key.public_key_hex, canonical_bytes(rec),
+                                 key.sign("receipt", rec))
+
+
+def test_submit_without_credits_is_402_naming_the_shortfall_and_creates_no_job(world):
+    services, client, *_ = world
+    services.payments.grant(client.account_id, 300_000, by="test")  # 0.3 credit
+    app = create_app(services).test_client()
+    key, _ = services.auth.add_key(client.account_id, "client")
+    resp = app.post("/v1/jobs", json={"plugin": "echo", "inputs": {"sleep_ms": 1000}},
+                    headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 402
+    body = resp.json
+    assert body["code"] == "insufficient_credits"
+    assert (body["needed_micro"], body["available_micro"], body["shortfall_micro"]) == (
+        500_000, 300_000, 200_000)
+    assert "0.2 credits short" in body["detail"] and "grant" in body["detail"]
+    assert services.jobs.repo.counts_by_state() == {}
+    assert _bal(services, client.account_id, C) == 300_000
+    assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 0
+
+
+def test_settlement_splits_to_the_micro_credit(world):
+    services, client, prov, session, key = world
+    services.payments.grant(client.account_id, 10 * MICRO, by="test")
+    job, created = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 1234}})
+    # Hold: 2.234 units × 250,000 = 558,500
+    assert created and job.max_price_micro == 558_500
+    assert _bal(services, client.account_id, C) == 10 * MICRO - 558_500
+    assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 558_500
+    settled = _run(services, job, session, key, work_units=1.5)
+    assert settled.state.value == "settled"
+    # Charge 1.5 × 250,000 = 375,000; fee 10 % = 37,500; provider 337,500; rest released.
+    assert _bal(services, client.account_id, C) == 10 * MICRO - 375_000
+    assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 0
+    assert _bal(services, prov.account_id, P) == 337_500
+    assert _bal(services, PLATFORM, AccountKind.PLATFORM_FEES) == 37_500
+    hold = services.ledger.get_hold(job.hold_id)
+    assert hold.state is HoldState.POSTED and hold.vests_at is not None
+    assert services.ledger.verify().ok
+
+
+def test_minimum_charge_and_cap_at_the_hold(world):
+    services, client, prov, session, key = world
+    services.payments.grant(client.account_id, 10 * MICRO, by="test")
+    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    assert job.max_price_micro == 250_000
+    _run(services, job, session, key, work_units=0.1)  # 25,000 < minimum 100,000
+    assert _bal(services, client.account_id, C) == 10 * MICRO - 100_000
+    job2, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    _run(services, job2, session, key, work_units=50)  # claims far more than the hold
+    assert _bal(services, client.account_id, C) == 10 * MICRO - 100_000 - 250_000
+    assert _bal(services, prov.account_id, P) == 90_000 + 225_000
+    assert _bal(services, PLATFORM, AccountKind.PLATFORM_FEES) == 10_000 + 25_000
+
+
+def test_cancel_before_run_and_failure_refund_everything(world):
+    services, client, prov, session, key = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    queued, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    services.jobs.cancel(client, queued.id)
+    assert _bal(services, client.account_id, C) == MICRO
+    assert services.ledger.get_hold(queued.hold_id).state is HoldState.VOIDED
+    doomed, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    services.dispatcher.match_once()
+    services.jobs.failed(session.provider_id, doomed.id, 0, "oom", "out of memory", retryable=False)
+    assert _bal(services, client.account_id, C) == MICRO
+    assert _bal(services, prov.account_id, P) == 0
+    assert services.ledger.get_hold(doomed.hold_id).state is HoldState.VOIDED
+
+
+def test_cancel_mid_run_pays_only_the_work_done(world):
+    services, client, prov, session, key = world
+    services.payments.grant(client.account_id, 10 * MICRO, by="test")
+    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 3000,
+                                                                        "steps": 4}})
+    assert job.max_price_micro == 1_000_000  # 4 units
+    services.dispatcher.match_once()
+    services.jobs.accepted(session.provider_id, job.id, 0)
+    services.jobs.progress(session.provider_id, job.id, 0, 1, 4)  # a quarter done
+    services.jobs.cancel(client, job.id)
+    # 1 unit × 250,000 (no minimum on a cancel): fee 25,000, provider 225,000.
+    assert _bal(services, client.account_id, C) == 10 * MICRO - 250_000
+    assert _bal(services, prov.account_id, P) == 225_000
+    assert _bal(services, PLATFORM, AccountKind.PLATFORM_FEES) == 25_000
+    assert session.cancels and session.cancels[-1][0] == job.id
+
+
+def test_idempotent_resubmit_holds_once(world):
+    services, client, *_ = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    body = {"plugin": "echo", "inputs": {"text": "x"}}
+    first, created = services.jobs.submit(client, body, idempotency_key="k1")
+    again, created_again = services.jobs.submit(client, body, idempotency_key="k1")
+    assert created and not created_again and again.id == first.id
+    assert again.hold_id == first.hold_id
+    assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 250_000
+
+
+def test_job_insert_failure_voids_the_hold(world, monkeypatch):
+    services, client, *_ = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+
+    def broken(job, first_event):
+        raise RuntimeError("database went away")
+    monkeypatch.setattr(services.jobs.repo, "create", broken)
+    with pytest.raises(RuntimeError):
+        services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    assert _bal(services, client.account_id, C) == MICRO
+    assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 0
+
+
+def test_vesting_after_the_window_via_maintenance(world):
+    services, client, prov, session, key = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    services.pricing.set_price("echo", {"vesting_window_s": 0}, by="test")
+    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    _run(services, job, session, key, work_units=1)
+    assert services.maintenance.run_once()["vested"] == 1
+    assert _bal(services, prov.account_id, AccountKind.PROVIDER_AVAILABLE) == 225_000
+    assert _bal(services, prov.account_id, P) == 0
+
+
+def test_quote_and_prices_over_rest(world):
+    services, client, *_ = world
+    app = create_app(services).test_client()
+    ckey, _ = services.auth.add_key(client.account_id, "client")
+    akey, _ = services.auth.create_account_with_key("admin")
+    q = app.post("/v1/quotes", json={"plugin": "echo", "inputs": {"sleep_ms": 1000}},
+                 headers={"Authorization": f"Bearer {ckey}"})
+    assert q.status_code == 200
+    assert (q.json["min_micro"], q.json["expected_micro"], q.json["max_micro"]) == (
+        100_000, 500_000, 500_000)
+    bad = app.post("/v1/quotes", json={"plugin": "echo", "inputs": {"sleep_ms": -1}},
+                   headers={"Authorization": f"Bearer {ckey}"})
+    assert bad.status_code == 422
+    assert app.put("/v1/admin/prices/echo", json={"fee_bps": 500},
+                   headers={"Authorization": f"Bearer {ckey}"}).status_code == 403
+    put = app.put("/v1/admin/prices/echo", json={"fee_bps": 500},
+                  headers={"Authorization": f"Bearer {akey}"})
+    assert put.status_code == 200 and put.json["fee_bps"] == 500
+    assert put.json["reserve_micro_per_unit"] == 250_000
+    for bad_body in ({"fee_bps": 10_000}, {"reserve_micro_per_unit": 1.5}, {"nope": 1}, {}):
+        r = app.put("/v1/admin/prices/echo", json=bad_body, headers={"Authorization": f"Bearer {akey}"})
+        assert r.status_code == 422 and r.json["code"] == "invalid_price", bad_body
+    listed = app.get("/v1/admin/prices", headers={"Authorization": f"Bearer {akey}"}).json["data"]
+    assert {p["plugin"] for p in listed} >= {"echo", "sd15", "sdxl", "llama"}
+    assert next(p for p in listed if p["plugin"] == "sd15")["default"] is True
+
+
+def test_dev_funding_mode_grants_and_says_so(world):
+    services, client, *_ = world
+    app = create_app(services).test_client()
+    ckey, _ = services.auth.add_key(client.account_id, "client")
+    akey, _ = services.auth.create_account_with_key("admin")
+    acct = app.get("/v1/account", headers={"Authorization": f"Bearer {ckey}"})
+    assert acct.headers["X-Sparecycles-Funding"] == "dev" and acct.json["funding"] == "dev"
+    assert acct.json["available_micro"] == 0
+    checkout = app.post("/v1/credits/checkout", json={"credits": 5},
+                        headers={"Authorization": f"Bearer {ckey}"})
+    assert checkout.status_code == 409 and checkout.json["code"] == "payments_not_configured"
+    for body, status in (({"account_id": client.account_id, "credits": "2.5"}, 201),
+                         ({"account_id": client.account_id, "credits": -1}, 400),
+                         ({"account_id": client.account_id, "credits": 0.5}, 400),
+                         ({"account_id": "no-such-account", "credits": 1}, 404)):
+        r = app.post("/v1/admin/grants", json=body, headers={"Authorization": f"Bearer {akey}"})
+        assert r.status_code == status, (body, r.json)
+    assert app.post("/v1/admin/grants", json={"account_id": client.account_id, "credits": 1},
+                    headers={"Authorization": f"Bearer {ckey}"}).status_code == 403
+    acct = app.get("/v1/account", headers={"Authorization": f"Bearer {ckey}"}).json
+    assert acct["available_micro"] == 2_500_000
