@@ -101,6 +101,62 @@ def document() -> dict:
                                                            "schema": {"type": "string"}}],
                                            "responses": {"200": {"description": "The plugin"},
                                                          **_errors(404)}}},
+            "/v1/quotes": {"post": {
+                "summary": "What a job would cost (min, expected, max micro-credits), without "
+                           "running it", "operationId": "quote",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/JobRequest"}}}},
+                "responses": {"200": {"description": "The quote"}, **_errors(400, 401, 404, 422)}}},
+            "/v1/account": {"get": {"summary": "Balances: available, held, vesting, paid out; "
+                                              "funding mode", "operationId": "account",
+                                    "responses": {"200": {"description": "Balances"},
+                                                  **_errors(401)}}},
+            "/v1/account/transactions": {"get": {
+                "summary": "Ledger history of your accounts", "operationId": "transactions",
+                "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer"}}],
+                "responses": {"200": {"description": "Transactions"}, **_errors(401)}}},
+            "/v1/credits/checkout": {"post": {
+                "summary": "Buy credits: a Stripe Checkout session URL",
+                "operationId": "checkout",
+                "parameters": [{"name": "Idempotency-Key", "in": "header",
+                                "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["credits"],
+                               "properties": {"credits": {"type": "integer", "minimum": 1}}}}}},
+                "responses": {"200": {"description": "The session"}, **_errors(400, 401, 409)}}},
+            "/v1/stripe/webhook": {"post": {
+                "summary": "Stripe events (signature checked on the raw body)", "security": [],
+                "operationId": "stripeWebhook",
+                "responses": {"200": {"description": "Handled"}, **_errors(400)}}},
+            "/v1/payouts": {
+                "get": {"summary": "Your payouts", "operationId": "listPayouts",
+                        "responses": {"200": {"description": "Payouts"}, **_errors(401)}},
+                "post": {"summary": "Pay out available credits through Stripe Connect",
+                         "operationId": "payout",
+                         "responses": {"200": {"description": "The payout"},
+                                       **_errors(400, 401, 409)}}},
+            "/v1/payouts/onboarding": {"post": {
+                "summary": "A Stripe Connect onboarding link", "operationId": "onboarding",
+                "responses": {"200": {"description": "The link"}, **_errors(401)}}},
+            "/v1/admin/prices": {"get": {"summary": "Prices of every plugin (admin)",
+                                         "operationId": "listPrices",
+                                         "responses": {"200": {"description": "Prices"},
+                                                       **_errors(401)}}},
+            "/v1/admin/prices/{plugin}": {
+                "get": {"summary": "One plugin's price (admin)", "operationId": "getPrice",
+                        "parameters": [{"name": "plugin", "in": "path", "required": True,
+                                        "schema": {"type": "string"}}],
+                        "responses": {"200": {"description": "The price"}, **_errors(401, 404)}},
+                "put": {"summary": "Set a plugin's price; applies to the next job (admin)",
+                        "operationId": "setPrice",
+                        "parameters": [{"name": "plugin", "in": "path", "required": True,
+                                        "schema": {"type": "string"}}],
+                        "responses": {"200": {"description": "The new price"},
+                                      **_errors(400, 401, 404, 422)}}},
+            "/v1/admin/grants": {"post": {
+                "summary": "Grant credits (dev funding mode only; admin)",
+                "operationId": "grant",
+                "responses": {"200": {"description": "The deposit"}, **_errors(400, 401, 409)}}},
             "/livez": {"get": {"summary": "Liveness", "security": [],
                                "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness", "security": [],

@@ -109,3 +109,15 @@ def test_unknown_route_is_a_problem_too(api):
     client, _ = api
     resp = client.get("/v1/nothing-here")
     assert resp.status_code == 404 and resp.json["code"] == "not_found"
+
+
+def test_every_v1_route_is_in_the_openapi_document(api):
+    client, _ = api
+    paths = client.get("/openapi.json").json["paths"]
+    for rule in client.application.url_map.iter_rules():
+        if not rule.rule.startswith("/v1"):
+            continue
+        path = rule.rule.replace("<int:", "<").replace("<", "{").replace(">", "}")
+        assert path in paths, f"{rule.rule} is missing from /openapi.json"
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            assert method.lower() in paths[path], f"{method} {rule.rule} is not documented"
