@@ -1,0 +1,400 @@
+"""Calibrate the image comparator's thresholds (DESIGN §6) on honest and cheating runs.
+
+Every job is run once as the reference (float32, one thread, the default attention) and
+then again as:
+
+* honest replicas: the same run again (same reproducibility class: the final latents
+  must be bit-identical), and runs that differ only in the numeric path: two torch
+  threads, bfloat16, the classic attention processor instead of SDPA, the scheduler's
+  arithmetic in float64, and the image as the first of a batch of two (as a provider
+  batching ``n=2`` makes it);
+* cheating variants: wrong seed, half the steps, another model (tiny sd15 built from
+  seed 1), the job's LoRA adapter dropped, a random image, and a cached earlier output
+  (same settings and seed, another prompt).
+
+It prints the SSIM / PSNR / pHash distributions of each group, chooses accept and reject
+thresholds (below), shows how every variant would be judged, and writes the thresholds
+and the figures that justified them to ``broker/verification/thresholds.json``, which
+``broker.verification.comparators`` loads.
+
+    python bench/calibrate.py            # 8 jobs, 64x64, 6 steps: ~80 s on two CPU cores
+    python bench/calibrate.py --full     # 96 jobs, 10 steps: ~12 minutes (the committed file)
+    python bench/calibrate.py --rechoose broker/verification/thresholds.json   # no rendering
+    python bench/calibrate.py --weights /path/to/sd15 --size 512   # a real model (GPU)
+
+The tiny models' images are deterministic noise, so these thresholds are the tiny
+models'; rerun with ``--weights`` on the real model and hardware classes before relying
+on them in production (the thresholds are per plugin).
+
+Adapter jobs run the tiny LoRA at scale 4: the tiny LoRA is deliberately weak (its B
+factor is scaled by 0.1), and at scale 1 dropping it changes the image less than
+bfloat16 rounding does (PSNR 54-56 dB against bf16's 46-49 dB, measured with this bench),
+so no structural comparison could see it; a same-class latent hash still does. Even at
+scale 4 and 10 steps (--full) a quarter of the adapter-dropped samples sit inside the
+bf16 noise and are accepted; the summary shows them.
+
+How thresholds are chosen (distances: 1 - SSIM, -PSNR, pHash bits): the accept bound is
+the worst honest distance widened by ``ACCEPT_SLACK`` (unseen numeric paths are a little
+noisier than the ones measured), tightened if that would accept a cheating sample
+outright (unless the cheat is within ``MIN_SEPARATION`` of the honest noise, where no
+bound can separate them); the reject bound is the worst honest distance widened by
+``REJECT_SAFETY`` (so no honest run comes near a slash), but never closer than the accept
+bound. Cheating samples that land between the two go to a tiebreaker.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from broker.verification.comparators import (THRESHOLDS_PATH, ImageMetrics,  # noqa: E402
+                                             ImageThresholds, image_metrics, judge_metrics,
+                                             latent_digest)
+
+HONEST = ("repeat", "threads-2", "bf16", "attn-classic", "sched-fp64", "batch-2")
+CHEATS = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
+          "cached-output")
+ACCEPT_SLACK = 1.5     # accept distances up to 1.5x the worst honest one (PSNR: -1.8 dB)
+REJECT_SAFETY = 4.0    # reject only beyond 4x the worst honest distance (PSNR: -6 dB)
+MIN_SEPARATION = 1.2   # tighten the accept bound only for cheats this much farther out
+PHASH_ACCEPT_EXTRA_BITS = 2
+PHASH_REJECT_EXTRA_BITS = 8
+PROMPTS = ("a lighthouse at dusk", "a red fox in a snowy forest, oil painting",
+           "portrait of an old knight, dramatic lighting")
+CACHED_PROMPT = "a cat on a beach"
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str
+    seed: int
+    steps: int
+    scheduler: str
+    adapter: bool
+    size: int = 64
+    adapter_scale: float = 4.0
+    guidance_scale: float = 7.5
+
+    def label(self) -> str:
+        return (f"{self.scheduler}/{'lora' if self.adapter else 'base'}/seed{self.seed}/"
+                f"{self.prompt[:14]!r}")
+
+
+class Renderer:
+    """The tiny (or given) sd15 pipelines in float32 and bfloat16, with the LoRA loaded,
+    plus another model for the 'other-model' cheat."""
+
+    def __init__(self, weights: Path, other_weights: Path, lora: Path | None,
+                 device: str = "cpu"):
+        import torch
+        from diffusers import StableDiffusionPipeline
+        from diffusers.utils import logging as dlog
+
+        dlog.set_verbosity_error()
+        dlog.disable_progress_bar()
+        # torch_dtype, not dtype: the older diffusers we support know only it
+        warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+        self.device = device
+        self.pipes = {}
+        for name, folder, dtype in (("fp32", weights, torch.float32),
+                                    ("bf16", weights, torch.bfloat16),
+                                    ("other", other_weights, torch.float32)):
+            pipe = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)
+            pipe.to(device)
+            pipe.set_progress_bar_config(disable=True)
+            if lora is not None and name != "other":
+                pipe.load_lora_weights(lora, weight_name="pytorch_lora_weights.safetensors",
+                                       adapter_name="job-adapter")
+            self.pipes[name] = pipe
+        self.has_lora = lora is not None
+        self.scheduler_config = dict(self.pipes["fp32"].scheduler.config)
+
+    def _scheduler(self, name: str, fp64: bool = False):
+        from plugins.diffusion import SCHEDULERS
+
+        cls, overrides = SCHEDULERS[name]
+        sched = cls.from_config(self.scheduler_config, **overrides)
+        if fp64:
+            inner = sched.step
+
+            def step(model_output, timestep, sample, *args, **kwargs):
+                out = inner(model_output.double(), timestep, sample.double(), *args, **kwargs)
+                return (out[0].to(model_output.dtype), *out[1:])
+
+            sched.step = step
+        return sched
+
+    def render(self, job: Job, variant: str = "reference") -> tuple[np.ndarray, str | None]:
+        """The job's image under ``variant`` as uint8 (H, W, 3), and the final-latent
+        digest where the run has latents (None for a random image)."""
+        import torch
+
+        if variant == "random-image":
+            rng = np.random.default_rng(job.seed + 12345)
+            return rng.integers(0, 256, (job.size, job.size, 3), dtype=np.uint8), None
+        pipe = self.pipes[{"bf16": "bf16", "other-model": "other"}.get(variant, "fp32")]
+        use_adapter = job.adapter and variant not in ("adapter-dropped", "other-model")
+        if pipe is not self.pipes["other"] and self.has_lora:
+            if use_adapter:
+                pipe.enable_lora()
+                pipe.set_adapters(["job-adapter"], [job.adapter_scale])
+            else:
+                pipe.disable_lora()
+        seed = job.seed + 7919 if variant == "wrong-seed" else job.seed
+        steps = max(1, job.steps // 2) if variant == "fewer-steps" else job.steps
+        prompt = CACHED_PROMPT if variant == "cached-output" else job.prompt
+        n = 2 if variant == "batch-2" else 1
+        pipe.scheduler = self._scheduler(job.scheduler, fp64=variant == "sched-fp64")
+        final: dict[str, torch.Tensor] = {}
+
+        def keep_latents(p, i, t, kwargs):
+            final["latents"] = kwargs["latents"][:1].detach().clone()
+            return kwargs
+
+        with _threads(2 if variant == "threads-2" else 1), _attention(pipe, variant):
+            images = pipe(prompt=prompt, num_inference_steps=steps, width=job.size,
+                          height=job.size, guidance_scale=job.guidance_scale,
+                          num_images_per_prompt=n, output_type="np",
+                          generator=[torch.Generator("cpu").manual_seed(seed + i)
+                                     for i in range(n)],
+                          callback_on_step_end=keep_latents).images
+        image = (np.clip(images[0], 0, 1) * 255).round().astype(np.uint8)
+        return image, latent_digest(final["latents"])
+
+
+@contextmanager
+def _threads(n: int):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def _attention(pipe, variant: str):
+    if variant != "attn-classic":
+        yield
+        return
+    from diffusers.models.attention_processor import AttnProcessor
+
+    saved = {m: m.attn_processors for m in (pipe.unet, pipe.vae)}
+    for module in saved:
+        module.set_attn_processor(AttnProcessor())
+    try:
+        yield
+    finally:
+        for module, procs in saved.items():
+            module.set_attn_processor(procs)
+
+
+def variants_for(job: Job) -> tuple[list[str], list[str]]:
+    honest = [v for v in HONEST if not (v == "sched-fp64" and job.scheduler == "euler_a")]
+    # euler_a draws fresh noise in the dtype of its inputs: float64 noise is other noise
+    cheats = [v for v in CHEATS if v != "adapter-dropped" or job.adapter]
+    return honest, cheats
+
+
+def build_weights(work: Path, weights: Path | None) -> tuple[Path, Path, Path | None]:
+    from plugins.tiny import build_tiny
+
+    other = build_tiny("sd15", work / "sd15-seed1", seed=1)
+    if weights is not None:
+        return weights, other, None
+    return (build_tiny("sd15", work / "sd15", seed=0), other,
+            build_tiny("lora-sd15", work / "lora-sd15", seed=0))
+
+
+def measure(renderer: Renderer, jobs: list[Job], log=print) -> list[dict]:
+    """One row per (job, variant): group, metrics against the reference, latent equality."""
+    rows = []
+    for job in jobs:
+        t0 = time.perf_counter()
+        ref, ref_latent = renderer.render(job)
+        honest, cheats = variants_for(job)
+        for group, names in (("honest", honest), ("cheat", cheats)):
+            for variant in names:
+                if variant == "adapter-dropped" and not renderer.has_lora:
+                    continue
+                image, latent = renderer.render(job, variant)
+                m = image_metrics(ref, image)
+                rows.append({"job": job.label(), "scheduler": job.scheduler,
+                             "adapter": job.adapter, "group": group, "variant": variant,
+                             "ssim": round(m.ssim, 6), "psnr_db": round(m.psnr_db, 3),
+                             "phash_bits": m.phash_bits,
+                             "latent_equal": latent is not None and latent == ref_latent})
+        log(f"  {job.label():58s} {time.perf_counter() - t0:5.1f} s")
+    return rows
+
+
+def choose_thresholds(rows: list[dict]) -> tuple[ImageThresholds, dict]:
+    honest = [r for r in rows if r["group"] == "honest"]
+    cheats = [r for r in rows if r["group"] == "cheat"]
+    worst_ssim_d = max(1.0 - r["ssim"] for r in honest)
+    worst_psnr = min(r["psnr_db"] for r in honest)
+    worst_phash = max(r["phash_bits"] for r in honest)
+    floor_d = 1e-4  # identical-looking honest runs still leave room for rounding
+    accept_ssim = 1.0 - max(floor_d, worst_ssim_d) * ACCEPT_SLACK
+    accept_psnr = worst_psnr - 10 * math.log10(ACCEPT_SLACK ** 2)
+    accept_phash = worst_phash + PHASH_ACCEPT_EXTRA_BITS
+    # Tighten the accept region until no cheating sample is accepted outright, but never
+    # so far that an honest sample falls out of it.
+    for r in sorted(cheats, key=lambda r: -r["ssim"]):
+        cheat_d = 1.0 - r["ssim"]
+        if (r["ssim"] >= accept_ssim and r["psnr_db"] >= accept_psnr
+                and r["phash_bits"] <= accept_phash
+                and cheat_d >= MIN_SEPARATION * max(floor_d, worst_ssim_d)):
+            # SSIM separates best on these images: put its bound between the worst honest
+            # sample and this cheat (geometric mean). A cheat as close as honest rounding
+            # noise stays accepted (the summary shows it): no image comparison can see it.
+            accept_ssim = 1.0 - math.sqrt(max(floor_d, worst_ssim_d) * cheat_d)
+    reject_ssim = min(accept_ssim, 1.0 - max(floor_d, worst_ssim_d) * REJECT_SAFETY)
+    reject_psnr = min(accept_psnr, worst_psnr - 10 * math.log10(REJECT_SAFETY ** 2))
+    reject_phash = max(accept_phash, worst_phash + PHASH_REJECT_EXTRA_BITS)
+    t = ImageThresholds(accept_ssim=round(accept_ssim, 6), accept_psnr_db=round(accept_psnr, 3),
+                        accept_phash_bits=int(accept_phash), reject_ssim=round(reject_ssim, 6),
+                        reject_psnr_db=round(reject_psnr, 3),
+                        reject_phash_bits=int(reject_phash))
+    basis = {"worst_honest": {"ssim": 1.0 - worst_ssim_d, "psnr_db": worst_psnr,
+                              "phash_bits": worst_phash},
+             "accept_slack": ACCEPT_SLACK, "reject_safety": REJECT_SAFETY,
+             "min_separation": MIN_SEPARATION,
+             "phash_extra_bits": [PHASH_ACCEPT_EXTRA_BITS, PHASH_REJECT_EXTRA_BITS]}
+    return t, basis
+
+
+def summarise(rows: list[dict], t: ImageThresholds) -> dict[str, dict]:
+    """Per variant: the metric ranges and how the chosen thresholds judge it."""
+    out: dict[str, dict] = {}
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        rs = [r for r in rows if r["variant"] == variant]
+        verdicts = [judge_metrics(ImageMetrics(r["ssim"], r["psnr_db"], r["phash_bits"]), t)[0]
+                    .value for r in rs]
+        out[variant] = {
+            "group": rs[0]["group"], "samples": len(rs),
+            "ssim": [min(r["ssim"] for r in rs), statistics.median(r["ssim"] for r in rs),
+                     max(r["ssim"] for r in rs)],
+            "psnr_db": [min(r["psnr_db"] for r in rs),
+                        statistics.median(r["psnr_db"] for r in rs),
+                        max(r["psnr_db"] for r in rs)],
+            "phash_bits": [min(r["phash_bits"] for r in rs),
+                           statistics.median(r["phash_bits"] for r in rs),
+                           max(r["phash_bits"] for r in rs)],
+            "latent_equal": sum(r["latent_equal"] for r in rs),
+            "match": verdicts.count("match"), "tiebreak": verdicts.count("tiebreak"),
+            "mismatch": verdicts.count("mismatch")}
+    return out
+
+
+def write_record(path: Path, record: dict) -> None:
+    """JSON, indented, except one line per sample (the file is committed: keep it small)."""
+    samples = record["image"]["samples"]
+    body = json.dumps({**record, "image": {**record["image"], "samples": "@SAMPLES@"}},
+                      indent=1)
+    rows = ",\n  ".join(json.dumps(row) for row in samples)
+    path.write_text(body.replace('"@SAMPLES@"', f"[\n  {rows}\n ]") + "\n")
+
+
+def default_jobs(full: bool, size: int) -> list[Job]:
+    combos = [(sched, adapter) for sched in ("euler", "euler_a", "ddim", "dpmpp_2m")
+              for adapter in (False, True)]
+    if full:
+        return [Job(prompt=p, seed=s, steps=10, scheduler=sched, adapter=adapter, size=size)
+                for sched, adapter in combos for s in range(4) for p in PROMPTS]
+    # default: one job per sampler x adapter, seeds and prompts taking turns
+    return [Job(prompt=PROMPTS[i % 2], seed=i, steps=6, scheduler=sched, adapter=adapter,
+                size=size) for i, (sched, adapter) in enumerate(combos)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--full", action="store_true", help="more seeds and prompts, 10 steps")
+    parser.add_argument("--size", type=int, default=64, help="image width and height (px)")
+    parser.add_argument("--weights", type=Path, help="an sd15 folder instead of the tiny one")
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    parser.add_argument("--work-dir", type=Path,
+                        default=Path(tempfile.gettempdir()) / "sparecycles-calibrate",
+                        help="where the tiny weights are built")
+    parser.add_argument("--out", type=Path, default=THRESHOLDS_PATH,
+                        help="thresholds file to write (default: %(default)s)")
+    parser.add_argument("--rechoose", type=Path, metavar="FILE",
+                        help="render nothing: choose thresholds again from the samples "
+                             "recorded in FILE (a thresholds file) and write --out")
+    parser.add_argument("--dry-run", action="store_true", help="print, write nothing")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    if args.rechoose:
+        recorded = json.loads(args.rechoose.read_text())["image"]
+        labels, calibrated_on = recorded["jobs"], recorded["calibrated_on"]
+        groups = {**{v: "honest" for v in HONEST}, **{v: "cheat" for v in CHEATS}}
+        rows = [{"job": labels[j], "variant": v, "group": groups[v], "ssim": ssim,
+                 "psnr_db": psnr, "phash_bits": bits, "latent_equal": bool(equal)}
+                for j, v, ssim, psnr, bits, equal in recorded["samples"]]
+        print(f"choosing again from {len(rows)} samples recorded in {args.rechoose}")
+    else:
+        import diffusers
+        import torch
+
+        weights, other, lora = build_weights(args.work_dir, args.weights)
+        renderer = Renderer(weights, other, lora, device=args.device)
+        jobs = default_jobs(args.full, args.size)
+        labels = [job.label() for job in jobs]
+        calibrated_on = {
+            "model": str(args.weights) if args.weights else "tiny sd15 (plugins.tiny, seed 0)",
+            "size_px": args.size, "jobs": len(jobs), "full": args.full,
+            "steps": sorted({job.steps for job in jobs}), "device": args.device,
+            "torch": torch.__version__, "diffusers": diffusers.__version__}
+        print(f"calibrating on {len(jobs)} jobs ({args.size}x{args.size}), "
+              f"{len(HONEST)} honest and {len(CHEATS)} cheating variants each")
+        rows = measure(renderer, jobs)
+    thresholds, basis = choose_thresholds(rows)
+    summary = summarise(rows, thresholds)
+    print_summary(summary, thresholds)
+    print(f"{time.perf_counter() - started:.0f} s")
+    if args.dry_run:
+        return 0
+    write_record(args.out, {"image": {
+        "thresholds": asdict(thresholds), "basis": basis, "calibrated_on": calibrated_on,
+        "summary": summary, "jobs": labels,
+        "sample_fields": ["job", "variant", "ssim", "psnr_db", "phash_bits", "latent_equal"],
+        "samples": [[labels.index(r["job"]), r["variant"], r["ssim"], r["psnr_db"],
+                     r["phash_bits"], int(r["latent_equal"])] for r in rows]}})
+    print(f"wrote {args.out}")
+    return 0
+
+
+def print_summary(summary: dict[str, dict], thresholds: ImageThresholds) -> None:
+    print(f"\n{'variant':16s} {'group':6s} {'n':>3s}  {'SSIM min/med/max':26s} "
+          f"{'PSNR dB min/med/max':24s} {'pHash':9s} {'lat=':>4s}  match/grey/reject")
+    for variant, s in summary.items():
+        print(f"{variant:16s} {s['group']:6s} {s['samples']:3d}  "
+              f"{s['ssim'][0]:.4f}/{s['ssim'][1]:.4f}/{s['ssim'][2]:.4f}   "
+              f"{s['psnr_db'][0]:6.2f}/{s['psnr_db'][1]:6.2f}/{s['psnr_db'][2]:6.2f}   "
+              f"{s['phash_bits'][0]:2d}/{s['phash_bits'][1]:4.1f}/{s['phash_bits'][2]:2d}  "
+              f"{s['latent_equal']:4d}  {s['match']}/{s['tiebreak']}/{s['mismatch']}")
+    print(f"\nchosen thresholds: {asdict(thresholds)}")
+    honest_rejected = sum(s["mismatch"] for s in summary.values() if s["group"] == "honest")
+    honest_grey = sum(s["tiebreak"] for s in summary.values() if s["group"] == "honest")
+    cheats_accepted = sum(s["match"] for s in summary.values() if s["group"] == "cheat")
+    print(f"honest samples rejected: {honest_rejected}, sent to tiebreak: {honest_grey}; "
+          f"cheating samples accepted: {cheats_accepted}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

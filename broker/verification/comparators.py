@@ -1,0 +1,379 @@
+"""Does a check run agree with the run it checks? Pure comparisons of two providers' outputs.
+
+Each comparison returns a ``Verdict``: ``MATCH``, ``MISMATCH``, or ``TIEBREAK`` (a grey zone
+too close to call, which goes to a third provider like a mismatch but is never by itself
+grounds for slashing) with the figures that decided it, for the audit log.
+
+Images (DESIGN §6): the job pins plugin build, weights, adapters, scheduler, steps, size,
+seed (CPU generator) and dtype. Two runs of the same *reproducibility class* (hardware
+class, dtype and plugin build) must give bit-identical final latents, so their hashes must
+be equal. Across classes the numeric path differs (fp16 vs bf16 kernels, thread counts,
+attention implementations) and the decoded images are compared structurally: SSIM, PSNR
+and a perceptual hash, with thresholds calibrated by ``bench/calibrate.py`` on honest
+numeric variants and on cheating variants (``thresholds.json`` beside this module). Never
+CLIP: an embedding says two images show the same thing, not that the same computation
+made them.
+
+Text: ``compare_text`` checks the claimed tokens against the checker's teacher-forced
+re-scoring of those very tokens (``broker.verification.rescoring``): per-token log-prob
+gaps and ranks, and end-of-sequence handling. Never string equality: sampled text differs
+run to run even when both runs are honest.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+THRESHOLDS_PATH = Path(__file__).with_name("thresholds.json")
+PSNR_CAP_DB = 99.0  # identical images have infinite PSNR; the figure is capped for JSON
+
+
+class Verdict(str, Enum):
+    MATCH = "match"
+    MISMATCH = "mismatch"
+    TIEBREAK = "tiebreak"
+
+
+# -- images ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReproClass:
+    """Runs in the same class are bit-reproducible: same hardware class, dtype and build."""
+
+    hardware_class: str
+    dtype: str
+    plugin_build: str
+
+
+@dataclass(frozen=True)
+class ImageResult:
+    """One provider's output image: the PNG it returned and, when the plugin reports it,
+    the sha256 of its final latents (``latent_digest``)."""
+
+    png: bytes
+    repro: ReproClass
+    latent_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class ImageThresholds:
+    """Accept when every figure is inside its accept bound; reject when any figure is past
+    its reject bound; otherwise tiebreak. Higher SSIM/PSNR and lower pHash distance are
+    closer."""
+
+    accept_ssim: float
+    accept_psnr_db: float
+    accept_phash_bits: int
+    reject_ssim: float
+    reject_psnr_db: float
+    reject_phash_bits: int
+
+    def __post_init__(self) -> None:
+        if not (self.reject_ssim <= self.accept_ssim and self.reject_psnr_db <= self.accept_psnr_db
+                and self.reject_phash_bits >= self.accept_phash_bits):
+            raise ValueError(f"reject bounds must be no closer than accept bounds: {self}")
+
+
+@dataclass(frozen=True)
+class ImageMetrics:
+    ssim: float
+    psnr_db: float
+    phash_bits: int  # Hamming distance of the 64-bit perceptual hashes
+
+
+@dataclass(frozen=True)
+class ImageComparison:
+    verdict: Verdict
+    method: str  # "latent_hash" (same reproducibility class) or "structural"
+    metrics: ImageMetrics | None
+    reasons: tuple[str, ...] = ()
+
+    def figures(self) -> dict[str, Any]:
+        """Plain data for the audit log."""
+        out: dict[str, Any] = {"verdict": self.verdict.value, "method": self.method,
+                               "reasons": list(self.reasons)}
+        if self.metrics is not None:
+            out.update(ssim=self.metrics.ssim, psnr_db=self.metrics.psnr_db,
+                       phash_bits=self.metrics.phash_bits)
+        return out
+
+
+def latent_digest(latents: Any) -> str:
+    """sha256 of final latents (a numpy array or a CPU tensor), over dtype, shape and bytes,
+    so that two runs agree only if every bit agrees."""
+    arr = np.ascontiguousarray(latents.detach().cpu().float().numpy()
+                               if hasattr(latents, "detach") else np.asarray(latents))
+    h = hashlib.sha256(f"{arr.dtype.str}{arr.shape}".encode())
+    h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def decode_image(image: bytes | np.ndarray | Any) -> np.ndarray:
+    """An RGB uint8 array (H, W, 3) from PNG/JPEG bytes, a PIL image or an array."""
+    from PIL import Image
+
+    if isinstance(image, (bytes, bytearray)):
+        image = Image.open(io.BytesIO(image))
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    arr = np.asarray(image)
+    if arr.dtype != np.uint8:
+        if arr.dtype.kind != "f":
+            raise ValueError(f"image arrays must be uint8 or float in [0, 1], got {arr.dtype}")
+        arr = (np.clip(arr, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"image arrays must be (height, width, 3), got shape {arr.shape}")
+    return arr
+
+
+def image_metrics(a: Any, b: Any) -> ImageMetrics:
+    """SSIM, PSNR and perceptual-hash distance of two images of the same size."""
+    import imagehash
+    from PIL import Image
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    x, y = decode_image(a), decode_image(b)
+    if x.shape != y.shape:
+        raise ValueError(f"images differ in size: {x.shape[1]}x{x.shape[0]} vs "
+                         f"{y.shape[1]}x{y.shape[0]}")
+    win = min(7, x.shape[0], x.shape[1])
+    win -= 1 - win % 2  # odd
+    ssim = float(structural_similarity(x, y, channel_axis=2, data_range=255, win_size=win))
+    if np.array_equal(x, y):
+        psnr = PSNR_CAP_DB
+    else:
+        psnr = min(PSNR_CAP_DB, float(peak_signal_noise_ratio(x, y, data_range=255)))
+    bits = int(imagehash.phash(Image.fromarray(x)) - imagehash.phash(Image.fromarray(y)))
+    return ImageMetrics(ssim=ssim, psnr_db=psnr, phash_bits=bits)
+
+
+def judge_metrics(m: ImageMetrics, t: ImageThresholds) -> tuple[Verdict, tuple[str, ...]]:
+    rejected = []
+    if m.ssim < t.reject_ssim:
+        rejected.append(f"ssim {m.ssim:.4f} < {t.reject_ssim:.4f}")
+    if m.psnr_db < t.reject_psnr_db:
+        rejected.append(f"psnr {m.psnr_db:.2f} dB < {t.reject_psnr_db:.2f} dB")
+    if m.phash_bits > t.reject_phash_bits:
+        rejected.append(f"phash distance {m.phash_bits} > {t.reject_phash_bits}")
+    if rejected:
+        return Verdict.MISMATCH, tuple(rejected)
+    grey = []
+    if m.ssim < t.accept_ssim:
+        grey.append(f"ssim {m.ssim:.4f} below accept {t.accept_ssim:.4f}")
+    if m.psnr_db < t.accept_psnr_db:
+        grey.append(f"psnr {m.psnr_db:.2f} dB below accept {t.accept_psnr_db:.2f} dB")
+    if m.phash_bits > t.accept_phash_bits:
+        grey.append(f"phash distance {m.phash_bits} above accept {t.accept_phash_bits}")
+    return (Verdict.TIEBREAK, tuple(grey)) if grey else (Verdict.MATCH, ())
+
+
+def compare_images(claimed: ImageResult, check: ImageResult,
+                   thresholds: ImageThresholds | None = None) -> ImageComparison:
+    """Compare a provider's image with a checker's run of the same pinned job.
+
+    Exact latents decide when both runs are of one reproducibility class and both report
+    a latent hash; otherwise (another class, or a plugin that reports no hash) the decoded
+    images are compared structurally."""
+    if claimed.repro == check.repro and claimed.latent_sha256 and check.latent_sha256:
+        if claimed.latent_sha256 != check.latent_sha256:
+            return ImageComparison(Verdict.MISMATCH, "latent_hash", None,
+                                   ("final-latent hashes differ within one reproducibility "
+                                    "class",))
+        if claimed.png != check.png:  # same latents must decode and encode to same bytes
+            return ImageComparison(Verdict.MISMATCH, "latent_hash", None,
+                                   ("latent hashes match but the PNG bytes differ",))
+        return ImageComparison(Verdict.MATCH, "latent_hash", None)
+    try:
+        metrics = image_metrics(claimed.png, check.png)
+    except ValueError as exc:  # another size: the job's pinned size was not honoured
+        return ImageComparison(Verdict.MISMATCH, "structural", None, (str(exc),))
+    verdict, reasons = judge_metrics(metrics, thresholds or load_image_thresholds())
+    return ImageComparison(verdict, "structural", metrics, reasons)
+
+
+@lru_cache(maxsize=4)
+def _load_json(path: str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def load_image_thresholds(path: Path | str = THRESHOLDS_PATH) -> ImageThresholds:
+    """The image thresholds chosen by ``bench/calibrate.py`` (``thresholds.json``)."""
+    try:
+        data = _load_json(str(path))["image"]["thresholds"]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing; run `python bench/calibrate.py` to "
+                                f"calibrate the image thresholds and write it") from None
+    return ImageThresholds(**data)
+
+
+# -- text --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TextClaim:
+    """What a provider returned for a text job, and the job's pinned sampling settings.
+
+    ``logprobs`` are the provider's natural-log probabilities of each claimed token under
+    the model's raw (temperature 1) distribution, as the llama plugin reports them.
+    """
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    finish_reason: str        # "stop" or "length"
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    stopped_by_string: bool = False  # the broker's own check that the stop string appears
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} "
+                             f"logprobs; the provider must report one logprob per token")
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """The checker's teacher-forced view of one claimed token."""
+
+    logprob: float         # log p(token) at temperature 1
+    rank: int              # 0 = the checker's most likely token
+    top_logprob: float     # log p of the checker's most likely token
+    mass_above: float      # probability (at the job's temperature) of tokens likelier than it
+    eos_logprob: float     # log p(any end-of-sequence token) at temperature 1
+    eos_mass_sampled: float = 0.0  # p(end-of-sequence) after temperature and top_p
+
+
+@dataclass(frozen=True)
+class Rescore:
+    tokens: tuple[TokenScore, ...]
+    eos_ids: frozenset[int]
+    temperature: float = 1.0  # the sampling settings mass_above and eos_mass_sampled use
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class TextThresholds:
+    """Per-token logprob gap (nats) between provider and checker: accept up to
+    ``accept_gap``, reject beyond ``reject_gap``. ``greedy_tie_nats``: at temperature 0 a
+    claimed token no more than this below the checker's top token counts as a tie (fp16 /
+    bf16 can flip a near-tie). ``nucleus_slack``: extra probability mass allowed above a
+    claimed token beyond top_p. ``min_continue_log``: the lowest log-probability of having
+    gone on sampling past every position where the checker could have stopped; below it
+    the end of sequence was suppressed. (An honest sampler goes on past such positions
+    with exactly that probability, so an honest run is flagged at most that often.)
+    ``max_grey_fraction``: more grey tokens than this fraction is a mismatch.
+
+    These defaults are set by hand from the tiny llama (honest fp32/bf16 gaps stay under
+    0.01 nats there); calibrate them on the real models before relying on them."""
+
+    accept_gap: float = 0.15
+    reject_gap: float = 1.0
+    greedy_tie_nats: float = 0.1
+    nucleus_slack: float = 0.02
+    min_continue_log: float = math.log(1e-6)
+    max_grey_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class TextComparison:
+    verdict: Verdict
+    reasons: tuple[str, ...]
+    tokens: int
+    max_gap: float
+    mean_gap: float
+    grey_tokens: int
+    bad_positions: tuple[int, ...] = field(default=())
+    continue_log: float = 0.0  # log p of not stopping where the checker could have
+
+    def figures(self) -> dict[str, Any]:
+        return {"verdict": self.verdict.value, "reasons": list(self.reasons),
+                "tokens": self.tokens, "max_gap": self.max_gap, "mean_gap": self.mean_gap,
+                "grey_tokens": self.grey_tokens, "bad_positions": list(self.bad_positions),
+                "continue_log": self.continue_log}
+
+
+def compare_text(claim: TextClaim, rescore: Rescore,
+                 thresholds: TextThresholds = TextThresholds()) -> TextComparison:
+    """Judge a claimed completion against the checker's teacher-forced re-scoring."""
+    t = thresholds
+    n = len(claim.token_ids)
+    if len(rescore.tokens) != n:
+        raise ValueError(f"the re-scoring covers {len(rescore.tokens)} tokens, the claim {n}")
+    if (rescore.temperature, rescore.top_p) != (claim.temperature, claim.top_p):
+        raise ValueError(f"re-scored at temperature={rescore.temperature}, top_p="
+                         f"{rescore.top_p} but the job sampled at temperature="
+                         f"{claim.temperature}, top_p={claim.top_p}; re-score with the job's")
+    hard: list[str] = []
+    bad: list[int] = []
+    grey = 0
+    gaps = [abs(p - s.logprob) for p, s in zip(claim.logprobs, rescore.tokens)]
+
+    if n > claim.max_new_tokens:
+        hard.append(f"{n} tokens, more than max_new_tokens {claim.max_new_tokens} (padded)")
+    eos_at = [i for i, tok in enumerate(claim.token_ids) if tok in rescore.eos_ids]
+    if claim.ignore_eos and eos_at:
+        hard.append(f"end-of-sequence token at {eos_at[0]} although the job ignores it")
+    elif eos_at and eos_at[0] != n - 1:
+        hard.append(f"tokens after the end-of-sequence token at {eos_at[0]} (padded)")
+    ends_with_eos = bool(eos_at) and eos_at[-1] == n - 1
+    if claim.finish_reason == "length" and n < claim.max_new_tokens:
+        hard.append(f"finish_reason 'length' after {n} of {claim.max_new_tokens} tokens "
+                    f"(truncated)")
+    elif claim.finish_reason == "stop" and not (ends_with_eos or claim.stopped_by_string):
+        hard.append("finish_reason 'stop' but the text ends in neither an end-of-sequence "
+                    "token nor the stop string (truncated)")
+    elif claim.finish_reason not in ("stop", "length"):
+        hard.append(f"unknown finish_reason {claim.finish_reason!r}")
+
+    for i, (gap, s) in enumerate(zip(gaps, rescore.tokens)):
+        problem = None
+        if gap > t.reject_gap:
+            problem = f"token {i}: logprob gap {gap:.3f} nats > {t.reject_gap}"
+        elif claim.temperature == 0 and s.top_logprob - s.logprob > t.greedy_tie_nats:
+            problem = (f"token {i}: greedy job but rank {s.rank}, "
+                       f"{s.top_logprob - s.logprob:.3f} nats below the top token")
+        elif claim.temperature > 0 and s.mass_above > claim.top_p + t.nucleus_slack:
+            problem = (f"token {i}: outside the top_p={claim.top_p} nucleus "
+                       f"({s.mass_above:.3f} of the mass is likelier)")
+        if problem:
+            if len(bad) < 5:
+                hard.append(problem)
+            bad.append(i)
+        elif gap > t.accept_gap:
+            grey += 1
+
+    # Suppressed end of sequence: the claim went on where the model would have stopped.
+    continue_log = 0.0
+    last_checked = n - 1 if ends_with_eos or claim.finish_reason == "stop" else n
+    if not claim.ignore_eos:
+        for i in range(min(last_checked, n)):
+            if i in eos_at:
+                continue
+            s = rescore.tokens[i]
+            if claim.temperature == 0:
+                if s.eos_logprob - s.logprob > t.greedy_tie_nats:
+                    hard.append(f"token {i}: the end-of-sequence token was the greedy choice, "
+                                f"{s.eos_logprob - s.logprob:.3f} nats above the claimed token "
+                                f"(suppressed end of sequence)")
+                    bad.append(i)
+                    break
+            else:
+                continue_log += math.log(max(1e-300, 1.0 - s.eos_mass_sampled))
+        if continue_log < t.min_continue_log:
+            hard.append(f"continuing past every likely end of sequence had probability "
+                        f"e^{continue_log:.1f} (suppressed end of sequence)")
+
+    if n and grey > t.max_grey_fraction * n and not hard:
+        hard.append(f"{grey} of {n} tokens have logprob gaps above {t.accept_gap} nats")
+    verdict = (Verdict.MISMATCH if hard else Verdict.TIEBREAK if grey else Verdict.MATCH)
+    return TextComparison(
+        verdict=verdict, reasons=tuple(hard), tokens=n, max_gap=max(gaps, default=0.0),
+        mean_gap=sum(gaps) / n if n else 0.0, grey_tokens=grey,
+        bad_positions=tuple(sorted(set(bad))), continue_log=continue_log)

@@ -1,0 +1,68 @@
+"""Teacher-forced re-scoring: the checker's side of a text check.
+
+The checker runs the job's model once over prompt + claimed tokens (one forward pass, no
+sampling) and summarises, for each claimed token, what its own distribution says about it
+(``comparators.TokenScore``). Only these summaries leave the checker, not vocabulary-sized
+rows. Works with any transformers causal LM (``model(input_ids).logits``); torch is
+imported here only, so ``comparators`` stays free of it.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from broker.verification.comparators import Rescore, TokenScore
+
+
+def rescore_causal_lm(model: Any, prompt_ids: Sequence[int], token_ids: Sequence[int],
+                      eos_ids: Iterable[int], *, temperature: float = 1.0,
+                      top_p: float = 1.0) -> Rescore:
+    """Score ``token_ids`` as continuations of ``prompt_ids`` under ``model``."""
+    import torch
+
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty; the llama plugin always starts with the "
+                         "begin-of-text token, pass the same prompt ids the job used")
+    eos = frozenset(int(i) for i in eos_ids)
+    if not token_ids:
+        return Rescore(tokens=(), eos_ids=eos, temperature=temperature, top_p=top_p)
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].float().cpu()
+    # position p predicts token p + 1: the rows for the claimed tokens start one before them
+    rows = logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(token_ids)]
+    logp = torch.log_softmax(rows, dim=-1)
+    claimed = torch.tensor(list(token_ids))
+    tok_lp = logp.gather(1, claimed[:, None])[:, 0]
+    top_lp = logp.max(dim=-1).values
+    rank = (logp > tok_lp[:, None]).sum(dim=-1)
+    eos_list = sorted(eos)
+    eos_lp = torch.logsumexp(logp[:, eos_list], dim=-1) if eos_list else torch.full_like(
+        tok_lp, float("-inf"))
+    if temperature > 0:
+        probs = torch.softmax(rows / temperature, dim=-1)
+        tok_p = probs.gather(1, claimed[:, None])
+        mass_above = (probs * (probs > tok_p)).sum(dim=-1)
+        sampled = _nucleus(probs, top_p)
+        eos_sampled = sampled[:, eos_list].sum(dim=-1) if eos_list else torch.zeros_like(tok_lp)
+    else:
+        mass_above = torch.zeros_like(tok_lp)
+        eos_sampled = torch.zeros_like(tok_lp)
+    return Rescore(tokens=tuple(
+        TokenScore(logprob=float(tok_lp[i]), rank=int(rank[i]), top_logprob=float(top_lp[i]),
+                   mass_above=float(mass_above[i]), eos_logprob=float(eos_lp[i]),
+                   eos_mass_sampled=float(eos_sampled[i]))
+        for i in range(len(token_ids))), eos_ids=eos, temperature=temperature, top_p=top_p)
+
+
+def _nucleus(probs, top_p: float):
+    """The top_p-truncated, renormalised distribution the llama plugin samples from."""
+    import torch
+
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True, dim=-1)
+    outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)

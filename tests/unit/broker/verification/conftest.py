@@ -1,0 +1,113 @@
+"""Fixtures for the verification tests: one torch thread (the cores are shared), tiny
+weights built once per session, and the llama plugin loaded as a plugin host loads it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-weights")
+
+
+class RecordingContext:
+    """The RunContext a plugin host gives ``run()``, doing nothing."""
+
+    job_id = "job-verification-test"
+    scratch_dir = Path("/tmp")
+
+    def progress(self, step, total, message=""):
+        pass
+
+    def stream(self, text, token_ids=None):
+        pass
+
+    def cancelled(self):
+        return False
+
+    def check_cancelled(self):
+        pass
+
+
+def load_llama_plugin(weights: Path):
+    from plugins import builtin_plugin_dir
+    from sdk.protocol.manifest import load_manifest
+
+    folder = builtin_plugin_dir("llama")
+    manifest = load_manifest(folder)
+    module_name, class_name = manifest.entrypoint.split(":")
+    spec = importlib.util.spec_from_file_location(
+        "_sparecycles_verification_llama", folder / f"{module_name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plugin = getattr(module, class_name)()
+    plugin.manifest = manifest
+    plugin.setup(weights, "cpu")
+    return plugin
+
+
+@pytest.fixture(scope="session")
+def llama_weights(tiny_dir) -> Path:
+    from plugins.tiny import build_tiny_llama
+
+    return build_tiny_llama(tiny_dir / "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_llama_weights(tiny_dir) -> Path:
+    from plugins.tiny import build_tiny_llama
+
+    return build_tiny_llama(tiny_dir / "llama-seed1", seed=1)
+
+
+@pytest.fixture(scope="session")
+def eager_llama_weights(tiny_dir, llama_weights) -> Path:
+    """The tiny llama with its end-of-text logit scaled up, so that it often wants to
+    stop: the model for the suppressed-end-of-sequence tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tiny_dir / "llama-eager"
+    if out.exists():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(llama_weights, dtype=torch.float32)
+    config = json.loads((llama_weights / "generation_config.json").read_text())
+    eos = config["eos_token_id"]
+    eos = eos if isinstance(eos, list) else [eos]
+    with torch.no_grad():
+        for i in eos:
+            model.lm_head.weight[i] *= 30.0
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json"):
+        if (llama_weights / name).exists():
+            shutil.copy(llama_weights / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sd15_renderer(tiny_dir):
+    """The calibration bench's renderer on the tiny sd15, its seed-1 sibling and LoRA."""
+    import sys
+
+    root = Path(__file__).resolve().parents[4]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench.calibrate import Renderer, build_weights
+
+    return Renderer(*build_weights(tiny_dir / "calibrate", None))
