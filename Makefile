@@ -28,6 +28,15 @@ system-deps:
 	    echo "!! bubblewrap is missing: install it (e.g. apt-get install bubblewrap); sandbox tests will be skipped"; \
 	  fi; \
 	fi
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing chromium for the admin console's browser tests (apt)"; \
+	    (apt-get install -y -q chromium >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)); \
+	  else \
+	    echo "!! chromium is missing: install it (apt-get install chromium); browser tests will be skipped"; \
+	  fi; \
+	fi
 
 demo: $(STAMP) system-deps
 	$(BIN)/sparecycles demo

@@ -11,20 +11,28 @@ from sqlalchemy.orm import sessionmaker
 
 from sdk.protocol.signing import KeyPair
 
+from broker.admin.wiring import audit_price_changes, build_admin
+from broker.audit.money import AuditedLedger
+from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService
 from broker.billing.service import JobBilling
 from broker.blobs.local import LocalBlobStore
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
+from broker.fault_tolerance import attach_fault_tolerance, use_measured_throughput
 from broker.jobs.hub import EventHub
 from broker.jobs.service import JobService, JobSettings
 from broker.ledger.service import LedgerService
 from broker.maintenance import Maintenance
+from broker.market import MarketService, MarketSettings
+from broker.market.canary import CanaryService
+from broker.market.wiring import attach_market
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
 from broker.providers.service import ProviderService
 from broker.settings import Settings
 from broker.storage.accounts_sql import SqlAccountRepository, SqlProviderRepository
+from broker.storage.admin_sql import SqlAuditRepository
 from broker.storage.base import make_engine
 from broker.storage.jobs_sql import SqlJobRepository
 from broker.storage.ledger_sql import SqlLedgerRepository
@@ -50,6 +58,12 @@ class Services:
     billing: JobBilling
     payments: PaymentService
     maintenance: Maintenance
+    market: MarketService | None = None
+    canaries: CanaryService | None = None
+    audit: AuditLog | None = None           # hash-chained audit log (broker/audit)
+    disputes: object | None = None          # broker.admin.disputes.DisputeService
+    admin: object | None = None             # broker.admin.service.AdminService
+    admin_sessions: object | None = None    # broker.admin.session.AdminSessions
 
     def close(self) -> None:
         self.maintenance.stop()
@@ -69,7 +83,10 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     providers = ProviderService(SqlProviderRepository(sessions))
     ledger = LedgerService(SqlLedgerRepository(engine))
     ledger.open_platform_accounts()
+    audit = AuditLog(SqlAuditRepository(sessions))
+    ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
     pricing = PricingService(SqlPriceRepository(sessions))
+    pricing.on_changed = audit_price_changes(audit)
     gateway = None
     if settings.stripe_secret_key:
         from broker.payments.stripe_gateway import StripeGateway
@@ -87,11 +104,24 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing)
+    attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
+    dispatcher = Dispatcher(jobs)
+    market = MarketService(lambda plugin: pricing.price(plugin).reserve_micro_per_unit,
+                           MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
+                                          canary_interval_s=settings.market_canary_interval_s))
+    canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
+                             envelope_ttl_s=settings.envelope_ttl_s)
+    attach_market(market, canaries, jobs, dispatcher)
+    use_measured_throughput(jobs, market)
+    admin = build_admin(settings, sessions, audit=audit, pricing=pricing, providers=providers,
+                        dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,
+                        catalog=catalog, auth=auth)
     return Services(settings=settings, engine=engine, signer=signer, auth=auth, catalog=catalog,
-                    jobs=jobs, providers=providers, dispatcher=Dispatcher(jobs), ledger=ledger,
+                    market=market, canaries=canaries, **admin,
+                    jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments,
                     maintenance=Maintenance(ledger, providers,
                                             interval_s=settings.maintenance_interval_s))

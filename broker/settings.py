@@ -13,6 +13,9 @@ key_path                     SPARECYCLES_BROKER_KEY              <data_dir>/brok
 plugin_dirs                  SPARECYCLES_PLUGIN_DIRS (":"-sep.)  the built-in plugins folder
 lease_timeout_s              SPARECYCLES_LEASE_TIMEOUT_S         30
 max_attempts                 SPARECYCLES_MAX_ATTEMPTS            3
+checkpoint_min_steps         SPARECYCLES_CHECKPOINT_MIN_STEPS    8 (shorter jobs never checkpoint)
+checkpoint_every_steps       SPARECYCLES_CHECKPOINT_EVERY_STEPS  0 (about 4 per job)
+stall_factor                 SPARECYCLES_STALL_FACTOR            1.5 (× max(wall clock, expected))
 http_threads                 SPARECYCLES_HTTP_THREADS            48
 public_url                   SPARECYCLES_PUBLIC_URL              http://<http>
 stripe_secret_key            SPARECYCLES_STRIPE_SECRET_KEY       (none: dev funding mode)
@@ -22,6 +25,10 @@ credit_price_cents           SPARECYCLES_CREDIT_PRICE_CENTS      1 (one credit c
 currency                     SPARECYCLES_CURRENCY                usd
 hold_ttl_s                   SPARECYCLES_HOLD_TTL_S              86400
 maintenance_interval_s       SPARECYCLES_MAINTENANCE_INTERVAL_S  5
+market_claim_factor          SPARECYCLES_MARKET_CLAIM_FACTOR     0 (unmeasured claims ineligible)
+market_canary_interval_s     SPARECYCLES_MARKET_CANARY_INTERVAL_S 600 (0: first canary only)
+admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept in <data_dir>/admin_session.key)
+admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 ===========================  ==================================  ===========================
 """
 from __future__ import annotations
@@ -46,6 +53,9 @@ class Settings:
     plugin_dirs: list[Path] = field(default_factory=lambda: [BUILTIN_PLUGINS])
     lease_timeout_s: float = 30.0
     max_attempts: int = 3
+    checkpoint_min_steps: int = 8
+    checkpoint_every_steps: int = 0
+    stall_factor: float = 1.5
     http_threads: int = 48
     envelope_ttl_s: float = 60.0
     public_url: str = ""
@@ -56,6 +66,10 @@ class Settings:
     currency: str = "usd"
     hold_ttl_s: int = 24 * 3600
     maintenance_interval_s: float = 5.0
+    market_claim_factor: float = 0.0
+    market_canary_interval_s: float = 600.0
+    admin_session_secret: str = ""
+    admin_session_ttl_s: int = 1800
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -89,6 +103,9 @@ class Settings:
                             lambda v: [Path(p) for p in v.split(":") if p]),
             "lease_timeout_s": ("SPARECYCLES_LEASE_TIMEOUT_S", float),
             "max_attempts": ("SPARECYCLES_MAX_ATTEMPTS", int),
+            "checkpoint_min_steps": ("SPARECYCLES_CHECKPOINT_MIN_STEPS", int),
+            "checkpoint_every_steps": ("SPARECYCLES_CHECKPOINT_EVERY_STEPS", int),
+            "stall_factor": ("SPARECYCLES_STALL_FACTOR", float),
             "http_threads": ("SPARECYCLES_HTTP_THREADS", int),
             "public_url": ("SPARECYCLES_PUBLIC_URL", str),
             "stripe_secret_key": ("SPARECYCLES_STRIPE_SECRET_KEY", str),
@@ -98,6 +115,10 @@ class Settings:
             "currency": ("SPARECYCLES_CURRENCY", str),
             "hold_ttl_s": ("SPARECYCLES_HOLD_TTL_S", int),
             "maintenance_interval_s": ("SPARECYCLES_MAINTENANCE_INTERVAL_S", float),
+            "market_claim_factor": ("SPARECYCLES_MARKET_CLAIM_FACTOR", float),
+            "market_canary_interval_s": ("SPARECYCLES_MARKET_CANARY_INTERVAL_S", float),
+            "admin_session_secret": ("SPARECYCLES_ADMIN_SESSION_SECRET", str),
+            "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
         }
         values = {}
         for name, (var, fn) in conv.items():

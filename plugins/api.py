@@ -58,12 +58,22 @@ class RunContext(Protocol):
 
     job_id: str
     scratch_dir: Path
+    #: Write a checkpoint every this many steps (0: never). The agent asks for checkpoints
+    #: only for jobs long enough to be worth moving half-done (DESIGN §2).
+    checkpoint_every: int
+    #: The bytes of a checkpoint this plugin wrote on an earlier attempt of the same job
+    #: (on another provider): continue from it rather than from the start. None: start.
+    resume_from: bytes | None
 
     def progress(self, step: int, total: int, message: str = "") -> None:
         """Report that ``step`` of ``total`` is done (cheap; call every step)."""
 
     def stream(self, text: str, token_ids: list[int] | None = None) -> None:
         """Send a piece of text output (a token) to the client as soon as it is made."""
+
+    def checkpoint(self, step: int, data: bytes) -> None:
+        """Hand over the state after ``step`` steps as opaque bytes; if the provider goes
+        away, another one gets them back as ``resume_from``. Only the latest counts."""
 
     def cancelled(self) -> bool:
         """True once the job has been cancelled."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import io
 import logging
 import secrets
@@ -28,6 +29,7 @@ from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler,
                        EulerAncestralDiscreteScheduler, EulerDiscreteScheduler)
 from PIL import Image
 
+from plugins import checkpoints
 from plugins.adapters import AdapterCache, AdapterRequest, adapter_roots, parse_adapters
 from plugins.api import BadInput, Output, Plugin, PluginError, RunContext
 
@@ -163,15 +165,20 @@ class DiffusersImagePlugin(Plugin):
         adapters = parse_adapters(inputs.get("adapters"))
         self.use_adapters(adapters)
 
+        resume = _resume_state(ctx, inputs)
+        if resume is not None:
+            seed = int(resume["seed"])  # a drawn seed must stay the first attempt's
         init = inputs.get("init_image")
         pipe = self.img2img if init else self.pipe
         pipe.scheduler = self.make_scheduler(inputs["scheduler"])
+        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(n)]
+        stepper = _Stepper(pipe, ctx, generators, inputs, seed, resume)
         kwargs: dict[str, Any] = dict(
             prompt=inputs["prompt"], negative_prompt=inputs.get("negative_prompt") or None,
             guidance_scale=inputs["guidance_scale"], num_inference_steps=inputs["steps"],
             num_images_per_prompt=n, output_type="pil",
-            generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(n)],
-            callback_on_step_end=self._step_callback(ctx),
+            generator=generators,
+            callback_on_step_end=stepper.on_step_end,
         )
         if init:
             strength = inputs["strength"]
@@ -183,7 +190,8 @@ class DiffusersImagePlugin(Plugin):
         else:
             kwargs.update(width=width, height=height)
 
-        result = pipe(**kwargs)
+        with stepper.replaying():
+            result = pipe(**kwargs)
         nsfw = getattr(result, "nsfw_content_detected", None)
         outputs = []
         for i, image in enumerate(result.images):
@@ -249,11 +257,94 @@ class DiffusersImagePlugin(Plugin):
         return [t for t in (getattr(self.pipe, "tokenizer", None),
                             getattr(self.pipe, "tokenizer_2", None)) if t is not None]
 
-    @staticmethod
-    def _step_callback(ctx: RunContext):
-        def on_step_end(pipe, step_index, timestep, callback_kwargs):
-            ctx.check_cancelled()
-            ctx.progress(step_index + 1, pipe.num_timesteps)
-            return callback_kwargs
 
-        return on_step_end
+def _resume_state(ctx: RunContext, inputs: dict[str, Any]) -> dict[str, Any] | None:
+    data = getattr(ctx, "resume_from", None)
+    if not data:
+        return None
+    return checkpoints.loads(data, kind="diffusion", inputs=inputs)
+
+
+class _Stepper:
+    """The pipeline's step callback: progress, cancellation, checkpoints, and resuming.
+
+    Checkpoint: every ``ctx.checkpoint_every`` steps (0: never) the callback writes the
+    latents, the scheduler's whole state and every image generator's RNG state as they are
+    after that step (see ``plugins.checkpoints``).
+
+    Resume from step k: the pipeline runs its own loop unchanged (text encoding, timesteps,
+    initial noise, the final decode are all exactly those of an uninterrupted run), but for
+    the first k steps the UNet returns zeros and the scheduler's step leaves the latents as
+    they are (``replaying``), which costs next to nothing; after step k the callback puts
+    back the latents, the scheduler state and the RNG states of the checkpoint. From there
+    every operation is the one the uninterrupted run did on the same values, so on the same
+    hardware class and dtype the image is the same to the byte.
+    """
+
+    def __init__(self, pipe, ctx: RunContext, generators: list, inputs: dict[str, Any],
+                 seed: int, resume: dict[str, Any] | None):
+        self.pipe, self.ctx, self.generators = pipe, ctx, generators
+        self.inputs, self.seed, self.resume = inputs, seed, resume
+        self.every = int(getattr(ctx, "checkpoint_every", 0) or 0)
+        self.skip_until = int(resume["step"]) if resume else 0
+        self.skipping = self.skip_until > 0
+
+    @contextlib.contextmanager
+    def replaying(self):
+        if not self.skipping:
+            yield
+            return
+        unet, scheduler = self.pipe.unet, self.pipe.scheduler
+        real_forward, real_step = unet.forward, scheduler.step
+
+        # functools.wraps: pipelines read the step's signature to decide which keyword
+        # arguments (generator, eta) to pass it.
+        @functools.wraps(real_forward)
+        def forward(sample, *args, **kwargs):
+            if self.skipping:
+                return (torch.zeros_like(sample),)
+            return real_forward(sample, *args, **kwargs)
+
+        @functools.wraps(real_step)
+        def step(model_output, timestep, sample, *args, **kwargs):
+            if self.skipping:
+                return (sample,)
+            return real_step(model_output, timestep, sample, *args, **kwargs)
+
+        unet.forward, scheduler.step = forward, step  # instance attributes, removed below
+        try:
+            yield
+        finally:
+            del unet.forward
+            del scheduler.step
+
+    def on_step_end(self, pipe, step_index, timestep, callback_kwargs):
+        self.ctx.check_cancelled()
+        step, total = step_index + 1, pipe.num_timesteps
+        if self.skipping:
+            if step < self.skip_until:
+                return callback_kwargs
+            if self.resume["total"] != total:
+                raise checkpoints.BadCheckpoint(
+                    f"checkpoint is of a {self.resume['total']}-step run, this run has {total}")
+            latents = callback_kwargs["latents"]
+            checkpoints.load_scheduler_state(pipe.scheduler, self.resume["scheduler_state"],
+                                             latents.device)
+            for gen, state in zip(self.generators, self.resume["rng"]):
+                gen.set_state(state)
+            callback_kwargs["latents"] = self.resume["latents"].to(latents.device, latents.dtype)
+            self.skipping = False
+            self.ctx.progress(step, total, "resumed from a checkpoint")
+            return callback_kwargs
+        self.ctx.progress(step, total)
+        if self.every and step % self.every == 0 and step < total:
+            self.ctx.checkpoint(step, checkpoints.dumps({
+                "kind": "diffusion", "step": step, "total": total,
+                "fingerprint": checkpoints.fingerprint(self.inputs), "seed": self.seed,
+                "scheduler": type(pipe.scheduler).__name__,
+                "dtype": str(callback_kwargs["latents"].dtype),
+                "device": callback_kwargs["latents"].device.type,
+                "latents": callback_kwargs["latents"],
+                "scheduler_state": checkpoints.scheduler_state(pipe.scheduler),
+                "rng": [g.get_state() for g in self.generators]}))
+        return callback_kwargs

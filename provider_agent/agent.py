@@ -27,6 +27,7 @@ from sdk.protocol.envelope import (EnvelopeError, ReplayGuard, challenge_documen
 from sdk.protocol.manifest import Manifest, load_manifest
 from sdk.protocol.signing import KeyPair
 
+from .benchmark import benchmark_plugin, throttle
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
 from .host.manager import PluginHost
@@ -80,6 +81,11 @@ class Agent:
         self.jobs: queue.Queue = queue.Queue()
         self.running: dict[str, RunningJob] = {}
         self.undelivered: dict[str, list[pb.AgentMessage]] = {}
+        # Checkpoints: the latest of each running job (re-sent after a reconnect) and the
+        # workers waiting for a checkpoint to resume from.
+        self.latest_checkpoint: dict[str, pb.AgentMessage] = {}
+        self._checkpoint_waiters: dict[str, queue.Queue] = {}
+        self.checkpoint_fetch_timeout_s = 30.0
         self._lock = threading.Lock()
         self._outq: queue.Queue | None = None
         self._stop = threading.Event()
@@ -87,6 +93,8 @@ class Agent:
         self._signals = 0
         self.provider_id = ""
         self.completed = 0
+        self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
+        self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
 
     # ---- outside control ---------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -140,6 +148,24 @@ class Agent:
             log.info("starting plugin host for %s (%s)", served.manifest.ref,
                      "sandboxed" if self.sandboxed else "NOT SANDBOXED")
             served.host.start()
+        self.run_benchmarks()
+
+    def run_benchmarks(self) -> None:
+        """Time each served plugin on its manifest benchmark (at start, and whenever the
+        plugins or hardware change); the figures go out with the capabilities."""
+        for name, served in self.plugins.items():
+            result = benchmark_plugin(served, throttle_ms_per_unit=self._throttle(name))
+            if result is not None:
+                self.benchmarks[name] = result.units_per_s
+
+    def _throttle(self, plugin: str) -> float:
+        return float(self.cfg.throttle_ms_per_unit.get(plugin, 0.0))
+
+    def post_asks(self, asks: dict[str, int]) -> bool:
+        """Post or update standing asks on the live stream (micro-credits per work unit)."""
+        self.cfg.asks.update(asks)
+        return self._send(pb.AgentMessage(post_asks=pb.PostAsks(asks=[
+            pb.StandingAsk(plugin=p, price_micro_per_unit=int(v)) for p, v in asks.items()])))
 
     def run(self) -> int:
         self.start_hosts()
@@ -217,6 +243,8 @@ class Agent:
             with self._lock:
                 self._outq = outq
                 pending = [m for msgs in self.undelivered.values() for m in msgs]
+                pending += [m for job_id, m in self.latest_checkpoint.items()
+                            if job_id in self.running and job_id not in self.undelivered]
             if self.draining:
                 outq.put(pb.AgentMessage(drain=pb.Drain(reason="agent shutting down")))
             for m in pending:
@@ -246,7 +274,11 @@ class Agent:
                                  vram_gb=float(hw.get("vram_gb", 0.0)),
                                  cpu_count=int(hw.get("cpu_count", os.cpu_count() or 1)),
                                  memory_gb=_memory_gb()),
-            slots=self.cfg.slots, sandboxed=self.sandboxed)
+            slots=self.cfg.slots, sandboxed=self.sandboxed,
+            benchmarks=[pb.PluginBenchmark(plugin=p, units_per_s=u, runs=3)
+                        for p, u in self.benchmarks.items()],
+            asks=[pb.StandingAsk(plugin=p, price_micro_per_unit=int(v))
+                  for p, v in self.cfg.asks.items()])
 
     def _heartbeats(self, outq: queue.Queue, stop: threading.Event, interval: float) -> None:
         while not stop.wait(interval):
@@ -273,10 +305,24 @@ class Agent:
             if rj is not None and rj.envelope["attempt"] == msg.cancel.attempt:
                 log.info("job %s cancelled by the broker: %s", msg.cancel.job_id, msg.cancel.reason)
                 rj.cancelled.set()
+        elif kind == "checkpoint_data":
+            with self._lock:
+                waiter = self._checkpoint_waiters.get(msg.checkpoint_data.job_id)
+            if waiter is not None:
+                waiter.put(msg.checkpoint_data)
         elif kind == "ack":
             if msg.ack.what == "receipt":
                 with self._lock:
                     self.undelivered.pop(msg.ack.job_id, None)
+        elif kind == "ask_status":
+            st = msg.ask_status
+            self.ask_status[st.plugin] = st
+            if st.accepted:
+                log.info("standing ask for %s: %d micro-credits per work unit", st.plugin,
+                         st.standing_price_micro_per_unit)
+            else:
+                log.error("the broker refused the ask for %s: %s (%s)", st.plugin, st.message,
+                          st.code)
         elif kind == "refusal":
             log.warning("broker refused a message about job %s: %s (%s)", msg.refusal.job_id,
                         msg.refusal.message, msg.refusal.code)
@@ -318,6 +364,7 @@ class Agent:
             finally:
                 with self._lock:
                     self.running.pop(job_id, None)
+                    self.latest_checkpoint.pop(job_id, None)
 
     def _run_job(self, job_id: str, rj: RunningJob) -> None:
         env = rj.envelope
@@ -334,12 +381,29 @@ class Agent:
             self._send(pb.AgentMessage(progress=pb.JobProgress(job_id=job_id, attempt=attempt,
                                                                text=text)))
 
+        last_total = [0]
+
+        def progress_with_total(step, total, message):
+            last_total[0] = total
+            progress(step, total, message)
+
+        def checkpoint(step, data):
+            msg = pb.AgentMessage(checkpoint=pb.CheckpointUpload(
+                job_id=job_id, attempt=attempt, step=step, total=last_total[0], data=data,
+                sha256=sha256_hex(data)))
+            with self._lock:
+                self.latest_checkpoint[job_id] = msg
+            self._send(msg)
+
         t0 = time.perf_counter()
+        resume_from = self._fetch_checkpoint(job_id, attempt, env.get("resume"))
         try:
             result = served.host.run(job_id, env["inputs"],
                                      wall_clock_s=served.manifest.wall_clock_s,
-                                     on_progress=progress, on_stream=stream,
-                                     cancelled=rj.cancelled)
+                                     on_progress=progress_with_total, on_stream=stream,
+                                     cancelled=rj.cancelled,
+                                     checkpoint_every=int(env.get("checkpoint_every") or 0),
+                                     resume_from=resume_from, on_checkpoint=checkpoint)
         except Exception as exc:  # noqa: BLE001 - a bad job must never stop this worker
             if not isinstance(exc, HostError):
                 log.exception("job %s: unexpected error in the agent", job_id)
@@ -355,6 +419,8 @@ class Agent:
             return
         if rj.cancelled.is_set():
             return
+        run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
+                                              float(result.work_units or 0)))
         messages, outputs = [], []
         for out in result.outputs:
             sha = sha256_hex(out.data)
@@ -366,7 +432,7 @@ class Agent:
         receipt = make_receipt(envelope=env, envelope_bytes=rj.envelope_bytes,
                                provider_key=self.identity.public_key_hex, outputs=outputs,
                                work_units=result.work_units,
-                               timings_ms={"run": result.run_ms,
+                               timings_ms={"run": run_ms,
                                            "total": int((time.perf_counter() - t0) * 1000)})
         messages.append(pb.AgentMessage(receipt=pb.Receipt(
             receipt=canonical_bytes(receipt), signature=self.identity.sign("receipt", receipt))))
@@ -378,6 +444,38 @@ class Agent:
                 break
         self.completed += 1
         log.info("job %s done in %d ms", job_id, result.run_ms)
+
+    def _fetch_checkpoint(self, job_id: str, attempt: int, resume) -> bytes | None:
+        """The checkpoint the envelope says to resume from, fetched from the broker and checked
+        against its sha256; None (run from the start) when there is none or it cannot be had."""
+        if not isinstance(resume, dict) or not resume.get("sha256"):
+            return None
+        want = str(resume["sha256"])
+        waiter: queue.Queue = queue.Queue()
+        with self._lock:
+            self._checkpoint_waiters[job_id] = waiter
+        try:
+            deadline = time.monotonic() + self.checkpoint_fetch_timeout_s
+            while time.monotonic() < deadline:
+                self._send(pb.AgentMessage(fetch_checkpoint=pb.CheckpointFetch(
+                    job_id=job_id, attempt=attempt, sha256=want)))
+                try:
+                    got = waiter.get(timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+                except queue.Empty:
+                    continue  # lost on a reconnect: ask again
+                if got.error or sha256_hex(got.data) != want:
+                    log.warning("job %s: checkpoint %s… unavailable (%s); running from the start",
+                                job_id, want[:12], got.error or "hash mismatch")
+                    return None
+                log.info("job %s: resuming from the checkpoint at step %s", job_id,
+                         resume.get("step"))
+                return bytes(got.data)
+            log.warning("job %s: no answer for checkpoint %s…; running from the start", job_id,
+                        want[:12])
+            return None
+        finally:
+            with self._lock:
+                self._checkpoint_waiters.pop(job_id, None)
 
 
 def _memory_gb() -> float:

@@ -29,8 +29,32 @@ def register(sub) -> None:
     r.add_argument("--no-sandbox", action="store_true",
                    help="run plugins WITHOUT the bubblewrap sandbox (unsafe; the broker and "
                         "its clients are told)")
+    r.add_argument("--ask", action="append", default=[], metavar="PLUGIN=PRICE",
+                   help="standing ask in micro-credits per work unit (repeatable; overrides "
+                        "`asks` in agent.toml; without one a plugin stands at the reserve)")
+    r.add_argument("--throttle", action="append", default=[], metavar="PLUGIN=MS",
+                   help="development/tests: wait MS per work unit after each run, to "
+                        "emulate a slower machine")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
+
+
+def parse_pairs(items: list[str], kind, what: str) -> dict:
+    """``["sd15=15000", "echo=10,llama=3"]`` -> ``{"sd15": 15000, ...}``."""
+    from .errors import ConfigError
+
+    out = {}
+    for item in items:
+        for part in filter(None, (p.strip() for p in item.split(","))):
+            name, sep, value = part.partition("=")
+            try:
+                if not sep or not name:
+                    raise ValueError
+                out[name.strip()] = kind(value)
+            except ValueError:
+                raise ConfigError(f"{what} {part!r} must look like PLUGIN=NUMBER, e.g. "
+                                  "sd15=15000") from None
+    return out
 
 
 def cmd_init(args) -> int:
@@ -81,6 +105,8 @@ def cmd_run(args) -> int:
             cfg.slots = args.slots
         if args.device:
             cfg.device = args.device
+        cfg.asks.update(parse_pairs(args.ask, int, "--ask"))
+        cfg.throttle_ms_per_unit.update(parse_pairs(args.throttle, float, "--throttle"))
         plugin_dirs = {name: builtin_plugin_dir(name) for name in cfg.plugins}
         launcher = host_launcher(sandboxed=not args.no_sandbox, home=args.home, cfg=cfg)
         agent = Agent(cfg, load_identity(args.home), plugin_dirs=plugin_dirs,

@@ -17,6 +17,10 @@ agent.toml::
     weights_dir = "~/.cache/sparecycles/weights"   # <weights_dir>/<plugin>/ per plugin
     [weights]                                     # per-plugin override
     sd15 = "/models/stable-diffusion-v1-5"
+    [asks]                                        # standing asks, micro-credits per work
+    sd15 = 15000                                  # unit (absent: stand at the reserve)
+    [throttle_ms_per_unit]                        # development/tests only: emulate a
+    echo = 200                                    # slower machine (jobs and benchmarks)
 """
 from __future__ import annotations
 
@@ -61,6 +65,8 @@ class AgentConfig:
     device: str = "auto"
     weights_dir: str = ""
     weights: dict[str, str] = field(default_factory=dict)
+    asks: dict[str, int] = field(default_factory=dict)
+    throttle_ms_per_unit: dict[str, float] = field(default_factory=dict)
 
     def weights_for(self, plugin: str) -> Path | None:
         if plugin in self.weights:

@@ -19,8 +19,32 @@ PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREAD
 _counter = itertools.count()
 
 
+def default_memory_limit_mb() -> int:
+    """Three quarters of this machine's memory: a runaway plugin cannot take the machine
+    down, and a large model (SDXL loads ~7 GB through host memory) still fits."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (ValueError, OSError):
+        return 8192
+    return max(2048, total * 3 // 4)
+
+
+def gpu_indices_for(device: str, dev_root: Path = Path("/dev")) -> list[int]:
+    """The NVIDIA device nodes a host for ``device`` needs: none for "cpu", N for
+    "cuda:N", and for "cuda"/"auto" the GPUs in CUDA_VISIBLE_DEVICES (numeric form) or GPU 0
+    when this machine has one."""
+    if device == "cpu":
+        return []
+    if device.startswith("cuda:"):
+        return [int(device.split(":", 1)[1])]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and all(p.strip().isdigit() for p in visible.split(",")):
+        return [int(p) for p in visible.split(",")]
+    return [0] if (dev_root / "nvidia0").exists() else []
+
+
 def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
-                  memory_limit_mb: int | None = 8192, pids_limit: int = 256,
+                  memory_limit_mb: int | None = None, pids_limit: int = 256,
                   gpu_devices: list[int] | None = None, plugin_dirs: list[Path] | None = None):
     """A callable ``argv -> Popen`` for PluginHost, or None for a plain subprocess. The
     Popen of a sandboxed host carries its Sandbox as ``.sandbox`` (to kill the whole tree).
@@ -50,6 +74,10 @@ def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
                TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1",
                SPARECYCLES_SANDBOXED="1")
     hide = [(home or config_dir()).resolve()]
+    if memory_limit_mb is None:
+        memory_limit_mb = default_memory_limit_mb()
+    if gpu_devices is None:
+        gpu_devices = gpu_indices_for(getattr(cfg, "device", "auto") or "auto")
 
     def launch(argv: list[str]) -> subprocess.Popen:
         policy = SandboxPolicy.for_current_python(

@@ -114,9 +114,21 @@ class Client:
             raise InvalidInputError(422, "invalid_input", str(exc), field=field) from None
 
     def generate(self, plugin: str, *, timeout: float = 600.0, version: str | None = None,
-                 **inputs) -> "Result":
-        """Run one job and block until its outputs are ready."""
-        return self.jobs.create(plugin, version=version, **inputs).wait(timeout=timeout)
+                 n: int = 1, priority: str | None = None, max_price_micro: int | None = None,
+                 deadline_s: float | None = None, **inputs) -> "Result":
+        """Run one job and block until its outputs are ready. ``n`` > 1 splits the request
+        into n sibling jobs on different providers (one output each; all outputs in
+        order in the Result). ``priority`` (economy | standard | fast), ``max_price_micro``
+        (whole request) and ``deadline_s`` are the market terms; a request no provider can
+        meet raises at once with the best achievable price and time."""
+        terms = {k: v for k, v in (("n", n if n > 1 else None), ("priority", priority),
+                                   ("max_price_micro", max_price_micro),
+                                   ("deadline_s", deadline_s)) if v is not None}
+        if n > 1:
+            return self.jobs.create_batch(plugin, version=version, terms=terms,
+                                          **inputs).wait(timeout=timeout)
+        return self.jobs.create(plugin, version=version, terms=terms,
+                                **inputs).wait(timeout=timeout)
 
     def quote(self, plugin: str, *, version: str | None = None, **inputs) -> dict:
         """What a job would cost, without running it: ``min_micro``, ``expected_micro`` and
@@ -167,10 +179,11 @@ class Jobs:
         self._c = client
 
     def create(self, plugin: str, *, version: str | None = None,
-               idempotency_key: str | None = None, validate: bool = True, **inputs) -> "Job":
+               idempotency_key: str | None = None, validate: bool = True,
+               terms: dict | None = None, **inputs) -> "Job":
         if validate:
             self._c.validate(plugin, inputs)
-        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs}
+        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs, **(terms or {})}
         if version:
             body["version"] = version
         resp = self._c.request("POST", "/v1/jobs", json_body=body,
@@ -179,6 +192,18 @@ class Jobs:
 
     def get(self, job_id: str) -> "Job":
         return Job(self._c, self._c.request("GET", f"/v1/jobs/{job_id}").json())
+
+    def create_batch(self, plugin: str, *, version: str | None = None,
+                     idempotency_key: str | None = None, terms: dict | None = None,
+                     **inputs) -> "Batch":
+        """A split request (``terms["n"]`` sibling jobs)."""
+        self._c.validate(plugin, inputs)
+        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs, **(terms or {})}
+        if version:
+            body["version"] = version
+        resp = self._c.request("POST", "/v1/jobs", json_body=body,
+                               idempotency_key=idempotency_key or str(uuid.uuid4()))
+        return Batch(self._c, resp.json())
 
     def list(self, limit: int = 50) -> list["Job"]:
         data = self._c.request("GET", "/v1/jobs", params={"limit": limit}).json()["data"]
@@ -256,6 +281,39 @@ class Job:
                     return
             except (httpx.ReadTimeout, httpx.RemoteProtocolError):
                 continue
+
+
+class Batch:
+    """A split request: sibling jobs whose outputs arrive as they finish."""
+
+    def __init__(self, client: Client, data: dict):
+        self._c = client
+        self.data = data
+
+    @property
+    def id(self) -> str:
+        return self.data["id"]
+
+    @property
+    def jobs(self) -> list[Job]:
+        return [Job(self._c, d) for d in self.data["jobs"]]
+
+    def refresh(self) -> "Batch":
+        self.data = self._c.request("GET", f"/v1/batches/{self.id}").json()
+        return self
+
+    def wait(self, timeout: float | None = 600.0) -> "Result":
+        """Block until every sibling ends; one Result with all outputs in sibling order.
+        Raises JobFailedError if a sibling failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outputs: list[dict] = []
+        for job in self.jobs:
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            outputs += job.wait(timeout=left).outputs
+        self.refresh()
+        result = Result(self._c, self.jobs[0])
+        result.outputs = outputs
+        return result
 
 
 def _parse_sse(lines) -> Iterator[Event]:

@@ -108,7 +108,10 @@ class LocalNetwork:
     # ---- agents ----------------------------------------------------------------------
     def start_agent(self, name: str, api_key: str, *, plugins: str = "echo", slots: int = 1,
                     weights_dir: Path | None = None, sandbox: bool = True,
-                    extra_env: dict | None = None) -> AgentProcess:
+                    extra_env: dict | None = None, device: str = "cpu",
+                    run_args: list[str] | None = None) -> AgentProcess:
+        """Start ``sparecycles agent run`` (after ``agent init`` the first time); extra
+        ``run_args`` go to `agent run` (e.g. ["--ask", "echo=200"])."""
         home = self.workdir / f"agent-{name}"
         if not (home / "agent.toml").exists():
             init = cli("agent", "init", "--home", str(home), "--broker", self.info["grpc"],
@@ -119,7 +122,7 @@ class LocalNetwork:
             out = subprocess.run(init, capture_output=True, text=True, env=self.env)
             if out.returncode != 0:
                 raise LocalNetworkError(f"agent init failed: {out.stderr.strip()}")
-        args = cli("agent", "run", "--home", str(home), "--device", "cpu")
+        args = cli("agent", "run", "--home", str(home), "--device", device, *(run_args or []))
         if not sandbox:
             args.append("--no-sandbox")
         log_path = self.workdir / f"agent-{name}.log"

@@ -33,6 +33,10 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
         "started_at": job.started_at, "finished_at": job.finished_at,
         "error": ({"code": job.error_code, "message": job.error_message}
                   if job.error_code else None),
+        "priority": job.priority, "deadline_s": job.deadline_s,
+        # The auction's clearing price (micro-credits per work unit), once assigned.
+        "price_micro_per_unit": job.price_micro_per_unit,
+        "batch_id": job.batch_id, "batch_index": job.batch_index,
     }
     if outputs is not None:
         body["outputs"] = [output_to_json(job.id, o) for o in outputs]
@@ -49,7 +53,25 @@ def _render(job: Job) -> dict:
 def create_job():
     key = request.headers.get("Idempotency-Key")
     job, created = services().jobs.submit(principal(), json_body(), idempotency_key=key)
+    if job.batch_id:
+        return _render_batch(services().jobs.batch(principal(), job.batch_id)), \
+            202 if created else 200
     return _render(job), 202 if created else 200
+
+
+def _render_batch(jobs: list[Job]) -> dict:
+    """A split request: its sibling jobs in order, each with its outputs once settled."""
+    states = {j.state.value for j in jobs}
+    done = all(j.state.terminal for j in jobs)
+    return {"id": jobs[0].batch_id, "object": "batch", "n": len(jobs),
+            "state": ("settled" if states == {"settled"} else
+                      "failed" if done else "running"),
+            "done": done, "jobs": [_render(j) for j in jobs]}
+
+
+@bp.get("/v1/batches/<batch_id>")
+def get_batch(batch_id):
+    return _render_batch(services().jobs.batch(principal(), batch_id))
 
 
 @bp.get("/v1/jobs")

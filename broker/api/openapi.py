@@ -32,9 +32,17 @@ def document() -> dict:
                                            "field": {"type": "string"}}},
                 "JobRequest": {"type": "object", "required": ["plugin"],
                                "additionalProperties": False,
-                               "properties": {"plugin": {"type": "string"},
-                                              "version": {"type": "string"},
-                                              "inputs": {"type": "object"}}},
+                               "properties": {
+                                   "plugin": {"type": "string"},
+                                   "version": {"type": "string"},
+                                   "inputs": {"type": "object"},
+                                   "priority": {"type": "string",
+                                                "enum": ["economy", "standard", "fast"]},
+                                   "max_price_micro": {"type": "integer", "minimum": 1,
+                                                       "description": "cap for the whole request"},
+                                   "deadline_s": {"type": "number", "exclusiveMinimum": 0},
+                                   "n": {"type": "integer", "minimum": 1, "maximum": 64,
+                                         "description": "split into n sibling jobs (a batch)"}}},
                 "Output": {"type": "object", "properties": {
                     "index": {"type": "integer"}, "media_type": {"type": "string"},
                     "sha256": {"type": "string"}, "size": {"type": "integer"},
@@ -101,6 +109,19 @@ def document() -> dict:
                                                            "schema": {"type": "string"}}],
                                            "responses": {"200": {"description": "The plugin"},
                                                          **_errors(404)}}},
+            "/v1/batches/{batch_id}": {"get": {
+                "summary": "A split request: its sibling jobs, outputs as they finish",
+                "operationId": "getBatch",
+                "parameters": [{"name": "batch_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "The batch"}, **_errors(401, 404)}}},
+            "/v1/asks": {"get": {
+                "summary": "Standing asks: a provider sees its own, an admin all",
+                "operationId": "listAsks",
+                "parameters": [{"name": "provider_id", "in": "query",
+                                "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "Asks with claimed and measured "
+                                                     "throughput"}, **_errors(401)}}},
             "/v1/quotes": {"post": {
                 "summary": "What a job would cost (min, expected, max micro-credits), without "
                            "running it", "operationId": "quote",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from fractions import Fraction
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -64,7 +65,10 @@ def effective_reserve(job: JobSpec) -> int:
     """The admin reserve, lowered so that n slots at that price fit the client's max price."""
     if job.max_price_micro is None:
         return job.reserve_micro_per_unit
-    per_unit = math.floor(job.max_price_micro / (job.n_slots * job.work_units))
+    # Exact arithmetic on the decimal form of W: 2,200 micro over 2.2 units is 1,000 per
+    # unit, not the 999 that float division (999.9999…) floors to.
+    units = Fraction(repr(float(job.work_units)))
+    per_unit = math.floor(Fraction(job.max_price_micro) / (job.n_slots * units))
     return min(job.reserve_micro_per_unit, per_unit)
 
 

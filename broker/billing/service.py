@@ -8,7 +8,8 @@
 * cancel: a job cancelled mid-run pays the provider for the work units it reported done
   (no minimum charge, at most the hold); otherwise, and on failure or expiry, the hold is voided.
 
-Until the auction (DESIGN §4) sets a clearing price per job, the rate is the reserve price.
+The rate is the job's clearing price from the auction (DESIGN §4), stored on the job when
+it is assigned; a job assigned without one (no market wired) pays the reserve.
 Every ledger call carries a key derived from the job id, so retrying any step is harmless.
 """
 from __future__ import annotations
@@ -42,10 +43,14 @@ class JobBilling:
         self.how_to_fund = how_to_fund
 
     # ---- submit -------------------------------------------------------------------
-    def hold(self, job_id: str, client: str, plugin: str, work_units: float) -> tuple[str, int]:
-        """Hold the job's maximum price; returns (hold id, amount). Raises
-        :class:`InsufficientCredits` (402) and writes nothing when the balance is short."""
+    def hold(self, job_id: str, client: str, plugin: str, work_units: float,
+             cap_micro: int | None = None) -> tuple[str, int]:
+        """Hold the job's maximum price (at most the client's ``cap_micro``); returns (hold
+        id, amount). Raises :class:`InsufficientCredits` (402) and writes nothing when the
+        balance is short."""
         amount = self.pricing.price(plugin).max_price_micro(work_units)
+        if cap_micro is not None:
+            amount = min(amount, cap_micro)
         for opened in (False, True):
             try:
                 hold = self.ledger.hold(client, amount, job_id, idempotency_key=f"job:{job_id}:hold",
@@ -80,7 +85,7 @@ class JobBilling:
                         job.id, work_units_used, job.work_units)
             work_units_used = job.work_units
         price = self.pricing.price(job.plugin)
-        charge = price.charge_micro(price.reserve_micro_per_unit, work_units_used,
+        charge = price.charge_micro(self.rate_of(job), work_units_used,
                                     cap_micro=job.max_price_micro)
         return self._post(job, charge, price.fee_of(charge), price.vesting_window_s)
 
@@ -92,7 +97,7 @@ class JobBilling:
         done = self.units_done(job)
         if job.provider_id and done > 0:
             price = self.pricing.price(job.plugin)
-            charge = price.charge_micro(price.reserve_micro_per_unit, done,
+            charge = price.charge_micro(self.rate_of(job), done,
                                         cap_micro=job.max_price_micro, minimum=False)
             if charge > 0:
                 return self._post(job, charge, price.fee_of(charge), price.vesting_window_s)
@@ -102,6 +107,13 @@ class JobBilling:
         if job.hold_id is None:
             return None
         return self.release_hold(job.hold_id, job.id, reason or "job failed")
+
+    def rate_of(self, job: Job) -> int:
+        """Micro-credits per work unit: the auction's clearing price, else the reserve."""
+        price = getattr(job, "price_micro_per_unit", None)
+        if price is not None:
+            return price
+        return self.pricing.price(job.plugin).reserve_micro_per_unit
 
     @staticmethod
     def units_done(job: Job) -> Fraction:

@@ -56,7 +56,9 @@ def _code(name: str) -> grpc.StatusCode:
 class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
     def __init__(self, *, jobs: JobService, providers: ProviderService, auth: ApiKeyService,
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
-                 lease_timeout_s: float):
+                 lease_timeout_s: float, market=None, canaries=None):
+        self.market = market        # broker.market.MarketService: standing asks, θ
+        self.canaries = canaries    # broker.market.canary.CanaryService
         self.jobs = jobs
         self.providers = providers
         self.auth = auth
@@ -120,6 +122,9 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         yield pb.BrokerMessage(welcome=pb.Welcome(
             provider_id=provider.id, heartbeat_interval_s=self.heartbeat_interval_s,
             lease_timeout_s=self.lease_timeout_s, resume_job_ids=resumed))
+        if self.market is not None:
+            for msg in self._join_market(session, caps):
+                yield msg
 
         reader = threading.Thread(target=self._read, args=(request_iterator, session),
                                   name=f"agent-{provider.id[:8]}", daemon=True)
@@ -167,10 +172,78 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         finally:
             session.close()
 
+    # ---- the market ----------------------------------------------------------------------
+    def _join_market(self, session: GatewaySession, caps) -> list[pb.BrokerMessage]:
+        """Enter the provider in the order book with its benchmarks and asks; one AskStatus
+        per posted ask and a Refusal per impossible benchmark."""
+        out: list[pb.BrokerMessage] = []
+        plugins = {key.split("@", 1)[0]: key.split("@", 1)[1] for key in session.plugins}
+        self.market.connect(session.provider_id, session.account_id, plugins,
+                            vram_gb=caps.hardware.vram_gb, free=session.free)
+        for b in caps.benchmarks:
+            out += self._benchmark(session, b)
+        for ask in caps.asks:
+            out.append(self._post_ask(session, ask))
+        return out
+
+    def _benchmark(self, session: GatewaySession, b) -> list[pb.BrokerMessage]:
+        try:
+            self.market.report_benchmark(session.provider_id, b.plugin, b.units_per_s)
+            return []
+        except BrokerError as exc:
+            log.warning("refused a benchmark from %s: %s", session.provider_id, exc)
+            return [pb.BrokerMessage(refusal=pb.Refusal(code=exc.code, message=exc.message))]
+
+    def _post_ask(self, session: GatewaySession, ask) -> pb.BrokerMessage:
+        try:
+            price = self.market.post_ask(session.provider_id, ask.plugin,
+                                         ask.price_micro_per_unit)
+            return pb.BrokerMessage(ask_status=pb.AskStatus(
+                plugin=ask.plugin, accepted=True, standing_price_micro_per_unit=price))
+        except BrokerError as exc:
+            log.warning("refused an ask from %s: %s", session.provider_id, exc)
+            standing = next((a["price_micro_per_unit"] for a in
+                             self.market.asks({session.provider_id}) if a["plugin"] == ask.plugin
+                             and not a["at_reserve"]), 0)
+            return pb.BrokerMessage(ask_status=pb.AskStatus(
+                plugin=ask.plugin, accepted=False, code=exc.code, message=exc.message,
+                standing_price_micro_per_unit=standing))
+
+    def _canary(self, msg: pb.AgentMessage, kind: str, session: GatewaySession) -> bool:
+        """Messages about a canary job go to the canary service, not the job service."""
+        if self.canaries is None or kind not in ("accepted", "progress", "output", "receipt",
+                                                 "failed", "give_back"):
+            return False
+        if kind == "receipt":
+            job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature)
+            if job_id is None:
+                return False
+            session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what="receipt")))
+            self.dispatcher.kick()
+            return True
+        job_id = getattr(msg, kind).job_id
+        if not self.canaries.owns(job_id):
+            return False
+        if kind in ("failed", "give_back"):
+            self.canaries.failed(session, job_id)
+            session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what=kind)))
+            self.dispatcher.kick()
+        return True
+
     def _handle(self, msg: pb.AgentMessage, session: GatewaySession) -> None:
         kind = msg.WhichOneof("body")
         pid = session.provider_id
-        if kind == "heartbeat":
+        if self._canary(msg, kind, session):
+            return
+        if kind == "post_asks" and self.market is not None:
+            for ask in msg.post_asks.asks:
+                session.send(self._post_ask(session, ask))
+            self.dispatcher.kick()
+        elif kind == "benchmark_report" and self.market is not None:
+            for b in msg.benchmark_report.benchmarks:
+                for reply in self._benchmark(session, b):
+                    session.send(reply)
+        elif kind == "heartbeat":
             self.jobs.heartbeat(pid, list(msg.heartbeat.running_job_ids))
         elif kind == "accepted":
             self.jobs.accepted(pid, msg.accepted.job_id, msg.accepted.attempt)
@@ -186,12 +259,26 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job.id, what="receipt")))
         elif kind == "failed":
             f = msg.failed
-            self.jobs.failed(pid, f.job_id, f.attempt, f.code, f.message, f.retryable)
+            job = self.jobs.failed(pid, f.job_id, f.attempt, f.code, f.message, f.retryable)
+            if job is not None and self.market is not None:
+                self.market.failed(pid, job.plugin)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=f.job_id, what="failed")))
         elif kind == "give_back":
             g = msg.give_back
             self.jobs.give_back(pid, g.job_id, g.attempt, g.reason)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=g.job_id, what="give_back")))
+        elif kind == "checkpoint" and self.jobs.checkpoints is not None:
+            c = msg.checkpoint
+            self.jobs.checkpoints.upload(pid, c.job_id, c.attempt, c.step, c.total, c.data,
+                                         c.sha256)
+        elif kind == "fetch_checkpoint" and self.jobs.checkpoints is not None:
+            f = msg.fetch_checkpoint
+            try:
+                data, error = self.jobs.checkpoints.fetch(pid, f.job_id, f.attempt, f.sha256), ""
+            except (BrokerError, KeyError, OSError) as exc:
+                data, error = b"", getattr(exc, "message", None) or str(exc)
+            session.send(pb.BrokerMessage(checkpoint_data=pb.CheckpointData(
+                job_id=f.job_id, attempt=f.attempt, sha256=f.sha256, data=data, error=error)))
         elif kind == "drain":
             session.draining = True
             log.info("provider %s is draining: %s", pid, msg.drain.reason)

@@ -3,8 +3,11 @@
 Matching is push: a job is handed to an agent the moment both exist (a new job wakes the
 dispatcher; so does a freed slot or a new agent). The policy here is the spine's: any agent
 that serves the plugin version, least loaded first, ties broken at random, avoiding
-providers that already failed the job while others can take it. The auction (DESIGN §4)
-replaces ``_choose`` without changing the loop.
+providers that already failed the job while others can take it. With a market attached
+(``dispatcher.market``, a :class:`broker.market.MarketService`) each job clears in the
+auction instead (DESIGN §4): the winner is leased the job at its clearing price, and the
+queued siblings of a split batch clear together (K slots at the (K+1)-th score, on
+different operators where possible). Without a market, ``_choose`` keeps the spine's rule.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+
+from broker.auction.errors import NoMatch
 
 from .model import Job
 from .service import JobService
@@ -63,6 +68,8 @@ class Dispatcher:
         # True while queued jobs may be waiting for a slot: then a new job must queue
         # behind them instead of being handed out directly (first come, first served).
         self._backlog = True
+        self.market = None        # broker.market.MarketService; None: least-loaded matching
+        self.canary_sender = None  # callable(session): sends the canaries due to an agent
         jobs.on_queued = self._queued
         jobs.on_released = self._released
         jobs.cancel_hook = self._cancel
@@ -74,12 +81,20 @@ class Dispatcher:
             self._sessions[session.provider_id] = session
             if old is not None:
                 session.active |= old.active
+        if self.market is not None:
+            self.market.mark_online(session.provider_id)
+        self._sync(session)
         self.kick()
 
     def unregister(self, session: AgentSession) -> None:
         with self._cond:
             if self._sessions.get(session.provider_id) is session:
                 del self._sessions[session.provider_id]
+                gone = True
+            else:
+                gone = False
+        if gone and self.market is not None:
+            self.market.disconnect(session.provider_id)
 
     def session(self, provider_id: str) -> AgentSession | None:
         with self._cond:
@@ -89,11 +104,24 @@ class Dispatcher:
         with self._cond:
             return list(self._sessions.values())
 
+    def set_paused(self, provider_id: str, paused: bool) -> bool:
+        """Pause (no new jobs; running ones finish) or resume a connected provider; False
+        when it is not connected (its stored status applies when it connects)."""
+        with self._cond:
+            s = self._sessions.get(provider_id)
+            if s is not None:
+                s.paused = paused
+        if s is not None and not paused:
+            self.kick()
+        return s is not None
+
     def _released(self, provider_id: str | None, job_id: str) -> None:
         with self._cond:
             s = self._sessions.get(provider_id) if provider_id else None
             if s is not None:
                 s.active.discard(job_id)
+        if s is not None:
+            self._sync(s)
         self.kick()
 
     def _cancel(self, job: Job) -> None:
@@ -107,25 +135,85 @@ class Dispatcher:
     def _queued(self, job: Job) -> None:
         """A job was queued: hand it out at once from the caller's thread when nothing is
         waiting ahead of it (saves a thread hop and a queue scan); else wake the loop."""
-        if not self._backlog:
-            session = self._choose(job)
-            if session is not None and self._assign(job, session):
+        if not self._backlog and not job.batch_id:
+            if self._place(job):
                 return
         self.kick()
 
-    def _assign(self, job: Job, session: AgentSession) -> bool:
+    def _sync(self, session: AgentSession) -> None:
+        """Tell the market how many slots the agent has free (paused, draining: none)."""
+        if self.market is not None:
+            self.market.set_free(session.provider_id, session.free)
+
+    def _assign(self, job: Job, session: AgentSession, price: int | None = None) -> bool:
         with self._cond:
+            if session.free <= 0:
+                return False
             session.active.add(job.id)
+        self._sync(session)
         try:
-            moved = self.jobs.assign(job, session)
+            moved = (self.jobs.assign(job, session) if price is None
+                     else self.jobs.assign(job, session, price_micro_per_unit=price))
         except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
             log.exception("assignment of %s to %s failed", job.id, session.provider_id)
             moved = None
         if moved is None:
             with self._cond:
                 session.active.discard(job.id)
+            self._sync(session)
             return False
         return True
+
+    def _place(self, job: Job, queued: list[Job] | None = None) -> int:
+        """Assign ``job`` (with its queued siblings when it belongs to a split batch);
+        returns how many jobs were assigned."""
+        if self.market is None:
+            session = self._choose(job)
+            return 1 if session is not None and self._assign(job, session) else 0
+        siblings = [job]
+        if job.batch_id:
+            pool = queued if queued is not None else self.jobs.queued(limit=256)
+            siblings = sorted({j.id: j for j in [job, *pool] if j.batch_id == job.batch_id}
+                              .values(), key=lambda j: j.batch_index)
+        placed = 0
+        for sibling, session, price in self._clear(siblings):
+            if self._assign(sibling, session, price):
+                placed += 1
+        return placed
+
+    def _clear(self, jobs: list[Job]) -> list[tuple[Job, AgentSession, int]]:
+        """Clear ``jobs`` (one job, or siblings of one split) in the auction: the winners'
+        sessions and clearing prices, best first. Providers that already failed a job are
+        avoided while others can take it."""
+        first = jobs[0]
+        excluded = frozenset().union(*(j.excluded_providers for j in jobs))
+        caps = [j.max_price_micro for j in jobs]
+        with self._cond:
+            sessions = dict(self._sessions)
+        for avoid in ((excluded, frozenset()) if excluded else (excluded,)):
+            spec = self.market.spec(
+                plugin=first.plugin, version=first.plugin_version, work_units=first.work_units,
+                client_id=first.account_id, priority=first.priority,
+                max_price_micro=sum(caps) if all(c > 0 for c in caps) else None,
+                n_slots=len(jobs), excluded=avoid, job_id=first.id)
+            try:
+                result = self.market.clear(spec)
+            except NoMatch:
+                continue
+            plan = [(j, sessions[a.provider_id], a.price_micro_per_unit)
+                    for a, j in zip(result.awards, jobs) if a.provider_id in sessions]
+            if plan:
+                return plan
+        if not self.market.measured_any(first.plugin):
+            # Cold market: nobody measured yet. The spine's rule at the reserve; these
+            # jobs' receipts give the broker its first θ.
+            plan = []
+            for j in jobs:
+                session = self._choose(j)
+                if session is not None:
+                    plan.append((j, session, None))
+            return plan
+        return []
 
     # ---- loop ------------------------------------------------------------------------
     def kick(self) -> None:
@@ -165,6 +253,11 @@ class Dispatcher:
 
     def match_once(self) -> int:
         """Assign as many queued jobs as there are free slots; returns how many."""
+        if self.market is not None:
+            for s in self.sessions():
+                self._sync(s)
+                if self.canary_sender is not None and s.free > 0:
+                    self.canary_sender(s)
         if not any(s.free > 0 for s in self.sessions()):
             self._backlog = True
             return 0
@@ -177,12 +270,17 @@ class Dispatcher:
                 return assigned
             progress = False
             left = 0
+            placed_ids: set[str] = set()
             for job in batch:
-                session = self._choose(job)
-                if session is None or not self._assign(job, session):
+                if job.id in placed_ids:
+                    continue
+                n = self._place(job, batch)
+                if not n:
                     left += 1
                     continue
-                assigned += 1
+                if job.batch_id:
+                    placed_ids |= {j.id for j in batch if j.batch_id == job.batch_id}
+                assigned += n
                 progress = True
                 if not any(s.free > 0 for s in self.sessions()):
                     return assigned

@@ -83,6 +83,13 @@ class Job:
     deadline_at: float | None = None
     hold_id: str | None = None        # the ledger hold for the job's maximum price
     max_price_micro: int = 0          # that maximum (micro-credits)
+    # The market (DESIGN §4): the client's priority and deadline, the clearing price paid to
+    # the provider (set when the auction assigns the job), and split batches.
+    priority: str = "standard"        # economy | standard | fast
+    deadline_s: float | None = None   # seconds from submission the client will wait
+    price_micro_per_unit: int | None = None
+    batch_id: str | None = None       # siblings of one split request share it
+    batch_index: int = 0
 
 
 @dataclass

@@ -15,6 +15,9 @@ class JobRepository(Protocol):
 
     def list_for_account(self, account_id: str, limit: int = 50) -> list[Job]: ...
 
+    def batch(self, batch_id: str) -> list[Job]:
+        """The siblings of a split request, ordered by ``batch_index``."""
+
     def queued(self, limit: int) -> list[Job]:
         """Oldest queued jobs first."""
 

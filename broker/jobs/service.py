@@ -60,6 +60,12 @@ class JobService:
         self.on_queued = lambda job: None        # set by the dispatcher
         self.on_released = lambda provider_id, job_id: None
         self.cancel_hook = lambda job: None      # pushes Cancel to the agent holding a job
+        self.checkpoints = None   # broker.jobs.checkpoints.CheckpointService (resume, shares)
+        self.stalls = None        # broker.jobs.stalls.StallWatch (runs far past their bound)
+        # The market (set by the wiring): admission of a job's terms before any row or hold
+        # (raises CannotMeetTerms), and the timings of every verified receipt (θ).
+        self.check_terms = None                  # callable(job, n_slots) -> None
+        self.on_receipt = lambda job, receipt: None
 
     # ---- clients ---------------------------------------------------------------------
     def submit(self, who: Principal, body: Any, idempotency_key: str | None = None) -> tuple[Job, bool]:
@@ -68,10 +74,12 @@ class JobService:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object like "
                                  '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
-        unknown = set(body) - {"plugin", "version", "inputs", "max_attempts"}
+        unknown = set(body) - {"plugin", "version", "inputs", "max_attempts"} - set(MARKET_FIELDS)
         if unknown:
             raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: plugin, "
-                                 "version, inputs", field=sorted(unknown)[0])
+                                 "version, inputs, " + ", ".join(MARKET_FIELDS),
+                                 field=sorted(unknown)[0])
+        terms = market_terms(body)
         plugin = body.get("plugin")
         if not isinstance(plugin, str) or not plugin:
             raise InvalidRequest(f"plugin must be a plugin name; available: {self.catalog.names()}",
@@ -88,8 +96,11 @@ class JobService:
         if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
             raise InvalidRequest("Idempotency-Key must be 1 to 200 characters",
                                  field="Idempotency-Key")
-        request_hash = sha256_hex(canonical_bytes({"plugin": manifest.name,
-                                                   "version": manifest.version, "inputs": inputs}))
+        hashed = {"plugin": manifest.name, "version": manifest.version, "inputs": inputs}
+        hashed.update({k: v for k, v in terms.items() if v is not None and k != "n"})
+        if terms["n"] > 1:
+            hashed["n"] = terms["n"]
+        request_hash = sha256_hex(canonical_bytes(hashed))
         now = self.clock()
         # With an idempotency key the job id is derived from it, so a resubmit finds the
         # first job before holding, and a racing resubmit gets the same hold (same key).
@@ -103,15 +114,31 @@ class JobService:
                     f"{existing.id}); use a new key for a new job")
             return existing, False
         work_units = manifest.work_units_for(inputs)
+        n = terms["n"]
+        if self.check_terms is not None:
+            # Refused up front (no row, no hold) when no eligible provider meets the terms.
+            self.check_terms(Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
+                                 plugin_version=manifest.version, inputs=inputs,
+                                 state=JobState.QUEUED, work_units=work_units,
+                                 priority=terms["priority"], deadline_s=terms["deadline_s"],
+                                 max_price_micro=terms["max_price_micro"] or 0), n)
+        if n > 1:
+            return self._submit_batch(who, manifest, inputs, work_units, terms, job_id,
+                                      idempotency_key, request_hash, now)
+        cap = terms["max_price_micro"]
         hold_id, max_price = None, 0
         if self.billing is not None:
-            hold_id, max_price = self.billing.hold(job_id, who.account_id, manifest.name, work_units)
+            hold_id, max_price = self.billing.hold(job_id, who.account_id, manifest.name,
+                                                   work_units, cap_micro=cap)
+        elif cap is not None:
+            max_price = cap
         job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
                   plugin_version=manifest.version, inputs=inputs, state=JobState.QUEUED,
                   max_attempts=self.settings.max_attempts,
                   work_units=work_units, idempotency_key=idempotency_key,
                   request_hash=request_hash, created_at=now, updated_at=now,
-                  hold_id=hold_id, max_price_micro=max_price)
+                  hold_id=hold_id, max_price_micro=max_price, priority=terms["priority"],
+                  deadline_s=terms["deadline_s"])
         try:
             job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
         except BaseException:
@@ -128,6 +155,72 @@ class JobService:
         self.hub.notify(job.id)
         self.on_queued(job)
         return job, True
+
+    def _submit_batch(self, who: Principal, manifest, inputs: dict, work_units: float,
+                      terms: dict, batch_id: str, idempotency_key: str | None,
+                      request_hash: str, now: float) -> tuple[Job, bool]:
+        """A split request: ``n`` sibling jobs sharing ``batch_id`` (their ids derive from
+        it), each with its own hold for its share of the client's max price. Sibling ``i``
+        gets ``seed + i`` when the inputs carry an integer seed. Returns the first sibling;
+        the dispatcher clears the siblings together."""
+        n = terms["n"]
+        cap = terms["max_price_micro"]
+        share = None if cap is None else cap // n
+        existing = self.repo.get(str(uuid.uuid5(_JOB_IDS, f"{batch_id}:0")))
+        if existing is not None:
+            if existing.request_hash != request_hash:
+                raise IdempotencyConflict(
+                    f"Idempotency-Key {idempotency_key!r} was used for another request (batch "
+                    f"{existing.batch_id}); use a new key for a new job")
+            return existing, False
+        created: list[Job] = []
+        try:
+            for i in range(n):
+                job_id = str(uuid.uuid5(_JOB_IDS, f"{batch_id}:{i}"))
+                sib_inputs = dict(inputs)
+                if isinstance(sib_inputs.get("seed"), int) and not isinstance(
+                        sib_inputs["seed"], bool):
+                    sib_inputs["seed"] = sib_inputs["seed"] + i
+                hold_id, max_price = None, share or 0
+                if self.billing is not None:
+                    hold_id, max_price = self.billing.hold(job_id, who.account_id,
+                                                           manifest.name, work_units,
+                                                           cap_micro=share)
+                job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
+                          plugin_version=manifest.version, inputs=sib_inputs,
+                          state=JobState.QUEUED, max_attempts=self.settings.max_attempts,
+                          work_units=work_units,
+                          idempotency_key=(f"{idempotency_key}#{i}" if idempotency_key
+                                           else None),
+                          request_hash=request_hash, created_at=now, updated_at=now,
+                          hold_id=hold_id, max_price_micro=max_price,
+                          priority=terms["priority"], deadline_s=terms["deadline_s"],
+                          batch_id=batch_id, batch_index=i)
+                try:
+                    job, _ = self.repo.create(job, ("queued", {"plugin": manifest.ref,
+                                                               "batch_id": batch_id,
+                                                               "batch_index": i}))
+                except BaseException:
+                    if hold_id is not None:
+                        self.billing.release_hold(hold_id, job_id, "job was not created")
+                    raise
+                created.append(job)
+        except BaseException:
+            for job in created:  # all siblings or none
+                self._fail(job, "batch_not_created", "a sibling of this batch was not created")
+            raise
+        for job in created:
+            self.hub.notify(job.id)
+        # One wake-up once every sibling exists, so that they clear together.
+        self.on_queued(created[0])
+        return created[0], True
+
+    def batch(self, who: Principal, batch_id: str) -> list[Job]:
+        """The siblings of a split request, in order (404 unless they are the caller's)."""
+        jobs = self.repo.batch(batch_id) if _is_uuid(batch_id) else []
+        if not jobs or (jobs[0].account_id != who.account_id and who.role != "admin"):
+            raise JobNotFound(f"no batch {batch_id!r} in your account")
+        return jobs
 
     def get(self, who: Principal, job_id: str) -> Job:
         job = self.repo.get(job_id) if _is_uuid(job_id) else None
@@ -171,7 +264,15 @@ class JobService:
                 if job.state in LEASED and job.provider_id:
                     self.cancel_hook(job)
                     self.on_released(job.provider_id, job.id)
-                self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
+                parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
+                if parts:  # resumed: earlier providers keep their shares
+                    from broker.billing.shared import cancel_shared
+
+                    resumed = self.checkpoints.base_fraction(job)
+                    self._money("cancel", job, lambda: cancel_shared(self.billing, job, parts,
+                                                                     resumed, reason))
+                else:
+                    self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
                 self.hub.notify(job.id)
                 return moved
             job = self.get(who, job_id)
@@ -184,21 +285,26 @@ class JobService:
     def queued(self, limit: int = 200) -> list[Job]:
         return self.repo.queued(limit)
 
-    def assign(self, job: Job, target: AssignmentTarget) -> Job | None:
+    def assign(self, job: Job, target: AssignmentTarget,
+               price_micro_per_unit: int | None = None) -> Job | None:
         """Lease ``job`` to ``target`` and push it the signed envelope. None when someone
-        else moved the job first."""
+        else moved the job first. ``price_micro_per_unit`` is the auction's clearing price
+        (what settlement charges); None leaves the reserve."""
         now = self.clock()
         attempt = job.attempt
         envelope = make_envelope(job_id=job.id, attempt=attempt, plugin=job.plugin,
                                  version=job.plugin_version, inputs=job.inputs,
                                  provider_key=target.public_key,
                                  lease_timeout_s=self.settings.lease_timeout_s,
-                                 ttl_s=self.settings.envelope_ttl_s, now=now)
+                                 ttl_s=self.settings.envelope_ttl_s, now=now,
+                                 extra=(self.checkpoints.envelope_extra(job)
+                                        if self.checkpoints is not None else None))
         moved = self.repo.transition(
             job.id, [JobState.QUEUED], JobState.MATCHED, expect_attempt=attempt,
             event=("assigned", {"provider_id": target.provider_id, "attempt": attempt}),
             provider_id=target.provider_id, envelope=envelope, matched_at=now,
-            lease_expires_at=now + self.settings.lease_timeout_s)
+            lease_expires_at=now + self.settings.lease_timeout_s,
+            price_micro_per_unit=price_micro_per_unit)
         if moved is None:
             return None
         data, signature = sign_envelope(self.signer, envelope)
@@ -229,13 +335,17 @@ class JobService:
     def progress(self, provider_id: str, job_id: str, attempt: int, step: int, total: int,
                  message: str = "", text: str = "") -> None:
         job = self._leased(provider_id, job_id, attempt)
+        if total and not text and total == job.progress_total and step <= job.progress_step:
+            return  # a re-sent or late report: progress only moves forward (idempotent)
         data: dict[str, Any] = {"step": step, "total": total}
         if message:
             data["message"] = message
         if text:
             data["text"] = text
+        # A streamed token without a step count leaves the step count as it is.
+        fields = {"progress_step": step, "progress_total": total} if total else {}
         self.repo.add_event(job.id, "token" if text and not total else "progress", data,
-                            progress_step=step, progress_total=total)
+                            **fields)
         self.hub.notify(job.id)
 
     def store_output(self, provider_id: str, job_id: str, attempt: int, data: bytes,
@@ -289,6 +399,10 @@ class JobService:
         if settled is None:
             raise ReceiptRefused("not_your_job", f"job {job_id} moved before the receipt arrived")
         self._charge(settled, rec)
+        try:
+            self.on_receipt(settled, rec)
+        except Exception:  # noqa: BLE001 - a measurement must never undo a settlement
+            log.exception("job %s: recording the receipt's timings failed", job.id)
         self.on_released(provider_id, job.id)
         self.hub.notify(job.id)
         return settled
@@ -326,6 +440,8 @@ class JobService:
                                    f"provider {job.provider_id} stopped heartbeating")
             if result is not None:
                 moved.append(result)
+        if self.stalls is not None:
+            moved += self.stalls.reap(self)
         return moved
 
     def _requeue(self, job: Job, kind: str, reason: str, count_attempt: bool = True) -> Job | None:
@@ -334,6 +450,11 @@ class JobService:
         if count_attempt and used >= job.max_attempts:
             return self._fail(job, "attempts_exhausted",
                               f"gave up after {used} attempts; last: {reason}")
+        deadline_s = getattr(job, "deadline_s", None)
+        if deadline_s is not None and self.clock() > job.created_at + deadline_s:
+            return self._fail(job, "deadline_exceeded",
+                              f"the job's deadline of {deadline_s:g}s passed before it could "
+                              f"be finished; last: {reason}")
         excluded = sorted(set(job.excluded_providers) | {job.provider_id})
         moved = self.repo.transition(
             job.id, [job.state], JobState.QUEUED, expect_attempt=job.attempt,
@@ -361,6 +482,14 @@ class JobService:
     # ---- money -----------------------------------------------------------------------
     def _charge(self, job: Job, receipt: dict) -> None:
         units = receipt.get("work_units", job.work_units)
+        parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
+        if parts:  # resumed from a checkpoint: earlier providers get their shares
+            from broker.billing.shared import settle_shared
+
+            resumed = self.checkpoints.base_fraction(job)
+            self._money("settle", job,
+                        lambda: settle_shared(self.billing, job, units, parts, resumed))
+            return
         self._money("settle", job, lambda: self.billing.settle(job, units))
 
     def _money(self, what: str, job: Job, action) -> None:
@@ -373,6 +502,35 @@ class JobService:
             action()
         except Exception:  # noqa: BLE001 - the job already moved; money is reconciled later
             log.exception("job %s: ledger %s failed", job.id, what)
+
+
+MARKET_FIELDS = ("priority", "max_price_micro", "deadline_s", "n")
+MAX_SPLIT = 64
+
+
+def market_terms(body: dict) -> dict:
+    """The request's market fields, checked: ``priority`` (economy | standard | fast),
+    ``max_price_micro`` (int micro-credits for the whole request), ``deadline_s`` (seconds
+    the client will wait for completion), ``n`` (split into n sibling jobs)."""
+    priority = body.get("priority", "standard")
+    if priority not in ("economy", "standard", "fast"):
+        raise InvalidRequest(f"priority is {priority!r}; use economy, standard or fast",
+                             field="priority")
+    cap = body.get("max_price_micro")
+    if cap is not None and (type(cap) is not int or cap <= 0):
+        raise InvalidRequest(f"max_price_micro is {cap!r}; it must be a positive integer "
+                             "(micro-credits for the whole request)", field="max_price_micro")
+    deadline = body.get("deadline_s")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                 or not 0 < deadline <= 7 * 86_400):
+        raise InvalidRequest(f"deadline_s is {deadline!r}; it must be a number of seconds "
+                             "above 0 (at most a week)", field="deadline_s")
+    n = body.get("n", 1)
+    if type(n) is not int or not 1 <= n <= MAX_SPLIT:
+        raise InvalidRequest(f"n is {n!r}; it must be an integer from 1 to {MAX_SPLIT}",
+                             field="n")
+    return {"priority": priority, "max_price_micro": cap,
+            "deadline_s": None if deadline is None else float(deadline), "n": n}
 
 
 _JOB_IDS = uuid.UUID("6f1c0c5e-8a39-4c3e-9a55-5d0b3e2f7a11")  # namespace of derived job ids

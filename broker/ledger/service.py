@@ -221,6 +221,82 @@ class LedgerService:
             return txn
         return self._idempotent("post", idempotency_key, payload, work)
 
+    def post_shared(self, hold_id: str, splits: Splits, earlier: list[Splits], *,
+                    idempotency_key: str, vesting_window_s: int | None = None) -> Transaction:
+        """Settle a pending hold for a job that several providers worked on in turn (a job
+        resumed from a checkpoint): ``splits`` pays the provider that finished it, each of
+        ``earlier`` one that did a part before. All in one transaction of the ledger: the
+        hold is posted for ``splits`` (the rest released to the client), then each earlier
+        share is held from that released rest and posted at once, so every hold still has
+        one provider (vesting and refunds work per hold) and the client pays at most the
+        original hold. Returns the post of the main hold; idempotent like :meth:`post`."""
+        _check_id("hold_id", hold_id)
+        if vesting_window_s is not None and (type(vesting_window_s) is not int
+                                             or vesting_window_s < 0):
+            raise InvalidArgument(f"vesting_window_s is {vesting_window_s!r}; it must be an int "
+                                  ">= 0 of seconds")
+        window_s = self.vesting_window_s if vesting_window_s is None else vesting_window_s
+        every = [splits, *earlier]
+        for i, sp in enumerate(every):
+            if not isinstance(sp, Splits):
+                raise InvalidArgument(f"splits #{i} is {sp!r}; it must be a Splits")
+            _check_id("splits.provider", sp.provider)
+            check_amount("splits.provider_micro", sp.provider_micro, allow_zero=True)
+            check_amount("splits.fee_micro", sp.fee_micro, allow_zero=True)
+            if sp.royalty_micro or sp.publisher is not None:
+                raise InvalidArgument("post_shared does not pay royalties; use post")
+            if sp.captured_micro == 0 and i > 0:
+                raise InvalidAmount("earlier splits captured total", 0, "positive")
+        if splits.captured_micro == 0:
+            raise InvalidAmount("splits captured total", 0,
+                                "positive (to release a hold without charging, void it)")
+        payload = {"hold_id": hold_id, "shares": [
+            [sp.provider, sp.provider_micro, sp.fee_micro] for sp in every]}
+        if vesting_window_s is not None:
+            payload["vesting_window_s"] = vesting_window_s
+
+        def work(uow: LedgerUnitOfWork) -> Transaction:
+            now = self.clock.now()
+            hold = self._pending_hold(uow, hold_id, "post")
+            if now >= hold.expires_at:
+                raise HoldExpired(hold_id)
+            total = sum(sp.captured_micro for sp in every)
+            if total > hold.amount_micro:
+                raise InvalidAmount("splits captured total", total,
+                                    f"at most the hold's {hold.amount_micro:,}")
+            held = AccountId(AccountKind.CLIENT_HELD, hold.client)
+            available = AccountId(AccountKind.CLIENT_AVAILABLE, hold.client)
+            main = self._post_legs(uow, hold, splits, key=idempotency_key, now=now,
+                                   window_s=window_s)
+            for i, sp in enumerate(earlier):
+                part = Hold(id=_new_id(), client=hold.client, job_id=hold.job_id,
+                            amount_micro=sp.captured_micro, state=HoldState.PENDING,
+                            created_at=now, expires_at=hold.expires_at, hold_transaction_id="")
+                txn = self._move(uow, TransactionKind.HOLD, [
+                    (available, -sp.captured_micro), (held, sp.captured_micro),
+                ], memo=f"job {hold.job_id} (part {i + 1})", key=None, hold_id=part.id, now=now)
+                part = replace(part, hold_transaction_id=txn.id)
+                uow.add_hold(part)
+                self._post_legs(uow, part, sp, key=None, now=now, window_s=window_s)
+            return main
+        return self._idempotent("post_shared", idempotency_key, payload, work)
+
+    def _post_legs(self, uow: LedgerUnitOfWork, hold: Hold, splits: Splits, *, key: str | None,
+                   now: datetime, window_s: int) -> Transaction:
+        released = hold.amount_micro - splits.captured_micro
+        legs = [(AccountId(AccountKind.CLIENT_HELD, hold.client), -hold.amount_micro),
+                (AccountId(AccountKind.PROVIDER_VESTING, splits.provider), splits.provider_micro),
+                (AccountId.platform(AccountKind.PLATFORM_FEES), splits.fee_micro),
+                (AccountId(AccountKind.CLIENT_AVAILABLE, hold.client), released)]
+        txn = self._move(uow, TransactionKind.POST, legs, memo=f"job {hold.job_id}", key=key,
+                         hold_id=hold.id, now=now)
+        uow.save_hold(replace(
+            hold, state=HoldState.POSTED, resolved_at=now, resolve_transaction_id=txn.id,
+            captured_micro=splits.captured_micro, released_micro=released,
+            provider=splits.provider, provider_micro=splits.provider_micro,
+            fee_micro=splits.fee_micro, vests_at=now + timedelta(seconds=window_s)))
+        return txn
+
     def void(self, hold_id: str, *, idempotency_key: str, reason: str = "") -> Transaction:
         """Release a pending hold entirely back to the client (job cancelled or failed
         before any work was earned)."""

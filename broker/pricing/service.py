@@ -26,6 +26,8 @@ class PricingService:
     def __init__(self, repo: PriceRepository, clock=time.time):
         self.repo = repo
         self.clock = clock
+        # Called after every change with (before, after, by): the audit log hooks in here.
+        self.on_changed = lambda before, after, by: None
 
     def price(self, plugin: str) -> PluginPrice:
         """The admin's price of ``plugin``, else its built-in default, else the fallback."""
@@ -68,6 +70,7 @@ class PricingService:
         values = {name: changes.get(name, getattr(current, name)) for name in _FIELDS}
         new = PluginPrice(plugin, **values, updated_at=self.clock(), updated_by=by)
         self.repo.put(new)
+        self.on_changed(current, new, by)
         return new
 
     def quote(self, plugin: str, version: str, work_units: float) -> Quote:

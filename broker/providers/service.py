@@ -59,3 +59,20 @@ class ProviderService:
 
     def all(self) -> list[Provider]:
         return self.repo.all()
+
+    def get(self, provider_id: str) -> Provider | None:
+        return self.repo.get(provider_id)
+
+    def set_status(self, provider_id: str, status: str) -> tuple[Provider, str]:
+        """Persist ``status`` (active | paused | banned); returns (provider, previous status).
+        A paused or banned provider gets no new jobs; a banned one cannot reconnect."""
+        if status not in ("active", "paused", "banned"):
+            raise ValueError(f"status is {status!r}; must be active, paused or banned")
+        p = self.repo.get(provider_id)
+        if p is None:
+            from broker.errors import NotFound
+            raise NotFound(f"no provider {provider_id!r}")
+        before = p.status
+        self.repo.update(provider_id, status=status)
+        p.status = status
+        return p, before

@@ -70,6 +70,13 @@ class SqlJobRepository:
                              .order_by(JobRow.created_at.desc()).limit(limit))
             return [_to_job(r) for r in rows]
 
+    def batch(self, batch_id: str) -> list[Job]:
+        """The siblings of a split request, by index."""
+        with self.sessions() as s:
+            rows = s.execute(_SELECT.where(JOBS.c.batch_id == batch_id)
+                             .order_by(JOBS.c.batch_index))
+            return [_to_job(r) for r in rows]
+
     def queued(self, limit: int) -> list[Job]:
         with self.sessions() as s:
             rows = s.execute(_SELECT.where(JOBS.c.state == JobState.QUEUED.value)

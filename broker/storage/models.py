@@ -77,6 +77,12 @@ class JobRow(Base):
     deadline_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     hold_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     max_price_micro: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    priority: Mapped[str] = mapped_column(String(16), default="standard",
+                                          server_default="standard")
+    deadline_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    price_micro_per_unit: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    batch_id: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)
+    batch_index: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class JobEventRow(Base):

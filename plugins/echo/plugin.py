@@ -1,8 +1,11 @@
-"""The echo plugin: returns its input as JSON. No model; for dispatch tests and benchmarks."""
+"""The echo plugin: returns its input as JSON. No model; for dispatch tests and benchmarks.
+
+It checkpoints like a model would (every ``ctx.checkpoint_every`` steps: the step reached)
+and resumes from such a checkpoint, so fault-tolerance tests and benchmarks can use it."""
 import json
 import time
 
-from plugins.api import Output, Plugin
+from plugins.api import BadInput, Output, Plugin
 
 
 class Echo(Plugin):
@@ -12,7 +15,17 @@ class Echo(Plugin):
     def run(self, inputs, ctx):
         steps = inputs["steps"]
         per_step_s = inputs["sleep_ms"] / 1000 / steps
-        for step in range(1, steps + 1):
+        every = int(getattr(ctx, "checkpoint_every", 0) or 0)
+        start = 0
+        resume = getattr(ctx, "resume_from", None)
+        if resume:
+            try:
+                start = int(json.loads(resume)["echo_step"])
+            except (ValueError, KeyError, TypeError):
+                raise BadInput("resume_from is not an echo checkpoint", retryable=True) from None
+            start = max(0, min(start, steps))
+            ctx.progress(start, steps, "resumed from a checkpoint")
+        for step in range(start + 1, steps + 1):
             deadline = time.monotonic() + per_step_s
             while True:
                 ctx.check_cancelled()
@@ -22,5 +35,7 @@ class Echo(Plugin):
                 time.sleep(min(left, 0.01))
             if steps > 1:
                 ctx.progress(step, steps)
+            if every and step % every == 0 and step < steps:
+                ctx.checkpoint(step, json.dumps({"echo_step": step}).encode())
         body = json.dumps({"text": inputs["text"], "job_id": ctx.job_id}).encode()
         return [Output(data=body, media_type="application/json")]

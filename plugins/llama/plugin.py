@@ -24,6 +24,7 @@ import transformers
 from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from plugins import checkpoints
 from plugins.adapters import AdapterCache, AdapterRequest, adapter_roots, parse_adapters
 from plugins.api import BadInput, Output, Plugin, PluginError, RunContext
 
@@ -91,16 +92,31 @@ class Llama(Plugin):
         seed = inputs.get("seed")
         if seed is None:
             seed = secrets.randbelow(2**32)
+        resume = (checkpoints.loads(ctx.resume_from, kind="tokens", inputs=inputs)
+                  if getattr(ctx, "resume_from", None) else None)
+        every = int(getattr(ctx, "checkpoint_every", 0) or 0)
+        if resume is not None:
+            seed = int(resume["seed"])
         generator = torch.Generator("cpu").manual_seed(seed)
         text = _StreamingText(self.tokenizer, inputs.get("stop"), ctx)
 
         token_ids: list[int] = []
         logprobs: list[float] = []
+        if resume is not None:
+            # The tokens of the earlier attempt: already streamed to the client, so they
+            # only rebuild the text here; the sampler continues from the saved RNG state.
+            token_ids, logprobs = list(resume["token_ids"]), list(resume["logprobs"])
+            generator.set_state(resume["rng"])
+            text.quiet = True
+            for token in token_ids:
+                text.add(token)
+            text.quiet = False
+            ctx.progress(len(token_ids), max_new, "resumed from a checkpoint")
         finish = "length"
         banned = sorted(self.eos_ids) if inputs.get("ignore_eos") else []
         with torch.inference_mode():
-            out = self._forward(prompt_ids, cache=None, last_only=True)
-            for step in range(1, max_new + 1):
+            out = self._forward(prompt_ids + token_ids, cache=None, last_only=True)
+            for step in range(len(token_ids) + 1, max_new + 1):
                 logits = out.logits[0, -1].float().cpu()
                 token = _sample(logits, inputs["temperature"], inputs["top_p"], generator,
                                 banned)
@@ -114,6 +130,12 @@ class Llama(Plugin):
                 if text.add(token):  # the stop string appeared
                     finish = "stop"
                     break
+                if every and step % every == 0 and step < max_new:
+                    ctx.checkpoint(step, checkpoints.dumps({
+                        "kind": "tokens", "step": step, "total": max_new,
+                        "fingerprint": checkpoints.fingerprint(inputs), "seed": seed,
+                        "token_ids": token_ids, "logprobs": logprobs,
+                        "rng": generator.get_state()}))
                 if step < max_new:
                     out = self._forward([token], cache=self._cache_of(out))
         final = text.finish()
@@ -279,10 +301,13 @@ class _StreamingText:
         return self.tokenizer.decode(self.ids, skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
 
+    quiet = False  # True while replaying the tokens of a checkpoint: nothing is streamed
+
     def _send(self, piece: str) -> None:
         if piece:
             self.pieces.append(piece)
-            self.ctx.stream(piece, self.unsent_ids)
+            if not self.quiet:
+                self.ctx.stream(piece, self.unsent_ids)
             self.unsent_ids = []
 
     def add(self, token: int) -> bool:

@@ -29,11 +29,18 @@ def _protocol_streams():
 class Context:
     """RunContext for one job (see plugins.api)."""
 
-    def __init__(self, job_id: str, writer, scratch: Path):
+    def __init__(self, job_id: str, writer, scratch: Path, *, checkpoint_every: int = 0,
+                 resume_from: bytes | None = None):
         self.job_id = job_id
         self.scratch_dir = scratch
+        self.checkpoint_every = checkpoint_every
+        self.resume_from = resume_from
         self._writer = writer
         self._cancel = threading.Event()
+
+    def checkpoint(self, step: int, data: bytes) -> None:
+        self._writer.send({"type": "checkpoint", "job_id": self.job_id, "step": int(step)},
+                          bytes(data))
 
     def progress(self, step: int, total: int, message: str = "") -> None:
         self._writer.send({"type": "progress", "job_id": self.job_id, "step": int(step),
@@ -118,7 +125,9 @@ def main() -> int:
     def reader():
         while True:
             try:
-                h, _ = read_frame(proto_in)
+                h, body = read_frame(proto_in)
+                if h["type"] == "run" and body:
+                    h["_resume_from"] = body  # the checkpoint to resume from
             except EOFError:
                 h = {"type": "shutdown"}
             if h["type"] == "cancel":
@@ -150,7 +159,9 @@ def main() -> int:
         job_id = h["job_id"]
         scratch = scratch_root / f"job-{job_id}"
         scratch.mkdir(parents=True, exist_ok=True)
-        ctx = Context(job_id, writer, scratch)
+        ctx = Context(job_id, writer, scratch,
+                      checkpoint_every=int(h.get("checkpoint_every") or 0),
+                      resume_from=h.get("_resume_from"))
         current[job_id] = ctx
         t_run = time.perf_counter()
         failure: dict | None = None

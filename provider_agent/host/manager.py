@@ -179,14 +179,20 @@ class PluginHost:
     def run(self, job_id: str, inputs: dict, *, wall_clock_s: float,
             on_progress: Callable[[int, int, str], None] = lambda *a: None,
             on_stream: Callable[[str, list], None] = lambda *a: None,
-            cancelled: threading.Event | None = None) -> HostResult:
-        """Run one job. Raises HostError (``code`` says why) when it fails."""
+            cancelled: threading.Event | None = None,
+            checkpoint_every: int = 0, resume_from: bytes | None = None,
+            on_checkpoint: Callable[[int, bytes], None] = lambda *a: None) -> HostResult:
+        """Run one job. Raises HostError (``code`` says why) when it fails. The plugin
+        writes a checkpoint every ``checkpoint_every`` steps (0: never), each handed to
+        ``on_checkpoint(step, data)``; ``resume_from`` is a checkpoint to continue from."""
         with self._lock:
             if not self.alive():
                 log.warning("plugin host %s is not running; restarting", self.name)
                 self.start()
             try:
-                self._writer.send({"type": "run", "job_id": job_id, "inputs": inputs})
+                self._writer.send({"type": "run", "job_id": job_id, "inputs": inputs,
+                                   "checkpoint_every": int(checkpoint_every)},
+                                  resume_from or b"")
             except (OSError, ValueError):  # it died between jobs: the pipe is broken
                 self._recover(f"host was gone when job {job_id} arrived")
                 raise HostError("host_died", f"plugin host {self.name} had exited before job "
@@ -218,6 +224,8 @@ class PluginHost:
                     on_progress(header["step"], header["total"], header.get("message", ""))
                 elif kind == "stream":
                     on_stream(header["text"], header.get("token_ids", []))
+                elif kind == "checkpoint":
+                    on_checkpoint(int(header["step"]), body)
                 elif kind == "output":
                     outputs.append(HostOutput(header["index"], header["media_type"], body,
                                               header.get("meta", {})))

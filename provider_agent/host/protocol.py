@@ -1,9 +1,10 @@
 """Length-prefixed frames between the agent and a plugin host, over a pipe.
 
 A frame is ``u32 header length | header (JSON object) | u32 body length | body bytes``.
-Agent → host: ``init``, ``run``, ``cancel``, ``shutdown``.
-Host → agent: ``ready``, ``progress``, ``stream``, ``output`` (body = the bytes),
-``result``, ``failed``.
+Agent → host: ``init``, ``run`` (``checkpoint_every``; body = a checkpoint to resume from,
+or empty), ``cancel``, ``shutdown``.
+Host → agent: ``ready``, ``progress``, ``stream``, ``checkpoint`` (``step``; body = the
+checkpoint), ``output`` (body = the bytes), ``result``, ``failed``.
 """
 from __future__ import annotations
 

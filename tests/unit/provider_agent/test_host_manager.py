@@ -65,3 +65,16 @@ def test_a_host_that_died_between_jobs_is_restarted_for_the_next_job():
         assert b'"again"' in result.outputs[0].data and host.proc.pid != first
     finally:
         host.stop()
+
+
+def test_gpu_nodes_follow_the_device(tmp_path, monkeypatch):
+    from provider_agent.launch import gpu_indices_for
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_indices_for("cpu", tmp_path) == []
+    assert gpu_indices_for("cuda:2", tmp_path) == [2]
+    assert gpu_indices_for("auto", tmp_path) == []          # no GPU on this machine
+    (tmp_path / "nvidia0").touch()
+    assert gpu_indices_for("auto", tmp_path) == [0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert gpu_indices_for("cuda", tmp_path) == [1, 3]

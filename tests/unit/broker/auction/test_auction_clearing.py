@@ -231,3 +231,13 @@ def test_max_price_acts_as_a_lower_reserve_for_the_whole_split(clear_fn):
     assert result.reserve_micro_per_unit == 120
     assert all(a.price_micro_per_unit == 120 for a in result.awards)
     assert result.total_payment_micro <= 2_400
+
+
+def test_max_price_on_decimal_work_units_is_exact():
+    """2,200 micro for 2.2 work units allows 1,000 per unit (float division gave 999)."""
+    from broker.auction.model import JobSpec
+    from broker.auction.scoring import effective_reserve
+
+    job = JobSpec(plugin="echo", plugin_version="1.0.0", weights_digest="any", work_units=2.2,
+                  client_id="c", reserve_micro_per_unit=1_000, max_price_micro=2_200)
+    assert effective_reserve(job) == 1_000

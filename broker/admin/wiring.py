@@ -1,0 +1,36 @@
+"""Builds the console's services (called by broker.services.build_services, which stays the
+one place that chooses implementations: this module only groups the admin part of it)."""
+from __future__ import annotations
+
+from broker.admin.disputes import DisputeService
+from broker.admin.service import AdminService
+from broker.admin.session import AdminSessions, load_or_create_secret
+from broker.pricing.policy import PolicyService
+from broker.storage.admin_sql import (SqlAdminQueries, SqlDisputeRepository, SqlPolicyRepository,
+                                      SqlSessionRevocations)
+
+_PRICE_FIELDS = ("reserve_micro_per_unit", "fee_bps", "min_charge_micro", "vesting_window_s")
+
+
+def audit_price_changes(audit):
+    """The pricing hook: each change is audited with its before and after values."""
+    def hook(before, after, by):
+        audit.record(f"admin:{by}", "pricing.set", f"plugin:{after.plugin}",
+                     {"before": {k: getattr(before, k) for k in _PRICE_FIELDS},
+                      "after": {k: getattr(after, k) for k in _PRICE_FIELDS},
+                      "was_default": before.is_default})
+    return hook
+
+
+def build_admin(settings, sessions, *, audit, pricing, providers, dispatcher, ledger, payments,
+                jobs, catalog, auth) -> dict:
+    secret = settings.admin_session_secret or load_or_create_secret(
+        settings.data_dir / "admin_session.key")
+    disputes = DisputeService(SqlDisputeRepository(sessions), audit)
+    admin = AdminService(pricing=pricing, policies=PolicyService(SqlPolicyRepository(sessions)),
+                         providers=providers, dispatcher=dispatcher, audit=audit,
+                         queries=SqlAdminQueries(sessions), ledger=ledger, payments=payments,
+                         jobs=jobs, catalog=catalog, disputes=disputes)
+    return {"audit": audit, "disputes": disputes, "admin": admin,
+            "admin_sessions": AdminSessions(auth, SqlSessionRevocations(sessions), secret,
+                                            ttl_s=settings.admin_session_ttl_s)}

@@ -1,0 +1,61 @@
+"""Audits every money movement by wrapping the ledger: each call that writes a ledger
+transaction appends an audit entry whose ``ref`` is the transaction id, so an idempotent
+replay (same key, same transaction) is audited once.
+
+The ledger commits first and the entry follows (a crash between the two leaves a ledger
+transaction without its entry; the ledger page lists transactions, so it is visible).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from broker.audit.service import AuditLog
+
+_MOVES = ("deposit", "hold", "post", "void", "expire", "refund", "vest", "payout", "stake",
+          "unstake", "slash", "reverse")
+
+
+def _txn_data(txn) -> dict[str, Any]:
+    return {"transaction": txn.id, "kind": getattr(txn.kind, "value", str(txn.kind)),
+            "memo": txn.memo, "hold": txn.hold_id,
+            "entries": [{"account": f"{e.account.kind.value}:{e.account.owner}",
+                         "amount_micro": e.amount_micro} for e in txn.entries]}
+
+
+class AuditedLedger:
+    """The ledger, with every money-moving call audited. Everything else passes through."""
+
+    def __init__(self, ledger, audit: AuditLog):
+        self._ledger = ledger
+        self._audit = audit
+
+    def __getattr__(self, name):
+        target = getattr(self._ledger, name)
+        if name in _MOVES:
+            def audited(*args, **kwargs):
+                result = target(*args, **kwargs)
+                self._record(name, result)
+                return result
+            return audited
+        if name == "expire_due":
+            def expire_due(*args, **kwargs):
+                results = target(*args, **kwargs)
+                for txn in results:
+                    self._record("expire", txn)
+                return results
+            return expire_due
+        return target
+
+    def _record(self, operation: str, result) -> None:
+        if result is None:
+            return
+        if hasattr(result, "entries"):  # a Transaction
+            subject = f"hold:{result.hold_id}" if result.hold_id else f"transaction:{result.id}"
+            self._audit.safe_record("ledger", f"ledger.{operation}", subject, _txn_data(result),
+                                    ref=f"txn:{result.id}")
+        elif hasattr(result, "hold_transaction_id"):  # a Hold
+            self._audit.safe_record("ledger", "ledger.hold", f"job:{result.job_id}",
+                                    {"hold": result.id, "client": result.client,
+                                     "amount_micro": result.amount_micro,
+                                     "transaction": result.hold_transaction_id},
+                                    ref=f"txn:{result.hold_transaction_id}")

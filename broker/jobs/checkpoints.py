@@ -1,0 +1,202 @@
+"""Checkpoints of running jobs and what they do for a job that moves (DESIGN §2).
+
+For a job long enough to be worth it, the envelope asks the plugin for a checkpoint every
+``k`` steps (``"checkpoint_every"``). The agent uploads each one; the broker keeps the bytes
+in the blob store and the latest per attempt in a :class:`CheckpointRepository`. When the
+job is requeued, the next envelope names the latest one (``"resume": {"sha256", "step",
+"total"}``) and the new provider fetches it over its stream.
+
+Money: the provider of an attempt that ended after a checkpoint the job later resumed from
+is paid for the steps it added (its checkpoint's step less the step it started from); the
+provider that finishes is paid for the rest. :meth:`CheckpointService.parts` lists the
+earlier shares; ``broker.billing.shared`` posts them with the final one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Protocol
+
+from sdk.protocol.canonical import sha256_hex
+
+from .errors import ReceiptRefused
+from .model import Job
+
+MAX_CHECKPOINT_BYTES = 64 * 1024 * 1024  # one gRPC message
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    job_id: str
+    attempt: int
+    provider_id: str
+    base_step: int          # the step this attempt started from (0, or its resume step)
+    step: int               # steps done when the checkpoint was written
+    total: int
+    sha256: str
+    size: int
+    rate_micro_per_unit: int | None
+    created_at: float
+
+
+class CheckpointRepository(Protocol):
+    def save(self, rec: CheckpointRecord) -> bool:
+        """Store or advance the attempt's latest checkpoint (never move it back)."""
+
+    def for_job(self, job_id: str) -> list[CheckpointRecord]:
+        """All attempts' latest checkpoints, oldest attempt first."""
+
+
+class InMemoryCheckpointRepository:
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, int], CheckpointRecord] = {}
+
+    def save(self, rec: CheckpointRecord) -> bool:
+        old = self.rows.get((rec.job_id, rec.attempt))
+        if old is not None and old.step >= rec.step:
+            return False
+        self.rows[(rec.job_id, rec.attempt)] = rec
+        return True
+
+    def for_job(self, job_id: str) -> list[CheckpointRecord]:
+        return sorted((r for r in self.rows.values() if r.job_id == job_id),
+                      key=lambda r: r.attempt)
+
+
+@dataclass
+class CheckpointPolicy:
+    """``min_steps``: jobs with fewer steps never checkpoint; ``every_steps``: the interval
+    (0: about ``per_job`` checkpoints per job)."""
+
+    min_steps: int = 8
+    every_steps: int = 0
+    per_job: int = 4
+
+    def every(self, job: Job) -> int:
+        steps = steps_of(job)
+        if steps < max(2, self.min_steps):
+            return 0
+        if self.every_steps > 0:
+            return self.every_steps
+        return max(1, steps // (self.per_job + 1))
+
+
+def steps_of(job: Job) -> int:
+    """The steps a job runs (diffusion steps, echo steps, Llama's new tokens)."""
+    inputs = job.inputs or {}
+    for name in ("steps", "max_new_tokens"):
+        value = inputs.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
+
+
+@dataclass(frozen=True)
+class Part:
+    """An earlier attempt's share of a job: ``fraction`` of its work units."""
+
+    provider_id: str
+    attempt: int
+    fraction: Fraction
+    rate_micro_per_unit: int | None
+
+
+class CheckpointService:
+    def __init__(self, jobs, repo: CheckpointRepository, policy: CheckpointPolicy | None = None,
+                 clock=time.time):
+        self.jobs = jobs            # JobService
+        self.repo = repo
+        self.policy = policy or CheckpointPolicy()
+        self.clock = clock
+
+    # ---- envelopes -------------------------------------------------------------------
+    def envelope_extra(self, job: Job) -> dict:
+        """What the envelope of ``job``'s next attempt says about checkpoints."""
+        extra: dict = {}
+        every = self.policy.every(job)
+        if every:
+            extra["checkpoint_every"] = every
+        latest = self.latest(job.id, before_attempt=job.attempt)
+        if latest is not None:
+            extra["resume"] = {"sha256": latest.sha256, "step": latest.step,
+                               "total": latest.total}
+        return extra
+
+    def latest(self, job_id: str, before_attempt: int | None = None) -> CheckpointRecord | None:
+        rows = [r for r in self.repo.for_job(job_id)
+                if before_attempt is None or r.attempt < before_attempt]
+        return max(rows, key=lambda r: (r.step, r.attempt), default=None)
+
+    # ---- agents ----------------------------------------------------------------------
+    def upload(self, provider_id: str, job_id: str, attempt: int, step: int, total: int,
+               data: bytes, sha256: str) -> CheckpointRecord | None:
+        """Keep a checkpoint of the attempt ``provider_id`` holds; idempotent (the same or
+        an older checkpoint again changes nothing)."""
+        job = self.jobs._leased(provider_id, job_id, attempt)
+        if len(data) > MAX_CHECKPOINT_BYTES:
+            raise ReceiptRefused("checkpoint_too_large", f"checkpoint of {len(data)} bytes; at "
+                                 f"most {MAX_CHECKPOINT_BYTES} are kept")
+        actual = sha256_hex(data)
+        if sha256 and actual != sha256:
+            raise ReceiptRefused("checkpoint_hash_mismatch",
+                                 f"checkpoint of job {job_id} hashes to {actual}, not {sha256}")
+        resume = (job.envelope or {}).get("resume") or {}
+        base = int(resume.get("step", 0))
+        if not base < step <= total or total <= 0:
+            raise ReceiptRefused("bad_checkpoint_step", f"checkpoint at step {step} of {total}; "
+                                 f"this attempt started at step {base}")
+        self.jobs.blobs.put(data)
+        rec = CheckpointRecord(job_id=job.id, attempt=attempt, provider_id=provider_id,
+                               base_step=base, step=step, total=total, sha256=actual,
+                               size=len(data),
+                               rate_micro_per_unit=getattr(job, "price_micro_per_unit", None),
+                               created_at=self.clock())
+        if self.repo.save(rec):
+            self.jobs.repo.add_event(job.id, "checkpoint", {"attempt": attempt, "step": step,
+                                                            "total": total, "sha256": actual})
+            self.jobs.hub.notify(job.id)
+            return rec
+        return None
+
+    def fetch(self, provider_id: str, job_id: str, attempt: int, sha256: str) -> bytes:
+        """The checkpoint the envelope of the attempt ``provider_id`` holds names."""
+        job = self.jobs._leased(provider_id, job_id, attempt)
+        resume = (job.envelope or {}).get("resume") or {}
+        if not sha256 or resume.get("sha256") != sha256:
+            raise ReceiptRefused("unknown_checkpoint",
+                                 f"job {job_id} attempt {attempt} resumes from no checkpoint "
+                                 f"{sha256[:12]}")
+        return self.jobs.blobs.get(sha256)
+
+    # ---- money -----------------------------------------------------------------------
+    def parts(self, job: Job) -> list[Part]:
+        """Earlier attempts' shares of ``job``: walk back to step 0 from the checkpoint its
+        current attempt resumed from (``job.envelope["resume"]``) or, for a job waiting in
+        the queue, from the latest checkpoint."""
+        if job.envelope is not None:
+            step = int(((job.envelope or {}).get("resume") or {}).get("step", 0))
+        else:
+            latest = self.latest(job.id, before_attempt=job.attempt)
+            step = latest.step if latest is not None else 0
+        if step <= 0:
+            return []
+        rows = [r for r in self.repo.for_job(job.id) if r.attempt < job.attempt]
+        parts: list[Part] = []
+        while step > 0:
+            row = max((r for r in rows if r.step == step and r.base_step < step),
+                      key=lambda r: r.attempt, default=None)
+            if row is None:
+                break  # cannot happen for envelopes this service wrote
+            parts.append(Part(row.provider_id, row.attempt,
+                              Fraction(row.step - row.base_step, row.total),
+                              row.rate_micro_per_unit))
+            step = row.base_step
+            rows = [r for r in rows if r.attempt < row.attempt]
+        return parts
+
+    def base_fraction(self, job: Job) -> Fraction:
+        """The share of ``job`` its current attempt did not do (it resumed past it)."""
+        resume = (job.envelope or {}).get("resume") or {}
+        step, total = int(resume.get("step", 0)), int(resume.get("total", 0))
+        return Fraction(step, total) if total > 0 and 0 < step <= total else Fraction(0)

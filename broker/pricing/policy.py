@@ -1,0 +1,60 @@
+"""Per-plugin verification and stake policy an admin sets next to the price.
+
+``min_stake_micro``: the stake a provider must hold to be offered the plugin's jobs;
+``always_verify_above_micro``: jobs whose hold is at least this are always re-run on a
+second provider (DESIGN §6; 0 means never forced). Stored now; verification and the
+auction read them when they are wired.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from broker.ledger.model import MAX_AMOUNT_MICRO
+from broker.pricing.errors import InvalidPrice
+
+POLICY_FIELDS = ("min_stake_micro", "always_verify_above_micro")
+
+
+@dataclass(frozen=True)
+class PluginPolicy:
+    plugin: str
+    min_stake_micro: int = 0
+    always_verify_above_micro: int = 0
+    updated_at: float = 0.0
+    updated_by: str = ""
+
+
+class PolicyRepository(Protocol):
+    def get(self, plugin: str) -> PluginPolicy | None: ...
+    def put(self, policy: PluginPolicy) -> None: ...
+
+
+class PolicyService:
+    def __init__(self, repo: PolicyRepository, clock=time.time):
+        self.repo = repo
+        self.clock = clock
+
+    def policy(self, plugin: str) -> PluginPolicy:
+        return self.repo.get(plugin) or PluginPolicy(plugin)
+
+    def set_policy(self, plugin: str, changes: dict[str, Any], *, by: str) -> PluginPolicy:
+        self.check(changes)
+        current = self.policy(plugin)
+        new = PluginPolicy(plugin, **{n: changes.get(n, getattr(current, n)) for n in POLICY_FIELDS},
+                           updated_at=self.clock(), updated_by=by)
+        self.repo.put(new)
+        return new
+
+    @staticmethod
+    def check(changes: dict[str, Any]) -> None:
+        """Raise :class:`InvalidPrice` for an unknown field or a value out of range."""
+        unknown = sorted(set(changes) - set(POLICY_FIELDS))
+        if unknown:
+            raise InvalidPrice(f"unknown field {unknown[0]!r}; allowed: {', '.join(POLICY_FIELDS)}",
+                               field=unknown[0])
+        for name, value in changes.items():
+            if type(value) is not int or not 0 <= value <= MAX_AMOUNT_MICRO:
+                raise InvalidPrice(f"{name} is {value!r}; it must be an integer from 0 to "
+                                   f"{MAX_AMOUNT_MICRO:,} (micro-credits)", field=name)

@@ -1,0 +1,90 @@
+"""MarketService: asks validated and sealed, θ measured and preferred to claims, clearing."""
+import random
+
+import pytest
+
+from broker.auction import CannotMeetTerms, InvalidAsk
+from broker.market import InvalidBenchmark, MarketService, MarketSettings, PluginNotServed
+
+RESERVE = 1_000
+
+
+def market(**settings):
+    return MarketService(lambda plugin: RESERVE, MarketSettings(**settings),
+                         rng=random.Random(1), clock=lambda: 1_000.0)
+
+
+def join(m, pid, *, ask=None, measured=None, claim=None, op=None):
+    m.connect(pid, op or f"op-{pid}", {"echo": "1.0.0"}, free=1,
+              benchmarks={"echo": claim} if claim else None,
+              asks={"echo": ask} if ask else None)
+    if measured:
+        m.observe(pid, "echo", measured, 1000.0)  # `measured` units in one second
+
+
+def test_bad_asks_are_refused_and_the_previous_ask_stands():
+    m = market()
+    join(m, "p1", ask=500, measured=10)
+    for bad in (-5, 0, 10**12, 1.5, True):
+        with pytest.raises(InvalidAsk) as exc:
+            m.post_ask("p1", "echo", bad)
+        assert "price_micro_per_unit" in str(exc.value)
+    with pytest.raises(PluginNotServed):
+        m.post_ask("p1", "sd15", 100)
+    for bad in (-1.0, 0.0, float("inf"), float("nan"), 1e12):
+        with pytest.raises(InvalidBenchmark):
+            m.report_benchmark("p1", "echo", bad)
+    [row] = m.asks({"p1"})
+    assert row["price_micro_per_unit"] == 500 and not row["at_reserve"]
+
+
+def test_unmeasured_claims_are_ineligible_and_asks_default_to_the_reserve():
+    m = market()
+    join(m, "p1", claim=50.0)
+    assert m.theta("p1", "echo") == (50.0, False)
+    assert m.canaries_due("p1") == ["echo"]
+    assert not m.measured_any("echo")
+    join(m, "p2", measured=5)
+    res = m.clear(m.spec(plugin="echo", version="1.0.0", work_units=1, client_id="c"))
+    assert res.winner.provider_id == "p2" and res.winner.price_micro_per_unit == RESERVE
+
+
+def test_cheaper_wins_and_is_paid_the_runner_up_critical_price():
+    m = market()
+    join(m, "cheap", ask=200, measured=10)
+    join(m, "dear", ask=600, measured=10)
+    res = m.clear(m.spec(plugin="echo", version="1.0.0", work_units=2, client_id="c"))
+    assert res.winner.provider_id == "cheap"
+    assert 200 <= res.winner.price_micro_per_unit <= 600
+
+
+def test_an_overclaiming_provider_is_flagged_measured_and_stops_winning():
+    m = market(claimed_throughput_factor=1.0)  # an admin lets claims in before measuring
+    join(m, "liar", ask=500, claim=1_000.0)
+    join(m, "honest", ask=500, measured=10)
+    spec = m.spec(plugin="echo", version="1.0.0", work_units=10, client_id="c", priority="fast")
+    assert m.clear(spec).winner.provider_id == "liar"     # on its claim
+    m.observe("liar", "echo", 10, 10_000.0)               # its real job: 1 unit/s
+    assert m.theta("liar", "echo") == (1.0, True)
+    assert m.flagged("liar", "echo")
+    assert m.asks({"liar"})[0]["overclaim_flagged"] is True
+    for _ in range(5):
+        assert m.clear(spec).winner.provider_id == "honest"
+
+
+def test_split_goes_to_four_operators_and_terms_refusal_names_the_best_terms():
+    m = market()
+    for i, ask in enumerate((100, 200, 300, 400, 500)):
+        join(m, f"p{i}", ask=ask, measured=10)
+    join(m, "p0-twin", ask=100, measured=10, op="op-p0")
+    res = m.clear(m.spec(plugin="echo", version="1.0.0", work_units=1, client_id="c", n_slots=4))
+    assert sorted(a.provider_id for a in res.awards) == ["p0", "p1", "p2", "p3"] or \
+        sorted(a.provider_id for a in res.awards) == ["p0-twin", "p1", "p2", "p3"]
+    assert len({a.operator_id for a in res.awards}) == 4
+    with pytest.raises(CannotMeetTerms) as exc:
+        m.check_terms(m.spec(plugin="echo", version="1.0.0", work_units=1, client_id="c",
+                             max_price_micro=10))
+    assert exc.value.best_price_micro is not None and exc.value.best_completion_s is not None
+    with pytest.raises(CannotMeetTerms):
+        m.check_terms(m.spec(plugin="echo", version="1.0.0", work_units=1, client_id="c",
+                             deadline_s=0.001))
