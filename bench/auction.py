@@ -129,7 +129,7 @@ def through_storage(n_asks: int, seconds: float) -> float:
     market = MarketService(lambda plugin: 1_000_000, rng=rng)
     for i in range(n_asks):
         pid = f"p{i}"
-        market.connect(pid, f"op{i}", {"echo@1.0.0": "any"}, free=4)
+        market.connect(pid, f"op{i}", {"echo": "1.0.0"}, free=4)
         market.report_benchmark(pid, "echo", rng.uniform(1, 50))
         market.observe(pid, "echo", 10.0, rng.uniform(200, 10_000))
         market.post_ask(pid, "echo", rng.randint(100, 900_000))
