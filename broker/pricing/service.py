@@ -23,15 +23,27 @@ class PriceRepository(Protocol):
 
 
 class PricingService:
+    # Every job reads its plugin's price several times (hold, settle, market reserve). A
+    # short cache saves those queries; set_price clears it, so a change made through this
+    # broker applies to the very next job, and one made on another replica within CACHE_S.
+    CACHE_S = 2.0
+
     def __init__(self, repo: PriceRepository, clock=time.time):
         self.repo = repo
         self.clock = clock
         # Called after every change with (before, after, by): the audit log hooks in here.
         self.on_changed = lambda before, after, by: None
+        self._cache: dict[str, tuple[float, PluginPrice | None]] = {}
 
     def price(self, plugin: str) -> PluginPrice:
         """The admin's price of ``plugin``, else its built-in default, else the fallback."""
-        found = self.repo.get(plugin)
+        now = time.monotonic()
+        hit = self._cache.get(plugin)
+        if hit is not None and hit[0] > now:
+            found = hit[1]
+        else:
+            found = self.repo.get(plugin)
+            self._cache[plugin] = (now + self.CACHE_S, found)
         if found is not None:
             return found
         default = DEFAULT_PRICES.get(plugin)
@@ -70,6 +82,7 @@ class PricingService:
         values = {name: changes.get(name, getattr(current, name)) for name in _FIELDS}
         new = PluginPrice(plugin, **values, updated_at=self.clock(), updated_by=by)
         self.repo.put(new)
+        self._cache.clear()
         self.on_changed(current, new, by)
         return new
 

@@ -10,10 +10,27 @@ from .model import Provider
 
 
 class ProviderService:
+    # Settling and rendering a job look up its provider's account and sandbox flag; both
+    # change only when the agent reconnects (through connect(), which refreshes the cache),
+    # so a short cache saves a query per lookup. Other replicas' changes show within CACHE_S.
+    CACHE_S = 5.0
+
     def __init__(self, repo, clock=time.time):
         self.repo = repo
         self.clock = clock
         self.on_connected = lambda provider: None  # opens the provider's ledger accounts
+        self._facts: dict[str, tuple[float, str, bool]] = {}  # id -> (until, account, sandboxed)
+
+    def _fact(self, provider_id: str) -> tuple[str, bool] | None:
+        now = time.monotonic()
+        hit = self._facts.get(provider_id)
+        if hit is not None and hit[0] > now:
+            return hit[1], hit[2]
+        p = self.repo.get(provider_id)
+        if p is None:
+            return None
+        self._facts[provider_id] = (now + self.CACHE_S, p.account_id, p.sandboxed)
+        return p.account_id, p.sandboxed
 
     def connect(self, who: Principal, public_key: str, name: str, *, sandboxed: bool,
                 hardware: dict, plugins: list[dict]) -> Provider:
@@ -38,18 +55,19 @@ class ProviderService:
                          plugins=plugins, last_seen_at=now)
         p.name, p.sandboxed, p.hardware, p.plugins, p.last_seen_at = (name, sandboxed, hardware,
                                                                       plugins, now)
+        self._facts.pop(p.id, None)
         self.on_connected(p)
         return p
 
     def owner_of(self, provider_id: str) -> str | None:
         """The provider account that owns machine ``provider_id`` (it earns the credits)."""
-        p = self.repo.get(provider_id)
-        return p.account_id if p else None
+        fact = self._fact(provider_id) if provider_id else None
+        return fact[0] if fact else None
 
     def sandboxed_of(self, provider_id: str | None) -> bool | None:
         """Whether machine ``provider_id`` runs plugins in the sandbox (None: no provider)."""
-        p = self.repo.get(provider_id) if provider_id else None
-        return p.sandboxed if p else None
+        fact = self._fact(provider_id) if provider_id else None
+        return fact[1] if fact else None
 
     def owners(self) -> list[str]:
         return sorted({p.account_id for p in self.repo.all()})
