@@ -80,7 +80,6 @@ class Job:
     matched_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
-    deadline_at: float | None = None
     hold_id: str | None = None        # the ledger hold for the job's maximum price
     max_price_micro: int = 0          # that maximum (micro-credits)
     # The market (DESIGN §4): the client's priority and deadline, the clearing price paid to

@@ -18,6 +18,7 @@ from sdk.protocol.schema import InputError
 from sdk.protocol.signing import KeyPair
 
 from broker.auth.service import Principal
+from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import IdempotencyConflict, InvalidInput, InvalidRequest
 from .errors import JobNotCancellable, JobNotFound, OutputNotFound, ReceiptRefused
@@ -74,7 +75,7 @@ class JobService:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object like "
                                  '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
-        unknown = set(body) - {"plugin", "version", "inputs", "max_attempts"} - set(MARKET_FIELDS)
+        unknown = set(body) - {"plugin", "version", "inputs"} - set(MARKET_FIELDS)
         if unknown:
             raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: plugin, "
                                  "version, inputs, " + ", ".join(MARKET_FIELDS),
@@ -108,11 +109,7 @@ class JobService:
                   if idempotency_key is not None else str(uuid.uuid4()))
         existing = self.repo.get(job_id) if idempotency_key is not None else None
         if existing is not None:
-            if existing.request_hash != request_hash:
-                raise IdempotencyConflict(
-                    f"Idempotency-Key {idempotency_key!r} was used for another request (job "
-                    f"{existing.id}); use a new key for a new job")
-            return existing, False
+            return _replayed(existing, request_hash, idempotency_key), False
         work_units = manifest.work_units_for(inputs)
         n = terms["n"]
         if self.check_terms is not None:
@@ -147,11 +144,7 @@ class JobService:
                 self.billing.release_hold(hold_id, job_id, "job was not created")
             raise
         if not created:
-            if job.request_hash != request_hash:
-                raise IdempotencyConflict(
-                    f"Idempotency-Key {idempotency_key!r} was used for another request (job "
-                    f"{job.id}); use a new key for a new job")
-            return job, False
+            return _replayed(job, request_hash, idempotency_key), False
         self.hub.notify(job.id)
         self.on_queued(job)
         return job, True
@@ -168,11 +161,7 @@ class JobService:
         share = None if cap is None else cap // n
         existing = self.repo.get(str(uuid.uuid5(_JOB_IDS, f"{batch_id}:0")))
         if existing is not None:
-            if existing.request_hash != request_hash:
-                raise IdempotencyConflict(
-                    f"Idempotency-Key {idempotency_key!r} was used for another request (batch "
-                    f"{existing.batch_id}); use a new key for a new job")
-            return existing, False
+            return _replayed(existing, request_hash, idempotency_key), False
         created: list[Job] = []
         try:
             for i in range(n):
@@ -266,8 +255,6 @@ class JobService:
                     self.on_released(job.provider_id, job.id)
                 parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
                 if parts:  # resumed: earlier providers keep their shares
-                    from broker.billing.shared import cancel_shared
-
                     resumed = self.checkpoints.base_fraction(job)
                     self._money("cancel", job, lambda: cancel_shared(self.billing, job, parts,
                                                                      resumed, reason))
@@ -450,11 +437,10 @@ class JobService:
         if count_attempt and used >= job.max_attempts:
             return self._fail(job, "attempts_exhausted",
                               f"gave up after {used} attempts; last: {reason}")
-        deadline_s = getattr(job, "deadline_s", None)
-        if deadline_s is not None and self.clock() > job.created_at + deadline_s:
+        if job.deadline_s is not None and self.clock() > job.created_at + job.deadline_s:
             return self._fail(job, "deadline_exceeded",
-                              f"the job's deadline of {deadline_s:g}s passed before it could "
-                              f"be finished; last: {reason}")
+                              f"the job's deadline of {job.deadline_s:g}s passed before it "
+                              f"could be finished; last: {reason}")
         excluded = sorted(set(job.excluded_providers) | {job.provider_id})
         moved = self.repo.transition(
             job.id, [job.state], JobState.QUEUED, expect_attempt=job.attempt,
@@ -484,8 +470,6 @@ class JobService:
         units = receipt.get("work_units", job.work_units)
         parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
         if parts:  # resumed from a checkpoint: earlier providers get their shares
-            from broker.billing.shared import settle_shared
-
             resumed = self.checkpoints.base_fraction(job)
             self._money("settle", job,
                         lambda: settle_shared(self.billing, job, units, parts, resumed))
@@ -495,13 +479,20 @@ class JobService:
     def _money(self, what: str, job: Job, action) -> None:
         """Run a billing step after the job's state change. The state change stands even if
         the ledger fails (the hold then expires back to the client after its TTL); the
-        failure is logged with the job id to be reconciled."""
+        failure is logged and recorded as a ``ledger_error`` event on the job, with its
+        cause, so an admin sees it on the job page and can reconcile it (every ledger call
+        is keyed by the job id: re-running it is safe)."""
         if self.billing is None or job.hold_id is None:
             return
         try:
             action()
-        except Exception:  # noqa: BLE001 - the job already moved; money is reconciled later
+        except Exception as exc:  # noqa: BLE001 - the job already moved; money is reconciled
             log.exception("job %s: ledger %s failed", job.id, what)
+            try:
+                self.repo.add_event(job.id, "ledger_error",
+                                    {"step": what, "error": f"{type(exc).__name__}: {exc}"})
+            except Exception:  # noqa: BLE001 - the log line above still names the job
+                log.exception("job %s: could not record the ledger failure", job.id)
 
 
 MARKET_FIELDS = ("priority", "max_price_micro", "deadline_s", "n")
@@ -531,6 +522,15 @@ def market_terms(body: dict) -> dict:
                              field="n")
     return {"priority": priority, "max_price_micro": cap,
             "deadline_s": None if deadline is None else float(deadline), "n": n}
+
+
+def _replayed(existing: Job, request_hash: str, idempotency_key: str | None) -> Job:
+    """The job a repeated Idempotency-Key names, if the request is the same one."""
+    if existing.request_hash != request_hash:
+        what = f"batch {existing.batch_id}" if existing.batch_id else f"job {existing.id}"
+        raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was used for another "
+                                  f"request ({what}); use a new key for a new job")
+    return existing
 
 
 _JOB_IDS = uuid.UUID("6f1c0c5e-8a39-4c3e-9a55-5d0b3e2f7a11")  # namespace of derived job ids

@@ -74,7 +74,6 @@ class JobRow(Base):
     matched_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    deadline_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     hold_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     max_price_micro: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     priority: Mapped[str] = mapped_column(String(16), default="standard",
