@@ -115,8 +115,8 @@ def main() -> int:
     sandbox = not args.no_sandbox and shutil.which("bwrap") is not None
 
     direct = direct_call_ms()
-    d50 = statistics.median(direct)
-    print(f"direct in-process echo call: p50 {d50:.3f} ms, p99 {pct(direct, 99):.3f} ms")
+    d50, d99 = statistics.median(direct), pct(direct, 99)
+    print(f"direct in-process echo call: p50 {d50:.3f} ms, p99 {d99:.3f} ms")
     print(f"broker path: SQLite, sandbox {'on' if sandbox else 'off'}, {args.clients} clients, "
           f"{args.slots} slot(s) per agent")
     print(f"{'agents':>6} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
@@ -125,7 +125,7 @@ def main() -> int:
         r = run_one(n, args.jobs, args.clients, args.slots, sandbox)
         p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
         print(f"{n:>6} {r['jobs_per_s']:>8.0f} {p50:>8.2f} {p99:>8.2f} {p50 - d50:>10.2f} "
-              f"{p99 - d50:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x", flush=True)
+              f"{p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x", flush=True)
     print("targets: >= 300 jobs/s, <= 15 ms added p50")
     return 0
 

@@ -71,15 +71,12 @@ def test_jobs_go_where_the_rule_says_and_pay_the_clearing_price(live_broker, fou
 def test_terms_no_provider_can_meet_are_refused_up_front(live_broker, four):
     with Client(live_broker.url, live_broker.key("client")) as client:
         before = client.account()
-        resp = httpx.post(f"{live_broker.url}/v1/jobs", headers={
-            "Authorization": f"Bearer {client.api_key}" if hasattr(client, "api_key") else ""},
-            json={"plugin": "echo", "inputs": {"text": "x"}, "max_price_micro": 10})
-        if resp.status_code == 401:  # the SDK keeps its key private: go through it
-            with pytest.raises(Exception) as exc:
-                client.jobs.create("echo", text="x", terms={"max_price_micro": 10})
-            assert "best achievable" in str(exc.value).lower()
-        else:
-            assert resp.status_code == 409 and resp.json()["code"] == "cannot_meet_terms"
+        resp = httpx.post(f"{live_broker.url}/v1/jobs",
+                          headers={"Authorization": f"Bearer {client.api_key}"},
+                          json={"plugin": "echo", "inputs": {"text": "x"},
+                                "max_price_micro": 10})
+        assert resp.status_code == 409 and resp.json()["code"] == "cannot_meet_terms"
+        assert "best achievable" in resp.json()["detail"].lower()
         assert client.jobs.list() == []
         assert client.account() == before
 

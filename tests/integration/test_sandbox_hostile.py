@@ -12,6 +12,7 @@ instead of waiting in the queue for another provider.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -32,6 +33,8 @@ from sdk import Client, JobFailedError, JobTimeoutError
 from tests.integration.conftest import LiveBroker
 
 _ok, _reason = Sandbox.available()
+if not _ok and os.environ.get("SPARECYCLES_REQUIRE_SANDBOX") == "1":
+    raise RuntimeError(f"the sandbox is required here but unavailable: {_reason}")
 pytestmark = pytest.mark.skipif(not _ok, reason=f"sandbox unavailable: {_reason}")
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -118,15 +121,16 @@ def test_connect_to_the_brokers_own_ports_fails_at_once(env):
     message = assert_refused(job, f"127.0.0.1:{b.grpc_port} PermissionError EPERM",
                              f"127.0.0.1:{b.http_port} PermissionError EPERM",
                              f"::1:{b.grpc_port} PermissionError EPERM")
-    assert "after 0 ms" in message and job["elapsed_s"] < 3  # refused, not timed out
+    assert "after 0 ms" in message  # refused at once, not timed out
     assert_still_serving(env)
 
 
 def test_connect_to_an_outside_address_fails_at_once(env):
     job = run_job(env, attack="connect", target="1.1.1.1:443,93.184.216.34:80")
-    assert_refused(job, "1.1.1.1:443 PermissionError EPERM", "udp 1.1.1.1:443 PermissionError",
-                   "93.184.216.34:80 PermissionError EPERM")
-    assert job["elapsed_s"] < 3
+    message = assert_refused(job, "1.1.1.1:443 PermissionError EPERM",
+                             "udp 1.1.1.1:443 PermissionError",
+                             "93.184.216.34:80 PermissionError EPERM")
+    assert "after 0 ms" in message  # refused at once, not timed out
     assert_still_serving(env)
 
 

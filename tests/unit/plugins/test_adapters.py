@@ -130,22 +130,8 @@ def test_swapping_adapters_per_job_keeps_the_warm_base_model(sd15, sd_run, sd15_
     assert plugin.adapters.loads == loads, "a cached adapter must not be read again"
     assert plugin.pipe.unet is unet and plugin.pipe.text_encoder is text_encoder
 
-    swap_s = _best_of(3, lambda: (plugin.use_adapters(parse_adapters("film")),
-                                  plugin.use_adapters(parse_adapters("ink"))))
-    fresh = type(plugin)()
-    fresh.manifest = plugin.manifest
-    reload_s = _best_of(1, lambda: fresh.setup(sd15_weights, "cpu"))
-    assert swap_s < reload_s, (swap_s, reload_s)
     assert sd_run("ink").data == first
 
-
-def _best_of(n, fn) -> float:
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 @pytest.mark.parametrize("name, says", [
