@@ -178,32 +178,30 @@ class Jobs:
     def __init__(self, client: Client):
         self._c = client
 
-    def create(self, plugin: str, *, version: str | None = None,
-               idempotency_key: str | None = None, validate: bool = True,
-               terms: dict | None = None, **inputs) -> "Job":
+    def _post(self, plugin: str, version: str | None, idempotency_key: str | None,
+              validate: bool, terms: dict | None, inputs: dict) -> dict:
         if validate:
             self._c.validate(plugin, inputs)
         body: dict[str, Any] = {"plugin": plugin, "inputs": inputs, **(terms or {})}
         if version:
             body["version"] = version
-        resp = self._c.request("POST", "/v1/jobs", json_body=body,
-                               idempotency_key=idempotency_key or str(uuid.uuid4()))
-        return Job(self._c, resp.json())
+        return self._c.request("POST", "/v1/jobs", json_body=body,
+                               idempotency_key=idempotency_key or str(uuid.uuid4())).json()
+
+    def create(self, plugin: str, *, version: str | None = None,
+               idempotency_key: str | None = None, validate: bool = True,
+               terms: dict | None = None, **inputs) -> "Job":
+        return Job(self._c, self._post(plugin, version, idempotency_key, validate, terms, inputs))
 
     def get(self, job_id: str) -> "Job":
         return Job(self._c, self._c.request("GET", f"/v1/jobs/{job_id}").json())
 
     def create_batch(self, plugin: str, *, version: str | None = None,
-                     idempotency_key: str | None = None, terms: dict | None = None,
-                     **inputs) -> "Batch":
+                     idempotency_key: str | None = None, validate: bool = True,
+                     terms: dict | None = None, **inputs) -> "Batch":
         """A split request (``terms["n"]`` sibling jobs)."""
-        self._c.validate(plugin, inputs)
-        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs, **(terms or {})}
-        if version:
-            body["version"] = version
-        resp = self._c.request("POST", "/v1/jobs", json_body=body,
-                               idempotency_key=idempotency_key or str(uuid.uuid4()))
-        return Batch(self._c, resp.json())
+        return Batch(self._c, self._post(plugin, version, idempotency_key, validate, terms,
+                                         inputs))
 
     def list(self, limit: int = 50) -> list["Job"]:
         data = self._c.request("GET", "/v1/jobs", params={"limit": limit}).json()["data"]

@@ -152,8 +152,7 @@ class Dispatcher:
             session.active.add(job.id)
         self._sync(session)
         try:
-            moved = (self.jobs.assign(job, session) if price is None
-                     else self.jobs.assign(job, session, price_micro_per_unit=price))
+            moved = self.jobs.assign(job, session, price_micro_per_unit=price)
         except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
             log.exception("assignment of %s to %s failed", job.id, session.provider_id)
             moved = None
