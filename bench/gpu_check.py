@@ -138,7 +138,7 @@ def bare_images_per_min(kind: str, folder: Path, device: str, images: int, steps
     for i in range(images):
         one(i + 1)
     rate = images / (time.perf_counter() - t0) * 60
-    del pipe
+    pipe = None  # free the GPU before the network run
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

@@ -22,8 +22,11 @@ class Maintenance:
         expired = len(self.ledger.expire_due())
         vested = 0
         for owner in self.providers.owners():
-            if self.ledger.vest(owner) is not None:
-                vested += 1
+            try:
+                if self.ledger.vest(owner) is not None:
+                    vested += 1
+            except Exception:  # noqa: BLE001 - one account must not stop everyone's vesting
+                log.exception("vesting for provider account %s failed", owner)
         return {"expired": expired, "vested": vested}
 
     def _loop(self) -> None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from plugins.api import BadInput
+from plugins.api import BadInput, PluginError
 
 MAX_ADAPTERS_PER_JOB = 4
 SCALE_LIMITS = (-4.0, 4.0)
@@ -176,11 +176,23 @@ class AdapterCache:
             except BadInput:
                 self._discard(name)
                 raise
+            except (OSError, MemoryError) as exc:  # the machine, not the client's choice
+                self._discard(name)
+                raise PluginError(f"adapters: could not load {name!r}: {type(exc).__name__}: "
+                                  f"{_short(exc)}", code="adapter_load_failed") from exc
+            except RuntimeError as exc:
+                self._discard(name)
+                if "out of memory" in str(exc).lower():  # CUDA OOM: another GPU may fit it
+                    raise PluginError(f"adapters: out of memory loading {name!r}",
+                                      code="out_of_memory") from exc
+                raise BadInput(f"adapters: {name!r} does not fit this {self.family} model "
+                               f"({type(exc).__name__}: {_short(exc)}); is it an adapter for "
+                               f"another base model?") from exc
             except Exception as exc:  # noqa: BLE001 - the libraries raise many kinds
                 self._discard(name)
                 raise BadInput(f"adapters: {name!r} does not fit this {self.family} model "
                                f"({type(exc).__name__}: {_short(exc)}); is it an adapter for "
-                               f"another base model?") from None
+                               f"another base model?") from exc
             self.loads += 1
             self.loaded[name] = folder
 

@@ -20,7 +20,6 @@ Nothing here is ever committed: build the weights where you need them.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Callable
+
+from sdk.protocol.digest import folder_digest
 
 MARKER = "sparecycles-tiny.json"
 KINDS = ("sd15", "sdxl", "llama", "lora-sd15", "lora-sdxl", "lora-llama")
@@ -120,14 +121,8 @@ def build_tiny_lora_llama(out_dir: Path | str, seed: int = 0) -> Path:
 
 
 def weights_digest(folder: Path | str) -> str:
-    """sha256 over the sorted relative paths of every file and each file's sha256."""
-    folder = Path(folder)
-    outer = hashlib.sha256()
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    for path in files:
-        rel = path.relative_to(folder).as_posix()
-        outer.update(rel.encode() + b"\0" + _file_sha256(path).encode() + b"\n")
-    return outer.hexdigest()
+    """The digest an agent advertises for this folder (sdk.protocol.digest)."""
+    return folder_digest(folder)
 
 
 def read_marker(folder: Path | str) -> dict | None:
@@ -189,14 +184,6 @@ def _build(kind: str, out_dir: Path, seed: int, write: Callable[[Path, int], Non
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # -- tokenizers ------------------------------------------------------------------------

@@ -4,8 +4,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime
-from functools import wraps
-from urllib.parse import quote, urlparse
+from urllib.parse import urlparse
 
 import jwt
 from flask import (Blueprint, Response, abort, current_app, g, make_response, redirect,

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from flask import Blueprint, request
 
-from broker.errors import BrokerError
+from broker.errors import Forbidden
 from .common import principal, services
 
 bp = Blueprint("market", __name__)
-
-
-class AsksForbidden(BrokerError):
-    code = "forbidden"
-    http_status = 403
-    grpc_status = "PERMISSION_DENIED"
-    title = "Forbidden"
 
 
 @bp.get("/v1/asks")
@@ -30,5 +23,5 @@ def list_asks():
         rows = [r for r in svc.market.asks()
                 if svc.providers.owner_of(r["provider_id"]) == who.account_id]
     else:
-        raise AsksForbidden("asks are sealed: only their provider and admins may read them")
+        raise Forbidden("asks are sealed: only their provider and admins may read them")
     return {"object": "list", "data": rows}

@@ -11,8 +11,8 @@ from typing import Any
 
 from broker.audit.service import AuditLog
 
-_MOVES = ("deposit", "hold", "post", "void", "expire", "refund", "vest", "payout", "stake",
-          "unstake", "slash", "reverse")
+_MOVES = ("deposit", "hold", "post", "post_shared", "void", "expire", "refund", "vest",
+          "payout", "stake", "unstake", "slash", "reverse")
 
 
 def _txn_data(txn) -> dict[str, Any]:

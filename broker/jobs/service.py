@@ -421,14 +421,22 @@ class JobService:
         """Requeue (or fail) every job whose lease has expired."""
         moved = []
         for job in self.repo.expired_leases(self.clock()):
-            self.on_released(job.provider_id, job.id)
-            self.cancel_hook(job)  # a zombie agent that still runs it must stop
-            result = self._requeue(job, "lease_expired",
-                                   f"provider {job.provider_id} stopped heartbeating")
+            result = self.take_back(job, "lease_expired",
+                                    f"provider {job.provider_id} stopped heartbeating")
             if result is not None:
                 moved.append(result)
         if self.stalls is not None:
             moved += self.stalls.reap(self)
+        return moved
+
+    def take_back(self, job: Job, kind: str, reason: str) -> Job | None:
+        """Take a leased job away from its provider (lease expired, stalled): requeue or
+        fail it, and only if that move happened free the slot and tell a zombie agent to
+        stop (a job that settled in the meantime keeps both)."""
+        moved = self._requeue(job, kind, reason)
+        if moved is not None:
+            self.on_released(job.provider_id, job.id)
+            self.cancel_hook(job)
         return moved
 
     def _requeue(self, job: Job, kind: str, reason: str, count_attempt: bool = True) -> Job | None:

@@ -61,10 +61,8 @@ class StallWatch:
                 continue
             log.warning("job %s has run %.0fs on provider %s, past its bound of %.0fs; "
                         "taking it back", job.id, now - since, job.provider_id, bound)
-            jobs.on_released(job.provider_id, job.id)
-            jobs.cancel_hook(job)
-            result = jobs._requeue(job, "stalled", f"ran {now - since:.0f}s, past its bound "
-                                   f"of {bound:.0f}s on provider {job.provider_id}")
+            result = jobs.take_back(job, "stalled", f"ran {now - since:.0f}s, past its bound "
+                                    f"of {bound:.0f}s on provider {job.provider_id}")
             if result is not None:
                 moved.append(result)
         return moved

@@ -17,6 +17,7 @@ from sdk.protocol.signing import KeyPair
 from broker.catalog.registry import PluginCatalog
 
 from .service import Canary, MarketService
+from .throughput import run_sample
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +79,14 @@ class CanaryService:
             return None
         self.market.canary_done(canary.job_id)
         session.active.discard(canary.job_id)
-        timings = rec.get("timings_ms") or {}
-        try:
-            units = float(rec.get("work_units", canary.work_units))
-        except (TypeError, ValueError):
-            units = canary.work_units
-        run_ms = float(timings.get("run", timings.get("total", 0)))
-        self.market.observe(session.provider_id, canary.plugin, units, run_ms)
+        sample = run_sample(rec, canary.work_units)
+        if sample is None:
+            log.warning("canary %s on %s: the receipt carries no run time; not measured",
+                        canary.plugin, session.provider_id)
+            return canary.job_id
+        self.market.observe(session.provider_id, canary.plugin, *sample)
         log.info("canary %s on %s: %s units in %.0f ms", canary.plugin, session.provider_id,
-                 units, run_ms)
+                 *sample)
         return canary.job_id
 
     def failed(self, session, job_id: str) -> None:

@@ -79,3 +79,20 @@ class ThroughputTracker:
 
     def snapshot(self) -> dict[Key, ThroughputRecord]:
         return dict(self._records)
+
+
+def run_sample(receipt: dict, default_units: float) -> tuple[float, float] | None:
+    """(work units, run ms) measured by a signed receipt, or None when it carries no usable
+    run time — a receipt without timings must never count as infinitely fast."""
+    timings = receipt.get("timings_ms") or {}
+    run_ms = timings.get("run", timings.get("total"))
+    # 0 is a real reading (a job under a millisecond; observe() floors it); absent is not.
+    if isinstance(run_ms, bool) or not isinstance(run_ms, (int, float)) or not run_ms >= 0:
+        return None
+    try:
+        units = float(receipt.get("work_units", default_units))
+    except (TypeError, ValueError):
+        units = default_units
+    if not math.isfinite(units) or units <= 0:
+        units = default_units
+    return units, float(run_ms)

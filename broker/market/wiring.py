@@ -9,6 +9,7 @@ from broker.jobs.service import JobService
 
 from .canary import CanaryService
 from .service import MarketService
+from .throughput import run_sample
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +30,9 @@ def attach_market(market: MarketService, canaries: CanaryService | None, jobs: J
             n_slots=n_slots))
 
     def on_receipt(job: Job, receipt: dict) -> None:
-        timings = receipt.get("timings_ms") or {}
-        run_ms = timings.get("run", timings.get("total"))
-        if run_ms is None or job.provider_id is None:
-            return
-        try:
-            units = float(receipt.get("work_units", job.work_units))
-        except (TypeError, ValueError):
-            units = job.work_units
-        market.observe(job.provider_id, job.plugin, units, float(run_ms))
+        sample = run_sample(receipt, job.work_units)
+        if sample is not None and job.provider_id is not None:
+            market.observe(job.provider_id, job.plugin, *sample)
 
     jobs.check_terms = check_terms
     jobs.on_receipt = on_receipt

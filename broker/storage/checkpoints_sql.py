@@ -38,7 +38,7 @@ class SqlCheckpointRepository:
         self.sessions = sessions
         self.clock = clock
 
-    def save(self, rec: CheckpointRecord) -> bool:
+    def save(self, rec: CheckpointRecord, _retried: bool = False) -> bool:
         """Insert, or move the attempt's row forward; never backward (a late, older
         checkpoint of the same attempt is ignored). True when stored."""
         values = {c: getattr(rec, c) for c in _COLUMNS}
@@ -56,8 +56,10 @@ class SqlCheckpointRepository:
             with self.sessions.begin() as s:
                 s.add(JobCheckpointRow(**values))
             return True
-        except IntegrityError:  # a racing first checkpoint of the same attempt
-            return self.save(rec)
+        except IntegrityError:
+            if _retried:  # not a race: e.g. no such job (foreign key); say so
+                raise
+            return self.save(rec, _retried=True)  # a racing first checkpoint of the attempt
 
     def for_job(self, job_id: str) -> list[CheckpointRecord]:
         with self.sessions() as s:

@@ -130,6 +130,9 @@ def main() -> int:
                     h["_resume_from"] = body  # the checkpoint to resume from
             except EOFError:
                 h = {"type": "shutdown"}
+            except Exception:  # noqa: BLE001 - a garbled frame: stop cleanly, not hang
+                traceback.print_exc()
+                h = {"type": "shutdown"}
             if h["type"] == "cancel":
                 ctx = current.get(h.get("job_id", ""))
                 if ctx:
@@ -142,7 +145,7 @@ def main() -> int:
                 return
 
     threading.Thread(target=reader, daemon=True, name="host-reader").start()
-    from plugins.api import PluginError
+    from plugins.api import InputError, PluginError
 
     while True:
         with jobs_cv:
@@ -172,7 +175,7 @@ def main() -> int:
             work_units = manifest.work_units_for(inputs)
         except PluginError as exc:
             failure = {"code": exc.code, "message": str(exc), "retryable": exc.retryable}
-        except ValueError as exc:  # schema errors from validate_inputs
+        except InputError as exc:  # the inputs failed the schema (not a plugin bug)
             failure = {"code": "bad_input", "message": str(exc), "retryable": False}
         except Exception as exc:  # noqa: BLE001 - any plugin bug becomes a clean job failure
             traceback.print_exc()

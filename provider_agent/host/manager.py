@@ -143,10 +143,6 @@ class PluginHost:
                 pass
         self.kill()
 
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
     # ---- jobs --------------------------------------------------------------------------
     def _next(self, timeout_s: float, job_id: str) -> tuple[dict, bytes]:
         try:
@@ -159,6 +155,7 @@ class PluginHost:
             except subprocess.TimeoutExpired:
                 code = "unknown: it closed its pipe"
             breached = self.limit_breached()
+            why = f" ({header['message']})" if header.get("message") else ""
             if breached == "memory":  # the kernel (or the watchdog) killed it for this
                 raise HostError("memory_limit", f"plugin host {self.name} broke its memory "
                                 f"limit during job {job_id or 'load'} and was killed",
@@ -166,7 +163,8 @@ class PluginHost:
             # Hitting the pids limit only makes fork fail; it is a clue, never the killer.
             clue = f" (it had hit its {breached} limit)" if breached else ""
             raise HostError("host_died", f"plugin host {self.name} exited (code {code}) "
-                                         f"during job {job_id or 'load'}{clue}", retryable=True)
+                                         f"during job {job_id or 'load'}{clue}{why}",
+                            retryable=True)
         return header, body
 
     def cancel(self, job_id: str) -> None:

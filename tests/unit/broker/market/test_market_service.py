@@ -88,3 +88,12 @@ def test_split_goes_to_four_operators_and_terms_refusal_names_the_best_terms():
     with pytest.raises(CannotMeetTerms):
         m.check_terms(m.spec(plugin="echo", version="1.0.0", work_units=1, client_id="c",
                              deadline_s=0.001))
+
+
+def test_a_receipt_without_a_run_time_measures_nothing():
+    from broker.market.throughput import run_sample
+
+    assert run_sample({"work_units": "2.000000"}, 1.0) is None          # no timings at all
+    assert run_sample({"timings_ms": {"run": "fast"}}, 1.0) is None     # not a number
+    assert run_sample({"timings_ms": {"run": 0}, "work_units": "x"}, 3.0) == (3.0, 0.0)
+    assert run_sample({"timings_ms": {"total": 40}, "work_units": "2.5"}, 1.0) == (2.5, 40.0)
