@@ -47,5 +47,4 @@ def test_sdxl_streamed_llama_and_sd15_with_an_adapter(localnet, model_weights):
                            adapters="ink:0", timeout=120)
     assert ink.output_bytes(0) != base.output_bytes(0)
     assert zero.output_bytes(0) == base.output_bytes(0)
-    assert ink.outputs[0]["meta"]["adapters"] == {"ink": 1.0}
     client.close()
