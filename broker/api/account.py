@@ -44,8 +44,7 @@ def get_account():
     for name, kind in _kinds(who.role).items():
         body[f"{name}_micro"] = balances.get(kind, 0)
     if who.role in ("provider", "publisher"):
-        body["paid_out_micro"] = sum(p.amount_micro for p in svc.payments.payouts(who.account_id)
-                                     if p.status == "paid")
+        body["paid_out_micro"] = svc.payments.paid_out_micro(who.account_id)
     if svc.payments.funding_mode == "dev":
         body["notice"] = ("dev funding mode: credits are granted by an admin, not bought "
                           "(no Stripe keys configured)")

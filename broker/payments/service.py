@@ -240,6 +240,9 @@ class PaymentService:
     def payouts(self, owner_id: str) -> list[Payout]:
         return self.repo.payouts_of(owner_id)
 
+    def paid_out_micro(self, owner_id: str) -> int:
+        return self.repo.paid_out_micro(owner_id)
+
 
 def payout_to_json(p: Payout) -> dict:
     return {"id": p.id, "object": "payout", "amount_micro": p.amount_micro,

@@ -1,7 +1,7 @@
 """SQL storage of payments: providers' Stripe Connect accounts and payouts."""
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Float, Index, String, Text, select, update
+from sqlalchemy import BigInteger, Float, Index, String, Text, func, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from broker.payments.model import Payout
@@ -74,6 +74,12 @@ class SqlPaymentsRepository:
     def update_payout(self, payout_id: str, **fields) -> None:
         with self.sessions.begin() as s:
             s.execute(update(PayoutRow).where(PayoutRow.id == payout_id).values(**fields))
+
+    def paid_out_micro(self, owner_id: str) -> int:
+        with self.sessions() as s:
+            return int(s.scalar(select(func.coalesce(func.sum(PayoutRow.amount_micro), 0))
+                                .where(PayoutRow.owner_id == owner_id,
+                                       PayoutRow.status == "paid")))
 
     def payouts_of(self, owner_id: str, limit: int = 100) -> list[Payout]:
         with self.sessions() as s:
