@@ -263,7 +263,14 @@ class CgroupV1Limits(Limits):
         try:
             (own / "sparecycles").mkdir(exist_ok=True)
             cg = own / "sparecycles" / name
-            cg.mkdir()
+            try:
+                cg.mkdir()
+            except FileExistsError:
+                # Left by an agent that was SIGKILLed before its cleanup, under a pid that
+                # has since been reused. An empty cgroup can be removed; one that still
+                # holds processes cannot, and then the error says so.
+                cg.rmdir()
+                cg.mkdir()
             return cg
         except PermissionError:
             return None

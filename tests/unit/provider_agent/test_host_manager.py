@@ -78,3 +78,13 @@ def test_gpu_nodes_follow_the_device(tmp_path, monkeypatch):
     assert gpu_indices_for("auto", tmp_path) == [0]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
     assert gpu_indices_for("cuda", tmp_path) == [1, 3]
+
+
+def test_a_stale_cgroup_left_by_a_killed_agent_is_replaced(tmp_path):
+    """An agent SIGKILLed before cleanup leaves host-<pid>-<n>; a later agent that gets
+    the same pid must not fail to start its plugin host."""
+    from provider_agent.sandbox.cgroups import CgroupV1Limits
+
+    stale = tmp_path / "sparecycles" / "host-42-0"
+    stale.mkdir(parents=True)
+    assert CgroupV1Limits._mkdir(tmp_path, "host-42-0") == stale and stale.is_dir()
