@@ -7,9 +7,10 @@ order book's sorted views) and the naive baseline ``reference_clear`` (scan ever
 check, score, full sort) on the same jobs in the same run, and prints the ratio; then the
 same market on the dispatcher's storage path (see ``through_storage``). The
 market is realistic rather than kind: most asks sit on two popular builds (so one bucket
-holds about half of them), prices, speeds, queues and reliabilities vary, some providers
-are busy, offline, short of VRAM or linked to a client, and jobs mix priorities, sizes,
-VRAM needs and splits. Prints figures; asserts nothing (DESIGN §1: no timed assertions).
+holds about half of them), prices, speeds, queues, cold starts and reliabilities vary, one
+provider in ten is under the broker's default reputation floor (0.5), some are busy,
+offline, short of VRAM or linked to a client, and jobs mix priorities, sizes, VRAM needs
+and splits. Prints figures; asserts nothing (DESIGN §1: no timed assertions).
 
 Target: at least 5,000 matches/s with 10,000 asks.
 """
@@ -23,17 +24,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker.auction import (Ask, JobSpec, NoMatch, OrderBook, Priority,  # noqa: E402
-                            clear, reference_clear)
+from broker.auction import (Ask, AuctionRules, JobSpec, NoMatch, OrderBook,  # noqa: E402
+                            Priority, clear, reference_clear)
 
 BUILDS = [("sd15", "1.0.0", "a" * 64), ("sdxl", "1.0.0", "b" * 64),
           ("llama", "2.0.0", "c" * 64), ("sd15", "0.9.0", "d" * 64),
           ("llama", "1.0.0", "e" * 64)]
 BUILD_WEIGHTS = [0.5, 0.25, 0.15, 0.05, 0.05]
+RULES = AuctionRules(reputation_floor=0.5)  # the broker's default floor
 
 
 def make_market(n_asks: int, rng: random.Random) -> OrderBook:
-    book = OrderBook()
+    book = OrderBook(RULES)
     n_operators = max(1, n_asks // 3)
     for i in range(n_asks):
         plugin, version, digest = rng.choices(BUILDS, BUILD_WEIGHTS)[0]
@@ -44,7 +46,8 @@ def make_market(n_asks: int, rng: random.Random) -> OrderBook:
             throughput_units_per_s=rng.uniform(0.5, 20.0),
             queue_s=rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 60)]),
             cold_start_s=rng.choice([0.0, 0.0, rng.uniform(2, 20)]),
-            reliability=rng.uniform(0.8, 1.0), reputation=rng.uniform(0, 1),
+            reliability=rng.uniform(0.8, 1.0),
+            reputation=rng.uniform(0, 0.5) if rng.random() < 0.1 else rng.uniform(0.5, 1),
             online=rng.random() > 0.05, slots_free=rng.choice([0, 1, 1, 1, 2]),
             vram_gb=rng.choice([8, 12, 16, 24, 24, 48, 80]),
             linked_accounts=frozenset({f"client-{rng.randrange(50)}"})))
@@ -99,7 +102,9 @@ def through_storage(n_asks: int, seconds: float) -> float:
     """Matches/s on the dispatcher's real path: standing asks held by the broker's
     MarketService (n_asks providers, each with a broker-measured θ), queued jobs read in
     batches from a migrated SQLite database, and each match leased through JobService.assign
-    (a signed envelope plus a conditional UPDATE and its event in one transaction)."""
+    (a signed envelope plus a conditional UPDATE and its event in one transaction), then
+    booked in and out of the winner's queue as the dispatcher does (``market.lease`` at
+    assignment, ``market.release`` when the job ends; here at once, so queues stay short)."""
     import tempfile
     import uuid
     from pathlib import Path
@@ -129,7 +134,8 @@ def through_storage(n_asks: int, seconds: float) -> float:
     market = MarketService(lambda plugin: 1_000_000, rng=rng)
     for i in range(n_asks):
         pid = f"p{i}"
-        market.connect(pid, f"op{i}", {"echo": "1.0.0"}, free=4)
+        market.connect(pid, f"op{i}", {"echo": "1.0.0"}, free=4, slots=4,
+                       digests={"echo": f"{i:064x}"})
         market.report_benchmark(pid, "echo", rng.uniform(1, 50))
         market.observe(pid, "echo", 10.0, rng.uniform(200, 10_000))
         market.post_ask(pid, "echo", rng.randint(100, 900_000))
@@ -166,6 +172,8 @@ def through_storage(n_asks: int, seconds: float) -> float:
                                                   client_id="client", job_id=job.id))
                 award = result.awards[0]
                 jobs.assign(job, Target(award.provider_id), award.price_micro_per_unit)
+                market.lease(award.provider_id, job.id, job.plugin, job.work_units)
+                market.release(award.provider_id, job.id)
                 done += 1
             busy += time.perf_counter() - t0
         rate_ = done / busy
@@ -197,7 +205,7 @@ def main() -> None:
     print(f"updates (queue or slot change, re-indexed in every view) at 10,000 asks: "
           f"{update_rate(book, args.seconds):,.0f}/s")
     # Worst case for the index: every ask on one build.
-    book = OrderBook()
+    book = OrderBook(RULES)
     src = make_market(10_000, random.Random(args.seed))
     for ask in src:
         book.post(Ask(**{**{f: getattr(ask, f) for f in ask.__slots__},

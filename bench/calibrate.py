@@ -302,7 +302,11 @@ def summarise(rows: list[dict], t: ImageThresholds) -> dict[str, dict]:
 
 
 def write_record(path: Path, record: dict) -> None:
-    """JSON, indented, except one line per sample (the file is committed: keep it small)."""
+    """JSON, indented, except one line per sample (the file is committed: keep it small).
+    Keeps the other sections of the file (``catch_probability``, from bench/cheaters.py)."""
+    if path.exists():
+        old = json.loads(path.read_text())
+        record = {**{k: v for k, v in old.items() if k != "image"}, **record}
     samples = record["image"]["samples"]
     body = json.dumps({**record, "image": {**record["image"], "samples": "@SAMPLES@"}},
                       indent=1)

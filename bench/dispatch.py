@@ -61,7 +61,9 @@ def pct(values: list[float], p: float) -> float:
 
 def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sc-bench-"))
-    net = LocalNetwork(work)
+    # The dispatch path alone: verification (re-running sampled jobs) is measured by
+    # bench/cheaters.py.
+    net = LocalNetwork(work, env={"SPARECYCLES_VERIFICATION": "off"})
     try:
         net.start_broker()
         pkey = net.create_key("provider")

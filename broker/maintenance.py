@@ -16,6 +16,7 @@ class Maintenance:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.tasks: list = []  # more idempotent sweeps (verification's), run each pass
 
     def run_once(self) -> dict:
         """One pass: returns how many holds expired and how many providers vested."""
@@ -27,6 +28,11 @@ class Maintenance:
                     vested += 1
             except Exception:  # noqa: BLE001 - one account must not stop everyone's vesting
                 log.exception("vesting for provider account %s failed", owner)
+        for task in self.tasks:
+            try:
+                task()
+            except Exception:  # noqa: BLE001 - the next pass retries
+                log.exception("maintenance task %s failed", getattr(task, "__name__", task))
         return {"expired": expired, "vested": vested}
 
     def _loop(self) -> None:

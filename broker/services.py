@@ -26,18 +26,21 @@ from broker.ledger.service import LedgerService
 from broker.maintenance import Maintenance
 from broker.market import MarketService, MarketSettings
 from broker.market.canary import CanaryService
-from broker.market.wiring import attach_market
+from broker.market.wiring import attach_market, manifests_of
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
 from broker.providers.service import ProviderService
+from broker.registry.service import RegistryService
 from broker.settings import Settings
 from broker.storage.accounts_sql import SqlAccountRepository, SqlProviderRepository
 from broker.storage.admin_sql import SqlAuditRepository
 from broker.storage.base import make_engine
 from broker.storage.jobs_sql import SqlJobRepository
 from broker.storage.ledger_sql import SqlLedgerRepository
+from broker.storage.market_sql import SqlAskStore
 from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
+from broker.storage.registry_sql import SqlRegistryRepository
 from broker.storage.migrate import upgrade
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,8 @@ class Services:
     disputes: object | None = None          # broker.admin.disputes.DisputeService
     admin: object | None = None             # broker.admin.service.AdminService
     admin_sessions: object | None = None    # broker.admin.session.AdminSessions
+    registry: RegistryService | None = None  # the marketplace: publishers, packages, warm facts
+    verification: object | None = None      # broker.verification.service.VerificationService
 
     def close(self) -> None:
         self.maintenance.stop()
@@ -97,8 +102,13 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                               credit_price_cents=settings.credit_price_cents,
                               currency=settings.currency, public_url=settings.public_url,
                               account_exists=lambda a: accounts.get_account(a) is not None)
+    # The marketplace (issue #3): signed plugin/adapter versions, files in the blob store;
+    # published plugins join the job catalog; adapter royalties are paid at settlement.
+    registry = RegistryService(SqlRegistryRepository(sessions), LocalBlobStore(settings.blob_dir),
+                               catalog, on_publisher=ledger.open_publisher)
+    registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
-                         how_to_fund=payments.how_to_fund)
+                         how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
     jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
                       signer, EventHub(),
                       JobSettings(max_attempts=settings.max_attempts,
@@ -111,20 +121,66 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     dispatcher = Dispatcher(jobs)
     market = MarketService(lambda plugin: pricing.price(plugin).reserve_micro_per_unit,
                            MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
-                                          canary_interval_s=settings.market_canary_interval_s))
+                                          canary_interval_s=settings.market_canary_interval_s,
+                                          reputation_floor=settings.market_reputation_floor,
+                                          default_cold_start_s=settings.market_cold_start_s),
+                           store=SqlAskStore(sessions), manifest_of=manifests_of(catalog))
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s)
     attach_market(market, canaries, jobs, dispatcher)
+    # The market's cold-start term asks the registry's warm index whether the provider's
+    # plugin host has the model loaded (providers it has no report from count as warm).
+    market.warm = lambda provider_id, plugin: (
+        (registry.warm.holdings(provider_id) is None)
+        or registry.warm.holdings(provider_id).plugins.get(plugin, True))
     use_measured_throughput(jobs, market)
     admin = build_admin(settings, sessions, audit=audit, pricing=pricing, providers=providers,
                         dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,
                         catalog=catalog, auth=auth)
+    maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
+    verification = None
+    if settings.verification:
+        verification = _attach_verification(settings, sessions, accounts, jobs, catalog, ledger,
+                                            providers, admin, dispatcher, canaries)
+        maintenance.tasks.append(verification.sweep)
     return Services(settings=settings, engine=engine, signer=signer, auth=auth, catalog=catalog,
-                    market=market, canaries=canaries, **admin,
+                    market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
-                    pricing=pricing, billing=billing, payments=payments,
-                    maintenance=Maintenance(ledger, providers,
-                                            interval_s=settings.maintenance_interval_s))
+                    pricing=pricing, billing=billing, payments=payments, registry=registry,
+                    maintenance=maintenance)
+
+
+def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,
+                         dispatcher, canaries=None):
+    """Spot redundancy (DESIGN §6): sample settled jobs for checks, judge them, and gate
+    dispatch on minimum stake and the quota lost disputes cut."""
+    import time as _time
+
+    from broker.storage.verification_sql import SqlVerificationRepository
+    from broker.verification.service import (CHECK_ACCOUNT, VerificationService,
+                                             VerificationSettings)
+
+    if accounts.get_account(CHECK_ACCOUNT) is None:
+        try:
+            accounts.create_account(CHECK_ACCOUNT, "Verification checks (platform)", "client",
+                                    _time.time())
+        except Exception:  # noqa: BLE001 - another replica created it first
+            if accounts.get_account(CHECK_ACCOUNT) is None:
+                raise
+    ledger.open_client(CHECK_ACCOUNT)
+    repo = SqlVerificationRepository(sessions)
+    verification = VerificationService(
+        repo, jobs, catalog, ledger, providers, admin["admin"].policies,
+        disputes=admin["disputes"], audit=admin["audit"],
+        settings=VerificationSettings(check_delay_s=(0.0, max(0.0, settings.check_delay_max_s))))
+    jobs.on_settled = verification.settled
+    if canaries is not None:  # canaries answer known inputs: each is a check too
+        canaries.on_answer = verification.canary_answer
+    jobs.on_ended = verification.ended
+    dispatcher.eligible = verification.stake_ok
+    dispatcher.quota = repo.quota_factor
+    verification.on_quota = dispatcher.set_quota
+    return verification
 
 
 def _open_ledger_accounts(ledger: LedgerService, account_id: str, role: str) -> None:

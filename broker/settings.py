@@ -27,6 +27,10 @@ hold_ttl_s                   SPARECYCLES_HOLD_TTL_S              86400
 maintenance_interval_s       SPARECYCLES_MAINTENANCE_INTERVAL_S  5
 market_claim_factor          SPARECYCLES_MARKET_CLAIM_FACTOR     0 (unmeasured claims ineligible)
 market_canary_interval_s     SPARECYCLES_MARKET_CANARY_INTERVAL_S 600 (0: first canary only)
+market_reputation_floor      SPARECYCLES_MARKET_REPUTATION_FLOOR 0.5 (admins may change it live)
+market_cold_start_s          SPARECYCLES_MARKET_COLD_START_S     10 (load time nobody measured)
+check_delay_max_s            SPARECYCLES_CHECK_DELAY_MAX_S       5 (checks wait 0..this, at random)
+verification                 SPARECYCLES_VERIFICATION            on (off: no job is re-run)
 admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept in <data_dir>/admin_session.key)
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 ===========================  ==================================  ===========================
@@ -68,6 +72,10 @@ class Settings:
     maintenance_interval_s: float = 5.0
     market_claim_factor: float = 0.0
     market_canary_interval_s: float = 600.0
+    market_reputation_floor: float = 0.5
+    market_cold_start_s: float = 10.0
+    check_delay_max_s: float = 5.0
+    verification: bool = True
     admin_session_secret: str = ""
     admin_session_ttl_s: int = 1800
 
@@ -117,6 +125,11 @@ class Settings:
             "maintenance_interval_s": ("SPARECYCLES_MAINTENANCE_INTERVAL_S", float),
             "market_claim_factor": ("SPARECYCLES_MARKET_CLAIM_FACTOR", float),
             "market_canary_interval_s": ("SPARECYCLES_MARKET_CANARY_INTERVAL_S", float),
+            "market_reputation_floor": ("SPARECYCLES_MARKET_REPUTATION_FLOOR", float),
+            "market_cold_start_s": ("SPARECYCLES_MARKET_COLD_START_S", float),
+            "check_delay_max_s": ("SPARECYCLES_CHECK_DELAY_MAX_S", float),
+            "verification": ("SPARECYCLES_VERIFICATION",
+                             lambda v: v.strip().lower() not in ("0", "off", "false", "no")),
             "admin_session_secret": ("SPARECYCLES_ADMIN_SESSION_SECRET", str),
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
         }

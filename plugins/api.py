@@ -7,6 +7,7 @@ module and its ML libraries; it reads no environment variables and opens no sock
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,6 +54,24 @@ class Output:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def latent_digest(tensor: Any) -> str:
+    """The sha256 hex that verification compares between two runs of an image job on the
+    same reproducibility class (DESIGN §6): over one image's final denoised latents (before
+    the VAE decode), as float32, in C order, prefixed with the numpy dtype and shape::
+
+        arr = tensor.detach().cpu().float().numpy()   # contiguous
+        sha256(f"{arr.dtype.str}{arr.shape}".encode() + arr.tobytes())
+
+    e.g. ``"<f4(4, 8, 8)"`` then the bytes. ``tensor``: a torch tensor of one image's
+    latents (``latents[i]``), on any device and in any dtype."""
+    import numpy as np  # the ML plugins' dependency, not the plugin API's
+
+    arr = np.ascontiguousarray(tensor.detach().cpu().float().numpy())
+    h = hashlib.sha256(f"{arr.dtype.str}{arr.shape}".encode())
+    h.update(arr.tobytes())
+    return h.hexdigest()
+
+
 class RunContext(Protocol):
     """What ``run()`` may call. The host implements it."""
 
@@ -97,3 +116,23 @@ class Plugin:
 
     def teardown(self) -> None:
         """Free resources before the host exits."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def run_dtype(device_type: str, default_gpu: str = "float16"):
+    """The torch dtype a model plugin runs in: ``SPARECYCLES_DTYPE`` when the provider set
+    it (float32, bfloat16 or float16), else ``default_gpu`` on a GPU and float32 on the CPU.
+    The dtype is part of the receipt's reproducibility class."""
+    import os
+
+    import torch
+
+    name = os.environ.get("SPARECYCLES_DTYPE", "").strip()
+    if name and name not in DTYPES:
+        raise PluginError(f"SPARECYCLES_DTYPE is {name!r}; use one of {', '.join(DTYPES)}",
+                          retryable=False)
+    if not name:
+        name = default_gpu if device_type == "cuda" else "float32"
+    return getattr(torch, name)

@@ -8,6 +8,11 @@ with seed ``s`` is the image of a one-image job with seed ``s + i``, up to the r
 that batching changes, whatever the device),
 reports progress and honours cancellation every step, and encodes deterministic PNGs.
 
+Each output's meta: ``seed``, ``index``, ``dtype`` (the dtype the pipeline ran in,
+"float32" or "float16"), ``latent_sha256`` (``plugins.api.latent_digest`` of that image's
+final denoised latents, before the VAE decode: what verification compares exactly between
+two runs of the same reproducibility class), and ``nsfw`` / ``adapters`` when they apply.
+
 This module is shared by built-in plugins only; a third-party plugin imports just
 ``plugins.api`` and its ML libraries.
 """
@@ -31,7 +36,8 @@ from PIL import Image
 
 from plugins import checkpoints
 from plugins.adapters import AdapterCache, AdapterRequest, adapter_roots, parse_adapters
-from plugins.api import BadInput, Output, Plugin, PluginError, RunContext
+from plugins.api import (BadInput, Output, Plugin, PluginError, RunContext, latent_digest,
+                         run_dtype)
 
 # Sampler name (the `scheduler` input) -> (class, settings over the model's saved config).
 SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -131,7 +137,7 @@ class DiffusersImagePlugin(Plugin):
                               f"layout (model_index.json, unet/, vae/, ...)", retryable=False)
         _install_log_filter()
         self.device = torch.device(device)
-        self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.dtype = run_dtype(self.device.type)
         with _quiet_diffusers():
             # torch_dtype rather than dtype: the older diffusers we support know only it.
             pipe = self.pipeline_class.from_pretrained(weights_dir, torch_dtype=self.dtype)
@@ -192,10 +198,14 @@ class DiffusersImagePlugin(Plugin):
 
         with stepper.replaying():
             result = pipe(**kwargs)
+        digests = stepper.final_digests()
         nsfw = getattr(result, "nsfw_content_detected", None)
+        dtype = str(self.dtype).removeprefix("torch.")
         outputs = []
         for i, image in enumerate(result.images):
-            meta: dict[str, Any] = {"seed": seed + i, "index": i}
+            meta: dict[str, Any] = {"seed": seed + i, "index": i, "dtype": dtype}
+            if i < len(digests):
+                meta["latent_sha256"] = digests[i]
             if nsfw is not None:
                 meta["nsfw"] = bool(nsfw[i])
             if adapters:
@@ -279,6 +289,9 @@ class _Stepper:
     back the latents, the scheduler state and the RNG states of the checkpoint. From there
     every operation is the one the uninterrupted run did on the same values, so on the same
     hardware class and dtype the image is the same to the byte.
+
+    Final latents: at the last step the callback hashes the latents it hands back (those
+    the pipeline decodes), one ``latent_digest`` per image; ``final_digests()`` returns them.
     """
 
     def __init__(self, pipe, ctx: RunContext, generators: list, inputs: dict[str, Any],
@@ -288,6 +301,22 @@ class _Stepper:
         self.every = int(getattr(ctx, "checkpoint_every", 0) or 0)
         self.skip_until = int(resume["step"]) if resume else 0
         self.skipping = self.skip_until > 0
+        self.digests: list[str] | None = None
+        self.last_latents = None  # the latents after the latest step (a reference, no copy)
+
+    def final_digests(self) -> list[str]:
+        """``latent_digest`` of each image's final latents (computed at the last step; from
+        the latest step's latents should the pipeline have counted its steps otherwise)."""
+        if self.digests is None and self.last_latents is not None:
+            self.digests = [latent_digest(x) for x in self.last_latents]
+        return self.digests or []
+
+    def _finish_step(self, step: int, total: int, callback_kwargs):
+        latents = callback_kwargs["latents"]
+        self.last_latents = latents
+        if step >= total:
+            self.digests = [latent_digest(x) for x in latents]
+        return callback_kwargs
 
     @contextlib.contextmanager
     def replaying(self):
@@ -335,7 +364,7 @@ class _Stepper:
             callback_kwargs["latents"] = self.resume["latents"].to(latents.device, latents.dtype)
             self.skipping = False
             self.ctx.progress(step, total, "resumed from a checkpoint")
-            return callback_kwargs
+            return self._finish_step(step, total, callback_kwargs)
         self.ctx.progress(step, total)
         if self.every and step % self.every == 0 and step < total:
             self.ctx.checkpoint(step, checkpoints.dumps({
@@ -347,4 +376,4 @@ class _Stepper:
                 "latents": callback_kwargs["latents"],
                 "scheduler_state": checkpoints.scheduler_state(pipe.scheduler),
                 "rng": [g.get_state() for g in self.generators]}))
-        return callback_kwargs
+        return self._finish_step(step, total, callback_kwargs)

@@ -8,7 +8,9 @@ dropped connection never throws work away: they are re-sent after reconnecting.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import platform
 import queue
 import random
 import signal
@@ -28,9 +30,10 @@ from sdk.protocol.manifest import Manifest, load_manifest
 from sdk.protocol.signing import KeyPair
 
 from .benchmark import benchmark_plugin, throttle
+from .cheats import Cheat
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
-from .host.manager import PluginHost
+from .host.manager import HostResult, PluginHost
 from .weights import folder_digest
 
 log = logging.getLogger("agent")
@@ -58,24 +61,34 @@ class ServedPlugin:
 class Agent:
     def __init__(self, cfg: AgentConfig, identity: KeyPair, *, plugin_dirs: dict[str, Path],
                  sandboxed: bool, launcher=None, home: Path | None = None,
-                 max_backoff_s: float = 30.0):
+                 max_backoff_s: float = 30.0, cheat: Cheat | None = None, installer=None):
         cfg.check()
         self.cfg = cfg
         self.identity = identity
         self.home = home
         self.sandboxed = sandboxed
         self.max_backoff_s = max_backoff_s
+        # Verification harness only (provider_agent.cheats): None is an honest agent.
+        self.cheat = cheat
+        # provider_agent.installer.Installer: fetches registry adapters a job names (None:
+        # only what is on disk). Its adapters are advertised so the broker prefers us.
+        self.installer = installer
+        if cheat is not None:
+            cheat.announce()
         if sandboxed and launcher is None:
             # Never claim a sandbox to the broker while running plain subprocesses.
             from .launch import host_launcher
             launcher = host_launcher(sandboxed=True, home=home, cfg=cfg,
-                                     plugin_dirs=list(plugin_dirs.values()))
+                                     plugin_dirs=[*plugin_dirs.values(),
+                                                  *(cheat.extra_ro_paths() if cheat else [])])
         self.plugins: dict[str, ServedPlugin] = {}
         for name, folder in plugin_dirs.items():
             manifest = load_manifest(folder)
             weights = cfg.weights_for(name)
+            # A cheat may run other weights; the agent still advertises its own.
+            run_weights = cheat.weights_for(manifest.output, weights) if cheat else weights
             self.plugins[name] = ServedPlugin(
-                manifest, PluginHost(folder, weights, device=cfg.device, launcher=launcher),
+                manifest, PluginHost(folder, run_weights, device=cfg.device, launcher=launcher),
                 folder_digest(weights, (home / "weights-cache.json") if home else None))
         self.replay = ReplayGuard()
         self.jobs: queue.Queue = queue.Queue()
@@ -275,10 +288,19 @@ class Agent:
                                  cpu_count=int(hw.get("cpu_count", os.cpu_count() or 1)),
                                  memory_gb=_memory_gb()),
             slots=self.cfg.slots, sandboxed=self.sandboxed,
-            benchmarks=[pb.PluginBenchmark(plugin=p, units_per_s=u, runs=3)
+            benchmarks=[pb.PluginBenchmark(plugin=p, units_per_s=u, runs=3,
+                                           cold_start_s=self._cold_start_s(p))
                         for p, u in self.benchmarks.items()],
             asks=[pb.StandingAsk(plugin=p, price_micro_per_unit=int(v))
-                  for p, v in self.cfg.asks.items()])
+                  for p, v in self.cfg.asks.items()],
+            adapters=self._installed_adapters())
+
+    def _cold_start_s(self, plugin: str) -> float:
+        """How long the plugin's host took from start to Ready (the model load): what a job
+        costs when the model is not warm. 0 when not measured."""
+        served = self.plugins.get(plugin)
+        start_ms = served.host.ready.get("start_ms", 0) if served is not None else 0
+        return float(start_ms) / 1000.0
 
     def _heartbeats(self, outq: queue.Queue, stop: threading.Event, interval: float) -> None:
         while not stop.wait(interval):
@@ -342,11 +364,74 @@ class Agent:
                 job_id=env["job_id"], attempt=env["attempt"], code="plugin_not_served",
                 message=f"this agent does not serve {env['plugin']}", retryable=True)))
             return
+        pinned = env.get("weights_digest") or ""
+        served = self.plugins[env["plugin"]].weights_digest or ""
+        if pinned and pinned != served:
+            # The job pins other weights (e.g. a check of a run on another build): never run
+            # it on ours; the broker places it elsewhere.
+            self._send(pb.AgentMessage(failed=pb.JobFailed(
+                job_id=env["job_id"], attempt=env["attempt"], code="weights_mismatch",
+                message=f"the job pins weights {pinned[:12]}…; this agent serves "
+                        f"{served[:12] or 'none'}…", retryable=True)))
+            return
         with self._lock:
             self.running[env["job_id"]] = RunningJob(env, bytes(a.envelope))
         self._send(pb.AgentMessage(accepted=pb.JobAccepted(job_id=env["job_id"],
                                                            attempt=env["attempt"])))
         self.jobs.put(env["job_id"])
+
+    # ---- the marketplace: registry adapters ------------------------------------------------
+    def _installed_adapters(self) -> list:
+        """Registry adapters installed for the plugins this agent serves (capabilities)."""
+        if self.installer is None:
+            return []
+        return [pb.InstalledAdapter(**a) for a in self.installer.installed_adapters()
+                if a["plugin"] in self.plugins]
+
+    def send_inventory(self) -> bool:
+        """Tell the broker what this agent holds now (after an install or an eviction)."""
+        caps = self._capabilities()
+        return self._send(pb.AgentMessage(inventory=pb.Inventory(plugins=caps.plugins,
+                                                                 adapters=caps.adapters)))
+
+    def _prepare_job(self, job_id: str, rj: RunningJob) -> bool:
+        """Install the registry adapters a job names that this agent lacks (signature and
+        sha256 checked by the installer) before it runs. An install that fails fails the
+        job (retryable: another provider may have it) and nothing else: the agent goes on
+        serving. Adapters the registry does not know are left to the plugin to judge."""
+        if self.installer is None:
+            return True
+        from sdk.protocol.package import adapter_names
+
+        from .installer import InstallError
+
+        env = rj.envelope
+        served = self.plugins.get(env["plugin"])
+        names = adapter_names((env.get("inputs") or {}).get("adapters"))
+        if served is None or not names or served.host.weights_dir is None:
+            return True
+        root = served.host.weights_dir / "adapters"
+        changed = False
+        for name in names:
+            if (root / name).is_dir():  # installed earlier, or the operator's own folder
+                if (root / name).is_symlink():
+                    self.installer.touch_path((root / name).resolve())
+                continue
+            try:
+                installed = self.installer.install_adapter(name, base=env["plugin"])
+                self.installer.link_adapter(installed, root)
+                changed = True
+            except InstallError as exc:
+                if exc.code == "not_found":
+                    continue
+                log.warning("job %s: adapter %s not installed: %s", job_id, name, exc)
+                self._send(pb.AgentMessage(failed=pb.JobFailed(
+                    job_id=job_id, attempt=env["attempt"], code=f"adapter_{exc.code}",
+                    message=str(exc), retryable=True)))
+                return False
+        if changed:
+            self.send_inventory()
+        return True
 
     # ---- work --------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -360,7 +445,8 @@ class Agent:
             if rj is None:
                 continue
             try:
-                self._run_job(job_id, rj)
+                if self._prepare_job(job_id, rj):
+                    self._run_job(job_id, rj)
             finally:
                 with self._lock:
                     self.running.pop(job_id, None)
@@ -397,13 +483,26 @@ class Agent:
 
         t0 = time.perf_counter()
         resume_from = self._fetch_checkpoint(job_id, attempt, env.get("resume"))
+        inputs, cheated = env["inputs"], None
         try:
-            result = served.host.run(job_id, env["inputs"],
-                                     wall_clock_s=served.manifest.wall_clock_s,
-                                     on_progress=progress_with_total, on_stream=stream,
-                                     cancelled=rj.cancelled,
-                                     checkpoint_every=int(env.get("checkpoint_every") or 0),
-                                     resume_from=resume_from, on_checkpoint=checkpoint)
+            if self.cheat is not None:  # the verification harness's cheating agent
+                cheated = self.cheat.before(job_id, served.manifest, env["inputs"])
+                inputs = cheated.run_inputs
+            if cheated is not None and cheated.skip_run:
+                result = HostResult(self.cheat.fake_outputs(env["plugin"], cheated,
+                                                            repro_class(served, [])["dtype"]),
+                                    int((time.perf_counter() - t0) * 1000), 0.0)
+            else:
+                result = served.host.run(job_id, inputs,
+                                         wall_clock_s=served.manifest.wall_clock_s,
+                                         on_progress=progress_with_total, on_stream=stream,
+                                         cancelled=rj.cancelled,
+                                         checkpoint_every=int(env.get("checkpoint_every") or 0),
+                                         resume_from=resume_from, on_checkpoint=checkpoint)
+            if cheated is not None:
+                result.outputs = self.cheat.after(env["plugin"], cheated, result.outputs)
+                if cheated.validated is not None:  # claim the work the job asked for
+                    result.work_units = served.manifest.work_units_for(cheated.validated)
         except Exception as exc:  # noqa: BLE001 - a bad job must never stop this worker
             if not isinstance(exc, HostError):
                 log.exception("job %s: unexpected error in the agent", job_id)
@@ -425,7 +524,7 @@ class Agent:
         for out in result.outputs:
             sha = sha256_hex(out.data)
             outputs.append({"index": out.index, "sha256": sha, "media_type": out.media_type,
-                            "size": len(out.data)})
+                            "size": len(out.data), "meta": json_safe(out.meta or {})})
             messages.append(pb.AgentMessage(output=pb.OutputChunk(
                 job_id=job_id, attempt=attempt, index=out.index, media_type=out.media_type,
                 data=out.data, sha256=sha)))
@@ -433,7 +532,8 @@ class Agent:
                                provider_key=self.identity.public_key_hex, outputs=outputs,
                                work_units=result.work_units,
                                timings_ms={"run": run_ms,
-                                           "total": int((time.perf_counter() - t0) * 1000)})
+                                           "total": int((time.perf_counter() - t0) * 1000)},
+                               extra={"repro": repro_class(served, outputs)})
         messages.append(pb.AgentMessage(receipt=pb.Receipt(
             receipt=canonical_bytes(receipt), signature=self.identity.sign("receipt", receipt))))
         with self._lock:
@@ -476,6 +576,55 @@ class Agent:
         finally:
             with self._lock:
                 self._checkpoint_waiters.pop(job_id, None)
+
+
+def hardware_class(hardware: dict) -> str:
+    """``cuda:<GPU name>`` on a GPU (e.g. "cuda:NVIDIA H200:torch=2.13.0"), else
+    ``cpu:<machine>:threads=<n>`` (e.g. "cpu:x86_64:threads=1:torch=2.13.0"), from a plugin
+    host's ready message: runs of one class must agree bit for bit."""
+    torch = f":torch={hardware['torch']}" if hardware.get("torch") else ""
+    if hardware.get("device") == "cuda":
+        return f"cuda:{hardware.get('gpu_name') or 'unknown'}{torch}"
+    threads = f":threads={hardware['threads']}" if hardware.get("threads") else ""
+    return f"cpu:{platform.machine() or 'unknown'}{threads}{torch}"
+
+
+def repro_class(served: ServedPlugin, outputs: list[dict]) -> dict:
+    """The receipt's reproducibility class (DESIGN §6): two providers whose receipts carry
+    equal ``repro`` must produce equal results (e.g. equal latent hashes).
+    ``{"hardware_class", "dtype", "plugin_build"}`` of a job run on ``served``;
+    ``dtype`` is the first output's meta "dtype", else the manifest's (GPU) or float32."""
+    hardware = served.host.ready.get("hardware", {}) or {}
+    dtype = next((o["meta"]["dtype"] for o in outputs
+                  if isinstance(o.get("meta"), dict) and isinstance(o["meta"].get("dtype"), str)),
+                 None)
+    if dtype is None:
+        dtype = served.manifest.dtype if hardware.get("device") == "cuda" else "float32"
+    m = served.manifest
+    return {"hardware_class": hardware_class(hardware), "dtype": dtype,
+            "plugin_build": f"{m.name}@{m.version}+{(served.weights_digest or '')[:16]}"}
+
+
+def json_safe(value):
+    """``value`` as the canonical encoding takes it (sdk.protocol.canonical): str, int,
+    finite float, bool, None, lists and string-keyed dicts. A non-finite float becomes
+    None, a tuple a list, a numpy scalar its Python value, a key a string; anything else
+    its ``str``."""
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        try:
+            return json_safe(item())
+        except (TypeError, ValueError):
+            pass
+    return str(value)
 
 
 def _memory_gb() -> float:

@@ -17,6 +17,8 @@ def register(sub) -> None:
     i.add_argument("--plugins", help="comma-separated plugins to serve (default echo)")
     i.add_argument("--slots", type=int, help="jobs at once (default 1)")
     i.add_argument("--weights-dir", help="folder holding <plugin>/ weight folders")
+    i.add_argument("--registry", help="the broker's REST address, to install published "
+                                      "plugins and adapters from (e.g. http://HOST:8080)")
     i.add_argument("--home", type=Path, help="config folder (default $SPARECYCLES_AGENT_HOME "
                                              "or the platform config dir)")
     i.add_argument("--force", action="store_true", help="overwrite an existing config")
@@ -78,6 +80,8 @@ def cmd_init(args) -> int:
         cfg.slots = args.slots
     if args.weights_dir:
         cfg.weights_dir = str(Path(args.weights_dir).resolve())
+    if args.registry:
+        cfg.registry_url = args.registry
     save_config(cfg, home)
     key = load_identity(home)
     print(f"agent config: {path}\nidentity key: {identity_path(home)} "
@@ -91,6 +95,7 @@ def cmd_run(args) -> int:
     from plugins import builtin_plugin_dir
 
     from .agent import Agent
+    from .cheats import from_env as cheat_from_env
     from .config import load_config, load_identity
     from .errors import AgentError
     from .launch import host_launcher
@@ -107,10 +112,26 @@ def cmd_run(args) -> int:
             cfg.device = args.device
         cfg.asks.update(parse_pairs(args.ask, int, "--ask"))
         cfg.throttle_ms_per_unit.update(parse_pairs(args.throttle, float, "--throttle"))
-        plugin_dirs = {name: builtin_plugin_dir(name) for name in cfg.plugins}
-        launcher = host_launcher(sandboxed=not args.no_sandbox, home=args.home, cfg=cfg)
+        # Built-in plugins, else installed from the registry (signed, sha256-checked); one
+        # that cannot be had is left out and the others are served.
+        from .installer import make_installer, resolve_plugins
+
+        installer = make_installer(cfg)
+        plugin_dirs = resolve_plugins(cfg, installer, builtin=builtin_plugin_dir)
+        if not plugin_dirs:
+            raise AgentError("no plugin to serve (see the errors above)")
+        # The registry cache (installed plugins, adapters the weights folders link to) is
+        # bound read-only into the sandbox.
+        extra_ro = [*plugin_dirs.values(), installer.root] if installer is not None else []
+        # SPARECYCLES_CHEAT: the verification harness's deliberately dishonest agent
+        # (provider_agent.cheats); unset, this is None and the agent is honest.
+        cheat = cheat_from_env()
+        launcher = host_launcher(sandboxed=not args.no_sandbox, home=args.home, cfg=cfg,
+                                 plugin_dirs=[*extra_ro, *(cheat.extra_ro_paths() if cheat
+                                                           else [])] or None)
         agent = Agent(cfg, load_identity(args.home), plugin_dirs=plugin_dirs,
-                      sandboxed=not args.no_sandbox, launcher=launcher, home=args.home)
+                      sandboxed=not args.no_sandbox, launcher=launcher, home=args.home,
+                      cheat=cheat, installer=installer)
         agent.install_signal_handlers()
         return agent.run()
     except (AgentError, LookupError) as exc:

@@ -21,6 +21,14 @@ agent.toml::
     sd15 = 15000                                  # unit (absent: stand at the reserve)
     [throttle_ms_per_unit]                        # development/tests only: emulate a
     echo = 200                                    # slower machine (jobs and benchmarks)
+    registry_url = "http://127.0.0.1:8080"        # the broker's REST address: install
+                                                  # published plugins and adapters from it
+    cache_dir = "~/.cache/sparecycles/registry"   # where they go (size-capped, LRU)
+    cache_max_gb = 20.0
+    trusted_publishers = []                       # publisher keys to accept (empty: any
+                                                  # key the broker registered, pinned per name)
+    [adapters]                                    # registry adapters to install at start
+    sd15 = ["ink"]                                # (others are fetched when a job names them)
 """
 from __future__ import annotations
 
@@ -67,6 +75,16 @@ class AgentConfig:
     weights: dict[str, str] = field(default_factory=dict)
     asks: dict[str, int] = field(default_factory=dict)
     throttle_ms_per_unit: dict[str, float] = field(default_factory=dict)
+    registry_url: str = ""
+    cache_dir: str = ""
+    cache_max_gb: float = 20.0
+    trusted_publishers: list[str] = field(default_factory=list)
+    adapters: dict[str, list[str]] = field(default_factory=dict)
+
+    def registry_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        return default_weights_dir().parent / "registry"
 
     def weights_for(self, plugin: str) -> Path | None:
         if plugin in self.weights:

@@ -53,12 +53,14 @@ class Client:
     # ---- plumbing ----------------------------------------------------------------------
     def request(self, method: str, path: str, *, json_body: Any = None,
                 params: dict | None = None, idempotency_key: str | None = None,
-                timeout: float | None = None) -> httpx.Response:
+                timeout: float | None = None, content: bytes | None = None) -> httpx.Response:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        if content is not None:
+            headers["Content-Type"] = "application/octet-stream"
         for attempt in range(self.max_retries + 1):
             try:
                 resp = self._http.request(method, path, json=json_body, params=params,
-                                          headers=headers,
+                                          headers=headers, content=content,
                                           timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
             except httpx.TransportError as exc:
                 if attempt == self.max_retries:
@@ -92,8 +94,50 @@ class Client:
         self.close()
 
     # ---- API ---------------------------------------------------------------------------
-    def plugins(self) -> list[dict]:
-        return self.request("GET", "/v1/plugins").json()["data"]
+    def plugins(self, q: str | None = None, *, publisher: str | None = None,
+                output: str | None = None) -> list[dict]:
+        """Plugins jobs can run (built-in and published); ``q`` searches name and
+        description, ``publisher`` and ``output`` filter."""
+        params = {k: v for k, v in (("q", q), ("publisher", publisher), ("output", output)) if v}
+        return self.request("GET", "/v1/plugins", params=params or None).json()["data"]
+
+    # ---- the marketplace ---------------------------------------------------------------
+    def register_publisher_key(self, keys, label: str = "") -> dict:
+        """Register ``keys`` (sdk.protocol.signing.KeyPair) as a publisher key of this
+        account, proving it holds the private key (needs a publisher API key)."""
+        account_id = self.account()["id"]
+        proof = keys.sign("publisher", {"account_id": account_id,
+                                        "public_key": keys.public_key_hex})
+        return self.request("POST", "/v1/publishers", json_body={
+            "public_key": keys.public_key_hex, "proof": proof, "label": label}).json()
+
+    def publish(self, path: str | Path, keys, *, royalty_micro: int | None = None) -> dict:
+        """Sign and publish the plugin or adapter folder at ``path``: uploads each file
+        (content-addressed, so unchanged files cost one round trip), then the signed
+        document. Publishing the same version again with the same content is a no-op; with
+        other content it raises ConflictError (versions are immutable)."""
+        from sdk.protocol.package import build_document, sign_document
+
+        folder = Path(path)
+        document = build_document(folder, keys.public_key_hex, royalty_micro=royalty_micro)
+        signature = sign_document(keys, document)
+        for f in document["files"]:
+            self.request("PUT", f"/v1/blobs/{f['sha256']}",
+                         content=(folder / f["path"]).read_bytes(), timeout=600.0)
+        return self.request("POST", f"/v1/{document['kind']}s", json_body={
+            "document": document, "signature": signature}).json()
+
+    def plugin_versions(self, name: str) -> list[dict]:
+        return self.request("GET", f"/v1/plugins/{name}/versions").json()["data"]
+
+    def adapters(self, q: str | None = None, *, base: str | None = None,
+                 publisher: str | None = None) -> list[dict]:
+        """Published adapters (latest version of each); ``base`` keeps one plugin's."""
+        params = {k: v for k, v in (("q", q), ("base", base), ("publisher", publisher)) if v}
+        return self.request("GET", "/v1/adapters", params=params or None).json()["data"]
+
+    def adapter(self, name: str, version: str = "latest") -> dict:
+        return self.request("GET", f"/v1/adapters/{name}/{version}").json()
 
     def schema(self, plugin: str) -> InputSchema:
         if plugin not in self._schemas:
@@ -115,15 +159,19 @@ class Client:
 
     def generate(self, plugin: str, *, timeout: float = 600.0, version: str | None = None,
                  n: int = 1, priority: str | None = None, max_price_micro: int | None = None,
-                 deadline_s: float | None = None, **inputs) -> "Result":
+                 deadline_s: float | None = None, verify: str | None = None,
+                 **inputs) -> "Result":
         """Run one job and block until its outputs are ready. ``n`` > 1 splits the request
         into n sibling jobs on different providers (one output each; all outputs in
         order in the Result). ``priority`` (economy | standard | fast), ``max_price_micro``
         (whole request) and ``deadline_s`` are the market terms; a request no provider can
-        meet raises at once with the best achievable price and time."""
+        meet raises at once with the best achievable price and time. ``verify="always"``
+        has every output re-run on a second provider (you pay for both runs);
+        ``Result.verification`` then moves from ``checking`` to ``verified``."""
         terms = {k: v for k, v in (("n", n if n > 1 else None), ("priority", priority),
                                    ("max_price_micro", max_price_micro),
-                                   ("deadline_s", deadline_s)) if v is not None}
+                                   ("deadline_s", deadline_s), ("verify", verify))
+                 if v is not None}
         if n > 1:
             return self.jobs.create_batch(plugin, version=version, terms=terms,
                                           **inputs).wait(timeout=timeout)
@@ -145,6 +193,18 @@ class Client:
 
     def transactions(self, limit: int = 100) -> list[dict]:
         return self.request("GET", "/v1/account/transactions", params={"limit": limit}).json()["data"]
+
+    def stake(self, amount_micro: int) -> dict:
+        """Providers: put ``amount_micro`` of the available balance at stake (plugins may
+        require a minimum stake; a provider outvoted by verification loses part of it)."""
+        return self.request("POST", "/v1/account/stake", json_body={"amount_micro": amount_micro},
+                            idempotency_key=str(uuid.uuid4())).json()
+
+    def unstake(self, amount_micro: int) -> dict:
+        """Providers: take ``amount_micro`` back from stake to the available balance."""
+        return self.request("POST", "/v1/account/unstake",
+                            json_body={"amount_micro": amount_micro},
+                            idempotency_key=str(uuid.uuid4())).json()
 
     def buy_credits(self, credits: int) -> dict:
         """A Stripe Checkout session for ``credits``; open its ``url`` to pay."""
@@ -224,6 +284,11 @@ class Job:
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def verification(self) -> str:
+        """unchecked | checking | verified | disputed | overturned | nondeterministic."""
+        return (self.data.get("verification") or {}).get("status", "unchecked")
 
     def __repr__(self) -> str:
         return f"<Job {self.id} {self.data.get('plugin')} {self.state}>"
@@ -342,6 +407,33 @@ class Result:
         self.job = job
         self.outputs: list[dict] = job.data.get("outputs", [])
         self._bytes: dict[int, bytes] = {}
+
+    @property
+    def verification(self) -> str:
+        """The output's verification status as of the last refresh: ``unchecked`` (not
+        sampled), ``checking`` (a second provider is re-running it), ``verified``,
+        ``disputed`` (a third provider decides), ``overturned`` (it was wrong: you were
+        refunded and the outputs are now the majority's) or ``nondeterministic``."""
+        return self.job.verification
+
+    def wait_verified(self, timeout: float = 600.0) -> str:
+        """Wait until the verification status is final (not checking or disputed), then
+        refetch the outputs (an overturned job's outputs are replaced). Returns it."""
+        deadline = time.monotonic() + timeout
+        self.job.refresh()
+        while self.job.verification in ("checking", "disputed"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(0.2, left))
+            self.job.refresh()
+        self.outputs, self._bytes = self.job.data.get("outputs", []), {}
+        return self.job.verification
+
+    @property
+    def meta(self) -> list[dict]:
+        """Each output's plugin meta (seed used, token ids, …) as the provider signed it."""
+        return [o.get("meta", {}) for o in self.outputs]
 
     def output_bytes(self, index: int) -> bytes:
         if index not in self._bytes:

@@ -109,9 +109,11 @@ class LocalNetwork:
     def start_agent(self, name: str, api_key: str, *, plugins: str = "echo", slots: int = 1,
                     weights_dir: Path | None = None, sandbox: bool = True,
                     extra_env: dict | None = None, device: str = "cpu",
-                    run_args: list[str] | None = None) -> AgentProcess:
+                    run_args: list[str] | None = None, env: dict | None = None) -> AgentProcess:
         """Start ``sparecycles agent run`` (after ``agent init`` the first time); extra
-        ``run_args`` go to `agent run` (e.g. ["--ask", "echo=200"])."""
+        ``run_args`` go to `agent run` (e.g. ["--ask", "echo=200"]); ``env`` (or its older
+        name ``extra_env``) is merged into the agent process's environment, e.g.
+        ``{"SPARECYCLES_CHEAT": "wrong-seed"}`` for the verification harness."""
         home = self.workdir / f"agent-{name}"
         if not (home / "agent.toml").exists():
             init = cli("agent", "init", "--home", str(home), "--broker", self.info["grpc"],
@@ -130,7 +132,7 @@ class LocalNetwork:
         self._logs.append(log)
         # Several agents share this machine's cores: one torch thread each avoids
         # oversubscription (an operator's single agent keeps torch's default).
-        env = {"OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
+        env = {"OMP_NUM_THREADS": "1", **self.env, **(extra_env or {}), **(env or {})}
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=self.workdir)
         agent = AgentProcess(name, home, proc, log_path, args, env)

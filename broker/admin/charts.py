@@ -67,3 +67,27 @@ def chart(points: list[tuple[float, float | None]], *, kind: str = "line", label
                      'text-anchor="middle">no data in the last hour</text>')
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+#: Verification statuses in the order and colours the console shows them.
+STATUS_COLORS = (("verified", "#17a05d"), ("checking", "#d9900b"), ("disputed", "#e5484d"),
+                 ("overturned", "#b4231f"), ("nondeterministic", "#7828c8"),
+                 ("unchecked", "#c3c8d4"))
+
+
+def status_bar(counts: dict[str, int], *, height: int = 14) -> Markup:
+    """A stacked horizontal bar of verification statuses (an SVG: no inline styles)."""
+    total = sum(max(0, int(counts.get(k, 0))) for k, _ in STATUS_COLORS)
+    parts = [f'<svg class="vbar" viewBox="0 0 1000 {height}" preserveAspectRatio="none" '
+             f'role="img" aria-label="verification statuses">']
+    x = 0.0
+    for key, color in STATUS_COLORS:
+        n = max(0, int(counts.get(key, 0)))
+        if not n or not total:
+            continue
+        w = 1000 * n / total
+        parts.append(f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="{height}" fill="{color}">'
+                     f'<title>{escape(key)}: {n}</title></rect>')
+        x += w
+    parts.append("</svg>")
+    return Markup("".join(parts))

@@ -71,18 +71,133 @@ class AdminService:
                            "connected": connected})
         return provider
 
-    def provider_detail(self, provider_id: str) -> dict:
+    def provider_detail(self, provider_id: str, *, market=None, verification=None) -> dict:
+        """Everything the provider page shows. ``market`` (MarketService) gives claimed and
+        measured θ per plugin; ``verification`` (VerificationService, None when off) the
+        standing per (plugin, hardware class)."""
         p = self.providers.get(provider_id)
         if p is None:
             raise NotFound(f"no provider {provider_id!r}")
         session = self.dispatcher.session(provider_id)
         balances = {k.value: v for k, v in self.ledger.balances(p.account_id).items()}
+        standings = verification.repo.standings(provider_id) if verification is not None else []
+        new_checks = (verification.settings.new_provider_checks
+                      if verification is not None else None)
         return {"provider": p, "online": session is not None,
                 "session": session, "stats": self.queries.provider_stats(provider_id),
-                "balances": balances,
+                "balances": balances, "earnings": self.queries.provider_earnings(provider_id),
+                "throughput": self._throughput(provider_id, market),
+                "verification_on": verification is not None,
+                "standings": standings, "new_provider_checks": new_checks,
+                "cv_min": min((s.consecutive_valid for s in standings), default=None),
+                "quota_factor": min((s.quota_factor for s in standings), default=1.0),
                 "jobs": self.queries.search_jobs(provider=provider_id, limit=25),
                 "history": self.audit.search(subject=f"provider:{provider_id}", limit=20),
                 "operator": self.queries.account_names([p.account_id]).get(p.account_id, "")}
+
+    @staticmethod
+    def _throughput(provider_id: str, market) -> list[dict]:
+        """Per plugin: the agent's benchmark claim beside the broker's measured θ."""
+        if market is None:
+            return []
+        rows = []
+        for a in market.asks({provider_id}):
+            claimed, measured = a.get("claimed_units_per_s"), a.get("measured_units_per_s")
+            rows.append({**a, "ratio": (measured / claimed) if claimed and measured else None})
+        return sorted(rows, key=lambda r: r["plugin"])
+
+    # ---- verification ----------------------------------------------------------------
+    def job_verification(self, job_id: str, verification) -> dict:
+        """The job's verification as the job page shows it: its record, every run (the
+        client's and the checks) with its provider and signed outputs, the comparison
+        figures as table rows, the outcome; for a check job, the job it checks."""
+        from .verification_view import REASONS, STATUS_TEXT, comparison_rows, thresholds_caption
+        if verification is None:
+            return {"enabled": False}
+        job = self.jobs.repo.get(job_id)
+        out: dict[str, Any] = {"enabled": True, "record": None, "parent": None, "runs": []}
+        if job is None:
+            return out
+        if job.check_of:
+            pv = verification.repo.get(job.check_of)
+            role = ("checker" if pv and pv.checker_job_id == job.id else
+                    "tiebreaker" if pv and pv.tiebreak_job_id == job.id else "check")
+            out["parent"] = {"job_id": job.check_of, "role": role,
+                             "status": pv.status.value if pv else None}
+            return out
+        v = verification.repo.get(job_id)
+        if v is None:
+            return out
+        outcome = dict(v.outcome or {})
+        losers = {p.get("provider_id"): p for p in outcome.get("penalties") or []}
+        confirmed = set(outcome.get("credits") or [])
+        roles = {v.checker_job_id: "checker", v.tiebreak_job_id: "tiebreaker"}
+        runs = [self._run_view(job, "primary", losers, confirmed)]
+        for check in self.jobs.repo.checks_of(job_id):
+            runs.append(self._run_view(check, roles.get(check.id, "check"), losers, confirmed))
+        cmp = comparison_rows(v.comparisons)
+        out.update(record=v, status=v.status.value,
+                   status_text=STATUS_TEXT.get(v.status.value, ""),
+                   reason_text=REASONS.get(v.reason, v.reason), runs=runs,
+                   comparisons=cmp, thresholds=thresholds_caption(cmp), outcome=outcome,
+                   penalties=[{**p, "name": self._provider_name(p.get("provider_id"))}
+                              for p in outcome.get("penalties") or []],
+                   images=any(o["media_type"].startswith("image/")
+                              for r in runs for o in r["outputs"]))
+        return out
+
+    def _provider_name(self, provider_id: str | None) -> str:
+        if not provider_id:
+            return ""
+        p = self.providers.get(provider_id)
+        return (p.name if p else "") or ""
+
+    def run_outputs(self, job) -> list[dict]:
+        """A run's outputs as its provider signed them in the receipt (an overturned job's
+        output rows point at the majority's outputs since; its receipt still names its
+        own). Falls back to the job's output rows when there is no receipt."""
+        listed = [o for o in ((job.receipt or {}).get("outputs") or []) if o.get("sha256")]
+        if listed:
+            return [{"index": int(o.get("index", i)), "sha256": o["sha256"],
+                     "media_type": str(o.get("media_type") or "application/octet-stream"),
+                     "size": o.get("size")} for i, o in enumerate(listed)]
+        return [{"index": o.index, "sha256": o.sha256, "media_type": o.media_type,
+                 "size": o.size} for o in self.jobs.repo.outputs(job.id)]
+
+    def output_text(self, sha256: str, limit: int = 2000) -> str:
+        try:
+            return self.jobs.blobs.get(sha256)[:limit].decode("utf-8", "replace")
+        except Exception as exc:  # noqa: BLE001 - shown in place of the text
+            return f"(output unavailable: {exc})"
+
+    def _run_view(self, job, role: str, losers: dict, confirmed: set) -> dict:
+        outputs = self.run_outputs(job)
+        for o in outputs:
+            if not o["media_type"].startswith("image/"):
+                o["text"] = self.output_text(o["sha256"])
+        pid = job.provider_id or ""
+        verdict = ("outvoted" if pid in losers else "confirmed" if pid in confirmed else "")
+        state = job.state.value if hasattr(job.state, "value") else str(job.state)
+        return {"role": role, "job_id": job.id, "provider_id": pid,
+                "provider_name": self._provider_name(pid), "state": state,
+                "run_ms": ((job.receipt or {}).get("timings_ms") or {}).get("run"),
+                "hardware_class": ((job.receipt or {}).get("repro") or {}).get("hardware_class"),
+                "outputs": outputs, "verdict": verdict}
+
+    def verification_overview(self, verification, *, window_s: int = 3600) -> dict:
+        """The overview's verification panel: checks in the window, outcomes by status,
+        and the redundancy overhead (check jobs ÷ client jobs)."""
+        import time
+        from .verification_view import ratio
+        if verification is None:
+            return {"enabled": False}
+        s = self.queries.verification_summary(time.time() - window_s)
+        recent = verification.repo.recent(8)
+        recent = [r for r in recent if r.status.value != "unchecked"][:6] or recent[:6]
+        return {"enabled": True, **s,
+                "overhead_recent": ratio(s["checks_recent"], s["client_jobs_recent"]),
+                "overhead_total": ratio(s["checks_total"], s["client_jobs_total"]),
+                "recent": recent}
 
     # ---- overview -------------------------------------------------------------------
     def overview(self) -> dict:

@@ -14,7 +14,7 @@ from broker.errors import BrokerError, Unauthenticated
 from broker.ledger.model import AccountId, AccountKind
 from broker.jobs.model import JobState
 from broker.pricing.policy import POLICY_FIELDS
-from .charts import chart
+from .charts import chart, status_bar
 from .service import PRICE_FIELDS
 from .session import COOKIE, LOGIN_CSRF_COOKIE, AdminSessions
 
@@ -201,7 +201,10 @@ def overview():
         "credits": chart([(x["t"], x["spent_micro"] / 1e6) for x in b], kind="bar",
                          label="credits spent per minute", color="#0e9f9a"),
     }
-    return render_template("admin/overview.html", o=o, charts=charts, page="overview")
+    v = svc().admin.verification_overview(svc().verification)
+    vbar = status_bar(v.get("by_status") or {}) if v.get("enabled") else ""
+    return render_template("admin/overview.html", o=o, charts=charts, v=v, vbar=vbar,
+                           page="overview")
 
 
 # ---- pricing ------------------------------------------------------------------------------
@@ -276,13 +279,16 @@ def providers():
     online = {x.provider_id: x for x in s.dispatcher.sessions()}
     names = s.admin.queries.account_names(sorted({p.account_id for p in all_p}))
     return render_template("admin/providers.html", providers=all_p, online=online, names=names,
-                           page="providers")
+                           standing=s.admin.queries.standing_summary(),
+                           verification_on=s.verification is not None, page="providers")
 
 
 @bp.get("/providers/<provider_id>")
 def provider(provider_id):
-    d = svc().admin.provider_detail(provider_id)
-    return render_template("admin/provider.html", d=d, p=d["provider"], page="providers")
+    s = svc()
+    d = s.admin.provider_detail(provider_id, market=s.market, verification=s.verification)
+    return render_template("admin/provider.html", d=d, p=d["provider"],
+                           marks=_job_marks(d["jobs"]), page="providers")
 
 
 @bp.post("/providers/<provider_id>/action")
@@ -299,6 +305,14 @@ def provider_action(provider_id):
 
 
 # ---- jobs ---------------------------------------------------------------------------------
+def _job_marks(rows) -> dict:
+    """What the jobs tables show beside each row: its verification status, and for a
+    check job the client job it checks and its role."""
+    q = svc().admin.queries
+    return {"status": q.verification_statuses([r.id for r in rows if not r.check_of]),
+            "checks": q.check_roles([r.id for r in rows if r.check_of])}
+
+
 def _time_arg(name):
     v = request.args.get(name, "").strip()
     if not v:
@@ -318,7 +332,7 @@ def jobs():
                                            plugin=a.get("plugin") or None, state=a.get("state") or None,
                                            since=_time_arg("since"), until=_time_arg("until"), limit=200)
     return render_template("admin/jobs.html", rows=rows, q=a, states=[s.value for s in JobState],
-                           plugins=svc().catalog.names(), page="jobs")
+                           plugins=svc().catalog.names(), marks=_job_marks(rows), page="jobs")
 
 
 @bp.get("/jobs/<job_id>")
@@ -341,11 +355,15 @@ def job(job_id):
     if j.hold_id:
         trail = sorted(trail + s.audit.search(subject=f"hold:{j.hold_id}", limit=50),
                        key=lambda e: -e.seq)
-    disputes = [d for d in s.disputes.list() if d.job_id == job_id or
+    disputes = [d for d in s.disputes.list(None) if d.job_id == job_id or
                 any(x.get("job_id") == job_id for x in d.sides)]
+    if j.check_of:
+        trail = sorted(trail + s.audit.search(subject=f"job:{j.check_of}", action="verification",
+                                              limit=50), key=lambda e: -e.seq)
     return render_template("admin/job.html", j=j, outputs=outputs, texts=texts,
                            events=s.jobs.repo.events_after(job_id, 0), trail=trail,
-                           disputes=disputes, page="jobs")
+                           disputes=disputes, ver=s.admin.job_verification(job_id, s.verification),
+                           page="jobs")
 
 
 @bp.get("/jobs/<job_id>/outputs/<int:index>")
@@ -358,23 +376,54 @@ def job_output(job_id, index):
     abort(404)
 
 
+@bp.get("/jobs/<job_id>/runs/<int:index>")
+def job_run_output(job_id, index):
+    """An output as the run's provider signed it in its receipt: for an overturned job
+    that is the wrong output the client first got (its output rows now name the
+    majority's)."""
+    s = svc()
+    job = s.jobs.repo.get(job_id)
+    if job is None:
+        abort(404)
+    for o in s.admin.run_outputs(job):
+        if o["index"] == index:
+            try:
+                data = s.jobs.blobs.get(o["sha256"])
+            except Exception:  # noqa: BLE001 - gone from the blob store
+                abort(404)
+            return Response(data, mimetype=o["media_type"],
+                            headers={"Cache-Control": "private, max-age=3600"})
+    abort(404)
+
+
 # ---- disputes -----------------------------------------------------------------------------
+ROLE_RANK = {"primary": 0, "checker": 1, "tiebreaker": 2}
+
+
 @bp.get("/disputes")
 def disputes():
+    from .verification_view import comparison_rows, thresholds_caption
+    s = svc()
     state = request.args.get("state", "open")
-    items = svc().disputes.list(None if state == "all" else state)
-    outputs = {}
+    items = s.disputes.list(None if state == "all" else state)
+    texts, figures, sides = {}, {}, {}
     for d in items:
-        for side in d.sides:
-            outputs[(side.get("job_id"), side.get("output_index", 0))] = side.get("media_type", "")
-    texts = {}
-    for (job_id, index), media in outputs.items():
-        if media and not media.startswith("image/"):
-            for o in svc().jobs.repo.outputs(job_id):
-                if o.index == index:
-                    texts[(job_id, index)] = svc().jobs.blobs.get(o.sha256)[:2000].decode("utf-8", "replace")
+        rows = comparison_rows(d.comparisons)
+        figures[d.id] = (rows, thresholds_caption(rows))
+        shown = []
+        for side in sorted(d.sides, key=lambda x: ROLE_RANK.get(x.get("role", ""), 9)):
+            side = dict(side)  # what the run's provider signed, not what the job shows now
+            key = (side.get("job_id"), side.get("output_index", 0))
+            job = s.jobs.repo.get(key[0]) if key[0] else None
+            for o in (s.admin.run_outputs(job) if job else []):
+                if o["index"] == key[1]:
+                    side.update(sha256=o["sha256"], media_type=o["media_type"])
+                    if not o["media_type"].startswith("image/") and key not in texts:
+                        texts[key] = s.admin.output_text(o["sha256"])
+            shown.append(side)
+        sides[d.id] = shown
     return render_template("admin/disputes.html", items=items, state=state, texts=texts,
-                           page="disputes")
+                           figures=figures, sides=sides, page="disputes")
 
 
 @bp.post("/disputes/<dispute_id>/override")

@@ -97,9 +97,22 @@ def create_quote():
         raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
                            plugin=manifest.ref) from None
     q = svc.pricing.quote(manifest.name, manifest.version, manifest.work_units_for(inputs))
+    # Adapter royalties (issue #5) are added to the hold at submit and paid after the
+    # provider's share and before the platform fee (broker/billing/service.py).
+    registry = getattr(svc, "registry", None)
+    royalties = registry.royalties_for(manifest.name, inputs) if registry is not None else []
+    publisher, royalty = (registry.royalty_split(manifest.name, inputs)
+                          if registry is not None else (None, 0))
     return {"object": "quote", "plugin": q.plugin, "version": q.version,
-            "work_units": q.work_units, "min_micro": q.min_micro,
-            "expected_micro": q.expected_micro, "max_micro": q.max_micro,
-            "held_at_submit_micro": q.max_micro,
+            "work_units": q.work_units, "min_micro": q.min_micro + royalty,
+            "expected_micro": q.expected_micro + royalty,
+            "max_micro": q.max_micro + royalty,
+            "held_at_submit_micro": q.max_micro + royalty,
+            "royalty_micro": royalty,
+            "royalties": [{"adapter": r.adapter, "version": r.version,
+                           "publisher_account": r.publisher_account,
+                           "royalty_micro": r.royalty_micro,
+                           "charged": r.royalty_micro > 0 and r.publisher_account == publisher}
+                          for r in royalties],
             "price": {"reserve_micro_per_unit": q.price.reserve_micro_per_unit,
                       "fee_bps": q.price.fee_bps, "min_charge_micro": q.price.min_charge_micro}}

@@ -15,13 +15,30 @@ bp = Blueprint("jobs", __name__)
 MAX_WAIT_S = 60.0
 
 
-def output_to_json(job_id: str, o: JobOutput) -> dict:
+def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None) -> dict:
     return {"index": o.index, "media_type": o.media_type, "sha256": o.sha256, "size": o.size,
-            "url": f"/v1/jobs/{job_id}/outputs/{o.index}"}
+            "url": f"/v1/jobs/{job_id}/outputs/{o.index}", "meta": meta or {}}
+
+
+def _metas(job: Job) -> dict[str, dict]:
+    """The plugin's meta of each output (seed, token ids, …), as the provider's signed
+    receipt states it, by output sha256 (an overturned job's outputs are another run's)."""
+    return {str(o.get("sha256")): dict(o.get("meta") or {})
+            for o in (job.receipt or {}).get("outputs", []) if isinstance(o, dict)}
+
+
+def verification_to_json(v) -> dict:
+    """A job's verification status (DESIGN §6): unchecked, checking, verified, disputed,
+    overturned or nondeterministic."""
+    if v is None:
+        return {"status": "unchecked"}
+    return {"status": v.status.value, "p": round(v.p, 6), "reason": v.reason,
+            "updated_at": v.updated_at,
+            "note": (v.outcome or {}).get("note", "")}
 
 
 def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
-                sandboxed: bool | None = None) -> dict:
+                sandboxed: bool | None = None, verification=None) -> dict:
     body = {
         "id": job.id, "object": "job", "plugin": job.plugin, "version": job.plugin_version,
         "state": job.state.value, "attempt": job.attempt, "inputs": job.inputs,
@@ -37,16 +54,24 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
         # The auction's clearing price (micro-credits per work unit), once assigned.
         "price_micro_per_unit": job.price_micro_per_unit,
         "batch_id": job.batch_id, "batch_index": job.batch_index,
+        "verify": job.verify, "weights_digest": job.weights_digest,
+        "verification": verification_to_json(verification),
     }
+    if job.check_of:
+        body["check_of"] = job.check_of
     if outputs is not None:
-        body["outputs"] = [output_to_json(job.id, o) for o in outputs]
+        metas = _metas(job)
+        body["outputs"] = [output_to_json(job.id, o, metas.get(o.sha256)) for o in outputs]
     return body
 
 
 def _render(job: Job) -> dict:
     svc = services()
     outputs = svc.jobs.repo.outputs(job.id) if job.state.value == "settled" else []
-    return job_to_json(job, outputs, sandboxed=svc.providers.sandboxed_of(job.provider_id))
+    verification = (svc.verification.status(job.id)
+                    if svc.verification is not None and job.state.value == "settled" else None)
+    return job_to_json(job, outputs, sandboxed=svc.providers.sandboxed_of(job.provider_id),
+                       verification=verification)
 
 
 @bp.post("/v1/jobs")

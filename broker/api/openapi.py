@@ -1,6 +1,8 @@
 """The OpenAPI 3.1 document of the client API, served at /openapi.json."""
 from flask import Blueprint
 
+from . import registry as registry_api
+
 bp = Blueprint("openapi", __name__)
 
 _PROBLEM = {"$ref": "#/components/schemas/Problem"}
@@ -9,6 +11,7 @@ _PROBLEM = {"$ref": "#/components/schemas/Problem"}
 def _errors(*codes):
     return {str(c): {"description": d, "content": {"application/problem+json": {"schema": _PROBLEM}}}
             for c, d in ((400, "Malformed request"), (401, "Missing or bad API key"),
+                         (403, "Not allowed for this API key"),
                          (404, "No such job, output or plugin"), (409, "Conflict"),
                          (422, "Inputs outside the plugin's schema")) if c in codes}
 
@@ -42,11 +45,26 @@ def document() -> dict:
                                                        "description": "cap for the whole request"},
                                    "deadline_s": {"type": "number", "exclusiveMinimum": 0},
                                    "n": {"type": "integer", "minimum": 1, "maximum": 64,
-                                         "description": "split into n sibling jobs (a batch)"}}},
+                                         "description": "split into n sibling jobs (a batch)"},
+                                   "verify": {"type": "string", "enum": ["sampled", "always"],
+                                              "description": "always: every output is re-run "
+                                              "on a second provider (you pay both runs)"},
+                                   "weights_digest": {"type": "string",
+                                                      "pattern": "^[0-9a-f]{64}$",
+                                                      "description": "run only on these "
+                                                      "weights"}}},
                 "Output": {"type": "object", "properties": {
                     "index": {"type": "integer"}, "media_type": {"type": "string"},
                     "sha256": {"type": "string"}, "size": {"type": "integer"},
-                    "url": {"type": "string"}}},
+                    "url": {"type": "string"},
+                    "meta": {"type": "object", "description": "the plugin's meta (seed, "
+                             "token ids, latent hash …) as the provider signed it"}}},
+                "Verification": {"type": "object", "properties": {
+                    "status": {"type": "string", "enum": ["unchecked", "checking", "verified",
+                                                          "disputed", "overturned",
+                                                          "nondeterministic"]},
+                    "p": {"type": "number"}, "reason": {"type": "string"},
+                    "note": {"type": "string"}}},
                 "Job": {"type": "object", "properties": {
                     "id": {"type": "string"}, "plugin": {"type": "string"},
                     "version": {"type": "string"},
@@ -56,6 +74,8 @@ def document() -> dict:
                                                          "failed"]},
                     "attempt": {"type": "integer"}, "inputs": {"type": "object"},
                     "progress": {"type": "object"}, "error": {"type": ["object", "null"]},
+                    "verify": {"type": "string"}, "weights_digest": {"type": ["string", "null"]},
+                    "verification": {"$ref": "#/components/schemas/Verification"},
                     "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Output"}}}},
                 "Plugin": {"type": "object", "properties": {
                     "name": {"type": "string"}, "version": {"type": "string"},
@@ -100,9 +120,14 @@ def document() -> dict:
                                                 "schema": {"type": "integer"}}],
                         "responses": {"200": {"description": "The output"},
                                       **_errors(401, 404)}}},
-            "/v1/plugins": {"get": {"summary": "Plugins and their input schemas",
+            "/v1/plugins": {"get": {"summary": "Plugins and their input schemas (search: q, "
+                                               "publisher, output)",
                                     "operationId": "listPlugins",
-                                    "responses": {"200": {"description": "Plugins"}}}},
+                                    "parameters": [{"name": n, "in": "query",
+                                                    "schema": {"type": "string"}}
+                                                   for n in ("q", "publisher", "output")],
+                                    "responses": {"200": {"description": "Plugins"}}},
+                            "post": registry_api.publish_plugin_openapi(_errors)},
             "/v1/plugins/{name}": {"get": {"summary": "One plugin", "operationId": "getPlugin",
                                            "parameters": [{"name": "name", "in": "path",
                                                            "required": True,
@@ -136,6 +161,29 @@ def document() -> dict:
                 "summary": "Ledger history of your accounts", "operationId": "transactions",
                 "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer"}}],
                 "responses": {"200": {"description": "Transactions"}, **_errors(401)}}},
+            "/v1/account/stake": {"post": {
+                "summary": "Put available credits at stake (providers; verification slashes "
+                           "part of it when the provider is outvoted)",
+                "operationId": "stake",
+                "parameters": [{"name": "Idempotency-Key", "in": "header",
+                                "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["amount_micro"],
+                               "properties": {"amount_micro": {"type": "integer",
+                                                               "minimum": 1}}}}}},
+                "responses": {"200": {"description": "Stake and available balances"},
+                              **_errors(400, 401, 403, 409)}}},
+            "/v1/account/unstake": {"post": {
+                "summary": "Take credits back from stake to the available balance",
+                "operationId": "unstake",
+                "parameters": [{"name": "Idempotency-Key", "in": "header",
+                                "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["amount_micro"],
+                               "properties": {"amount_micro": {"type": "integer",
+                                                               "minimum": 1}}}}}},
+                "responses": {"200": {"description": "Stake and available balances"},
+                              **_errors(400, 401, 403, 409)}}},
             "/v1/credits/checkout": {"post": {
                 "summary": "Buy credits: a Stripe Checkout session URL",
                 "operationId": "checkout",
@@ -174,10 +222,23 @@ def document() -> dict:
                                         "schema": {"type": "string"}}],
                         "responses": {"200": {"description": "The new price"},
                                       **_errors(400, 401, 404, 422)}}},
+            "/v1/admin/market": {
+                "get": {"summary": "The market's rules: reputation floor and more (admin)",
+                        "operationId": "getMarketRules",
+                        "responses": {"200": {"description": "The rules"}, **_errors(401, 404)}},
+                "put": {"summary": "Set the reputation floor (0..1; stored and audited; admin)",
+                        "operationId": "setMarketRules",
+                        "requestBody": {"required": True, "content": {"application/json": {
+                            "schema": {"type": "object", "required": ["reputation_floor"],
+                                       "properties": {"reputation_floor": {
+                                           "type": "number", "minimum": 0, "maximum": 1}}}}}},
+                        "responses": {"200": {"description": "The new rules"},
+                                      **_errors(400, 401, 404, 422)}}},
             "/v1/admin/grants": {"post": {
                 "summary": "Grant credits (dev funding mode only; admin)",
                 "operationId": "grant",
                 "responses": {"200": {"description": "The deposit"}, **_errors(400, 401, 409)}}},
+            **registry_api.openapi_paths(_errors),  # the marketplace (broker/api/registry.py)
             "/livez": {"get": {"summary": "Liveness", "security": [],
                                "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness", "security": [],

@@ -7,8 +7,13 @@ Economics in one page
 A provider posts a standing ask: micro-credits per work unit for one plugin build. A job of
 ``W`` work units clears at once against the asks that can run it (same plugin version and
 weights digest, enough VRAM, a broker-measured throughput θ, reputation at or above the
-floor, ask at or below the reserve, not linked to the client, online, a free slot). Each
-eligible ask gets a score in micro-credits, lower is better::
+floor, ask at or below the reserve, not linked to the client, online, a free slot). The
+weights digest is only a bucket key here: which digest a job is pinned to, and under which
+digests a provider's ask is filed, is the broker's call (``broker/market/builds.py``). The
+reputation floor gives way for a job that no ask at or above it could take, busy or not
+(``clearing.floor_gives_way``): a thin market then still clears, and a job waits only for
+a reliable provider that exists. Each eligible ask gets a score in micro-credits, lower is
+better::
 
     score = ask·W + λ·(queue_s + cold_start_s + W/θ) + (1 − reliability)·F
 

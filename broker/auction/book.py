@@ -131,6 +131,15 @@ class OrderBook:
         self._by_provider: dict[str, set[BuildKey]] = {}
 
     # -- writes ---------------------------------------------------------------------------
+    def set_rules(self, rules: AuctionRules) -> None:
+        """Change the market's rules (an admin moved the reputation floor, say). Standing
+        asks stay; the sorted views are rebuilt on their next use, since the rules decide
+        which asks are active and how a claimed throughput counts."""
+        self.rules = rules
+        for bucket in self._buckets.values():
+            bucket._rules = rules
+            bucket._views.clear()
+
     def post(self, ask: Ask) -> None:
         """Add ``ask`` or replace the provider's ask for the same plugin build. Raises
         :class:`InvalidAsk` before touching anything, so the previous valid ask stands."""

@@ -10,7 +10,9 @@ reserve. When no operator loses (fewer than K+1 eligible), the winners are paid 
 reserve; if there are fewer operators than slots, the remaining slots go to the winners'
 other machines, then to further free slots on the same machines, also at the reserve, and
 whatever cannot be placed is reported as unfilled. Ties are broken by a random order drawn
-once per clearing from the injected ``random.Random``.
+once per clearing from the injected ``random.Random``. The reputation floor has one
+exception: it gives way for a job that no ask at or above it could take
+(:func:`floor_gives_way`).
 
 Why asking one's true cost is the best strategy. A winner's payment depends only on the
 *other* operators' scores: its own ask decides whether it wins, never how much it gets.
@@ -64,11 +66,50 @@ def clear(job: JobSpec, book: OrderBook, rng: random.Random, now_s: float) -> Cl
     Raises :class:`NoEligibleProvider` when no ask is eligible at all, and
     :class:`CannotMeetTerms` when eligible asks exist but none meets the client's max price
     or deadline; both carry the reason counts and the best achievable terms."""
-    salt = draw_salt(rng)
-    result = _clear_fast(job, book, salt, now_s)
+    return run(job, book, draw_salt(rng), now_s, _clear_fast)
+
+
+def run(job: JobSpec, book: OrderBook, salt: bytes, now_s: float,
+        clear_fn: ClearFn) -> ClearingResult:
+    """Clearing with the reputation floor's one exception, shared by the fast path and
+    the reference: when nothing clears and the floor :func:`gives way <floor_gives_way>`,
+    clear again with it lifted."""
+    result = clear_fn(job, book, salt, now_s)
+    if result is None and floor_gives_way(job, book, now_s):
+        job = replace(job, floor_lifted=True)
+        result = clear_fn(job, book, salt, now_s)
     if result is None:
-        raise refusal(job, book, salt, now_s, _clear_fast)
+        raise refusal(job, book, salt, now_s, clear_fn)
     return result
+
+
+def floor_gives_way(job: JobSpec, book: OrderBook, now_s: float) -> bool:
+    """The reputation floor keeps asks under it out of a job only while some ask at or above
+    it could take the job, busy or not, whatever the client's max price and deadline: such
+    a job waits for a reliable provider. When every ask that could take it is under the
+    floor (a thin market, a build only shaky machines serve), waiting would last until
+    canaries restore someone, so the floor gives way and those asks compete as usual (the
+    score still charges them ``(1 − reliability)·F``). Whether it gives way never depends
+    on the ask of a provider that could win, so truthful asking stays dominant."""
+    if job.floor_lifted:
+        return False
+    bucket = book.bucket(job.build_key)
+    if bucket is None:
+        return False
+    rules = book.rules
+    floor = rules.reputation_floor
+    skip = _FLOOR_SKIP
+    under = False
+    for ask in bucket.asks.values():
+        if scoring.ineligibility(ask, job, rules, now_s, skip) is None:
+            if ask.reputation >= floor:
+                return False
+            under = True
+    return under
+
+
+_FLOOR_SKIP = frozenset({scoring.BUSY, scoring.LOW_REPUTATION, scoring.ABOVE_MAX_PRICE,
+                         scoring.TOO_SLOW})
 
 
 def _clear_fast(job: JobSpec, book: OrderBook, salt: bytes, now_s: float) -> ClearingResult | None:
@@ -94,7 +135,7 @@ def _search(job: JobSpec, book: OrderBook, now_s: float) -> list[Candidate]:
     need = job.n_slots + 1
     r_eff = scoring.effective_reserve(job)
     min_vram = job.min_vram_gb
-    floor = rules.reputation_floor
+    floor = scoring.reputation_floor(job, rules)
     client = job.client_id
     deadline = job.deadline_s
     measured_only = rules.claimed_throughput_factor
@@ -207,7 +248,7 @@ def allocate(job: JobSpec, cands: list[Candidate], salt: bytes, now_s: float) ->
                     progress = True
     return ClearingResult(job_id=job.job_id, build_key=job.build_key, awards=tuple(awards),
                           unfilled_slots=k - len(awards), reserve_micro_per_unit=r_eff,
-                          cleared_at_s=now_s)
+                          cleared_at_s=now_s, floor_lifted=job.floor_lifted)
 
 
 ClearFn = Callable[[JobSpec, OrderBook, bytes, float], "ClearingResult | None"]

@@ -46,8 +46,10 @@ class AuctionRules:
     priority. ``claimed_throughput_factor`` is applied to a throughput that the broker has not
     measured yet: 0 (the default) makes such asks ineligible, as DESIGN §4 requires; an admin
     may set e.g. 0.5 to let new providers in on a discounted claim (claims are not verified,
-    so a factor above 0 opens a channel for exaggeration). The ``max_*`` bounds reject absurd
-    asks and impossible benchmark figures."""
+    so a factor above 0 opens a channel for exaggeration). ``reputation_floor``: asks whose
+    ``reputation`` is under it are not eligible while any ask at or above it could take the
+    job (see :func:`clearing.floor_gives_way`). The ``max_*`` bounds reject absurd asks and
+    impossible benchmark figures."""
 
     lambda_micro_per_s: Mapping[Priority, int] = field(
         default_factory=lambda: DEFAULT_LAMBDA_MICRO_PER_S)
@@ -120,7 +122,9 @@ class JobSpec:
     ``failure_penalty_micro`` overrides the rules' F for this job (each distinct value
     builds its own index in the book: keep the set of values small).
     ``excluded_provider_ids`` / ``excluded_operator_ids`` keep out providers that already
-    failed this job, or the first provider's operator for a verification re-run (§6)."""
+    failed this job, or the first provider's operator for a verification re-run (§6).
+    ``floor_lifted`` is set by the auction itself when the reputation floor gives way for
+    this job (see :func:`clearing.floor_gives_way`); callers leave it False."""
 
     plugin: str
     plugin_version: str
@@ -137,6 +141,7 @@ class JobSpec:
     excluded_provider_ids: frozenset[str] = frozenset()
     excluded_operator_ids: frozenset[str] = frozenset()
     job_id: str | None = None
+    floor_lifted: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.work_units, (int, float)) and math.isfinite(self.work_units)
@@ -197,7 +202,9 @@ class Award:
 class ClearingResult:
     """The outcome of clearing one job. ``unfilled_slots`` > 0 when a split found fewer free
     slots than siblings: the broker keeps those siblings queued. ``reserve_micro_per_unit``
-    is the effective reserve (the admin reserve, lowered by the client's max price)."""
+    is the effective reserve (the admin reserve, lowered by the client's max price).
+    ``floor_lifted``: nobody at or above the reputation floor could take the job, so
+    providers under it competed (see :func:`clearing.floor_gives_way`)."""
 
     job_id: str | None
     build_key: tuple[str, str, str]
@@ -205,6 +212,7 @@ class ClearingResult:
     unfilled_slots: int
     reserve_micro_per_unit: int
     cleared_at_s: float
+    floor_lifted: bool = False
 
     @property
     def total_payment_micro(self) -> int:

@@ -7,7 +7,7 @@ import random
 
 from . import scoring
 from .book import OrderBook
-from .clearing import Candidate, allocate, draw_salt, refusal
+from .clearing import Candidate, allocate, draw_salt, run
 from .model import ClearingResult, JobSpec
 
 
@@ -34,8 +34,4 @@ def _clear_scan(job: JobSpec, book: OrderBook, salt: bytes, now_s: float) -> Cle
 def reference_clear(job: JobSpec, book: OrderBook, rng: random.Random,
                     now_s: float) -> ClearingResult:
     """Same contract and same result as :func:`clearing.clear`, by full scan."""
-    salt = draw_salt(rng)
-    result = _clear_scan(job, book, salt, now_s)
-    if result is None:
-        raise refusal(job, book, salt, now_s, _clear_scan)
-    return result
+    return run(job, book, draw_salt(rng), now_s, _clear_scan)

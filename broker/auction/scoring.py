@@ -72,12 +72,18 @@ def effective_reserve(job: JobSpec) -> int:
     return min(job.reserve_micro_per_unit, per_unit)
 
 
-def ineligibility(ask: Ask, job: JobSpec, rules: AuctionRules, now_s: float) -> str | None:
+def reputation_floor(job: JobSpec, rules: AuctionRules) -> float:
+    """The floor that applies to ``job``: the rules', unless it gave way for this job."""
+    return -math.inf if job.floor_lifted else rules.reputation_floor
+
+
+def ineligibility(ask: Ask, job: JobSpec, rules: AuctionRules, now_s: float,
+                  skip: frozenset[str] = frozenset()) -> str | None:
     """Why ``ask`` cannot take ``job`` (first reason, see the constants), or None.
-    Assumes the ask serves the job's plugin build."""
+    Reasons in ``skip`` are not checked. Assumes the ask serves the job's plugin build."""
     if not ask.online:
         return OFFLINE
-    if ask.slots_free <= 0:
+    if ask.slots_free <= 0 and BUSY not in skip:
         return BUSY
     if ask.expires_at_s is not None and ask.expires_at_s <= now_s:
         return EXPIRED
@@ -90,13 +96,14 @@ def ineligibility(ask: Ask, job: JobSpec, rules: AuctionRules, now_s: float) -> 
     theta = effective_throughput(ask, rules)
     if not theta > 0:
         return NO_THROUGHPUT
-    if ask.reputation < rules.reputation_floor:
+    if ask.reputation < reputation_floor(job, rules) and LOW_REPUTATION not in skip:
         return LOW_REPUTATION
     if ask.price_micro_per_unit > job.reserve_micro_per_unit:
         return ABOVE_RESERVE
-    if ask.price_micro_per_unit > effective_reserve(job):
+    if ask.price_micro_per_unit > effective_reserve(job) and ABOVE_MAX_PRICE not in skip:
         return ABOVE_MAX_PRICE
-    if job.deadline_s is not None and completion_s(ask, job.work_units, theta) > job.deadline_s:
+    if (job.deadline_s is not None and TOO_SLOW not in skip
+            and completion_s(ask, job.work_units, theta) > job.deadline_s):
         return TOO_SLOW
     return None
 

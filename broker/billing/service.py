@@ -5,6 +5,15 @@
 * settlement: the hold is posted: the provider's price (rate × work units used, at least
   the minimum charge, at most the hold) less the platform's fee into the provider's vesting
   balance, the fee to the platform, the rest back to the client.
+* royalties (issue #5): a settled job that used published adapters with a royalty also
+  pays that royalty to the adapter publisher's PUBLISHER_ROYALTIES account, in the same
+  post and within the same hold. The hold is divided in this order: (1) the provider's
+  share (charge − fee), never cut; (2) the royalty, up to what the hold has left; (3) the
+  platform fee, up to what is left after that; (4) the rest released to the client. So the
+  client never pays more than its hold, the provider is never cut, and when the hold is
+  tight (a cold market charges the reserve, i.e. the whole hold) the platform's fee gives
+  way to the publisher. ``royalty_of(plugin, inputs, as_of) -> (publisher, micro)`` is
+  injected (broker.registry.RegistryService.royalty_split). Cancelled jobs pay no royalty.
 * cancel: a job cancelled mid-run pays the provider for the work units it reported done
   (no minimum charge, at most the hold); otherwise, and on failure or expiry, the hold is voided.
 
@@ -21,7 +30,7 @@ from typing import Callable
 from broker.billing.errors import InsufficientCredits
 from broker.jobs.model import Job
 from broker.ledger import errors as lerr
-from broker.ledger.model import AccountKind, Splits, Transaction
+from broker.ledger.model import AccountId, AccountKind, Splits, Transaction
 from broker.ledger.service import LedgerService
 from broker.pricing.model import exact_units
 from broker.pricing.service import PricingService
@@ -35,20 +44,26 @@ class JobBilling:
     def __init__(self, ledger: LedgerService, pricing: PricingService,
                  provider_owner: Callable[[str], str | None], *,
                  hold_ttl_s: int = DEFAULT_HOLD_TTL_S,
-                 how_to_fund: str = "buy credits at /v1/credits/checkout"):
+                 how_to_fund: str = "buy credits at /v1/credits/checkout",
+                 royalty_of: Callable[[str, dict, float | None], tuple[str | None, int]]
+                 | None = None):
         self.ledger = ledger
         self.pricing = pricing
         self.provider_owner = provider_owner  # provider (machine) id -> provider account id
         self.hold_ttl_s = hold_ttl_s
         self.how_to_fund = how_to_fund
+        # (plugin, job inputs, job created_at) -> (adapter publisher or None, royalty micro);
+        # versions published after the job was submitted do not count, so a retried post
+        # always asks for the same royalty.
+        self.royalty_of = royalty_of or (lambda plugin, inputs, as_of: (None, 0))
 
     # ---- submit -------------------------------------------------------------------
     def hold(self, job_id: str, client: str, plugin: str, work_units: float,
-             cap_micro: int | None = None) -> tuple[str, int]:
-        """Hold the job's maximum price (at most the client's ``cap_micro``); returns (hold
-        id, amount). Raises :class:`InsufficientCredits` (402) and writes nothing when the
-        balance is short."""
-        amount = self.pricing.price(plugin).max_price_micro(work_units)
+             cap_micro: int | None = None, inputs: dict | None = None) -> tuple[str, int]:
+        """Hold the job's maximum price plus the royalties of the adapters its ``inputs``
+        name (at most the client's ``cap_micro``); returns (hold id, amount). Raises
+        :class:`InsufficientCredits` (402) and writes nothing when the balance is short."""
+        amount = self.max_price(plugin, work_units, inputs=inputs)
         if cap_micro is not None:
             amount = min(amount, cap_micro)
         for opened in (False, True):
@@ -64,6 +79,28 @@ class JobBilling:
                 raise InsufficientCredits(needed_micro=amount, available_micro=exc.available_micro,
                                           how_to_fund=self.how_to_fund) from None
         raise AssertionError("unreachable")
+
+    def max_price(self, plugin: str, work_units: float, cap_micro: int | None = None,
+                  inputs: dict | None = None) -> int:
+        """What a hold for such a job reserves: the plugin's maximum price plus the royalty
+        of the adapters ``inputs`` name (as published now), at most the cap."""
+        amount = self.pricing.price(plugin).max_price_micro(work_units)
+        if inputs:
+            amount += max(0, self.royalty_of(plugin, inputs, None)[1])
+        return amount if cap_micro is None else min(amount, cap_micro)
+
+    def require(self, client: str, plugin: str, work_units: float, *,
+                cap_micro: int | None = None, runs: int = 1, inputs: dict | None = None) -> None:
+        """Refuse (402, nothing written) unless the client can pay ``runs`` such jobs: a job
+        with ``verify="always"`` is paid twice, once per run."""
+        need = runs * self.max_price(plugin, work_units, cap_micro, inputs=inputs)
+        try:
+            have = self.ledger.balance(AccountId(AccountKind.CLIENT_AVAILABLE, client))
+        except lerr.UnknownAccount:
+            have = 0
+        if have < need:
+            raise InsufficientCredits(needed_micro=need, available_micro=have,
+                                      how_to_fund=self.how_to_fund)
 
     def release_hold(self, hold_id: str, job_id: str, reason: str) -> Transaction | None:
         """Void a hold; nothing when it is already resolved."""
@@ -87,7 +124,8 @@ class JobBilling:
         price = self.pricing.price(job.plugin)
         charge = price.charge_micro(self.rate_of(job), work_units_used,
                                     cap_micro=job.max_price_micro)
-        return self._post(job, charge, price.fee_of(charge), price.vesting_window_s)
+        return self._post(job, charge, price.fee_of(charge), price.vesting_window_s,
+                          royalty=True)
 
     def cancelled(self, job: Job, reason: str) -> Transaction | None:
         """``job`` as it was just before it was cancelled: pay the work units done, release
@@ -123,7 +161,23 @@ class JobBilling:
         step = min(job.progress_step, job.progress_total)
         return exact_units(job.work_units) * step / job.progress_total
 
-    def _post(self, job: Job, charge: int, fee: int, vesting_window_s: int) -> Transaction | None:
+    def royalty_within_hold(self, job: Job, provider_micro: int, fee: int) -> tuple[str | None, int, int]:
+        """(publisher, royalty, fee) for a settled job: the royalty fits in what the hold has
+        left after the provider's share, the fee in what is left after the royalty."""
+        publisher, royalty = self.royalty_of(job.plugin, job.inputs or {},
+                                             getattr(job, "created_at", None))
+        if publisher is None or royalty <= 0:
+            return None, 0, fee
+        hold_amount = self.ledger.get_hold(job.hold_id).amount_micro
+        room = max(0, hold_amount - provider_micro)
+        royalty = min(royalty, room)
+        fee = min(fee, room - royalty)
+        if royalty <= 0:
+            return None, 0, fee
+        return publisher, royalty, fee
+
+    def _post(self, job: Job, charge: int, fee: int, vesting_window_s: int, *,
+              royalty: bool = False) -> Transaction | None:
         if charge <= 0:
             return self.release_hold(job.hold_id, job.id, "nothing to charge")
         owner = self.provider_owner(job.provider_id)
@@ -131,13 +185,23 @@ class JobBilling:
             log.error("job %s: provider %s has no account; releasing the hold", job.id,
                       job.provider_id)
             return self.release_hold(job.hold_id, job.id, "provider unknown")
-        splits = Splits(provider=owner, provider_micro=charge - fee, fee_micro=fee)
-        for opened in (False, True):
+        provider_micro = charge - fee  # the provider's share comes first and is never cut
+        publisher, royalty_micro, fee = (self.royalty_within_hold(job, provider_micro, fee)
+                                         if royalty else (None, 0, fee))
+        splits = Splits(provider=owner, provider_micro=provider_micro, fee_micro=fee,
+                        publisher=publisher, royalty_micro=royalty_micro)
+        opened: set[AccountKind] = set()
+        while True:
             try:
                 return self.ledger.post(job.hold_id, splits, idempotency_key=f"job:{job.id}:post",
                                         vesting_window_s=vesting_window_s)
             except lerr.UnknownAccount as exc:
-                if opened or exc.account.kind is not AccountKind.PROVIDER_VESTING:
+                kind = exc.account.kind
+                if kind in opened or kind not in (AccountKind.PROVIDER_VESTING,
+                                                  AccountKind.PUBLISHER_ROYALTIES):
                     raise
-                self.ledger.open_provider(owner)
-        raise AssertionError("unreachable")
+                opened.add(kind)
+                if kind is AccountKind.PROVIDER_VESTING:
+                    self.ledger.open_provider(owner)
+                else:
+                    self.ledger.open_publisher(exc.account.owner)

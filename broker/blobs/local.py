@@ -48,6 +48,12 @@ class LocalBlobStore:
         except FileNotFoundError:
             raise NotFound(f"no blob {key}") from None
 
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise NotFound(f"no blob {key}") from None
+
     def exists(self, key: str) -> bool:
         try:
             return self._path(key).exists()

@@ -49,6 +49,12 @@ class GatewaySession(AgentSession):
         self.outbox.put(_CLOSE)
 
 
+def _adapters(adapters) -> list[dict]:
+    """InstalledAdapter messages as the WarmIndex takes them."""
+    return [{"plugin": a.plugin, "name": a.name, "version": a.version, "digest": a.digest}
+            for a in adapters]
+
+
 def _code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
@@ -56,8 +62,9 @@ def _code(name: str) -> grpc.StatusCode:
 class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
     def __init__(self, *, jobs: JobService, providers: ProviderService, auth: ApiKeyService,
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
-                 lease_timeout_s: float, market=None, canaries=None):
+                 lease_timeout_s: float, market=None, canaries=None, warm=None):
         self.market = market        # broker.market.MarketService: standing asks, θ
+        self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
         self.canaries = canaries    # broker.market.canary.CanaryService
         self.jobs = jobs
         self.providers = providers
@@ -107,6 +114,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"capabilities.slots is {caps.slots}; must be between 1 and 64")
 
+        if self.warm is not None:
+            self.warm.update(provider.id, plugins, _adapters(caps.adapters))
         session = GatewaySession(
             provider_id=provider.id, public_key=agent_key, account_id=provider.account_id,
             plugins={f"{p['name']}@{p['version']}": p["weights_digest"] for p in plugins},
@@ -139,6 +148,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 yield msg
         finally:
             self.dispatcher.unregister(session)
+            if self.warm is not None:
+                self.warm.forget(provider.id)
             log.info("agent %s (provider %s) disconnected", hello.hello.name, provider.id)
 
     @staticmethod
@@ -178,8 +189,10 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         per posted ask and a Refusal per impossible benchmark."""
         out: list[pb.BrokerMessage] = []
         plugins = {key.split("@", 1)[0]: key.split("@", 1)[1] for key in session.plugins}
+        digests = {key.split("@", 1)[0]: digest for key, digest in session.plugins.items()}
         self.market.connect(session.provider_id, session.account_id, plugins,
-                            vram_gb=caps.hardware.vram_gb, free=session.free)
+                            vram_gb=caps.hardware.vram_gb, free=session.free,
+                            slots=session.slots, digests=digests)
         for b in caps.benchmarks:
             out += self._benchmark(session, b)
         for ask in caps.asks:
@@ -188,7 +201,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
 
     def _benchmark(self, session: GatewaySession, b) -> list[pb.BrokerMessage]:
         try:
-            self.market.report_benchmark(session.provider_id, b.plugin, b.units_per_s)
+            self.market.report_benchmark(session.provider_id, b.plugin, b.units_per_s,
+                                         cold_start_s=b.cold_start_s or None)
             return []
         except BrokerError as exc:
             log.warning("refused a benchmark from %s: %s", session.provider_id, exc)
@@ -279,6 +293,14 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 data, error = b"", getattr(exc, "message", None) or str(exc)
             session.send(pb.BrokerMessage(checkpoint_data=pb.CheckpointData(
                 job_id=f.job_id, attempt=f.attempt, sha256=f.sha256, data=data, error=error)))
+        elif kind == "inventory":
+            if self.warm is not None:
+                inv = msg.inventory
+                self.warm.update(pid, [{"name": p.name, "version": p.version,
+                                        "warm": p.warm} for p in inv.plugins],
+                                 _adapters(inv.adapters))
+                if self.market is not None:
+                    self.market.refresh(pid)  # its cold-start term may have changed
         elif kind == "drain":
             session.draining = True
             log.info("provider %s is draining: %s", pid, msg.drain.reason)

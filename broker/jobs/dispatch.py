@@ -37,15 +37,20 @@ class AgentSession:
     active: set[str] = field(default_factory=set)
     draining: bool = False
     paused: bool = False
+    quota_factor: float = 1.0        # cut by lost verification disputes (DESIGN §6)
 
     def serves(self, job: Job) -> bool:
-        return f"{job.plugin}@{job.plugin_version}" in self.plugins
+        """It serves the job's plugin version, on the pinned weights if the job pins any."""
+        key = f"{job.plugin}@{job.plugin_version}"
+        if key not in self.plugins:
+            return False
+        return not job.weights_digest or self.plugins[key] == job.weights_digest
 
     @property
     def free(self) -> int:
         if self.draining or self.paused:
             return 0
-        return self.slots - len(self.active)
+        return max(1, int(self.slots * self.quota_factor)) - len(self.active)
 
     def send_assignment(self, envelope_bytes: bytes, signature: str) -> None:
         raise NotImplementedError
@@ -70,12 +75,20 @@ class Dispatcher:
         self._backlog = True
         self.market = None        # broker.market.MarketService; None: least-loaded matching
         self.canary_sender = None  # callable(session): sends the canaries due to an agent
+        # Verification (DESIGN §6): whether a provider may take a plugin's jobs (it holds
+        # the plugin's minimum stake), and its concurrency quota factor.
+        self.eligible = lambda provider_id, plugin: True
+        self.quota = lambda provider_id: 1.0
         jobs.on_queued = self._queued
         jobs.on_released = self._released
         jobs.cancel_hook = self._cancel
 
     # ---- sessions --------------------------------------------------------------------
     def register(self, session: AgentSession) -> None:
+        try:
+            session.quota_factor = self.quota(session.provider_id)
+        except Exception:  # noqa: BLE001 - a DB blip: full quota until the next change
+            log.exception("could not read the quota of %s", session.provider_id)
         with self._cond:
             old = self._sessions.get(session.provider_id)
             self._sessions[session.provider_id] = session
@@ -83,8 +96,24 @@ class Dispatcher:
                 session.active |= old.active
         if self.market is not None:
             self.market.mark_online(session.provider_id)
+            self._lease_resumed(session)
         self._sync(session)
         self.kick()
+
+    def _lease_resumed(self, session: AgentSession) -> None:
+        """Jobs an agent still holds when it (re)connects, e.g. after a broker restart,
+        count in its queue as the market estimates it."""
+        for job_id in list(session.active):
+            if self.market.holds(session.provider_id, job_id):
+                continue
+            try:
+                job = self.jobs.repo.get(job_id)
+            except Exception:  # noqa: BLE001 - only the queue estimate is at stake
+                log.exception("could not read resumed job %s", job_id)
+                continue
+            if job is not None and job.provider_id == session.provider_id:
+                self.market.lease(session.provider_id, job.id, job.plugin, job.work_units,
+                                  since=job.started_at or job.matched_at)
 
     def unregister(self, session: AgentSession) -> None:
         with self._cond:
@@ -115,11 +144,22 @@ class Dispatcher:
             self.kick()
         return s is not None
 
+    def set_quota(self, provider_id: str, factor: float) -> None:
+        """A lost dispute cut the provider's concurrency quota (applies to new jobs)."""
+        with self._cond:
+            s = self._sessions.get(provider_id)
+            if s is not None:
+                s.quota_factor = factor
+        if s is not None:
+            self._sync(s)
+
     def _released(self, provider_id: str | None, job_id: str) -> None:
         with self._cond:
             s = self._sessions.get(provider_id) if provider_id else None
             if s is not None:
                 s.active.discard(job_id)
+        if self.market is not None and provider_id:
+            self.market.release(provider_id, job_id)
         if s is not None:
             self._sync(s)
         self.kick()
@@ -135,6 +175,8 @@ class Dispatcher:
     def _queued(self, job: Job) -> None:
         """A job was queued: hand it out at once from the caller's thread when nothing is
         waiting ahead of it (saves a thread hop and a queue scan); else wake the loop."""
+        if job.not_before is not None and job.not_before > time.time():
+            return  # a delayed check: the loop offers it once its time comes
         if not self._backlog and not job.batch_id:
             if self._place(job):
                 return
@@ -151,6 +193,8 @@ class Dispatcher:
                 return False
             session.active.add(job.id)
         self._sync(session)
+        if self.market is not None:  # before the envelope goes: a fast job may end at once
+            self.market.lease(session.provider_id, job.id, job.plugin, job.work_units)
         try:
             moved = self.jobs.assign(job, session, price_micro_per_unit=price)
         except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
@@ -159,6 +203,8 @@ class Dispatcher:
         if moved is None:
             with self._cond:
                 session.active.discard(job.id)
+            if self.market is not None:
+                self.market.release(session.provider_id, job.id)
             self._sync(session)
             return False
         return True
@@ -189,12 +235,17 @@ class Dispatcher:
         caps = [j.max_price_micro for j in jobs]
         with self._cond:
             sessions = dict(self._sessions)
-        for avoid in ((excluded, frozenset()) if excluded else (excluded,)):
+        # Providers short of the plugin's minimum stake never bid; a check never runs on
+        # the operator it checks (hard), other exclusions are soft (failed it before).
+        barred = frozenset(p for p in sessions if not self.eligible(p, first.plugin))
+        hard = barred | (excluded if first.check_of else frozenset())
+        for avoid in ((excluded | hard, hard) if excluded - hard else (hard,)):
             spec = self.market.spec(
                 plugin=first.plugin, version=first.plugin_version, work_units=first.work_units,
                 client_id=first.account_id, priority=first.priority,
                 max_price_micro=sum(caps) if all(c > 0 for c in caps) else None,
-                n_slots=len(jobs), excluded=avoid, job_id=first.id)
+                n_slots=len(jobs), excluded=avoid, job_id=first.id,
+                weights_digest=getattr(first, "weights_digest", None))
             try:
                 result = self.market.clear(spec)
             except NoMatch:
@@ -203,12 +254,18 @@ class Dispatcher:
                     for a, j in zip(result.awards, jobs) if a.provider_id in sessions]
             if plan:
                 return plan
-        if not self.market.measured_any(first.plugin):
-            # Cold market: nobody measured yet. The spine's rule at the reserve; these
-            # jobs' receipts give the broker its first θ.
+        if not self.market.measured_any(first.plugin, spec.weights_digest):
+            # Cold market: nobody (with the pinned weights) measured yet. The spine's rule
+            # at the reserve, among providers with those weights at or above the
+            # reputation floor (see MarketService.admitted); these jobs' receipts give the
+            # broker its first θ.
+            admitted = self.market.admitted(spec)
             plan = []
             for j in jobs:
-                session = self._choose(j)
+                # (a session that never joined the market — registered in-process — is
+                # judged by the spine's rule alone)
+                session = self._choose(j, allow=lambda s: s.provider_id in admitted
+                                       or not self.market.knows(s.provider_id))
                 if session is not None:
                     plan.append((j, session, None))
             return plan
@@ -287,12 +344,18 @@ class Dispatcher:
                 self._backlog = left > 0
                 return assigned
 
-    def _choose(self, job: Job) -> AgentSession | None:
+    def _choose(self, job: Job, allow=None) -> AgentSession | None:
         with self._cond:
             able = [s for s in self._sessions.values() if s.free > 0 and s.serves(job)]
+        able = [s for s in able if self.eligible(s.provider_id, job.plugin)]
+        if allow is not None:
+            able = [s for s in able if allow(s)]
         if not able:
             return None
         fresh = [s for s in able if s.provider_id not in job.excluded_providers]
-        pool = fresh or able
+        # A check job must run on another operator: its exclusions are hard.
+        pool = fresh if job.check_of else (fresh or able)
+        if not pool:
+            return None
         best = min(len(s.active) / s.slots for s in pool)
         return self.rng.choice([s for s in pool if len(s.active) / s.slots == best])

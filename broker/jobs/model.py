@@ -89,6 +89,14 @@ class Job:
     price_micro_per_unit: int | None = None
     batch_id: str | None = None       # siblings of one split request share it
     batch_index: int = 0
+    # Verification (DESIGN §6): a check job re-runs ``check_of`` on another operator's
+    # provider, no sooner than ``not_before``; ``verify`` is "sampled" or "always".
+    check_of: str | None = None
+    not_before: float | None = None
+    verify: str = "sampled"
+    # The weights digest the job must run on (None: any the plugin version's providers
+    # serve); a check pins the digest of the weights the run it checks used.
+    weights_digest: str | None = None
 
 
 @dataclass

@@ -46,6 +46,11 @@ class JobRepository(Protocol):
 
     def counts_by_state(self) -> dict[str, int]: ...
 
+    def replace_outputs(self, job_id: str, outputs: list[JobOutput],
+                        event: tuple[str, dict]) -> None: ...
+
+    def checks_of(self, job_id: str) -> list[Job]: ...
+
 
 class BlobStore(Protocol):
     def put(self, data: bytes) -> str:

@@ -67,6 +67,10 @@ class JobService:
         # (raises CannotMeetTerms), and the timings of every verified receipt (θ).
         self.check_terms = None                  # callable(job, n_slots) -> None
         self.on_receipt = lambda job, receipt: None
+        # Verification (DESIGN §6, broker.verification.service): every settled job, after
+        # its money moved, and every job that ended without settling (failed, cancelled).
+        self.on_settled = lambda job, receipt: None
+        self.on_ended = lambda job: None
 
     # ---- clients ---------------------------------------------------------------------
     def submit(self, who: Principal, body: Any, idempotency_key: str | None = None) -> tuple[Job, bool]:
@@ -75,12 +79,24 @@ class JobService:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object like "
                                  '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
-        unknown = set(body) - {"plugin", "version", "inputs"} - set(MARKET_FIELDS)
+        unknown = (set(body) - {"plugin", "version", "inputs", "verify", "weights_digest"}
+                   - set(MARKET_FIELDS))
         if unknown:
             raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: plugin, "
-                                 "version, inputs, " + ", ".join(MARKET_FIELDS),
-                                 field=sorted(unknown)[0])
+                                 "version, inputs, verify, weights_digest, "
+                                 + ", ".join(MARKET_FIELDS), field=sorted(unknown)[0])
+        weights = body.get("weights_digest")
+        if weights is not None and not (isinstance(weights, str) and len(weights) == 64
+                                        and all(c in "0123456789abcdef" for c in weights)):
+            raise InvalidRequest(f"weights_digest is {weights!r}; it must be the 64 lowercase "
+                                 "hex digits of a weights digest (GET /v1/plugins lists the "
+                                 "ones providers serve)", field="weights_digest")
         terms = market_terms(body)
+        verify = body.get("verify", "sampled")
+        if verify not in ("sampled", "always"):
+            raise InvalidRequest(f"verify is {verify!r}; use \"sampled\" (the broker checks a "
+                                 "sample of jobs, free) or \"always\" (every output is re-run "
+                                 "on a second provider; you pay for both runs)", field="verify")
         plugin = body.get("plugin")
         if not isinstance(plugin, str) or not plugin:
             raise InvalidRequest(f"plugin must be a plugin name; available: {self.catalog.names()}",
@@ -99,6 +115,10 @@ class JobService:
                                  field="Idempotency-Key")
         hashed = {"plugin": manifest.name, "version": manifest.version, "inputs": inputs}
         hashed.update({k: v for k, v in terms.items() if v is not None and k != "n"})
+        if verify != "sampled":
+            hashed["verify"] = verify
+        if weights is not None:
+            hashed["weights_digest"] = weights
         if terms["n"] > 1:
             hashed["n"] = terms["n"]
         request_hash = sha256_hex(canonical_bytes(hashed))
@@ -118,15 +138,19 @@ class JobService:
                                  plugin_version=manifest.version, inputs=inputs,
                                  state=JobState.QUEUED, work_units=work_units,
                                  priority=terms["priority"], deadline_s=terms["deadline_s"],
-                                 max_price_micro=terms["max_price_micro"] or 0), n)
+                                 max_price_micro=terms["max_price_micro"] or 0,
+                                 weights_digest=weights), n)
         if n > 1:
             return self._submit_batch(who, manifest, inputs, work_units, terms, job_id,
-                                      idempotency_key, request_hash, now)
+                                      idempotency_key, request_hash, now, verify, weights)
         cap = terms["max_price_micro"]
         hold_id, max_price = None, 0
         if self.billing is not None:
+            if verify == "always":  # two runs: refused up front unless both can be paid
+                self.billing.require(who.account_id, manifest.name, work_units, cap_micro=cap,
+                                     runs=2, inputs=inputs)
             hold_id, max_price = self.billing.hold(job_id, who.account_id, manifest.name,
-                                                   work_units, cap_micro=cap)
+                                                   work_units, cap_micro=cap, inputs=inputs)
         elif cap is not None:
             max_price = cap
         job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
@@ -135,7 +159,7 @@ class JobService:
                   work_units=work_units, idempotency_key=idempotency_key,
                   request_hash=request_hash, created_at=now, updated_at=now,
                   hold_id=hold_id, max_price_micro=max_price, priority=terms["priority"],
-                  deadline_s=terms["deadline_s"])
+                  deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights)
         try:
             job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
         except BaseException:
@@ -151,7 +175,8 @@ class JobService:
 
     def _submit_batch(self, who: Principal, manifest, inputs: dict, work_units: float,
                       terms: dict, batch_id: str, idempotency_key: str | None,
-                      request_hash: str, now: float) -> tuple[Job, bool]:
+                      request_hash: str, now: float, verify: str = "sampled",
+                      weights: str | None = None) -> tuple[Job, bool]:
         """A split request: ``n`` sibling jobs sharing ``batch_id`` (their ids derive from
         it), each with its own hold for its share of the client's max price. Sibling ``i``
         gets ``seed + i`` when the inputs carry an integer seed. Returns the first sibling;
@@ -174,7 +199,7 @@ class JobService:
                 if self.billing is not None:
                     hold_id, max_price = self.billing.hold(job_id, who.account_id,
                                                            manifest.name, work_units,
-                                                           cap_micro=share)
+                                                           cap_micro=share, inputs=sib_inputs)
                 job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
                           plugin_version=manifest.version, inputs=sib_inputs,
                           state=JobState.QUEUED, max_attempts=self.settings.max_attempts,
@@ -184,7 +209,8 @@ class JobService:
                           request_hash=request_hash, created_at=now, updated_at=now,
                           hold_id=hold_id, max_price_micro=max_price,
                           priority=terms["priority"], deadline_s=terms["deadline_s"],
-                          batch_id=batch_id, batch_index=i)
+                          batch_id=batch_id, batch_index=i, verify=verify,
+                          weights_digest=weights)
                 try:
                     job, _ = self.repo.create(job, ("queued", {"plugin": manifest.ref,
                                                                "batch_id": batch_id,
@@ -203,6 +229,43 @@ class JobService:
         # One wake-up once every sibling exists, so that they clear together.
         self.on_queued(created[0])
         return created[0], True
+
+    def submit_check(self, primary: Job, check_id: str, account_id: str, inputs: dict,
+                     excluded: list[str], *, not_before: float, fund=None) -> Job:
+        """Queue a verification run of ``primary`` (DESIGN §6): a job like any other to
+        the provider that gets it (fresh id, same plugin version, pinned inputs, deadline
+        and price cap), held against ``account_id`` (``fund(check_id, amount)`` first
+        credits that account when the platform pays), never offered to ``excluded``
+        providers, and not before ``not_before``."""
+        now = self.clock()
+        hold_id, max_price = None, primary.max_price_micro
+        if self.billing is not None and primary.hold_id is not None:
+            amount = self.billing.max_price(primary.plugin, primary.work_units,
+                                            cap_micro=primary.max_price_micro or None,
+                                            inputs=primary.inputs)
+            if fund is not None:
+                fund(check_id, amount)
+            hold_id, max_price = self.billing.hold(check_id, account_id, primary.plugin,
+                                                   primary.work_units, cap_micro=amount)
+        job = Job(id=check_id, account_id=account_id, plugin=primary.plugin,
+                  plugin_version=primary.plugin_version, inputs=inputs, state=JobState.QUEUED,
+                  max_attempts=self.settings.max_attempts, work_units=primary.work_units,
+                  created_at=now, updated_at=now, hold_id=hold_id, max_price_micro=max_price,
+                  priority=primary.priority, deadline_s=primary.deadline_s,
+                  excluded_providers=list(excluded), check_of=primary.id,
+                  not_before=not_before,
+                  weights_digest=((primary.envelope or {}).get("weights_digest")
+                                  or primary.weights_digest))
+        try:
+            job, _ = self.repo.create(job, ("queued", {"plugin": f"{job.plugin}@"
+                                                       f"{job.plugin_version}"}))
+        except BaseException:
+            if hold_id is not None:
+                self.billing.release_hold(hold_id, check_id, "check job was not created")
+            raise
+        self.hub.notify(job.id)
+        self.on_queued(job)
+        return job
 
     def batch(self, who: Principal, batch_id: str) -> list[Job]:
         """The siblings of a split request, in order (404 unless they are the caller's)."""
@@ -261,6 +324,7 @@ class JobService:
                 else:
                     self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
                 self.hub.notify(job.id)
+                self.on_ended(moved)
                 return moved
             job = self.get(who, job_id)
         if job.state == JobState.CANCELLED:
@@ -279,13 +343,18 @@ class JobService:
         (what settlement charges); None leaves the reserve."""
         now = self.clock()
         attempt = job.attempt
+        # Every envelope names the weights to run on: the job's pin, else the digest the
+        # agent advertises for this plugin version (what a check of this run then pins).
+        served = getattr(target, "plugins", {}) or {}
+        extra = {"weights_digest": job.weights_digest
+                 or served.get(f"{job.plugin}@{job.plugin_version}") or ""}
+        if self.checkpoints is not None:
+            extra.update(self.checkpoints.envelope_extra(job) or {})
         envelope = make_envelope(job_id=job.id, attempt=attempt, plugin=job.plugin,
                                  version=job.plugin_version, inputs=job.inputs,
                                  provider_key=target.public_key,
                                  lease_timeout_s=self.settings.lease_timeout_s,
-                                 ttl_s=self.settings.envelope_ttl_s, now=now,
-                                 extra=(self.checkpoints.envelope_extra(job)
-                                        if self.checkpoints is not None else None))
+                                 ttl_s=self.settings.envelope_ttl_s, now=now, extra=extra)
         moved = self.repo.transition(
             job.id, [JobState.QUEUED], JobState.MATCHED, expect_attempt=attempt,
             event=("assigned", {"provider_id": target.provider_id, "attempt": attempt}),
@@ -391,6 +460,9 @@ class JobService:
         except Exception:  # noqa: BLE001 - a measurement must never undo a settlement
             log.exception("job %s: recording the receipt's timings failed", job.id)
         self.on_released(provider_id, job.id)
+        # Verification draws whether to check the job once its receipt is signed and
+        # settled, before the client is woken, so it never sees a status that changes back.
+        self.on_settled(settled, rec)
         self.hub.notify(job.id)
         return settled
 
@@ -471,6 +543,7 @@ class JobService:
         if moved is not None:
             self._money("release", moved, lambda: self.billing.failed(moved, f"{code}: {message}"))
             self.hub.notify(job.id)
+            self.on_ended(moved)
         return moved
 
     # ---- money -----------------------------------------------------------------------

@@ -39,6 +39,9 @@ class AccountKind(str, enum.Enum):
     PLATFORM_PAYMENT_CLEARING = "platform_payment_clearing"
     # Counterpart of credits an admin grants with the `dev` funding backend (no Stripe keys).
     PLATFORM_DEV_GRANTS = "platform_dev_grants"
+    # The platform's spending on verification: it funds the check runs it samples (DESIGN
+    # §6) and goes below zero by what redundancy has cost.
+    PLATFORM_VERIFICATION = "platform_verification"
 
     @property
     def allows_negative(self) -> bool:
@@ -50,13 +53,14 @@ class AccountKind(str, enum.Enum):
         return self.value.startswith("platform_")
 
 
-_NEGATIVE_ALLOWED = frozenset({AccountKind.PLATFORM_PAYMENT_CLEARING, AccountKind.PLATFORM_DEV_GRANTS})
+_NEGATIVE_ALLOWED = frozenset({AccountKind.PLATFORM_PAYMENT_CLEARING, AccountKind.PLATFORM_DEV_GRANTS,
+                               AccountKind.PLATFORM_VERIFICATION})
 
 CLIENT_KINDS = (AccountKind.CLIENT_AVAILABLE, AccountKind.CLIENT_HELD)
 PROVIDER_KINDS = (AccountKind.PROVIDER_VESTING, AccountKind.PROVIDER_AVAILABLE, AccountKind.PROVIDER_STAKE)
 PUBLISHER_KINDS = (AccountKind.PUBLISHER_ROYALTIES,)
 PLATFORM_KINDS = (AccountKind.PLATFORM_FEES, AccountKind.PLATFORM_PAYMENT_CLEARING,
-                  AccountKind.PLATFORM_DEV_GRANTS)
+                  AccountKind.PLATFORM_DEV_GRANTS, AccountKind.PLATFORM_VERIFICATION)
 PLATFORM_OWNER = "platform"
 
 
@@ -223,12 +227,14 @@ class FundingSource(str, enum.Enum):
 
     PAYMENT = "payment"      # Stripe Checkout, through payment clearing
     DEV_GRANT = "dev_grant"  # an admin grant with the `dev` funding backend
+    VERIFICATION = "verification"  # the platform funding a check run it sampled
 
     @property
     def account(self) -> AccountId:
-        kind = (AccountKind.PLATFORM_PAYMENT_CLEARING if self is FundingSource.PAYMENT
-                else AccountKind.PLATFORM_DEV_GRANTS)
-        return AccountId.platform(kind)
+        return AccountId.platform({FundingSource.PAYMENT: AccountKind.PLATFORM_PAYMENT_CLEARING,
+                                   FundingSource.DEV_GRANT: AccountKind.PLATFORM_DEV_GRANTS,
+                                   FundingSource.VERIFICATION: AccountKind.PLATFORM_VERIFICATION,
+                                   }[self])
 
 
 @dataclass(frozen=True)

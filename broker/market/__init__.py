@@ -3,9 +3,9 @@ auction's order book, the broker's own throughput measurements θ per (provider,
 and canary jobs. ``broker/auction`` holds the rules; this package feeds them live facts.
 Plain Python: no Flask, grpc or SQLAlchemy.
 """
-from .errors import InvalidBenchmark, MarketError, PluginNotServed
+from .errors import InvalidBenchmark, InvalidMarketRule, MarketError, PluginNotServed
 from .service import MarketService, MarketSettings
 from .throughput import ThroughputTracker
 
-__all__ = ["InvalidBenchmark", "MarketError", "MarketService", "MarketSettings",
-           "PluginNotServed", "ThroughputTracker"]
+__all__ = ["InvalidBenchmark", "InvalidMarketRule", "MarketError", "MarketService",
+           "MarketSettings", "PluginNotServed", "ThroughputTracker"]

@@ -9,6 +9,7 @@ has not measured, then every ``canary_interval_s``.
 from __future__ import annotations
 
 import logging
+import secrets
 import uuid
 
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
@@ -30,6 +31,11 @@ class CanaryService:
         self.signer = signer
         self.lease_timeout_s = lease_timeout_s
         self.envelope_ttl_s = envelope_ttl_s
+        # Verification (DESIGN §6) compares each canary's outputs with the answer known
+        # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt).
+        self.on_answer = lambda provider_id, plugin, version, inputs, receipt: None
+        self._sent: dict[str, tuple[str, dict]] = {}  # job id -> (version, inputs)
+        self.seeds = 4  # canaries draw their seed from this many, each with a known answer
 
     def send_due(self, session) -> int:
         """Send the canaries due to a connected agent with a free slot (called by the
@@ -45,7 +51,10 @@ class CanaryService:
                 (k.split("@", 1)[1] for k in session.plugins if k.split("@", 1)[0] == plugin), None)
             try:
                 manifest = self.catalog.get(plugin, version)
-                inputs = manifest.validate_inputs(dict(manifest.benchmark_inputs))
+                inputs = dict(manifest.benchmark_inputs)
+                if "seed" in manifest.inputs.names and self.seeds > 1:
+                    inputs["seed"] = secrets.randbelow(self.seeds)
+                inputs = manifest.validate_inputs(inputs)
             except Exception as exc:  # noqa: BLE001 - an unknown plugin cannot be measured
                 log.warning("no canary for %s on %s: %s", plugin, session.provider_id, exc)
                 continue
@@ -58,6 +67,7 @@ class CanaryService:
                                      ttl_s=self.envelope_ttl_s, now=now)
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now))
+            self._sent[job_id] = (manifest.version, inputs)
             session.active.add(job_id)
             data, signature = sign_envelope(self.signer, envelope)
             session.send_assignment(data, signature)
@@ -79,6 +89,12 @@ class CanaryService:
             return None
         self.market.canary_done(canary.job_id)
         session.active.discard(canary.job_id)
+        sent = self._sent.pop(canary.job_id, None)
+        if sent is not None:
+            try:
+                self.on_answer(session.provider_id, canary.plugin, sent[0], sent[1], rec)
+            except Exception:  # noqa: BLE001 - a check must never lose the measurement
+                log.exception("canary %s: comparing with the known answer failed", canary.job_id)
         sample = run_sample(rec, canary.work_units)
         if sample is None:
             log.warning("canary %s on %s: the receipt carries no run time; not measured",
@@ -91,6 +107,7 @@ class CanaryService:
 
     def failed(self, session, job_id: str) -> None:
         canary = self.market.canary_done(job_id)
+        self._sent.pop(job_id, None)
         if canary is not None:
             session.active.discard(job_id)
             self.market.failed(session.provider_id, canary.plugin)

@@ -25,3 +25,12 @@ class InvalidBenchmark(MarketError):
     http_status = 422
     grpc_status = "INVALID_ARGUMENT"
     title = "Invalid benchmark"
+
+
+class InvalidMarketRule(MarketError):
+    """An admin's market rule out of range (a reputation floor outside 0..1)."""
+
+    code = "invalid_market_rule"
+    http_status = 422
+    grpc_status = "INVALID_ARGUMENT"
+    title = "Invalid market rule"

@@ -1,41 +1,77 @@
 """MarketService: the live order book. Keeps one standing ask per (provider, plugin) in the
 auction's :class:`OrderBook`, completed with the broker's facts (measured θ, reliability,
-free slots), and clears jobs against it.
+free slots, queue, cold start), and clears jobs against it.
 
 Asks are sealed: only :meth:`asks` reads them back, and the API shows them to their owner
 and to admins only. An agent that posts no ask for a plugin stands at the reserve (it takes
-whatever the market pays, at most the reserve). Jobs do not pin weights yet, so every ask
-of a plugin version shares one bucket (weights digest ``ANY_WEIGHTS``).
+whatever the market pays, at most the reserve). Accepted asks are written through to an
+:class:`~broker.market.store.AskStore`, so they survive a broker restart and an agent that
+reconnects without re-posting keeps them.
+
+Weights (see :mod:`.builds`): each ask is filed under the provider's advertised weights
+digest, and also under ``ANY_WEIGHTS`` when the build's manifest pins none; a job clears in
+the bucket of the digest pinned for it, so a provider with other weights is never even
+looked at.
+
+Expected completion = queue + cold start + W/θ. The queue is the provider's backlog: the
+expected remaining seconds of the jobs and canaries it holds, over its slots. The cold
+start is 0 when ``warm(provider_id, plugin)`` says the model is loaded (the default hook
+says yes for every plugin served), else the agent's reported load time, else an estimate
+from the manifest's weight sizes, else ``default_cold_start_s``.
+
+Reputation floor: each ask's reputation is the provider's reliability for the plugin
+(successes over attempts, with one success of prior). Under ``reputation_floor`` it is not
+eligible while any provider at or above the floor could take the job, free or busy: the
+job waits for that one. When nobody at or above the floor could take it, the floor gives
+way (see :func:`broker.auction.clearing.floor_gives_way`). Canary jobs keep measuring
+providers under the floor, and their successes lift them back.
 Thread-safe: one lock serialises posts, capacity changes and clearing.
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from broker.auction import (Ask, AuctionRules, CannotMeetTerms, ClearingResult, InvalidAsk,
-                            JobSpec, NoEligibleProvider, OrderBook, Priority, clear)
+                            InvalidJob, JobSpec, NoEligibleProvider, OrderBook, Priority, clear,
+                            validate_ask)
+from sdk.protocol.manifest import Manifest
 
-from .errors import InvalidBenchmark, PluginNotServed
+from . import builds
+from .builds import ANY_WEIGHTS, NO_WEIGHTS
+from .errors import InvalidBenchmark, InvalidMarketRule, PluginNotServed
+from .store import AskStore
 from .throughput import ThroughputTracker
 
-ANY_WEIGHTS = "any"
+log = logging.getLogger(__name__)
+
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+#: A provider's queue is re-posted when it drifts by this much (seconds): time passing
+#: shortens the backlog, and re-indexing on every tick would cost more than it tells.
+QUEUE_RESOLUTION_S = 1.0
 
 
 @dataclass(frozen=True)
 class MarketSettings:
     """``claimed_throughput_factor``: weight of an agent's unmeasured benchmark claim (0: a
     provider is eligible only once the broker measured it, DESIGN §4). ``canary_interval_s``:
-    how often each (provider, plugin) gets a canary job once measured (0: only the first)."""
+    how often each (provider, plugin) gets a canary job once measured (0: only the first).
+    ``reputation_floor``: the reliability under which a provider is not eligible (an admin
+    may change it at run time; the stored value then wins). ``default_cold_start_s``: the
+    cold start of a model nobody measured and whose manifest lists no weight sizes."""
 
     claimed_throughput_factor: float = 0.0
     overclaim_factor: float = 2.0
     canary_interval_s: float = 600.0
     canary_timeout_s: float = 120.0
+    reputation_floor: float = 0.5
+    default_cold_start_s: float = 10.0
 
 
 @dataclass
@@ -47,6 +83,19 @@ class ProviderState:
     free: int = 1
     asks: dict[str, int] = field(default_factory=dict)   # posted asks; absent: the reserve
     online: bool = True
+    digests: dict[str, str] = field(default_factory=dict)     # plugin -> advertised weights
+    slots: int = 1
+    cold_start_s: dict[str, float] = field(default_factory=dict)  # plugin -> reported load s
+    leases: dict[str, "Lease"] = field(default_factory=dict)      # job id -> lease
+    queue_s: float = 0.0                                          # as last posted
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A job the provider holds (matched or running): its part of the provider's queue."""
+    plugin: str
+    work_units: float
+    since: float
 
 
 @dataclass
@@ -59,10 +108,26 @@ class Canary:
 
 
 class MarketService:
+    """``manifest_of(plugin, version)`` gives the catalog's manifest of a build (None when
+    unknown): the source of weight pins and cold-start estimates. ``store`` keeps asks and
+    admin-set rules across restarts (None: memory only). ``warm`` is a hook,
+    ``warm(provider_id, plugin) -> bool``; call :meth:`refresh` when its answer changes."""
+
     def __init__(self, reserve_of: Callable[[str], int], settings: MarketSettings | None = None,
-                 *, rng: random.Random | None = None, clock=time.time):
+                 *, rng: random.Random | None = None, clock=time.time,
+                 store: AskStore | None = None,
+                 manifest_of: Callable[[str, str], Manifest | None] | None = None):
         self.settings = settings or MarketSettings()
-        self.rules = AuctionRules(claimed_throughput_factor=self.settings.claimed_throughput_factor)
+        self.store = store
+        self.manifest_of = manifest_of or (lambda plugin, version: None)
+        self.warm: Callable[[str, str], bool] = lambda provider_id, plugin: True
+        floor = self.settings.reputation_floor
+        self._stored_asks: dict[str, dict[str, int]] = {}
+        if store is not None:
+            floor = store.load_rules().get("reputation_floor", floor)
+            self._stored_asks = store.load_asks()
+        self.rules = AuctionRules(claimed_throughput_factor=self.settings.claimed_throughput_factor,
+                                  reputation_floor=_floor(floor))
         self.book = OrderBook(self.rules)
         self.tracker = ThroughputTracker(overclaim_factor=self.settings.overclaim_factor)
         self.reserve_of = reserve_of
@@ -72,19 +137,31 @@ class MarketService:
         self._providers: dict[str, ProviderState] = {}
         self._canaries: dict[str, Canary] = {}
         self._last_canary: dict[tuple[str, str], float] = {}
+        self._pins: dict[tuple[str, str], str] = {}
 
     # ---- providers -----------------------------------------------------------------
     def connect(self, provider_id: str, operator_id: str, plugins: dict[str, str], *,
-                vram_gb: float = 0.0, free: int = 1,
+                vram_gb: float = 0.0, free: int = 1, slots: int | None = None,
+                digests: dict[str, str] | None = None,
                 benchmarks: dict[str, float] | None = None,
                 asks: dict[str, int] | None = None) -> dict[str, Exception | None]:
-        """A provider came online. Returns, per ask posted with the connection, None when
-        accepted or the error that refused it (its previous valid ask then stands)."""
+        """A provider came online with ``plugins`` (name -> version) and, per plugin, the
+        weights digest it advertises (``digests``; "" or absent: none). Its asks from an
+        earlier connection, or from the store after a restart, stand until it posts new
+        ones. Returns, per ask posted with the connection, None when accepted or the error
+        that refused it (its previous valid ask then stands)."""
         with self._lock:
             old = self._providers.get(provider_id)
+            previous = old.asks if old else self._stored_asks.get(provider_id, {})
             state = ProviderState(provider_id, operator_id, dict(plugins), vram_gb, free,
-                                  asks=dict(old.asks) if old else {})
-            state.asks = {p: a for p, a in state.asks.items() if p in plugins}
+                                  asks={p: a for p, a in previous.items() if p in plugins},
+                                  digests={p: d for p, d in (digests or {}).items()
+                                           if p in plugins and d},
+                                  slots=max(1, slots if slots is not None else free),
+                                  leases=dict(old.leases) if old else {})
+            if old is not None:
+                state.cold_start_s = {p: s for p, s in old.cold_start_s.items() if p in plugins}
+            state.queue_s = self._queue_s(state)
             self._providers[provider_id] = state
             self.book.withdraw(provider_id)
             for plugin, units in (benchmarks or {}).items():
@@ -118,18 +195,55 @@ class MarketService:
             self._repost(state)
 
     def set_free(self, provider_id: str, free: int) -> None:
+        """The provider's free slots (the dispatcher calls it often: it also lets the
+        queue estimate follow the clock)."""
         with self._lock:
             state = self._providers.get(provider_id)
-            if state is None or state.free == max(0, free):
+            if state is None:
                 return
-            state.free = max(0, free)
-            if state.online:
-                self.book.update_provider(provider_id, slots_free=min(state.free,
-                                                                      self.rules.max_slots))
+            if state.free != max(0, free):
+                state.free = max(0, free)
+                if state.online:
+                    self.book.update_provider(provider_id, slots_free=min(state.free,
+                                                                          self.rules.max_slots))
+            self._refresh_queue(state)
+
+    def lease(self, provider_id: str, job_id: str, plugin: str, work_units: float,
+              since: float | None = None) -> None:
+        """The provider holds a job now (assigned, or found leased when it reconnects):
+        its expected run time joins the provider's queue."""
+        with self._lock:
+            state = self._providers.get(provider_id)
+            if state is None or job_id in state.leases:
+                return
+            state.leases[job_id] = Lease(plugin, float(work_units),
+                                         self.clock() if since is None else since)
+            self._refresh_queue(state, force=True)
+
+    def release(self, provider_id: str, job_id: str) -> None:
+        """The job left the provider (settled, failed, requeued, cancelled)."""
+        with self._lock:
+            state = self._providers.get(provider_id)
+            if state is not None and state.leases.pop(job_id, None) is not None:
+                self._refresh_queue(state, force=True)
+
+    def holds(self, provider_id: str, job_id: str) -> bool:
+        with self._lock:
+            state = self._providers.get(provider_id)
+            return state is not None and job_id in state.leases
+
+    def refresh(self, provider_id: str) -> None:
+        """Re-read the provider's facts that come from hooks (``warm``) and re-post its
+        asks: call it when a provider loads or evicts a model."""
+        with self._lock:
+            state = self._providers.get(provider_id)
+            if state is not None and state.online:
+                self._repost(state)
 
     def post_ask(self, provider_id: str, plugin: str, price_micro_per_unit: int) -> int:
-        """Post or replace a standing ask. Raises :class:`InvalidAsk` or
-        :class:`PluginNotServed`; the previous valid ask then stands."""
+        """Post or replace a standing ask; stored, so it outlives the connection and the
+        broker. Raises :class:`InvalidAsk` or :class:`PluginNotServed`; the previous valid
+        ask then stands."""
         with self._lock:
             state = self._providers.get(provider_id)
             if state is None or plugin not in state.plugins:
@@ -137,24 +251,43 @@ class MarketService:
                 raise PluginNotServed(
                     f"ask for {plugin!r} refused: this agent serves {served}; post asks only "
                     "for plugins listed in its capabilities")
-            self.book.post(self._ask(state, plugin, price_micro_per_unit))  # validates first
+            asks = [self._ask(state, plugin, price_micro_per_unit, digest)
+                    for digest in self._digests_of(state, plugin)]
+            for ask in asks:
+                validate_ask(ask, self.rules)  # all of them before touching the book
+            for ask in asks:
+                self.book.post(ask)
             state.asks[plugin] = price_micro_per_unit
+            self._stored_asks.setdefault(provider_id, {})[plugin] = price_micro_per_unit
+            self._save_ask(provider_id, plugin, price_micro_per_unit)
             return price_micro_per_unit
 
-    def report_benchmark(self, provider_id: str, plugin: str, units_per_s: float) -> None:
-        """Record the agent's claim. Raises :class:`InvalidBenchmark` for impossible values."""
+    def report_benchmark(self, provider_id: str, plugin: str, units_per_s: float,
+                         cold_start_s: float | None = None) -> None:
+        """Record the agent's claim, and the time its plugin host took to load the model
+        (``cold_start_s``; None or 0: not measured). Raises :class:`InvalidBenchmark` for
+        impossible values, recording neither."""
         limit = self.rules.max_throughput_units_per_s
         if (isinstance(units_per_s, bool) or not isinstance(units_per_s, (int, float))
                 or not math.isfinite(units_per_s) or not 0 < units_per_s <= limit):
             raise InvalidBenchmark(
                 f"benchmark for {plugin!r} refused: units_per_s must be a finite number above 0 "
                 f"and at most {limit:g}; got {units_per_s!r}")
+        cold_limit = self.rules.max_cold_start_s
+        if cold_start_s is not None and (
+                isinstance(cold_start_s, bool) or not isinstance(cold_start_s, (int, float))
+                or not math.isfinite(cold_start_s) or not 0 <= cold_start_s <= cold_limit):
+            raise InvalidBenchmark(
+                f"benchmark for {plugin!r} refused: cold_start_s must be a finite number of "
+                f"seconds from 0 to {cold_limit:g} (0: not measured); got {cold_start_s!r}")
         with self._lock:
             state = self._providers.get(provider_id)
             if state is None or plugin not in state.plugins:
                 raise PluginNotServed(f"benchmark for {plugin!r} refused: this agent does not "
                                       "serve it")
             self.tracker.claim(provider_id, plugin, float(units_per_s))
+            if cold_start_s:
+                state.cold_start_s[plugin] = float(cold_start_s)
             self._repost(state)
 
     # ---- measurements ----------------------------------------------------------------
@@ -178,14 +311,37 @@ class MarketService:
         with self._lock:
             return self.tracker.theta(provider_id, plugin)
 
-    def measured_any(self, plugin: str) -> bool:
-        """Has the broker measured any online provider of ``plugin``? Until it has (a cold
-        market), the dispatcher hands jobs out by the spine's rule at the reserve, and those
-        jobs' receipts are the first measurements."""
+    def measured_any(self, plugin: str, weights_digest: str = ANY_WEIGHTS) -> bool:
+        """Has the broker measured any online provider of ``plugin`` (with those weights)?
+        Until it has (a cold market), the dispatcher hands jobs out by the spine's rule at
+        the reserve, to the providers :meth:`admitted`, and those jobs' receipts are the first
+        measurements."""
         with self._lock:
             return any(s.online and plugin in s.plugins
+                       and (weights_digest == ANY_WEIGHTS
+                            or s.digests.get(plugin) == weights_digest)
                        and self.tracker.theta(pid, plugin)[1]
                        for pid, s in self._providers.items())
+
+    def admitted(self, spec: JobSpec) -> set[str]:
+        """The providers that may take the job outside the auction (the cold market): the
+        online ones serving the build with the pinned weights and at or above the
+        reputation floor, or all of those when none is (the floor gives way, as in the
+        auction). Capacity and exclusions are the dispatcher's to check."""
+        with self._lock:
+            serving = [pid for pid, s in self._providers.items()
+                       if s.online and s.plugins.get(spec.plugin) == spec.plugin_version
+                       and (spec.weights_digest == ANY_WEIGHTS
+                            or s.digests.get(spec.plugin) == spec.weights_digest)]
+            floor = self.rules.reputation_floor
+            good = {pid for pid in serving
+                    if self.tracker.record_of(pid, spec.plugin).reliability >= floor}
+            return good or set(serving)
+
+    def knows(self, provider_id: str) -> bool:
+        """Whether the provider joined the market (the gateway joins every agent)."""
+        with self._lock:
+            return provider_id in self._providers
 
     def flagged(self, provider_id: str, plugin: str) -> bool:
         with self._lock:
@@ -218,6 +374,7 @@ class MarketService:
         with self._lock:
             self._canaries[canary.job_id] = canary
             self._last_canary[(canary.provider_id, canary.plugin)] = canary.sent_at
+            self._refresh_queue_of(canary.provider_id)
 
     def canary(self, job_id: str) -> Canary | None:
         with self._lock:
@@ -225,7 +382,10 @@ class MarketService:
 
     def canary_done(self, job_id: str) -> Canary | None:
         with self._lock:
-            return self._canaries.pop(job_id, None)
+            canary = self._canaries.pop(job_id, None)
+            if canary is not None:
+                self._refresh_queue_of(canary.provider_id)
+            return canary
 
     def expired_canaries(self) -> list[Canary]:
         now = self.clock()
@@ -234,14 +394,32 @@ class MarketService:
                     if now - c.sent_at > self.settings.canary_timeout_s]
             for c in gone:
                 del self._canaries[c.job_id]
+            for pid in {c.provider_id for c in gone}:
+                self._refresh_queue_of(pid)
             return gone
 
     # ---- clearing --------------------------------------------------------------------
+    def pinned_digest(self, plugin: str, version: str, job_pin: str | None = None) -> str:
+        """The weights digest a job of this build must run on: the manifest's, else the
+        job's own pin, else ``ANY_WEIGHTS`` (see :mod:`.builds`). Raises
+        :class:`InvalidJob` for a job pin that is not a sha256 hex digest."""
+        if job_pin is not None and job_pin != ANY_WEIGHTS and not _DIGEST_RE.match(job_pin):
+            raise InvalidJob("weights_digest", job_pin,
+                             "64 lowercase hex digits (the weights' sha256 digest) or 'any'")
+        pin = self._catalog_pin(plugin, version)
+        if pin != ANY_WEIGHTS:
+            return pin
+        return job_pin or ANY_WEIGHTS
+
     def spec(self, *, plugin: str, version: str, work_units: float, client_id: str,
              priority: str = "standard", max_price_micro: int | None = None,
              deadline_s: float | None = None, n_slots: int = 1,
-             excluded: frozenset[str] = frozenset(), job_id: str | None = None) -> JobSpec:
-        return JobSpec(plugin=plugin, plugin_version=version, weights_digest=ANY_WEIGHTS,
+             excluded: frozenset[str] = frozenset(), job_id: str | None = None,
+             weights_digest: str | None = None) -> JobSpec:
+        """The auction's view of a job; ``weights_digest`` is the job's own pin, if any
+        (the manifest's pin wins over it)."""
+        return JobSpec(plugin=plugin, plugin_version=version,
+                       weights_digest=self.pinned_digest(plugin, version, weights_digest),
                        work_units=float(work_units), client_id=client_id,
                        reserve_micro_per_unit=self.reserve_of(plugin),
                        priority=Priority(priority), max_price_micro=max_price_micro,
@@ -265,10 +443,32 @@ class MarketService:
         except CannotMeetTerms:
             raise
 
+    # ---- rules (admins) ----------------------------------------------------------------
+    def set_reputation_floor(self, floor: float, *, by: str = "admin") -> float:
+        """Change the reputation floor at run time (stored: it outlives the broker).
+        Raises :class:`InvalidMarketRule` unless it is a number from 0 to 1."""
+        value = _floor(floor)
+        with self._lock:
+            self.rules = replace(self.rules, reputation_floor=value)
+            self.book.set_rules(self.rules)
+            if self.store is not None:
+                self.store.save_rule("reputation_floor", value, by, self.clock())
+            return value
+
+    def market_rules(self) -> dict:
+        with self._lock:
+            return {"reputation_floor": self.rules.reputation_floor,
+                    "claimed_throughput_factor": self.rules.claimed_throughput_factor,
+                    "default_cold_start_s": self.settings.default_cold_start_s,
+                    "canary_interval_s": self.settings.canary_interval_s}
+
     # ---- reads (owner and admins only) -------------------------------------------------
     def asks(self, provider_ids: set[str] | None = None) -> list[dict]:
+        """Every provider's asks with the facts the score uses. Stored asks of providers
+        not connected since the broker started are listed too (``online`` false)."""
         with self._lock:
             rows = []
+            floor = self.rules.reputation_floor
             for pid, state in self._providers.items():
                 if provider_ids is not None and pid not in provider_ids:
                     continue
@@ -280,27 +480,138 @@ class MarketService:
                         "price_micro_per_unit": posted if posted is not None
                         else self.reserve_of(plugin),
                         "at_reserve": posted is None, "online": state.online,
+                        "weights_digest": state.digests.get(plugin, ""),
                         "claimed_units_per_s": rec.claimed_units_per_s,
                         "measured_units_per_s": rec.measured_units_per_s,
                         "samples": rec.samples, "overclaim_flagged": rec.flagged,
-                        "reliability": round(rec.reliability, 4)})
+                        "reliability": round(rec.reliability, 4),
+                        "below_reputation_floor": rec.reliability < floor,
+                        "queue_s": round(state.queue_s, 3),
+                        "cold_start_s": round(self._cold_start_s(state, plugin), 3)})
+            for pid, stored in self._stored_asks.items():
+                if pid in self._providers or (provider_ids is not None
+                                              and pid not in provider_ids):
+                    continue
+                for plugin, price in sorted(stored.items()):
+                    rows.append({
+                        "provider_id": pid, "plugin": plugin, "version": None,
+                        "price_micro_per_unit": price, "at_reserve": False, "online": False,
+                        "weights_digest": "", "claimed_units_per_s": None,
+                        "measured_units_per_s": None, "samples": 0,
+                        "overclaim_flagged": False, "reliability": None,
+                        "below_reputation_floor": False, "queue_s": None,
+                        "cold_start_s": None})
             return rows
 
     # ---- internals -------------------------------------------------------------------
-    def _ask(self, state: ProviderState, plugin: str, price: int) -> Ask:
+    def _catalog_pin(self, plugin: str, version: str) -> str:
+        key = (plugin, version)
+        pin = self._pins.get(key)
+        if pin is None:
+            manifest = self.manifest_of(plugin, version)
+            pin = builds.pinned_digest(manifest)
+            if manifest is not None:  # versions are immutable once published
+                self._pins[key] = pin
+        return pin
+
+    def _digests_of(self, state: ProviderState, plugin: str) -> list[str]:
+        """The buckets the provider's ask for ``plugin`` goes in: its advertised weights,
+        and ``ANY_WEIGHTS`` when the build pins none (jobs without a pin clear there)."""
+        pin = self._catalog_pin(plugin, state.plugins[plugin])
+        advertised = state.digests.get(plugin, "")
+        if advertised in (ANY_WEIGHTS, NO_WEIGHTS):
+            advertised = ""
+        out = [ANY_WEIGHTS] if pin == ANY_WEIGHTS else []
+        if advertised:
+            out.append(advertised)
+        elif pin != ANY_WEIGHTS:
+            out.append(NO_WEIGHTS)
+        return out
+
+    def _cold_start_s(self, state: ProviderState, plugin: str) -> float:
+        if self.warm(state.provider_id, plugin):
+            return 0.0
+        seconds = state.cold_start_s.get(plugin)
+        if seconds is None:
+            seconds = builds.manifest_cold_start_s(self.manifest_of(plugin,
+                                                                    state.plugins[plugin]))
+        if seconds is None:
+            seconds = self.settings.default_cold_start_s
+        return min(max(0.0, seconds), self.rules.max_cold_start_s)
+
+    def _queue_s(self, state: ProviderState) -> float:
+        """Expected seconds before the provider gets to a new job: the remaining expected
+        time (W/θ less the time since it started) of each job and canary it holds, over
+        its slots (the slots work at once). A plugin without any θ counts nothing."""
+        now = self.clock()
+        pid = state.provider_id
+        held = [(lease.plugin, lease.work_units, lease.since) for lease in state.leases.values()]
+        held += [(c.plugin, c.work_units, c.sent_at) for c in self._canaries.values()
+                 if c.provider_id == pid]
+        backlog = 0.0
+        for plugin, units, since in held:
+            theta = self.tracker.theta(pid, plugin)[0]
+            if theta > 0:
+                backlog += max(0.0, units / theta - max(0.0, now - since))
+        return min(backlog / max(1, state.slots), self.rules.max_queue_s)
+
+    def _refresh_queue(self, state: ProviderState, force: bool = False) -> None:
+        """Re-post the provider's queue when it changed (a job came or went: ``force``) or
+        drifted with the clock by ``QUEUE_RESOLUTION_S`` or more."""
+        queue = self._queue_s(state)
+        if queue == state.queue_s or (not force and queue > 0
+                                      and abs(queue - state.queue_s) < QUEUE_RESOLUTION_S):
+            return
+        state.queue_s = queue
+        if state.online:
+            self.book.update_provider(state.provider_id, queue_s=queue)
+
+    def _refresh_queue_of(self, provider_id: str) -> None:
+        state = self._providers.get(provider_id)
+        if state is not None:
+            self._refresh_queue(state, force=True)
+
+    def _ask(self, state: ProviderState, plugin: str, price: int, digest: str) -> Ask:
         theta, measured = self.tracker.theta(state.provider_id, plugin)
         theta = min(theta, self.rules.max_throughput_units_per_s)
         rec = self.tracker.record_of(state.provider_id, plugin)
         return Ask(provider_id=state.provider_id, operator_id=state.operator_id, plugin=plugin,
-                   plugin_version=state.plugins[plugin], weights_digest=ANY_WEIGHTS,
+                   plugin_version=state.plugins[plugin], weights_digest=digest,
                    price_micro_per_unit=price, throughput_units_per_s=theta,
                    throughput_measured=measured, reliability=rec.reliability,
+                   reputation=rec.reliability, queue_s=state.queue_s,
+                   cold_start_s=self._cold_start_s(state, plugin),
                    slots_free=min(state.free, self.rules.max_slots),
                    vram_gb=min(state.vram_gb, self.rules.max_vram_gb), online=state.online)
 
     def _repost(self, state: ProviderState) -> None:
+        """Re-file every ask of the provider with its current facts (the buckets may
+        change too: a newly published manifest can pin weights)."""
+        asks = []
         for plugin in state.plugins:
             price = state.asks.get(plugin)
             if price is None:
                 price = min(self.reserve_of(plugin), self.rules.max_ask_micro_per_unit)
-            self.book.post(self._ask(state, plugin, price))
+            asks += [self._ask(state, plugin, price, d) for d in self._digests_of(state, plugin)]
+        for ask in asks:
+            validate_ask(ask, self.rules)
+        self.book.withdraw(state.provider_id)
+        self.book.post_many(asks)
+
+    def _save_ask(self, provider_id: str, plugin: str, price: int) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.save_ask(provider_id, plugin, price, self.clock())
+        except Exception:  # noqa: BLE001 - the ask stands in memory; the agent re-posts it
+            log.exception("could not store the ask of %s for %s; it stands until the broker "
+                          "restarts", provider_id, plugin)
+
+
+def _floor(value) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0.0 <= value <= 1.0):
+        raise InvalidMarketRule(
+            f"reputation_floor must be a number from 0 to 1 (a share of attempts that "
+            f"succeeded); got {value!r}", field="reputation_floor")
+    return float(value)

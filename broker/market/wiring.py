@@ -3,15 +3,29 @@ from __future__ import annotations
 
 import logging
 
+from broker.catalog.registry import PluginCatalog
+from broker.errors import UnknownPlugin
 from broker.jobs.dispatch import Dispatcher
 from broker.jobs.model import Job
 from broker.jobs.service import JobService
+from sdk.protocol.manifest import Manifest
 
 from .canary import CanaryService
 from .service import MarketService
 from .throughput import run_sample
 
 log = logging.getLogger(__name__)
+
+
+def manifests_of(catalog: PluginCatalog):
+    """``manifest_of(plugin, version)`` for :class:`MarketService`: the catalog's manifest,
+    None for a build it does not know."""
+    def manifest_of(plugin: str, version: str) -> Manifest | None:
+        try:
+            return catalog.get(plugin, version)
+        except UnknownPlugin:
+            return None
+    return manifest_of
 
 
 def attach_market(market: MarketService, canaries: CanaryService | None, jobs: JobService,
@@ -27,7 +41,7 @@ def attach_market(market: MarketService, canaries: CanaryService | None, jobs: J
             plugin=job.plugin, version=job.plugin_version, work_units=job.work_units,
             client_id=job.account_id, priority=job.priority,
             max_price_micro=job.max_price_micro or None, deadline_s=job.deadline_s,
-            n_slots=n_slots))
+            n_slots=n_slots, weights_digest=getattr(job, "weights_digest", None)))
 
     def on_receipt(job: Job, receipt: dict) -> None:
         sample = run_sample(receipt, job.work_units)

@@ -329,3 +329,92 @@ class SqlAdminQueries:
         return [{"id": r.id, "owner": r.owner_id, "amount_micro": r.amount_micro,
                  "amount_cents": r.amount_cents, "currency": r.currency, "status": r.status,
                  "transfer": r.transfer_id, "error": r.error, "at": r.created_at} for r in rows]
+
+    # ---- verification (read-only; DESIGN §6) -------------------------------------------
+    def verification_statuses(self, job_ids: list[str]) -> dict[str, str]:
+        """The verification status of each listed client job that has a record."""
+        from .verification_sql import VerificationRow
+        if not job_ids:
+            return {}
+        with self.sessions() as s:
+            return dict(s.execute(select(VerificationRow.job_id, VerificationRow.status)
+                                  .where(VerificationRow.job_id.in_(list(job_ids)))).all())
+
+    def check_roles(self, check_job_ids: list[str]) -> dict[str, tuple[str, str]]:
+        """For check jobs: ``{check job id: (checked client job id, "checker" | "tiebreaker")}``."""
+        from .verification_sql import VerificationRow
+        ids = [i for i in check_job_ids if i]
+        if not ids:
+            return {}
+        out: dict[str, tuple[str, str]] = {}
+        with self.sessions() as s:
+            for job_id, checker, tiebreak in s.execute(
+                    select(VerificationRow.job_id, VerificationRow.checker_job_id,
+                           VerificationRow.tiebreak_job_id)
+                    .where(VerificationRow.checker_job_id.in_(ids)
+                           | VerificationRow.tiebreak_job_id.in_(ids))):
+                if checker in ids:
+                    out[checker] = (job_id, "checker")
+                if tiebreak in ids:
+                    out[tiebreak] = (job_id, "tiebreaker")
+        return out
+
+    def standing_summary(self) -> dict[str, dict]:
+        """Per provider, over its (plugin, hardware class) standings: the lowest CV, the
+        checks and failures summed, and the lowest quota factor."""
+        from sqlalchemy import func
+        from .verification_sql import StandingRow
+        with self.sessions() as s:
+            rows = s.execute(select(StandingRow.provider_id,
+                                    func.min(StandingRow.consecutive_valid),
+                                    func.sum(StandingRow.checks), func.sum(StandingRow.failures),
+                                    func.min(StandingRow.quota_factor), func.count())
+                             .group_by(StandingRow.provider_id)).all()
+        return {pid: {"cv_min": int(cv), "checks": int(checks or 0),
+                      "failures": int(failures or 0), "quota_factor": float(quota),
+                      "classes": int(n)}
+                for pid, cv, checks, failures, quota, n in rows}
+
+    def verification_summary(self, since: float) -> dict:
+        """Checks and client jobs created since ``since`` and in all; verification records
+        by status (all, and those that reached it since ``since``); disagreements that went
+        to a third run (``tiebreaks_*``: the 2-of-3 disputes)."""
+        from sqlalchemy import func
+        from .verification_sql import VerificationRow
+        is_check = JobRow.check_of.is_not(None)
+        with self.sessions() as s:
+            def count(*where):
+                return int(s.scalar(select(func.count()).select_from(JobRow).where(*where)) or 0)
+            out = {"checks_recent": count(is_check, JobRow.created_at >= since),
+                   "client_jobs_recent": count(JobRow.check_of.is_(None),
+                                               JobRow.created_at >= since),
+                   "checks_total": count(is_check),
+                   "client_jobs_total": count(JobRow.check_of.is_(None))}
+            tiebreak = VerificationRow.tiebreak_job_id.is_not(None)
+            out["tiebreaks_recent"] = int(s.scalar(select(func.count()).select_from(
+                VerificationRow).where(tiebreak, VerificationRow.updated_at >= since)) or 0)
+            out["tiebreaks_total"] = int(s.scalar(select(func.count()).select_from(
+                VerificationRow).where(tiebreak)) or 0)
+            out["by_status"] = dict(s.execute(
+                select(VerificationRow.status, func.count()).group_by(VerificationRow.status)).all())
+            out["by_status_recent"] = dict(s.execute(
+                select(VerificationRow.status, func.count())
+                .where(VerificationRow.updated_at >= since)
+                .group_by(VerificationRow.status)).all())
+        return out
+
+    def provider_earnings(self, provider_id: str) -> dict:
+        """What the provider's settled jobs paid it (its share of posted holds), and what
+        verification took back (refunded holds)."""
+        with self.sessions() as s:
+            rows = s.execute(select(LedgerHoldRow.provider_micro,
+                                    LedgerHoldRow.refund_transaction_id,
+                                    LedgerHoldRow.vest_transaction_id)
+                             .join(JobRow, JobRow.hold_id == LedgerHoldRow.id)
+                             .where(JobRow.provider_id == provider_id,
+                                    LedgerHoldRow.state == "posted")).all()
+        kept = [m for m, refund, _ in rows if refund is None]
+        return {"earned_micro": sum(kept), "jobs_paid": len(kept),
+                "vested_micro": sum(m for m, refund, vest in rows if refund is None and vest),
+                "refunded_micro": sum(m for m, refund, _ in rows if refund is not None),
+                "jobs_refunded": sum(1 for _, refund, _ in rows if refund is not None)}

@@ -1,2 +1,3 @@
 """Imports every module that defines tables, so Base.metadata is complete."""
-from . import admin_sql, checkpoints_sql, ledger_sql, models, payments_sql, pricing_sql  # noqa: F401
+from . import (admin_sql, checkpoints_sql, ledger_sql, models, payments_sql,  # noqa: F401
+               pricing_sql, verification_sql)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -79,7 +79,10 @@ class SqlJobRepository:
 
     def queued(self, limit: int) -> list[Job]:
         with self.sessions() as s:
-            rows = s.execute(_SELECT.where(JOBS.c.state == JobState.QUEUED.value)
+            # A check job waits out its random delay (not_before) before it is offered.
+            rows = s.execute(_SELECT.where(JOBS.c.state == JobState.QUEUED.value,
+                                           or_(JOBS.c.not_before.is_(None),
+                                               JOBS.c.not_before <= self.clock()))
                              .order_by(JOBS.c.created_at).limit(limit))
             return [_to_job(r) for r in rows]
 
@@ -152,6 +155,26 @@ class SqlJobRepository:
             rows = s.scalars(select(JobOutputRow).where(JobOutputRow.job_id == job_id)
                              .order_by(JobOutputRow.index))
             return [JobOutput(r.job_id, r.index, r.sha256, r.media_type, r.size) for r in rows]
+
+    def replace_outputs(self, job_id: str, outputs: list[JobOutput],
+                        event: tuple[str, dict]) -> None:
+        """Point a settled job at other outputs (verification overturned it: the majority's
+        outputs replace the wrong ones), with its event, in one transaction."""
+        with self.sessions.begin() as s:
+            s.execute(delete(JobOutputRow).where(JobOutputRow.job_id == job_id))
+            for o in outputs:
+                s.execute(insert(JobOutputRow).values(job_id=job_id, index=o.index,
+                                                      sha256=o.sha256, media_type=o.media_type,
+                                                      size=o.size))
+            s.execute(insert(JobEventRow).values(job_id=job_id, kind=event[0], data=event[1],
+                                                 created_at=self.clock()))
+
+    def checks_of(self, job_id: str) -> list[Job]:
+        """The check jobs that re-run ``job_id``, oldest first."""
+        with self.sessions() as s:
+            rows = s.execute(_SELECT.where(JOBS.c.check_of == job_id)
+                             .order_by(JOBS.c.created_at))
+            return [_to_job(r) for r in rows]
 
     def counts_by_state(self) -> dict[str, int]:
         with self.sessions() as s:

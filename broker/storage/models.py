@@ -82,6 +82,12 @@ class JobRow(Base):
     price_micro_per_unit: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     batch_id: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)
     batch_index: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Verification (DESIGN §6): a check job names the job it re-runs; a check waits until
+    # not_before; verify is the client's choice, "sampled" or "always" (two paid runs).
+    check_of: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)
+    not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
+    verify: Mapped[str] = mapped_column(String(12), default="sampled", server_default="sampled")
+    weights_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class JobEventRow(Base):
@@ -101,3 +107,66 @@ class JobOutputRow(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     media_type: Mapped[str] = mapped_column(String(100))
     size: Mapped[int] = mapped_column(Integer)
+
+
+# ---- plugin and adapter registry (issue #3 marketplace; migration 0010_registry) ----------
+class PublisherKeyRow(Base):
+    """An Ed25519 key an account signs its published packages with."""
+    __tablename__ = "publisher_keys"
+    __table_args__ = (Index("ix_publisher_keys_account_id", "account_id"),)
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(String(36))
+    public_key: Mapped[str] = mapped_column(String(64), unique=True)
+    label: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class RegistryPackageRow(Base):
+    """One immutable published version of a plugin or adapter: the signed document."""
+    __tablename__ = "registry_packages"
+    __table_args__ = (Index("ix_registry_packages_base_plugin", "kind", "base_plugin"),)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)   # plugin | adapter
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    publisher_account: Mapped[str] = mapped_column(String(36))
+    key_id: Mapped[str] = mapped_column(String(32))
+    document: Mapped[str] = mapped_column(Text)          # canonical JSON, as signed
+    signature: Mapped[str] = mapped_column(String(128))
+    digest: Mapped[str] = mapped_column(String(64))      # sha256 of the canonical document
+    base_plugin: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    royalty_micro: Mapped[int] = mapped_column(BigInteger)
+    description: Mapped[str] = mapped_column(Text)
+    published_at: Mapped[float] = mapped_column(Float)
+
+
+class RegistryFileRow(Base):
+    """A file of a published package, stored in the blob store under its sha256."""
+    __tablename__ = "registry_files"
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    path: Mapped[str] = mapped_column(String(400), primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(BigInteger)
+    blob_key: Mapped[str] = mapped_column(String(400))
+
+
+class StandingAskRow(Base):
+    """A provider's last valid standing ask per plugin (DESIGN §4), so a broker restart or
+    an agent reconnecting without re-posting keeps it. Sealed: read back only by the
+    market, which shows it to its owner and admins."""
+    __tablename__ = "standing_asks"
+    provider_id: Mapped[str] = mapped_column(ForeignKey("providers.id"), primary_key=True)
+    plugin: Mapped[str] = mapped_column(String(64), primary_key=True)
+    price_micro_per_unit: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class MarketRuleRow(Base):
+    """An admin-set rule of the market (``reputation_floor``), overriding the setting."""
+    __tablename__ = "market_rules"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    updated_by: Mapped[str] = mapped_column(String(64))

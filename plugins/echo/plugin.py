@@ -1,4 +1,4 @@
-"""The echo plugin: returns its input as JSON. No model; for dispatch tests and benchmarks.
+"""The echo plugin: returns its input text as JSON. No model; for dispatch tests and benchmarks.
 
 It checkpoints like a model would (every ``ctx.checkpoint_every`` steps: the step reached)
 and resumes from such a checkpoint, so fault-tolerance tests and benchmarks can use it."""
@@ -37,5 +37,7 @@ class Echo(Plugin):
                 ctx.progress(step, steps)
             if every and step % every == 0 and step < steps:
                 ctx.checkpoint(step, json.dumps({"echo_step": step}).encode())
-        body = json.dumps({"text": inputs["text"], "job_id": ctx.job_id}).encode()
+        # A pure function of the inputs, like a model with a pinned seed: a check run of the
+        # same job on another provider must return the same bytes (DESIGN §6).
+        body = json.dumps({"text": inputs["text"]}).encode()
         return [Output(data=body, media_type="application/json")]

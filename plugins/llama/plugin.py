@@ -10,11 +10,30 @@ a seeded *CPU* generator on float32 probabilities (the same seed picks the same 
 any device whose logits agree), the log-probability of every chosen token under the
 model's own distribution (what a verifier re-scores by teacher forcing, DESIGN §6), and
 a cancellation check and a streamed piece of text after every token.
+
+The output's meta (what a verifier needs to re-score the claim, DESIGN §6):
+``token_ids``, ``logprobs`` (each chosen token's log-probability under the raw, T=1
+distribution), ``finish_reason`` ("stop" or "length"), ``stopped_by_string``, ``eos_ids``,
+``temperature``, ``top_p``, ``max_new_tokens``, ``dtype``, ``seed`` and ``scores``, one per
+generated token::
+
+    {"top": [[token_id, logprob_at_T1, prob_sampled], ...],  # the 5 likeliest raw tokens
+     "eos_lp": logsumexp of the eos ids' raw logprobs,
+     "eos_p": eos mass in the distribution sampled from (after temperature, top_p and the
+              ignore_eos ban; 0 for greedy),
+     "mass_above": mass, at the job's temperature before top_p (ignore_eos ban applied), of
+                   the tokens strictly likelier than the chosen one (0 for greedy)}
+
+``prob_sampled`` is the token's probability in the distribution sampled from (greedy: 1 for
+the token taken, 0 for the others). Floats in ``scores`` are rounded to 6 decimals; a
+log-probability of -inf (a token the model masks) is written as -10000 (canonical JSON has
+no infinities). ``ignore_eos`` is reported too (the eos ids are banned from the sampler).
 """
 from __future__ import annotations
 
 import inspect
 import json
+import math
 import secrets
 from pathlib import Path
 from typing import Any
@@ -26,7 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plugins import checkpoints
 from plugins.adapters import AdapterCache, AdapterRequest, adapter_roots, parse_adapters
-from plugins.api import BadInput, Output, Plugin, PluginError, RunContext
+from plugins.api import BadInput, Output, Plugin, PluginError, RunContext, run_dtype
 
 ROLES = ("system", "user", "assistant")
 # transformers 4.56 renamed from_pretrained's torch_dtype to dtype (the old name warns).
@@ -45,10 +64,8 @@ class Llama(Plugin):
             raise PluginError("llama needs a weights folder in the transformers layout "
                               "(config.json, model.safetensors, tokenizer.json)", retryable=False)
         self.device = torch.device(device)
-        if self.device.type == "cuda":
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        else:
-            dtype = torch.float32
+        dtype = run_dtype(self.device.type, "bfloat16" if self.device.type == "cuda"
+                          and torch.cuda.is_bf16_supported() else "float16")
         bars = transformers.utils.logging.is_progress_bar_enabled()
         transformers.utils.logging.disable_progress_bar()  # keep the host's log readable
         try:
@@ -102,10 +119,13 @@ class Llama(Plugin):
 
         token_ids: list[int] = []
         logprobs: list[float] = []
+        scores: list[dict[str, Any] | None] = []
         if resume is not None:
             # The tokens of the earlier attempt: already streamed to the client, so they
             # only rebuild the text here; the sampler continues from the saved RNG state.
             token_ids, logprobs = list(resume["token_ids"]), list(resume["logprobs"])
+            scores = list(resume.get("scores") or [])[:len(token_ids)]
+            scores += [None] * (len(token_ids) - len(scores))  # a checkpoint without them
             generator.set_state(resume["rng"])
             text.quiet = True
             for token in token_ids:
@@ -113,15 +133,19 @@ class Llama(Plugin):
             text.quiet = False
             ctx.progress(len(token_ids), max_new, "resumed from a checkpoint")
         finish = "length"
+        stopped_by_string = False
         banned = sorted(self.eos_ids) if inputs.get("ignore_eos") else []
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         with torch.inference_mode():
             out = self._forward(prompt_ids + token_ids, cache=None, last_only=True)
             for step in range(len(token_ids) + 1, max_new + 1):
                 logits = out.logits[0, -1].float().cpu()
-                token = _sample(logits, inputs["temperature"], inputs["top_p"], generator,
-                                banned)
+                token, dist = _sample_dist(logits, inputs["temperature"], inputs["top_p"],
+                                           generator, banned)
+                logp = torch.log_softmax(logits, dim=-1)
                 token_ids.append(token)
-                logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+                logprobs.append(float(logp[token]))
+                scores.append(_score(logp, token, dist, eos))
                 ctx.check_cancelled()
                 ctx.progress(step, max_new)
                 if token in self.eos_ids:
@@ -129,12 +153,13 @@ class Llama(Plugin):
                     break
                 if text.add(token):  # the stop string appeared
                     finish = "stop"
+                    stopped_by_string = True
                     break
                 if every and step % every == 0 and step < max_new:
                     ctx.checkpoint(step, checkpoints.dumps({
                         "kind": "tokens", "step": step, "total": max_new,
                         "fingerprint": checkpoints.fingerprint(inputs), "seed": seed,
-                        "token_ids": token_ids, "logprobs": logprobs,
+                        "token_ids": token_ids, "logprobs": logprobs, "scores": scores,
                         "rng": generator.get_state()}))
                 if step < max_new:
                     out = self._forward([token], cache=self._cache_of(out))
@@ -143,6 +168,11 @@ class Llama(Plugin):
             "seed": seed, "token_ids": token_ids, "logprobs": logprobs,
             "prompt_tokens": len(prompt_ids), "generated_tokens": len(token_ids),
             "work_units": len(prompt_ids) + len(token_ids), "finish_reason": finish,
+            "stopped_by_string": stopped_by_string, "eos_ids": sorted(self.eos_ids),
+            "ignore_eos": bool(inputs.get("ignore_eos")),
+            "temperature": float(inputs["temperature"]), "top_p": float(inputs["top_p"]),
+            "max_new_tokens": int(max_new), "dtype": str(self.model.dtype).removeprefix("torch."),
+            "scores": scores,
         }
         if adapters:
             meta["adapters"] = {a.name: a.scale for a in adapters}
@@ -265,19 +295,75 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float,
             generator: torch.Generator, banned: list[int] = ()) -> int:
     """One token id from float32 CPU logits: greedy at temperature 0, else nucleus
     sampling; ``banned`` ids (end-of-text under ignore_eos) are never picked."""
+    return _sample_dist(logits, temperature, top_p, generator, banned)[0]
+
+
+def _sample_dist(logits: torch.Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator, banned: list[int] = ()):
+    """``_sample`` that also returns what it sampled from, for ``_score``:
+    ``(token, dist)`` with ``dist`` None for greedy, else ``(probs, sorted_probs, head,
+    order)``: the softmax at ``temperature`` (banned ids at 0) before top_p, the same in
+    descending order, that order after top_p (the dropped tail zeroed, not renormalised)
+    and the token ids of that order."""
     if banned:
         logits = logits.clone()
         logits[list(banned)] = float("-inf")
     if temperature == 0:
-        return int(torch.argmax(logits))
+        return int(torch.argmax(logits)), None
     probs = torch.softmax(logits / temperature, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    head = sorted_probs
     if top_p < 1.0:
         # keep the smallest head whose mass reaches top_p (always at least one token)
         outside = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) >= top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    pick = torch.multinomial(sorted_probs, 1, generator=generator)
-    return int(order[pick])
+        head = sorted_probs.masked_fill(outside, 0.0)
+    pick = torch.multinomial(head, 1, generator=generator)
+    return int(order[pick]), (probs, sorted_probs, head, order)
+
+
+TOP_SCORES = 5
+
+
+LOGPROB_FLOOR = -10000.0  # how a log-probability of -inf is written (JSON has no inf)
+
+
+def _r6(x: float) -> float:
+    """A score for the receipt: rounded to 6 decimals; LOGPROB_FLOOR when not finite."""
+    x = float(x)
+    return round(x, 6) if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def _score(logp: torch.Tensor, token: int, dist, eos: torch.Tensor) -> dict[str, Any]:
+    """One token's entry of meta["scores"] (see the module docstring). Costs a top-k and a
+    few element reads beside the sort the sampler already did (no other vocabulary-wide
+    pass but one comparison count)."""
+    top_lp, top_ids = torch.topk(logp, min(TOP_SCORES, logp.numel()))
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    eos_lp = float(torch.logsumexp(logp[eos], dim=0)) if eos.numel() else float("-inf")
+    if dist is None:  # greedy: the sampled distribution is all on the token taken
+        return {"top": [[i, _r6(lp), 1.0 if i == token else 0.0]
+                        for lp, i in zip(top_lp, top_ids)],
+                "eos_lp": _r6(eos_lp), "eos_p": 0.0, "mass_above": 0.0}
+    probs, sorted_probs, head, order = dist
+    total = float(head.sum())
+    # top_p keeps a prefix of ``order``: its length, and its smallest probability
+    kept = int(torch.count_nonzero(head)) if head is not sorted_probs else order.numel()
+    floor = float(sorted_probs[kept - 1]) if kept else float("inf")
+
+    def sampled_p(ids: list[int]) -> list[float]:
+        out = []
+        for i, p in zip(ids, probs[ids].tolist()):
+            inside = p > floor or (p == floor and p > 0 and bool((order[:kept] == i).any()))
+            out.append(p / total if inside and total > 0 else 0.0)
+        return out
+
+    top = [[i, _r6(lp), _r6(p)] for lp, i, p in zip(top_lp, top_ids, sampled_p(top_ids))]
+    eos_p = sum(sampled_p(eos.tolist())) if eos.numel() else 0.0
+    # tokens strictly likelier than the chosen one: a prefix of the descending order
+    above = int(torch.count_nonzero(sorted_probs > probs[token]))
+    mass_above = float(sorted_probs[:above].sum())
+    return {"top": top, "eos_lp": _r6(eos_lp), "eos_p": _r6(eos_p),
+            "mass_above": _r6(mass_above)}
 
 
 class _StreamingText:

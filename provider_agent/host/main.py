@@ -72,6 +72,11 @@ def _resolve_device(device: str) -> str:
 
 def _hardware(device: str) -> dict:
     info = {"device": device.split(":")[0], "cpu_count": os.cpu_count() or 1}
+    torch = sys.modules.get("torch")  # loaded by the plugin's setup, if it uses torch
+    if torch is not None:
+        # Bit-reproducibility on the CPU holds only for one thread count and torch build
+        # (reductions split across threads round differently): part of the repro class.
+        info.update(threads=torch.get_num_threads(), torch=torch.__version__)
     if device.startswith("cuda"):
         import torch
 

@@ -15,7 +15,8 @@ from nacl.signing import SigningKey, VerifyKey
 
 from .canonical import canonical_bytes
 
-PURPOSES = frozenset({"envelope", "receipt", "challenge", "manifest", "adapter"})
+# "publisher": proof that a publisher holds the key it registers (broker.registry).
+PURPOSES = frozenset({"envelope", "receipt", "challenge", "manifest", "adapter", "publisher"})
 
 
 class SignatureError(ValueError):

@@ -23,7 +23,11 @@ def tiny_weights(tmp_path_factory):
 @pytest.fixture
 def localnet(tmp_path, request):
     marker = request.node.get_closest_marker("localnet")
-    kwargs = marker.kwargs if marker else {}
+    kwargs = dict(marker.kwargs) if marker else {}
+    # Verification re-runs sampled jobs on other agents: off unless a test turns it on
+    # (@pytest.mark.localnet(env={"SPARECYCLES_VERIFICATION": "on"})).
+    kwargs["env"] = {"SPARECYCLES_VERIFICATION": "off", "SPARECYCLES_CHECK_DELAY_MAX_S": "0",
+                     **(kwargs.get("env") or {})}
     net = LocalNetwork(tmp_path / "net", **kwargs)
     yield net
     net.stop()

@@ -14,6 +14,10 @@ class LiveBroker:
     def __init__(self, tmp_path, db_url=None, lease_timeout_s=5.0, plugin_dirs=None,
                  max_attempts=None, **settings):
         extra = {"plugin_dirs": list(plugin_dirs)} if plugin_dirs is not None else {}
+        # Verification re-runs sampled jobs on other agents; tests about other things turn
+        # it off so that every job runs once (the verification tests turn it on).
+        extra.setdefault("verification", False)
+        extra.setdefault("check_delay_max_s", 0.0)
         extra.update(settings)  # any other Settings field (e.g. Stripe against a stub)
         if max_attempts is not None:
             extra["max_attempts"] = max_attempts

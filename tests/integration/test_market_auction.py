@@ -86,3 +86,63 @@ def test_asks_are_sealed(live_broker, four):
     with Client(live_broker.url, live_broker.key("client")) as client:
         r = client._http.get("/v1/asks")
         assert r.status_code == 403
+
+
+def test_a_pinned_build_runs_only_on_agents_with_its_weights(live_broker, tmp_path):
+    """The catalog lists echo's weights: the agent holding them wins every job; a cheaper
+    agent with other weights never does, cold market or not."""
+    import dataclasses
+    import hashlib
+
+    from sdk.protocol.manifest import WeightFile
+
+    data = b"the published weights"
+    catalog = live_broker.services.catalog
+    catalog.add(dataclasses.replace(catalog.get("echo", "1.0.0"), weights=(
+        WeightFile("model.bin", hashlib.sha256(data).hexdigest(), len(data)),)))
+    folders = {}
+    for name, content in (("right", data), ("wrong", b"some other weights")):
+        folders[name] = tmp_path / f"weights-{name}"
+        folders[name].mkdir()
+        (folders[name] / "model.bin").write_bytes(content)
+    agents = {}
+    for name, ask in (("right", 900), ("wrong", 100)):
+        cfg = AgentConfig(broker=live_broker.grpc, api_key=live_broker.key("provider"),
+                          name=name, plugins=["echo"], device="cpu", asks={"echo": ask},
+                          weights={"echo": str(folders[name])})
+        agents[name] = Agent(cfg, KeyPair.generate(),
+                             plugin_dirs={"echo": builtin_plugin_dir("echo")}, sandboxed=False)
+        threading.Thread(target=agents[name].run, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not all(a.provider_id for a in agents.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        right, wrong = agents["right"].provider_id, agents["wrong"].provider_id
+        with Client(live_broker.url, live_broker.key("client")) as client:
+            for _ in range(4):
+                job = client.jobs.create("echo", text="x")
+                job.wait(timeout=20)
+                assert job.data["provider_id"] == right
+        rows = {r["provider_id"]: r for r in live_broker.services.market.asks()}
+        assert rows[right]["weights_digest"] != rows[wrong]["weights_digest"]
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+def test_admins_set_the_reputation_floor_and_providers_see_only_their_asks(live_broker):
+    admin = {"Authorization": f"Bearer {live_broker.key('admin')}"}
+    provider = {"Authorization": f"Bearer {live_broker.key('provider')}"}
+    url = f"{live_broker.url}/v1/admin/market"
+    assert httpx.get(url, headers=admin).json()["reputation_floor"] == 0.5
+    r = httpx.put(url, headers=admin, json={"reputation_floor": 0.7})
+    assert r.status_code == 200 and r.json()["reputation_floor"] == 0.7
+    assert live_broker.services.market.rules.reputation_floor == 0.7
+    bad = httpx.put(url, headers=admin, json={"reputation_floor": 2})
+    assert bad.status_code == 422 and bad.json()["code"] == "invalid_market_rule"
+    assert httpx.put(url, headers=admin, json={"floor": 0.1}).status_code == 400
+    assert httpx.put(url, headers=provider, json={"reputation_floor": 0.0}).status_code == 403
+    assert httpx.get(url, headers=provider).status_code == 403
+    assert live_broker.services.market.rules.reputation_floor == 0.7
+    # Stored and audited.
+    assert live_broker.services.market.store.load_rules() == {"reputation_floor": 0.7}

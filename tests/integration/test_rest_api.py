@@ -117,7 +117,8 @@ def test_every_v1_route_is_in_the_openapi_document(api):
     for rule in client.application.url_map.iter_rules():
         if not rule.rule.startswith("/v1"):
             continue
-        path = rule.rule.replace("<int:", "<").replace("<", "{").replace(">", "}")
+        path = (rule.rule.replace("<int:", "<").replace("<path:", "<")
+                .replace("<", "{").replace(">", "}"))
         assert path in paths, f"{rule.rule} is missing from /openapi.json"
         for method in rule.methods - {"HEAD", "OPTIONS"}:
             assert method.lower() in paths[path], f"{method} {rule.rule} is not documented"

@@ -79,6 +79,23 @@ def test_occupied_slots_leave_the_market_until_released():
     assert clear(job(), book, random.Random(0), 0.0).winner.provider_id == "p1"
 
 
+def test_changed_rules_apply_to_standing_asks_at_once():
+    book = OrderBook()
+    book.post(ask("shaky", price=100, reputation=0.3))
+    book.post(ask("steady", price=900, slots_free=0))
+    book.post(ask("new", price=50, throughput_measured=False))
+    assert clear(job(), book, random.Random(0), 0.0).winner.provider_id == "shaky"
+    book.set_rules(AuctionRules(reputation_floor=0.5))  # shaky falls under; steady is busy
+    with pytest.raises(NoMatch):
+        clear(job(), book, random.Random(0), 0.0)
+    book.set_rules(AuctionRules(reputation_floor=0.5, claimed_throughput_factor=1.0))
+    for seed in range(5):   # the rebuilt index agrees with the full scan
+        j = job(n_slots=2)
+        assert clear(j, book, random.Random(seed), 0.0) == \
+            reference_clear(j, book, random.Random(seed), 0.0)
+    assert clear(job(), book, random.Random(0), 0.0).winner.provider_id == "new"
+
+
 def test_withdraw_and_unknown_ask():
     book = OrderBook()
     book.post(ask("p1"))

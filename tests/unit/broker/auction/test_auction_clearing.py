@@ -139,7 +139,6 @@ def test_fewer_operators_than_slots_fill_other_machines_then_more_slots_at_reser
     (dict(vram_gb=8.0), "not enough VRAM"),
     (dict(throughput_units_per_s=0.0), "no measured throughput"),
     (dict(throughput_measured=False), "no measured throughput"),
-    (dict(reputation=0.1), "reputation below the floor"),
     (dict(price_micro_per_unit=1_001), "above the reserve"),
     (dict(linked_accounts=frozenset({CLIENT})), "linked to the client"),
     (dict(operator_id=CLIENT), "linked to the client"),
@@ -163,6 +162,32 @@ def test_each_eligibility_rule_excludes(clear_fn, bad, reason):
     assert err.value.reasons == {reason: 1}
     assert reason in str(err.value)
     assert err.value.best_price_micro is None and err.value.best_completion_s is None
+
+
+def test_the_floor_gives_way_only_when_nobody_above_it_could_take_the_job(clear_fn):
+    rules = AuctionRules(reputation_floor=0.5)
+    shaky = ask("shaky", price=10, reputation=0.2)
+    book = book_of(ask("good", price=500), shaky, rules=rules)
+    result = clear_fn(job(), book, random.Random(0), 0.0)
+    assert result.winner.provider_id == "good" and not result.floor_lifted
+    book.update_provider("good", slots_free=0)     # busy: the job waits for it
+    with pytest.raises(NoEligibleProvider) as err:
+        clear_fn(job(), book, random.Random(0), 0.0)
+    assert err.value.reasons == {"busy": 1, "reputation below the floor": 1}
+    with pytest.raises(CannotMeetTerms):           # good is free but too slow: no way out
+        book.update_provider("good", slots_free=1)
+        clear_fn(job(deadline_s=0.5), book, random.Random(0), 0.0)
+    for cannot in (dict(linked_accounts=frozenset({CLIENT})), dict(price_micro_per_unit=2_000),
+                   dict(online=False), dict(vram_gb=1.0)):
+        # good can never take this job: the floor gives way and shaky competes as usual.
+        book = book_of(dataclasses.replace(ask("good", price=500), **cannot), shaky,
+                       rules=rules)
+        result = clear_fn(job(min_vram_gb=16.0), book, random.Random(0), 0.0)
+        assert result.winner.provider_id == "shaky" and result.floor_lifted
+        assert result.winner.price_set_by == "reserve"
+    alone = book_of(shaky, ask("shakier", price=20, reputation=0.1), rules=rules)
+    result = clear_fn(job(), alone, random.Random(0), 0.0)  # both under: priced by each other
+    assert result.winner.provider_id == "shaky" and result.winner.price_set_by == "runner_up"
 
 
 def test_claimed_throughput_counts_only_when_the_rules_allow_it(clear_fn):

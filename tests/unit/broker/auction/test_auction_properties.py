@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +22,11 @@ def book_of(market, rules=RULES) -> OrderBook:
     book = OrderBook(rules)
     book.post_many(market)
     return book
+
+
+def as_cleared(j, result):
+    """The job as it cleared: with the reputation floor lifted when it gave way."""
+    return dataclasses.replace(j, floor_lifted=result.floor_lifted)
 
 
 def outcome(fn, j, book, seed):
@@ -73,6 +79,7 @@ def test_prices_lie_between_the_winners_ask_and_the_reserve(market, j, seed):
         return
     by_pid = {a.provider_id: a for a in market}
     assert result.awards and len(result.awards) + result.unfilled_slots == j.n_slots
+    j = as_cleared(j, result)
     for award in result.awards:
         own = by_pid[award.provider_id]
         assert ineligibility(own, j, RULES, 0.0) is None
@@ -91,6 +98,7 @@ def test_an_operator_wins_two_slots_only_when_no_other_is_left(market, j, seed):
         result = clear(j, book, random.Random(seed), 0.0)
     except NoMatch:
         return
+    j = as_cleared(j, result)
     eligible_ops = {a.operator_id for a in market if ineligibility(a, j, RULES, 0.0) is None}
     winning_ops = [a.operator_id for a in result.awards]
     if len(eligible_ops) >= j.n_slots:
@@ -113,6 +121,7 @@ def test_winners_are_the_best_scores_and_only_eligible_asks_win(market, j, seed)
     except NoMatch:
         assert all(ineligibility(a, j, RULES, 0.0) is not None for a in market)
         return
+    j = as_cleared(j, result)
     lam = RULES.lambda_for(j.priority)
     f = RULES.failure_penalty_micro
 
@@ -266,3 +275,79 @@ def test_ties_among_many_identical_asks_are_drawn_from_all_of_them():
         assert fast == reference_clear(j, book, random.Random(seed), 0.0)
         winners.update(a.provider_id for a in fast.awards)
     assert len(winners) > 100 and "dear" not in winners
+
+
+@PROPS
+@given(asks(n_max=12, operators=5), st.lists(st.booleans(), min_size=12, max_size=12),
+       jobs(), st.integers(0, 2**32))
+def test_asks_on_other_weights_neither_win_nor_set_prices(market, other, j, seed):
+    """A job pinned to one weights digest clears as if the asks filed under other weights
+    did not exist: they never win, and they never move a winner's price."""
+    mixed = [dataclasses.replace(a, weights_digest="f" * 64) if other[i] else a
+             for i, a in enumerate(market)]
+    same = [a for a in mixed if a.weights_digest == j.weights_digest]
+    got = outcome(clear, j, book_of(mixed), seed)
+    alone = outcome(clear, j, book_of(same), seed)
+    if isinstance(got, tuple):   # refusals also count "serve another version or weights"
+        assert isinstance(alone, tuple) and got[0] == alone[0] and got[2:] == alone[2:]
+        return
+    assert got == alone
+    pinned = {a.provider_id for a in same}
+    assert all(award.provider_id in pinned for award in got.awards)
+
+
+@PROPS
+@given(asks(n_max=12, operators=5), st.floats(0.0, 1.0), jobs(), st.integers(0, 2**32))
+def test_the_floor_holds_while_anyone_above_it_could_take_the_job(market, floor, j, seed):
+    """While some ask at or above the floor could take the job (free or busy, whatever the
+    client's terms), asks under it neither win nor set a price; otherwise they clear as
+    if there were no floor."""
+    rules = dataclasses.replace(RULES, reputation_floor=floor)
+    skip = frozenset({"busy", "reputation below the floor", "above the max price",
+                      "cannot meet the deadline"})
+    could = [a for a in market if ineligibility(a, j, rules, 0.0, skip) is None]
+    got = outcome(clear, j, book_of(market, rules), seed)
+    if any(a.reputation >= floor for a in could) or not could:
+        alone = outcome(clear, j, book_of([a for a in market if a.reputation >= floor], rules),
+                        seed)
+        if isinstance(got, tuple):   # refusals differ only in the reasons they count
+            assert isinstance(alone, tuple) and got[0] == alone[0] and got[2:] == alone[2:]
+            return
+        assert got == alone and not got.floor_lifted
+        reputation = {a.provider_id: a.reputation for a in market}
+        assert all(reputation[award.provider_id] >= floor for award in got.awards)
+    else:
+        free = outcome(clear, j, book_of(market, dataclasses.replace(rules, reputation_floor=0.0)),
+                       seed)
+        if isinstance(got, tuple):
+            assert isinstance(free, tuple) and got[0] == free[0] and got[2:] == free[2:]
+            return
+        assert got.floor_lifted and got.awards == free.awards
+
+
+@PROPS
+@given(asks(n_min=2, n_max=10, operators=5), jobs(terms=False), st.integers(0, 2**32),
+       st.integers(0, 9), st.floats(0.5, 600.0), st.sampled_from(["queue_s", "cold_start_s"]))
+def test_a_longer_queue_or_cold_start_never_helps(market, j, seed, who, extra, what):
+    """Expected completion is queue + cold start + W/θ: a loser that waits longer still
+    loses, and every award's completion time is exactly that sum."""
+    who %= len(market)
+    book = book_of(market)
+    try:
+        before = clear(j, book, random.Random(seed), 0.0)
+    except NoMatch:
+        return
+    by_pid = {a.provider_id: a for a in market}
+    for award in before.awards:
+        a = by_pid[award.provider_id]
+        assert award.expected_completion_s == pytest.approx(
+            a.queue_s + a.cold_start_s + j.work_units / a.throughput_units_per_s)
+    target = market[who]
+    slower = list(market)
+    slower[who] = dataclasses.replace(target, **{what: getattr(target, what) + extra})
+    try:
+        after = clear(j, book_of(slower), random.Random(seed), 0.0)
+    except NoMatch:
+        return
+    if target.provider_id not in {a.provider_id for a in before.awards}:
+        assert target.provider_id not in {a.provider_id for a in after.awards}

@@ -61,7 +61,7 @@ def make_machine(new_service):
                              AccountKind.PROVIDER_STAKE)) for p in PROVIDERS)
             yield PUBLISHER, (AccountKind.PUBLISHER_ROYALTIES,)
             yield "platform", (AccountKind.PLATFORM_FEES, AccountKind.PLATFORM_PAYMENT_CLEARING,
-                               AccountKind.PLATFORM_DEV_GRANTS)
+                               AccountKind.PLATFORM_DEV_GRANTS, AccountKind.PLATFORM_VERIFICATION)
 
         def key(self) -> str:
             self.n += 1

@@ -1,0 +1,399 @@
+"""Spot redundancy against real cheating agents (issue #7, DESIGN §6).
+
+A real broker (in this process, verification on) and real agent processes on tiny models
+(sd15 and llama in their real layouts). For each cheating behaviour an agent started with
+``SPARECYCLES_CHEAT=<behaviour>`` runs a batch of client jobs alone; then two honest
+agents of other operators run the checks (and the tiebreaks). The script reports, per
+behaviour:
+
+* **q**, the chance a single check catches it (the check's comparison is not a match),
+  and how often the 2-of-3 ended with the cheater outvoted and slashed;
+* the mean number of jobs until a *reputable* cheater (CV 100, cheating on a fraction of
+  its jobs) is caught and slashed, simulated with the broker's own sampling rule and the
+  q and slash rates just measured;
+
+then runs ``--honest`` honest jobs, every one of them checked (``verify="always"``),
+across numeric variations (one vs two torch threads, float32 vs bfloat16) and counts the
+false disputes and false slashes; and finally the steady-state redundancy overhead of a
+reputable honest provider under the sampling rule. ``--write`` stores q per plugin in
+``broker/verification/thresholds.json`` (``catch_probability``), where the broker's
+sampling reads it.
+
+    python bench/cheaters.py                  # 8 jobs per behaviour, 1,000 honest jobs
+    python bench/cheaters.py --quick          # 4 per behaviour, 60 honest (a smoke run)
+    python bench/cheaters.py --write          # also commit q to thresholds.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from broker.server import BrokerServer  # noqa: E402
+from broker.settings import Settings  # noqa: E402
+from broker.verification.comparators import THRESHOLDS_PATH  # noqa: E402
+from broker.verification.records import CheckStatus  # noqa: E402
+from broker.verification.sampling import SamplingPolicy, Standing, check_probability  # noqa: E402
+from sdk import Client  # noqa: E402
+from sdk.localnet import cli  # noqa: E402
+
+IMAGE = {"prompt": "a lighthouse at dusk", "steps": 4, "width": 64, "height": 64}
+TEXT = {"prompt": "Once upon a time", "max_new_tokens": 16, "temperature": 0.7}
+# behaviour -> (plugin, extra inputs)
+BEHAVIOURS = {
+    "wrong-seed": ("sd15", {}),
+    "fewer-steps": ("sd15", {}),
+    "other-model": ("sd15", {}),
+    "adapter-dropped": ("sd15", {"adapters": "ink:1.0"}),
+    "random-image": ("sd15", {}),
+    "cached-output": ("sd15", {}),
+    "truncate-text": ("llama", {}),
+    "pad-text": ("llama", {}),
+    "other-text-model": ("llama", {}),
+}
+FINAL = {CheckStatus.VERIFIED, CheckStatus.OVERTURNED, CheckStatus.NONDETERMINISTIC,
+         CheckStatus.UNCHECKED}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def build_weights(root: Path) -> None:
+    script = ("import sys; from plugins.tiny import build_tiny; r = sys.argv[1]\n"
+              "build_tiny('sd15', f'{r}/honest/sd15'); build_tiny('llama', f'{r}/honest/llama')\n"
+              "build_tiny('lora-sd15', f'{r}/honest/sd15/adapters/ink', seed=1)\n"
+              "build_tiny('sd15', f'{r}/other-sd15', seed=7)\n"
+              "build_tiny('llama', f'{r}/other-llama', seed=7)\n")
+    subprocess.run([sys.executable, "-c", script, str(root)], check=True, capture_output=True)
+
+
+class Network:
+    """A broker in this process and agent subprocesses (sandboxed where bwrap exists)."""
+
+    def __init__(self, work: Path, weights: Path):
+        self.work, self.weights = work, weights
+        settings = Settings(data_dir=work / "broker", http="127.0.0.1:0", grpc="127.0.0.1:0",
+                            verification=True, check_delay_max_s=0.0, lease_timeout_s=60,
+                            market_claim_factor=1.0, maintenance_interval_s=1.0,
+                            http_threads=16)
+        self.server = BrokerServer(settings)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.svc = self.server.services
+        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        self.grpc = f"127.0.0.1:{self.server.grpc_port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.sandbox = shutil.which("bwrap") is not None
+
+    def client(self, credits: int = 1_000_000) -> Client:
+        key, who = self.svc.auth.create_account_with_key("client")
+        self.svc.payments.grant(who.account_id, credits * 1_000_000, by="bench")
+        return Client(self.url, key, timeout=120)
+
+    def start_agent(self, name: str, plugins: str, env: dict | None = None) -> str:
+        key, _ = self.svc.auth.create_account_with_key("provider", name)  # one operator each
+        home = self.work / f"agent-{name}"
+        subprocess.run(cli("agent", "init", "--home", str(home), "--broker", self.grpc,
+                           "--api-key", key, "--name", name, "--plugins", plugins,
+                           "--weights-dir", str(self.weights / "honest")),
+                       check=True, capture_output=True)
+        args = cli("agent", "run", "--home", str(home), "--device", "cpu")
+        if not self.sandbox:
+            args.append("--no-sandbox")
+        import os
+
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        out = open(self.work / f"agent-{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                            env=full_env, cwd=self.work)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            for p in self.svc.providers.all():
+                if p.name == name and self.svc.dispatcher.session(p.id) is not None:
+                    return p.id
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"agent {name} exited; see {self.work}/agent-{name}.log")
+            time.sleep(0.2)
+        raise RuntimeError(f"agent {name} did not connect")
+
+    def stop_agent(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    def wait_final(self, job_ids: list[str], timeout_s: float = 900) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            records = {j: self.svc.verification.status(j) for j in job_ids}
+            if all(v is not None and v.status in FINAL for v in records.values()):
+                return records
+            time.sleep(0.3)
+        raise RuntimeError("verifications did not finish in time")
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.stop_agent(name)
+        self.server.stop()
+
+
+def first_verdict(v) -> str:
+    return (v.comparisons.get("primary~checker") or {}).get("verdict", "none")
+
+
+def slashed(v, provider_id: str) -> bool:
+    return any(p["provider_id"] == provider_id and p["slash_micro"] > 0
+               for p in (v.outcome or {}).get("penalties", []))
+
+
+def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: str,
+                  jobs: int) -> dict:
+    plugin, extra = BEHAVIOURS[behaviour]
+    env = {"SPARECYCLES_CHEAT": behaviour, "SPARECYCLES_CHEAT_SEED": "1",
+           "SPARECYCLES_CHEAT_LOG": str(net.work / f"cheat-{behaviour}.jsonl")}
+    if behaviour == "other-model":
+        env["SPARECYCLES_CHEAT_WEIGHTS"] = str(net.weights / "other-sd15")
+    if behaviour == "other-text-model":
+        env["SPARECYCLES_CHEAT_WEIGHTS"] = str(net.weights / "other-llama")
+    name = f"cheater-{behaviour}"
+    cheater = net.start_agent(name, plugin, env)
+    for pid in honest:
+        net.svc.dispatcher.set_paused(pid, True)
+    base = IMAGE if plugin == "sd15" else TEXT
+    ids = []
+    for i in range(jobs):
+        job = client.jobs.create(plugin, **base, **extra, seed=1000 + i)
+        ids.append(job.id)
+        job.wait(timeout=300)
+    net.stop_agent(name)
+    for pid in honest:
+        net.svc.dispatcher.set_paused(pid, False)
+    net.svc.dispatcher.kick()
+    records = net.wait_final(ids)
+    truth = {}
+    path = net.work / f"cheat-{behaviour}.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            truth[row.get("job_id")] = bool(row.get("cheated", True))
+    cheated = [j for j in ids if truth.get(j, behaviour in ("other-model", "other-text-model"))]
+    caught = [j for j in cheated if first_verdict(records[j]) != "match"]
+    overturned = [j for j in cheated if records[j].status is CheckStatus.OVERTURNED]
+    cut = [j for j in cheated if slashed(records[j], cheater)]
+    honest_runs = [j for j in ids if j not in cheated]
+    n = len(cheated)
+    return {"behaviour": behaviour, "plugin": plugin, "jobs": len(ids), "cheated": n,
+            "caught": len(caught), "q": len(caught) / n if n else None,
+            "overturned": len(overturned), "slashed": len(cut),
+            "slash_rate": len(cut) / n if n else None,
+            "honest_runs_disputed": sum(first_verdict(records[j]) != "match"
+                                        for j in honest_runs),
+            "verdicts": {j: first_verdict(records[j]) for j in ids}}
+
+
+def run_honest(net: Network, client: Client, total: int) -> dict:
+    """``total`` honest jobs, each checked, across three numeric configurations."""
+    variants = {"fp32-1thread": {"OMP_NUM_THREADS": "1"},
+                "fp32-2threads": {"OMP_NUM_THREADS": "2"},
+                "bf16-1thread": {"OMP_NUM_THREADS": "1", "SPARECYCLES_DTYPE": "bfloat16"}}
+    pids = {net.start_agent(f"honest-{k}", "sd15,llama", env): k for k, env in variants.items()}
+    rng = random.Random(5)
+    t0 = time.monotonic()
+
+    def one(i: int) -> str:
+        if rng.random() < 0.7:
+            job = client.jobs.create("sd15", **IMAGE, seed=i, terms={"verify": "always"})
+        else:
+            job = client.jobs.create("llama", **TEXT, seed=i, terms={"verify": "always"})
+        job.wait(timeout=600)
+        return job.id
+
+    with ThreadPoolExecutor(6) as pool:
+        ids = []
+        for n, job_id in enumerate(pool.map(one, range(total)), 1):
+            ids.append(job_id)
+            if n % 50 == 0 or n == total:
+                log(f"    honest jobs {n}/{total}  ({time.monotonic() - t0:.0f} s)")
+    records = net.wait_final(ids, timeout_s=3600)
+    disputes = [j for j in ids if first_verdict(records[j]) != "match"]
+    slashes = [j for j in ids if (records[j].outcome or {}).get("penalties")
+               and any(p["slash_micro"] > 0 for p in records[j].outcome["penalties"])]
+    overturned = [j for j in ids if records[j].status is CheckStatus.OVERTURNED]
+    methods: dict[str, int] = {}
+    pairs: dict[str, int] = {}
+    for j in ids:
+        figs = records[j].comparisons.get("primary~checker") or {}
+        outs = figs.get("outputs") or [{}]
+        key = outs[0].get("method", figs.get("method", "?"))
+        methods[key] = methods.get(key, 0) + 1
+        check = net.svc.jobs.repo.checks_of(j)
+        if check:
+            a = pids.get(net.svc.jobs.repo.get(j).provider_id, "?")
+            b = pids.get(check[0].provider_id, "?")
+            pair = " vs ".join(sorted((a, b)))
+            pairs[pair] = pairs.get(pair, 0) + 1
+    for name in list(net.procs):
+        if name.startswith("honest-"):
+            net.stop_agent(name)
+    return {"jobs": len(ids), "false_disputes": len(disputes), "false_slashes": len(slashes),
+            "overturned": len(overturned), "methods": methods, "pairs": pairs,
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def simulate_until_slashed(q: float, slash_rate: float, *, cheat_rate: float, gain: int,
+                           stake: int, cv0: int = 100, runs: int = 2000,
+                           seed: int = 1) -> float:
+    """Mean jobs until a reputable cheater (CV ``cv0``) is slashed, under the broker's
+    sampling rule with the measured q and slash rate."""
+    rng = random.Random(seed)
+    policy = SamplingPolicy()
+    caught_p = q
+    total = 0
+    for _ in range(runs):
+        cv, n = cv0, 0
+        while True:
+            n += 1
+            p = check_probability(Standing(cv, stake, 0), gain_micro=gain, job_value_micro=gain,
+                                  catch_probability=max(q, 1e-6), policy=policy).p
+            cheats = rng.random() < cheat_rate
+            if rng.random() < p:
+                if cheats and rng.random() < caught_p:
+                    if rng.random() < slash_rate / max(q, 1e-9):
+                        break
+                    cv = 0
+                else:
+                    cv += 1
+            if n > 10_000_000:
+                break
+        total += n
+    return total / runs
+
+
+def overhead(q: float, *, gain: int, stake: int, jobs: int = 20_000, seed: int = 2) -> dict:
+    """Fraction of an honest provider's jobs re-run: over its first ``jobs`` jobs (from
+    CV 0) and in the steady state (the last quarter)."""
+    rng = random.Random(seed)
+    cv, checked, tail = 0, 0, 0
+    for n in range(jobs):
+        p = check_probability(Standing(cv, stake, 0), gain_micro=gain, job_value_micro=gain,
+                              catch_probability=q).p
+        if rng.random() < p:
+            checked += 1
+            tail += n >= jobs * 3 // 4
+            cv += 1
+    return {"first_jobs": jobs, "overall": checked / jobs, "steady_state": tail / (jobs / 4)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--per-behaviour", type=int, default=8, help="cheated jobs per behaviour")
+    ap.add_argument("--honest", type=int, default=1000, help="honest checked jobs")
+    ap.add_argument("--quick", action="store_true", help="4 per behaviour, 60 honest")
+    ap.add_argument("--behaviours", default=",".join(BEHAVIOURS))
+    ap.add_argument("--cheat-rate", type=float, default=0.2,
+                    help="fraction of its jobs a reputable cheater cheats on (simulation)")
+    ap.add_argument("--stake-credits", type=float, default=10.0)
+    ap.add_argument("--job-credits", type=float, default=0.05)
+    ap.add_argument("--write", action="store_true", help="store q in thresholds.json")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args()
+    if args.quick:
+        args.per_behaviour, args.honest = 4, 60
+    work = Path(tempfile.mkdtemp(prefix="sc-cheaters-"))
+    log(f"== verification against cheaters (work dir {work})")
+    t0 = time.monotonic()
+    build_weights(work / "weights")
+    log(f"   tiny weights built in {time.monotonic() - t0:.0f} s")
+    net = Network(work, work / "weights")
+    results: dict = {"behaviours": [], "honest": None}
+    try:
+        client = net.client()
+        honest = [net.start_agent(f"checker-{i}", "sd15,llama") for i in (1, 2)]
+        log(f"   two honest checkers connected ({time.monotonic() - t0:.0f} s)")
+        for behaviour in args.behaviours.split(","):
+            tb = time.monotonic()
+            row = run_behaviour(net, client, honest, behaviour, args.per_behaviour)
+            results["behaviours"].append(row)
+            log(f"   {behaviour:<17} cheated {row['cheated']:>2}/{row['jobs']}  caught by one "
+                f"check {row['caught']:>2}  overturned {row['overturned']:>2}  slashed "
+                f"{row['slashed']:>2}  ({time.monotonic() - tb:.0f} s)")
+        for pid in honest:
+            net.svc.dispatcher.set_paused(pid, True)
+        if args.honest:
+            log(f"   {args.honest} honest jobs, each checked, across numeric variations …")
+            results["honest"] = run_honest(net, client, args.honest)
+    finally:
+        net.close()
+    gain = int(args.job_credits * 1_000_000)
+    stake = int(args.stake_credits * 1_000_000)
+    per_plugin: dict[str, float] = {}
+    for row in results["behaviours"]:
+        if row["q"] is not None:
+            per_plugin[row["plugin"]] = min(per_plugin.get(row["plugin"], 1.0), row["q"])
+    print()
+    print(f"{'behaviour':<17} {'plugin':<6} {'cheated':>7} {'q (1 check)':>11} "
+          f"{'slashed':>8} {'jobs until slashed*':>20}")
+    for row in results["behaviours"]:
+        if not row["cheated"]:
+            print(f"{row['behaviour']:<17} {row['plugin']:<6} {0:>7}   (no cheated job)")
+            continue
+        q, s = row["q"], row["slash_rate"]
+        mean = (simulate_until_slashed(q, s, cheat_rate=args.cheat_rate, gain=gain, stake=stake)
+                if s > 0 else float("inf"))
+        row["mean_jobs_until_slashed"] = mean
+        print(f"{row['behaviour']:<17} {row['plugin']:<6} {row['cheated']:>7} {q:>11.2f} "
+              f"{s:>8.2f} {mean:>20,.0f}")
+    print(f"* simulated: a cheater with CV 100 cheating on {args.cheat_rate:.0%} of its jobs, "
+          f"{args.job_credits} credits a job, {args.stake_credits:g} credits at stake, "
+          f"under the broker's sampling rule with the q and slash rate measured above")
+    if results["honest"]:
+        h = results["honest"]
+        print(f"\nhonest: {h['jobs']} checked jobs in {h['seconds']} s — false disputes "
+              f"{h['false_disputes']}, false slashes {h['false_slashes']}, overturned "
+              f"{h['overturned']}; comparisons by method {h['methods']}; pairs {h['pairs']}")
+    for plugin, q in sorted(per_plugin.items()):
+        o = overhead(q, gain=gain, stake=stake)
+        results.setdefault("overhead", {})[plugin] = o
+        print(f"overhead ({plugin}, q={q:.2f}): {o['overall']:.1%} of the first "
+              f"{o['first_jobs']:,} jobs re-run, {o['steady_state']:.1%} in the steady state "
+              f"(target ≤ 5%)")
+    results["catch_probability"] = per_plugin
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    if args.write and per_plugin:
+        data = json.loads(THRESHOLDS_PATH.read_text())
+        data["catch_probability"] = {
+            "per_plugin": {k: round(v, 4) for k, v in per_plugin.items()},
+            "basis": "bench/cheaters.py: the lowest single-check catch rate over the "
+                     "behaviours of each plugin",
+            "behaviours": {r["behaviour"]: {"plugin": r["plugin"], "cheated": r["cheated"],
+                                            "caught": r["caught"], "slashed": r["slashed"]}
+                           for r in results["behaviours"]},
+            "honest": {k: v for k, v in (results["honest"] or {}).items()
+                       if k in ("jobs", "false_disputes", "false_slashes")},
+        }
+        from calibrate import write_record  # bench/calibrate.py keeps the file's layout
+
+        write_record(THRESHOLDS_PATH, data)
+        log(f"wrote catch_probability to {THRESHOLDS_PATH}")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""/v1/account/stake and /v1/account/unstake: a provider puts some of its available
+credits at stake (DESIGN §6), or takes them back. Verification slashes part of the stake
+of a provider outvoted by the other runs; admins set a minimum stake per plugin below
+which a provider gets none of that plugin's jobs."""
+from __future__ import annotations
+
+import uuid
+
+from flask import Blueprint, request
+
+from broker.errors import Forbidden, InvalidRequest
+from broker.ledger.model import AccountKind
+from .common import json_body, principal, services
+
+bp = Blueprint("stake", __name__)
+
+
+def _amount() -> int:
+    body = json_body()
+    amount = body.get("amount_micro") if isinstance(body, dict) else None
+    if type(amount) is not int or amount <= 0:
+        raise InvalidRequest(f"amount_micro is {amount!r}; it must be a positive integer "
+                             "number of micro-credits (1 credit = 1,000,000)",
+                             field="amount_micro")
+    return amount
+
+
+def _move(operation: str):
+    who = principal()
+    if who.role != "provider":
+        raise Forbidden(f"only provider accounts hold stake; this key is a {who.role} key")
+    amount = _amount()
+    key = request.headers.get("Idempotency-Key") or str(uuid.uuid4())
+    ledger = services().ledger
+    getattr(ledger, operation)(who.account_id, amount,
+                               idempotency_key=f"{operation}:{who.account_id}:{key}")
+    verification = getattr(services(), "verification", None)
+    if verification is not None:
+        verification.stake_changed(who.account_id)  # dispatch sees the new stake at once
+    balances = ledger.balances(who.account_id)
+    return {"object": "stake", "stake_micro": balances.get(AccountKind.PROVIDER_STAKE, 0),
+            "available_micro": balances.get(AccountKind.PROVIDER_AVAILABLE, 0)}
+
+
+@bp.post("/v1/account/stake")
+def stake():
+    return _move("stake")
+
+
+@bp.post("/v1/account/unstake")
+def unstake():
+    return _move("unstake")

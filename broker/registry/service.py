@@ -1,0 +1,434 @@
+"""RegistryService: publishing and finding signed plugin and adapter versions.
+
+* **Publisher keys**: an account with the ``publisher`` (or ``admin``) role registers an
+  Ed25519 public key, proving it holds the private half by signing
+  ``{"account_id", "public_key"}`` (purpose ``publisher``). A key belongs to one account.
+* **Files first, then the document**: a publisher uploads each file into the blob store
+  (``PUT /v1/blobs/<sha256>``, content-addressed, checked), then publishes the signed
+  document (sdk.protocol.package) that lists every file's sha256 and size. Publishing
+  checks the signature, that the key is the caller's, that every file is in the blob store
+  with that size, and the package's own rules (manifest, weights, adapter base).
+* **Immutable versions**: ``name@version`` is published once. The same document again is
+  accepted and changes nothing; another document for it is a 409 ``version_exists``.
+* **Names**: the first account to publish a name owns it (plugins and adapters are separate
+  namespaces); the built-in plugins' names belong to the platform (admins only).
+* **Royalties**: an adapter version carries the per-use royalty its publisher set. Jobs
+  name adapters without a version (``"ink:0.8"``); the broker and agents use the latest
+  published version of an adapter for the job's plugin, and so does the royalty.
+
+Domain code: no Flask, no SQLAlchemy (storage implements :class:`RegistryRepository`).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+from sdk.protocol.canonical import canonical_bytes
+from sdk.protocol.manifest import parse_manifest
+from sdk.protocol.package import (Package, PackageError, adapter_names, check_adapter_files,
+                                  document_digest, verify_document)
+from sdk.protocol.signing import SignatureError, verify
+
+from broker.errors import (Conflict, Forbidden, InvalidInput, InvalidRequest, NotFound,
+                           UnknownPlugin)
+
+log = logging.getLogger(__name__)
+
+PUBLISH_ROLES = ("publisher", "admin")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_BLOB_BYTES = 8 * 1024**3
+
+
+@dataclass(frozen=True)
+class PublisherKey:
+    key_id: str
+    account_id: str
+    public_key: str
+    label: str
+    created_at: float
+    revoked_at: float | None = None
+
+    def to_public(self) -> dict:
+        return {"key_id": self.key_id, "public_key": self.public_key, "label": self.label,
+                "created_at": self.created_at, "revoked": self.revoked_at is not None}
+
+
+@dataclass(frozen=True)
+class PackageRecord:
+    kind: str
+    name: str
+    version: str
+    publisher_account: str
+    key_id: str
+    document: dict
+    signature: str
+    digest: str
+    base_plugin: str | None
+    royalty_micro: int
+    description: str
+    published_at: float
+    files: tuple[dict, ...] = field(default=())   # {path, sha256, size, blob_key}
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def summary(self) -> dict:
+        out = {"kind": self.kind, "name": self.name, "version": self.version,
+               "publisher_account": self.publisher_account,
+               "publisher_key": self.document.get("publisher_key"),
+               "description": self.description, "digest": self.digest,
+               "published_at": self.published_at,
+               "size": sum(int(f["size"]) for f in self.document.get("files", []))}
+        if self.kind == "adapter":
+            out.update(base=self.base_plugin, royalty_micro=self.royalty_micro)
+        else:
+            m = self.document.get("manifest", {})
+            out.update(output=m.get("output"), publisher=m.get("publisher"))
+        return out
+
+    def detail(self) -> dict:
+        """Everything an agent needs to install and verify it: the signed document itself."""
+        return {**self.summary(), "document": self.document, "signature": self.signature,
+                "files": [{"path": f["path"], "sha256": f["sha256"], "size": f["size"]}
+                          for f in self.document.get("files", [])]}
+
+
+@dataclass(frozen=True)
+class Royalty:
+    adapter: str
+    version: str
+    publisher_account: str
+    royalty_micro: int
+
+
+class RegistryRepository(Protocol):
+    def add_key(self, key: PublisherKey) -> None: ...
+    def key_by_public(self, public_key: str) -> PublisherKey | None: ...
+    def keys_of(self, account_id: str) -> list[PublisherKey]: ...
+    def get(self, kind: str, name: str, version: str) -> PackageRecord | None: ...
+    def versions(self, kind: str, name: str) -> list[PackageRecord]: ...
+    def add(self, record: PackageRecord) -> bool: ...
+    def all(self, kind: str) -> list[PackageRecord]: ...
+
+
+class BlobStore(Protocol):
+    def put(self, data: bytes) -> str: ...
+    def get(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+
+
+def semver_key(v: str):
+    core, _, pre = v.partition("+")[0].partition("-")
+    nums = tuple(int(x) for x in core.split("."))
+    return nums + ((1,) if not pre else (0, pre))
+
+
+class RegistryService:
+    def __init__(self, repo: RegistryRepository, blobs, catalog, *, clock=time.time,
+                 on_publisher: Callable[[str], None] = lambda account_id: None,
+                 builtin_plugins: Iterable[str] | None = None):
+        self.repo = repo
+        self.blobs = blobs
+        self.catalog = catalog          # broker.catalog.PluginCatalog: published plugins join it
+        self.clock = clock
+        self.on_publisher = on_publisher  # opens the account's royalties ledger account
+        self.builtin = set(catalog.names() if builtin_plugins is None else builtin_plugins)
+        self._lock = threading.Lock()
+        from .warm import WarmIndex
+
+        self.warm = WarmIndex(self)
+
+    # ---- startup -----------------------------------------------------------------------
+    def load_catalog(self) -> int:
+        """Add every published plugin version to the job catalog (at broker start)."""
+        n = 0
+        for rec in self.repo.all("plugin"):
+            try:
+                self.catalog.add(parse_manifest(rec.document["manifest"], source=rec.ref))
+                n += 1
+            except Exception as exc:  # noqa: BLE001 - one bad row must not stop the broker
+                log.error("published plugin %s not loaded: %s", rec.ref, exc)
+        return n
+
+    # ---- publisher keys ----------------------------------------------------------------
+    @staticmethod
+    def key_proof_document(account_id: str, public_key: str) -> dict:
+        return {"account_id": account_id, "public_key": public_key}
+
+    def register_key(self, who, public_key: Any, proof: Any, label: Any = "") -> tuple[PublisherKey, bool]:
+        """Register ``public_key`` for the caller's account; (key, created). Idempotent for
+        the same account; a key registered by another account is a 409."""
+        self._require_publisher(who)
+        if not isinstance(public_key, str) or not _HEX64.match(public_key):
+            raise InvalidRequest("public_key must be a 64-hex-digit Ed25519 public key "
+                                 "(`sparecycles publisher init` makes one)", field="public_key")
+        if not isinstance(label, str) or len(label) > 200:
+            raise InvalidRequest("label must be a string of at most 200 characters",
+                                 field="label")
+        if not isinstance(proof, str) or not proof:
+            raise InvalidRequest("proof is missing: sign {\"account_id\", \"public_key\"} with "
+                                 "the key (purpose \"publisher\") to show you hold it",
+                                 field="proof")
+        try:
+            verify(public_key, "publisher", self.key_proof_document(who.account_id, public_key),
+                   proof)
+        except SignatureError as exc:
+            raise InvalidRequest(f"proof does not verify: {exc}; sign "
+                                 "{\"account_id\": <your account id>, \"public_key\": <key>}",
+                                 field="proof", code_override="bad_signature") from None
+        existing = self.repo.key_by_public(public_key)
+        if existing is not None:
+            if existing.account_id != who.account_id:
+                raise Conflict("this public key is registered to another account",
+                               field="public_key", code_override="key_taken")
+            return existing, False
+        key = PublisherKey(key_id=hashlib.sha256(bytes.fromhex(public_key)).hexdigest()[:32],
+                           account_id=who.account_id, public_key=public_key,
+                           label=label or "", created_at=self.clock())
+        self.repo.add_key(key)
+        self.on_publisher(who.account_id)
+        return key, True
+
+    def keys_of(self, who) -> list[PublisherKey]:
+        return self.repo.keys_of(who.account_id)
+
+    # ---- files -------------------------------------------------------------------------
+    def put_blob(self, who, sha256: str, data: bytes) -> dict:
+        """Store one package file under its sha256 (checked)."""
+        self._require_publisher(who)
+        if not any(k.revoked_at is None for k in self.repo.keys_of(who.account_id)):
+            raise Forbidden("register a publisher key first (POST /v1/publishers)",
+                            code_override="no_publisher_key")
+        if not _HEX64.match(sha256 or ""):
+            raise InvalidRequest("the path must end in the file's sha256 (64 lowercase hex "
+                                 "digits)", field="sha256")
+        got = hashlib.sha256(data).hexdigest()
+        if got != sha256:
+            raise InvalidInput(f"the body's sha256 is {got}, not {sha256}: the upload was "
+                               "damaged or the wrong file was sent", field="sha256",
+                               code_override="sha256_mismatch")
+        existed = self.blobs.exists(sha256)
+        self.blobs.put(data)
+        return {"sha256": sha256, "size": len(data), "created": not existed}
+
+    def file(self, kind: str, name: str, version: str, path: str) -> tuple[bytes, dict]:
+        rec = self.get(kind, name, version)
+        entry = next((f for f in rec.document["files"] if f["path"] == path), None)
+        if entry is None:
+            raise NotFound(f"{kind} {rec.ref} has no file {path!r}", field="path")
+        return self.blobs.get(entry["sha256"]), entry
+
+    # ---- publishing --------------------------------------------------------------------
+    def publish(self, who, document: Any, signature: Any) -> tuple[PackageRecord, bool]:
+        """Publish a signed package version; (record, created). Raises with a clear code:
+        ``unsigned``, ``bad_signature``, ``invalid_package`` (field named),
+        ``unknown_publisher_key``, ``name_taken``, ``version_exists``, ``missing_file``,
+        ``base_mismatch``, ``unknown_base``."""
+        self._require_publisher(who)
+        try:
+            pkg = verify_document(document, signature if isinstance(signature, str) else "")
+        except PackageError as exc:
+            status = InvalidRequest if exc.code in ("unsigned", "bad_signature") else InvalidInput
+            raise status(str(exc), field=exc.field, code_override=exc.code) from None
+        key = self.repo.key_by_public(pkg.publisher_key)
+        if key is None or key.revoked_at is not None:
+            raise Forbidden(f"{pkg.ref} is signed with key {pkg.publisher_key[:16]}…, which is "
+                            "not a registered publisher key; register it with "
+                            "POST /v1/publishers", field="publisher_key",
+                            code_override="unknown_publisher_key")
+        if key.account_id != who.account_id:
+            raise Forbidden(f"key {pkg.publisher_key[:16]}… belongs to another account",
+                            field="publisher_key", code_override="unknown_publisher_key")
+        digest = document_digest(pkg.document)
+        with self._lock:  # one publish at a time per broker: name and version checks
+            versions = self.repo.versions(pkg.kind, pkg.name)
+            same = next((r for r in versions if r.version == pkg.version), None)
+            if same is not None:
+                if same.digest == digest:
+                    return same, False
+                raise Conflict(f"{pkg.kind} {pkg.ref} is already published with other content "
+                               f"(digest {same.digest[:16]}…, this one {digest[:16]}…); "
+                               "published versions are immutable: publish a new version",
+                               field="version", code_override="version_exists")
+            self._check_name(who, pkg, versions)
+            if pkg.kind == "adapter":
+                self._check_base(pkg, versions)
+            files = self._check_files(pkg)
+            rec = PackageRecord(
+                kind=pkg.kind, name=pkg.name, version=pkg.version,
+                publisher_account=who.account_id, key_id=key.key_id,
+                document=pkg.document, signature=signature, digest=digest,
+                base_plugin=pkg.base, royalty_micro=pkg.royalty_micro,
+                description=pkg.description, published_at=self.clock(), files=files)
+            if not self.repo.add(rec):  # another broker replica published it meanwhile
+                other = self.repo.get(pkg.kind, pkg.name, pkg.version)
+                if other is not None and other.digest == digest:
+                    return other, False
+                raise Conflict(f"{pkg.kind} {pkg.ref} was just published with other content",
+                               field="version", code_override="version_exists")
+        if pkg.kind == "plugin":
+            self.catalog.add(pkg.manifest)
+        log.info("published %s %s (%d files) by %s", pkg.kind, pkg.ref, len(files),
+                 who.account_id)
+        return rec, True
+
+    def _check_name(self, who, pkg: Package, versions: list[PackageRecord]) -> None:
+        if pkg.kind == "plugin" and pkg.name in self.builtin and who.role != "admin":
+            raise Forbidden(f"{pkg.name!r} is a built-in plugin of the platform; choose another "
+                            "name", field="name", code_override="name_taken")
+        owners = {r.publisher_account for r in versions}
+        if owners and who.account_id not in owners:
+            raise Forbidden(f"the {pkg.kind} name {pkg.name!r} belongs to another publisher; "
+                            "choose another name", field="name", code_override="name_taken")
+
+    def _check_base(self, pkg: Package, versions: list[PackageRecord]) -> None:
+        if pkg.base not in self.catalog.names():
+            raise InvalidInput(f"adapter {pkg.ref} is for base {pkg.base!r}, which is not a "
+                               f"plugin of this broker; plugins: {self.catalog.names()}",
+                               field="base", code_override="unknown_base")
+        earlier = {r.base_plugin for r in versions}
+        if earlier and pkg.base not in earlier:
+            raise Conflict(f"adapter {pkg.name!r} was published for {sorted(earlier)[0]!r}; a "
+                           f"new version cannot change its base to {pkg.base!r}",
+                           field="base", code_override="base_mismatch")
+
+    def _check_files(self, pkg: Package) -> tuple[dict, ...]:
+        out = []
+        for i, f in enumerate(pkg.files):
+            size = self.blobs.size(f.sha256) if self.blobs.exists(f.sha256) else None
+            if size is None:
+                raise Conflict(f"file {f.path} (sha256 {f.sha256[:16]}…) has not been uploaded; "
+                               f"PUT it to /v1/blobs/{f.sha256} first", field=f"files[{i}]",
+                               code_override="missing_file")
+            if size != f.size:
+                raise InvalidInput(f"file {f.path}: the document says {f.size} bytes, the "
+                                   f"uploaded file has {size}", field=f"files[{i}].size",
+                                   code_override="size_mismatch")
+            out.append({"path": f.path, "sha256": f.sha256, "size": f.size,
+                        "blob_key": f.sha256})
+        by_path = {f.path: f for f in pkg.files}
+        if pkg.kind == "plugin":
+            import tomllib
+
+            try:
+                same = tomllib.loads(self.blobs.get(by_path["plugin.toml"].sha256)
+                                     .decode("utf-8")) == pkg.document["manifest"]
+            except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+                same = False
+            if not same:
+                raise InvalidInput(f"plugin {pkg.ref}: the uploaded plugin.toml differs from the "
+                                   "signed document's manifest", field="manifest",
+                                   code_override="manifest_mismatch")
+        if pkg.kind == "adapter":
+            try:
+                check_adapter_files(pkg.files, pkg.base,
+                                    read=lambda p: self.blobs.get(by_path[p].sha256))
+            except PackageError as exc:
+                raise InvalidInput(str(exc), field=exc.field, code_override=exc.code) from None
+        return tuple(out)
+
+    @staticmethod
+    def _require_publisher(who) -> None:
+        if who.role not in PUBLISH_ROLES:
+            raise Forbidden(f"publishing needs a publisher API key (this one is a {who.role} "
+                            "key); an admin creates one with `sparecycles broker create-key "
+                            "--role publisher`", code_override="not_a_publisher")
+
+    # ---- reading -----------------------------------------------------------------------
+    def get(self, kind: str, name: str, version: str | None = None) -> PackageRecord:
+        if version is None or version == "latest":
+            versions = self.repo.versions(kind, name)
+            if not versions:
+                raise self._unknown(kind, name)
+            return max(versions, key=lambda r: semver_key(r.version))
+        rec = self.repo.get(kind, name, version)
+        if rec is None:
+            if not self.repo.versions(kind, name):
+                raise self._unknown(kind, name)
+            raise NotFound(f"{kind} {name!r} has no published version {version!r}; see "
+                           f"GET /v1/{kind}s/{name}/versions", field="version",
+                           code_override="unknown_version")
+        return rec
+
+    @staticmethod
+    def _unknown(kind: str, name: str):
+        if kind == "plugin":
+            return UnknownPlugin(f"no published plugin {name!r}", field="plugin")
+        return NotFound(f"no published adapter {name!r}; see GET /v1/adapters",
+                        field="adapter", code_override="unknown_adapter")
+
+    def versions(self, kind: str, name: str) -> list[PackageRecord]:
+        versions = sorted(self.repo.versions(kind, name), key=lambda r: semver_key(r.version),
+                          reverse=True)
+        if not versions and not (kind == "plugin" and name in self.catalog.names()):
+            raise self._unknown(kind, name)
+        return versions
+
+    def search(self, kind: str, *, q: str | None = None, base: str | None = None,
+               publisher: str | None = None, limit: int = 100) -> list[PackageRecord]:
+        """The latest version of each matching package, by name. ``q`` matches name and
+        description (case-insensitive); ``publisher`` an account id or publisher key."""
+        latest: dict[str, PackageRecord] = {}
+        for rec in self.repo.all(kind):
+            cur = latest.get(rec.name)
+            if cur is None or semver_key(rec.version) > semver_key(cur.version):
+                latest[rec.name] = rec
+        out = []
+        needle = (q or "").strip().lower()
+        for name in sorted(latest):
+            rec = latest[name]
+            if needle and needle not in name.lower() and needle not in rec.description.lower():
+                continue
+            if base and rec.base_plugin != base:
+                continue
+            if publisher and publisher not in (rec.publisher_account,
+                                               rec.document.get("publisher_key")):
+                continue
+            out.append(rec)
+        return out[:limit]
+
+    # ---- royalties ---------------------------------------------------------------------
+    def royalties_for(self, plugin: str, inputs: dict | None,
+                      as_of: float | None = None) -> list[Royalty]:
+        """The royalty of each published adapter a job of ``plugin`` with ``inputs`` names:
+        its latest version for that plugin (published by ``as_of``, the job's submit time,
+        when given); adapters a provider holds privately earn none."""
+        out = []
+        for name in adapter_names((inputs or {}).get("adapters")):
+            versions = [r for r in self.repo.versions("adapter", name) if r.base_plugin == plugin
+                        and (as_of is None or r.published_at <= as_of)]
+            if not versions:
+                continue
+            rec = max(versions, key=lambda r: semver_key(r.version))
+            out.append(Royalty(rec.name, rec.version, rec.publisher_account, rec.royalty_micro))
+        return out
+
+    def royalty_split(self, plugin: str, inputs: dict | None,
+                      as_of: float | None = None) -> tuple[str | None, int]:
+        """(publisher account, micro-credits) a job pays in royalties — the hook JobBilling
+        calls. A ledger post has one royalty leg, so when a job's paid adapters come from
+        several publishers, the publisher of the first paid adapter named gets its own
+        adapters' royalties and the others are waived (logged), never charged."""
+        paid = [r for r in self.royalties_for(plugin, inputs, as_of) if r.royalty_micro > 0]
+        if not paid:
+            return None, 0
+        first = paid[0].publisher_account
+        waived = [r for r in paid if r.publisher_account != first]
+        if waived:
+            log.warning("job of %s: royalties of %s waived (one royalty publisher per job)",
+                        plugin, [f"{r.adapter}@{r.version}" for r in waived])
+        return first, sum(r.royalty_micro for r in paid if r.publisher_account == first)
+
+
+def canonical_text(document: dict) -> str:
+    return canonical_bytes(document).decode("utf-8")
+
+
+__all__ = ["RegistryService", "PublisherKey", "PackageRecord", "Royalty", "semver_key",
+           "canonical_text"]

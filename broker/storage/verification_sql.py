@@ -1,0 +1,214 @@
+"""SQL storage of verification (DESIGN §6): per-job verification records and provider
+standing (consecutive valid checks, concurrency quota) per plugin and hardware class."""
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import JSON, Float, Index, Integer, String, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
+
+from broker.verification.records import CheckStatus, StandingRecord, Verification
+from .base import Base
+
+MIN_QUOTA_FACTOR = 0.125
+
+
+class VerificationRow(Base):
+    __tablename__ = "verifications"
+    __table_args__ = (Index("ix_verifications_status_updated", "status", "updated_at"),
+                      Index("ix_verifications_checker", "checker_job_id"),
+                      Index("ix_verifications_tiebreak", "tiebreak_job_id"))
+    job_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    plugin: Mapped[str] = mapped_column(String(64))
+    provider_id: Mapped[str] = mapped_column(String(36))
+    hardware_class: Mapped[str] = mapped_column(String(120))
+    status: Mapped[str] = mapped_column(String(20))
+    p: Mapped[float] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(String(32))
+    draw: Mapped[float] = mapped_column(Float)
+    checker_job_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    tiebreak_job_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    comparisons: Mapped[dict] = mapped_column(JSON)
+    outcome: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class StandingRow(Base):
+    __tablename__ = "provider_standing"
+    provider_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    plugin: Mapped[str] = mapped_column(String(64), primary_key=True)
+    hardware_class: Mapped[str] = mapped_column(String(120), primary_key=True)
+    consecutive_valid: Mapped[int] = mapped_column(Integer)
+    checks: Mapped[int] = mapped_column(Integer)
+    failures: Mapped[int] = mapped_column(Integer)
+    quota_factor: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class CanaryAnswerRow(Base):
+    __tablename__ = "canary_answers"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    answer: Mapped[str] = mapped_column(String(64), primary_key=True)
+    operators: Mapped[list] = mapped_column(JSON)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+_V_FIELDS = [c for c in Verification.__dataclass_fields__]
+
+
+def _to_v(row: VerificationRow) -> Verification:
+    values = {name: getattr(row, name) for name in _V_FIELDS}
+    values["status"] = CheckStatus(values["status"])
+    values["comparisons"] = dict(values["comparisons"] or {})
+    return Verification(**values)
+
+
+def _to_s(row: StandingRow) -> StandingRecord:
+    return StandingRecord(row.provider_id, row.plugin, row.hardware_class,
+                          row.consecutive_valid, row.checks, row.failures, row.quota_factor)
+
+
+class SqlVerificationRepository:
+    def __init__(self, sessions: sessionmaker[Session], clock=time.time):
+        self.sessions = sessions
+        self.clock = clock
+
+    def add(self, v: Verification) -> Verification:
+        now = self.clock()
+        values = {name: getattr(v, name) for name in _V_FIELDS}
+        values.update(status=v.status.value, created_at=v.created_at or now, updated_at=now)
+        try:
+            with self.sessions.begin() as s:
+                s.add(VerificationRow(**values))
+        except IntegrityError:
+            pass  # decided already (a re-sent receipt): the first decision stands
+        return self.get(v.job_id)
+
+    def get(self, job_id: str) -> Verification | None:
+        with self.sessions() as s:
+            row = s.get(VerificationRow, job_id)
+            return _to_v(row) if row else None
+
+    def by_check_job(self, check_job_id: str) -> Verification | None:
+        with self.sessions() as s:
+            row = s.scalars(select(VerificationRow).where(
+                (VerificationRow.checker_job_id == check_job_id)
+                | (VerificationRow.tiebreak_job_id == check_job_id))).first()
+            return _to_v(row) if row else None
+
+    def update(self, job_id: str, expect: set[CheckStatus], **fields) -> Verification | None:
+        if "status" in fields:
+            fields["status"] = CheckStatus(fields["status"]).value
+        with self.sessions.begin() as s:
+            result = s.execute(update(VerificationRow).where(
+                VerificationRow.job_id == job_id,
+                VerificationRow.status.in_([e.value for e in expect]))
+                .values(updated_at=self.clock(), **fields))
+            if result.rowcount != 1:
+                return None
+        return self.get(job_id)
+
+    def standing(self, provider_id: str, plugin: str, hardware_class: str) -> StandingRecord:
+        with self.sessions() as s:
+            row = s.get(StandingRow, (provider_id, plugin, hardware_class))
+            return _to_s(row) if row else StandingRecord(provider_id, plugin, hardware_class)
+
+    def record_check(self, provider_id: str, plugin: str, hardware_class: str, *, valid: bool,
+                     quota_factor: float | None = None) -> StandingRecord:
+        key = (provider_id, plugin, hardware_class)
+        for _ in range(5):
+            try:
+                with self.sessions.begin() as s:
+                    row = s.get(StandingRow, key, with_for_update=True)
+                    if row is None:
+                        row = StandingRow(provider_id=provider_id, plugin=plugin,
+                                          hardware_class=hardware_class, consecutive_valid=0,
+                                          checks=0, failures=0, quota_factor=1.0,
+                                          updated_at=self.clock())
+                        s.add(row)
+                    row.checks += 1
+                    if valid:
+                        row.consecutive_valid += 1
+                    else:
+                        row.consecutive_valid = 0
+                        row.failures += 1
+                        if quota_factor is not None:
+                            row.quota_factor = max(MIN_QUOTA_FACTOR,
+                                                   row.quota_factor * quota_factor)
+                    row.updated_at = self.clock()
+                    s.flush()
+                    return _to_s(row)
+            except IntegrityError:  # two first checks raced to insert: retry as an update
+                continue
+        raise RuntimeError(f"could not record a check for {key}")
+
+    def standings(self, provider_id: str) -> list[StandingRecord]:
+        with self.sessions() as s:
+            rows = s.scalars(select(StandingRow).where(StandingRow.provider_id == provider_id)
+                             .order_by(StandingRow.plugin, StandingRow.hardware_class))
+            return [_to_s(r) for r in rows]
+
+    def quota_factor(self, provider_id: str) -> float:
+        with self.sessions() as s:
+            low = s.scalar(select(func.min(StandingRow.quota_factor))
+                           .where(StandingRow.provider_id == provider_id))
+            return 1.0 if low is None else float(low)
+
+    def undecided(self, since: float, until: float, limit: int = 100) -> list[str]:
+        """Client jobs settled between ``since`` and ``until`` with no verification record
+        (the broker stopped between a settlement and its sampling draw)."""
+        from .models import JobRow
+
+        with self.sessions() as s:
+            rows = s.execute(
+                select(JobRow.id).outerjoin(VerificationRow, VerificationRow.job_id == JobRow.id)
+                .where(JobRow.state == "settled", JobRow.check_of.is_(None),
+                       JobRow.finished_at >= since, JobRow.finished_at < until,
+                       VerificationRow.job_id.is_(None))
+                .order_by(JobRow.finished_at).limit(limit))
+            return [r[0] for r in rows]
+
+    def open_since(self, before: float, limit: int = 100) -> list[Verification]:
+        """Checks still open (checking or disputed) last changed before ``before``."""
+        with self.sessions() as s:
+            rows = s.scalars(select(VerificationRow).where(
+                VerificationRow.status.in_([CheckStatus.CHECKING.value,
+                                            CheckStatus.DISPUTED.value]),
+                VerificationRow.updated_at < before)
+                .order_by(VerificationRow.updated_at).limit(limit))
+            return [_to_v(r) for r in rows]
+
+    def answers(self, key: str) -> dict[str, list[str]]:
+        """The answers canary runs under ``key`` returned: answer -> operators."""
+        with self.sessions() as s:
+            return {r.answer: list(r.operators) for r in
+                    s.scalars(select(CanaryAnswerRow).where(CanaryAnswerRow.key == key))}
+
+    def add_answer(self, key: str, answer: str, operator: str) -> list[str]:
+        """Record that ``operator`` returned ``answer``; the operators that did, after."""
+        for _ in range(5):
+            try:
+                with self.sessions.begin() as s:
+                    row = s.get(CanaryAnswerRow, (key, answer), with_for_update=True)
+                    if row is None:
+                        row = CanaryAnswerRow(key=key, answer=answer, operators=[],
+                                              updated_at=self.clock())
+                        s.add(row)
+                    if operator not in row.operators:
+                        row.operators = sorted([*row.operators, operator])
+                        row.updated_at = self.clock()
+                    s.flush()
+                    return list(row.operators)
+            except IntegrityError:
+                continue
+        raise RuntimeError(f"could not record a canary answer under {key}")
+
+    def recent(self, limit: int = 100, status: CheckStatus | None = None) -> list[Verification]:
+        with self.sessions() as s:
+            q = select(VerificationRow)
+            if status is not None:
+                q = q.where(VerificationRow.status == status.value)
+            rows = s.scalars(q.order_by(VerificationRow.updated_at.desc()).limit(limit))
+            return [_to_v(r) for r in rows]

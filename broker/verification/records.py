@@ -1,0 +1,84 @@
+"""What verification remembers: one record per checked-or-not job, and each provider's
+standing per (plugin, hardware class). Plain values; storage implements the port below."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class CheckStatus(str, enum.Enum):
+    """A client job's verification status, as the API and the SDK show it."""
+
+    UNCHECKED = "unchecked"                # not sampled (or no checker could be found)
+    CHECKING = "checking"                  # a check run is queued or running
+    VERIFIED = "verified"                  # another provider's run agrees
+    DISPUTED = "disputed"                  # the runs disagree; a third provider decides
+    OVERTURNED = "overturned"              # the output was wrong: refunded, replaced
+    NONDETERMINISTIC = "nondeterministic"  # no two runs agree: refunded, nobody slashed
+
+    @property
+    def open(self) -> bool:
+        return self in (CheckStatus.CHECKING, CheckStatus.DISPUTED)
+
+
+@dataclass
+class Verification:
+    job_id: str               # the client's job
+    plugin: str
+    provider_id: str          # who ran it
+    hardware_class: str
+    status: CheckStatus
+    p: float                  # the check probability drawn against
+    reason: str               # which sampling rule set p
+    draw: float
+    checker_job_id: str | None = None
+    tiebreak_job_id: str | None = None
+    comparisons: dict[str, Any] = field(default_factory=dict)
+    outcome: dict[str, Any] | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass
+class StandingRecord:
+    provider_id: str
+    plugin: str
+    hardware_class: str
+    consecutive_valid: int = 0   # CV
+    checks: int = 0              # checks judged (as primary, checker or tiebreaker)
+    failures: int = 0            # of which lost
+    quota_factor: float = 1.0    # multiplies the provider's concurrency (lost disputes cut it)
+
+
+class VerificationRepository(Protocol):
+    def add(self, v: Verification) -> Verification:
+        """Insert; the existing record when one exists for the job (idempotent)."""
+
+    def get(self, job_id: str) -> Verification | None: ...
+
+    def by_check_job(self, check_job_id: str) -> Verification | None: ...
+
+    def update(self, job_id: str, expect: set[CheckStatus], **fields) -> Verification | None:
+        """Change a record whose status is in ``expect``; None when it moved meanwhile."""
+
+    def standing(self, provider_id: str, plugin: str, hardware_class: str) -> StandingRecord: ...
+
+    def record_check(self, provider_id: str, plugin: str, hardware_class: str, *, valid: bool,
+                     quota_factor: float | None = None) -> StandingRecord:
+        """Count one judged check: CV + 1 when valid, else CV = 0 (and the quota factor
+        multiplied by ``quota_factor``), atomically."""
+
+    def standings(self, provider_id: str) -> list[StandingRecord]: ...
+
+    def quota_factor(self, provider_id: str) -> float: ...
+
+    def recent(self, limit: int = 100, status: CheckStatus | None = None) -> list[Verification]: ...
+
+    def undecided(self, since: float, until: float, limit: int = 100) -> list[str]: ...
+
+    def open_since(self, before: float, limit: int = 100) -> list[Verification]: ...
+
+    def answers(self, key: str) -> dict[str, list[str]]: ...
+
+    def add_answer(self, key: str, answer: str, operator: str) -> list[str]: ...

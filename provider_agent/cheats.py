@@ -1,0 +1,305 @@
+"""Simulated cheating, for the verification harness only (DESIGN §6, bench/cheaters.py).
+
+An agent started with ``SPARECYCLES_CHEAT=<mode>`` misbehaves on purpose so that spot
+redundancy can be measured against real cheating behaviours. It logs a loud WARNING at
+start. Without the variable nothing here runs and the agent is honest.
+
+Environment:
+
+``SPARECYCLES_CHEAT``          the mode (below)
+``SPARECYCLES_CHEAT_RATE``     fraction of jobs cheated on, 0..1, drawn per job (default 1)
+``SPARECYCLES_CHEAT_SEED``     seeds that draw (and the random bytes/tokens) for repeatable runs
+``SPARECYCLES_CHEAT_WEIGHTS``  other-model / other-text-model: the weights folder to run
+``SPARECYCLES_CHEAT_LOG``      optional JSON-lines file: one line per job, with the mode and
+                               whether it was cheated on (the harness's ground truth)
+
+Modes (the plugin code stays honest: a cheat rewrites a job's inputs before
+``host.run`` or its outputs after, in the agent; the receipt stays signed and valid and
+the outputs are uploaded as usual; meta keeps claiming what the job asked, e.g. its seed):
+
+``wrong-seed``        runs with seed + 1 (a job without a seed: a random one)
+``fewer-steps``       runs ``steps`` (or ``num_inference_steps``) halved, at least 1, and
+                      reports the work units of the job as asked
+``other-model``       image plugins run on SPARECYCLES_CHEAT_WEIGHTS instead of their own
+                      weights; the agent still advertises its own weights' digest. The
+                      weights are swapped when the agent starts, so the rate is ignored:
+                      every job of those plugins runs on the other weights.
+``other-text-model``  the same for text plugins (llama)
+``adapter-dropped``   removes the ``adapters`` / ``loras`` input (jobs without adapters run
+                      honestly); meta still names the adapters asked for
+``random-image``      image plugins: each image is a random PNG of the asked size; the
+                      model is not run (meta carries a random latent_sha256)
+``cached-output``     returns the first outputs it ever produced for the plugin for every
+                      later cheated job (the first job runs honestly to fill the cache)
+``truncate-text``     text outputs: token_ids / logprobs / scores and the text cut to half,
+                      finish_reason kept
+``pad-text``          text outputs: 8 extra random tokens appended to the claim (token ids,
+                      made-up logprobs and scores, some random characters in the text)
+"""
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import os
+import random
+import secrets
+import string
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+log = logging.getLogger("agent")
+
+MODES = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
+         "cached-output", "truncate-text", "pad-text", "other-text-model")
+WEIGHT_MODES = {"other-model": "images", "other-text-model": "text"}
+PAD_TOKENS = 8
+
+
+@dataclass
+class Outcome:
+    """What one job's cheat did: ``cheated`` False means the job ran honestly."""
+
+    cheated: bool
+    job_inputs: dict[str, Any]          # the inputs as the job asked them
+    run_inputs: dict[str, Any]          # what the plugin host is given
+    skip_run: bool = False              # random-image / cached-output: no host.run
+    validated: dict[str, Any] | None = None  # the job's inputs with defaults (None: invalid)
+
+
+@dataclass
+class Cheat:
+    mode: str
+    rate: float = 1.0
+    weights: Path | None = None
+    log_path: Path | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    cached: dict[str, list] = field(default_factory=dict)  # plugin -> first HostOutputs
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"SPARECYCLES_CHEAT={self.mode!r}; one of {list(MODES)}")
+        if not 0.0 <= self.rate <= 1.0:
+            raise ConfigError(f"SPARECYCLES_CHEAT_RATE={self.rate}; must be between 0 and 1")
+        if self.mode in WEIGHT_MODES:
+            if self.weights is None:
+                raise ConfigError(f"SPARECYCLES_CHEAT={self.mode} needs SPARECYCLES_CHEAT_WEIGHTS "
+                                  "(the other weights folder to run)")
+            if not self.weights.is_dir():
+                raise ConfigError(f"SPARECYCLES_CHEAT_WEIGHTS={self.weights} is not a folder")
+
+    # ---- start ---------------------------------------------------------------------------
+    def announce(self) -> None:
+        bar = "!" * 72
+        log.warning("%s\nTHIS AGENT CHEATS ON PURPOSE (verification harness): "
+                    "SPARECYCLES_CHEAT=%s, rate %.2f%s\nNever run this against a real "
+                    "marketplace: its providers get slashed.\n%s", bar, self.mode, self.rate,
+                    f", weights {self.weights}" if self.weights else "", bar)
+
+    def weights_for(self, output_kind: str, honest: Path | None) -> Path | None:
+        """The weights folder a plugin whose manifest output is ``output_kind`` is run on."""
+        if WEIGHT_MODES.get(self.mode) == output_kind:
+            return self.weights
+        return honest
+
+    def extra_ro_paths(self) -> list[Path]:
+        """Folders the sandbox must bind read-only for this cheat (the other weights)."""
+        return [self.weights.resolve()] if self.mode in WEIGHT_MODES and self.weights else []
+
+    # ---- per job -------------------------------------------------------------------------
+    def before(self, job_id: str, manifest, inputs: dict[str, Any]) -> Outcome:
+        """Decide (per job, at ``rate``) and rewrite the inputs the host will get
+        (``manifest``: the served plugin's; an input rewrite starts from the validated
+        inputs, so a default the job left out is cheated on too)."""
+        plugin, output_kind = manifest.name, manifest.output
+        try:
+            validated = manifest.validate_inputs(inputs)
+        except Exception:  # noqa: BLE001 - the host refuses it honestly
+            validated = None
+        job_inputs = dict(inputs)
+        honest = Outcome(False, job_inputs, inputs, validated=validated)
+        if self.mode in WEIGHT_MODES:
+            honest.cheated = WEIGHT_MODES[self.mode] == output_kind  # runs other weights
+            return self._record(job_id, plugin, honest)
+        if validated is None or self.rng.random() >= self.rate:
+            return self._record(job_id, plugin, honest)
+        run = copy.deepcopy(validated)
+        out = Outcome(False, job_inputs, run, validated=validated)
+        if self.mode == "wrong-seed":
+            if "seed" not in manifest.inputs.names:
+                return self._record(job_id, plugin, honest)
+            seed = run.get("seed")
+            run["seed"] = (int(seed) + 1) % 2**32 if seed is not None else self.rng.randrange(2**32)
+            out.cheated = True
+        elif self.mode == "fewer-steps":
+            for key in ("steps", "num_inference_steps"):
+                if isinstance(run.get(key), int) and run[key] > 1:
+                    run[key] = max(1, run[key] // 2)
+                    out.cheated = True
+        elif self.mode == "adapter-dropped":
+            for key in ("adapters", "loras"):
+                if run.get(key):
+                    run.pop(key)
+                    out.cheated = True
+        elif self.mode == "random-image":
+            out.cheated = out.skip_run = output_kind == "images"
+        elif self.mode == "cached-output":
+            out.cheated = out.skip_run = bool(self.cached.get(plugin))
+        elif self.mode in ("truncate-text", "pad-text"):
+            out.cheated = output_kind == "text"
+        if not out.cheated:
+            return self._record(job_id, plugin, honest)
+        return self._record(job_id, plugin, out)
+
+    def fake_outputs(self, plugin: str, outcome: Outcome, dtype: str = "float32") -> list:
+        """The outputs of a job that is not run (random-image, cached-output); ``dtype``:
+        what an honest run would report (float16 on a GPU)."""
+        from .host.manager import HostOutput
+
+        validated = outcome.validated or {}
+        if self.mode == "cached-output":
+            outs = [HostOutput(o.index, o.media_type, o.data, copy.deepcopy(o.meta))
+                    for o in self.cached[plugin]]
+            return self._claim_job_meta(outs, outcome.job_inputs)
+        width, height = int(validated.get("width", 512)), int(validated.get("height", 512))
+        outs = []
+        for i in range(int(validated.get("n", 1) or 1)):
+            meta = {"seed": (int(validated.get("seed") or 0) + i), "index": i,
+                    "dtype": dtype, "latent_sha256": self._hex(64)}
+            outs.append(HostOutput(i, "image/png", random_png(width, height, self.rng), meta))
+        return outs
+
+    def after(self, plugin: str, outcome: Outcome, outputs: list) -> list:
+        """Rewrite the outputs of a run (cheated or not: the cache fills from the first)."""
+        if self.mode == "cached-output" and not self.cached.get(plugin) and outputs:
+            self.cached[plugin] = [copy.deepcopy(o) for o in outputs]
+        if not outcome.cheated:
+            return outputs
+        if self.mode in ("wrong-seed", "adapter-dropped"):
+            return self._claim_job_meta(outputs, outcome.job_inputs)
+        if self.mode == "truncate-text":
+            return [truncate_text(o) for o in outputs]
+        if self.mode == "pad-text":
+            return [pad_text(o, self.rng) for o in outputs]
+        return outputs
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _claim_job_meta(self, outputs: list, job_inputs: dict[str, Any]) -> list:
+        """Meta that claims the job as asked: its seed, its adapters."""
+        seed = job_inputs.get("seed")
+        adapters = _adapter_meta(job_inputs.get("adapters") or job_inputs.get("loras"))
+        for o in outputs:
+            if seed is not None and "seed" in o.meta:
+                o.meta["seed"] = int(seed) + int(o.meta.get("index", 0) or 0)
+            if adapters:
+                o.meta["adapters"] = adapters
+        return outputs
+
+    def _hex(self, n: int) -> str:
+        return "".join(self.rng.choice("0123456789abcdef") for _ in range(n))
+
+    def _record(self, job_id: str, plugin: str, outcome: Outcome) -> Outcome:
+        if outcome.cheated:
+            log.warning("CHEAT %s on job %s (%s)", self.mode, job_id, plugin)
+        if self.log_path is not None:
+            try:
+                with open(self.log_path, "a") as f:
+                    f.write(json.dumps({"job_id": job_id, "plugin": plugin, "mode": self.mode,
+                                        "cheated": outcome.cheated, "time": time.time()}) + "\n")
+            except OSError as exc:
+                log.error("cannot write SPARECYCLES_CHEAT_LOG %s: %s", self.log_path, exc)
+        return outcome
+
+
+def from_env(environ: dict[str, str] | None = None) -> Cheat | None:
+    """The cheat the environment asks for, or None (an honest agent)."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get("SPARECYCLES_CHEAT", "").strip()
+    if not mode:
+        return None
+    try:
+        rate = float(environ.get("SPARECYCLES_CHEAT_RATE", "1.0") or 1.0)
+    except ValueError:
+        raise ConfigError(f"SPARECYCLES_CHEAT_RATE={environ['SPARECYCLES_CHEAT_RATE']!r} is "
+                          "not a number") from None
+    seed = environ.get("SPARECYCLES_CHEAT_SEED")
+    weights = environ.get("SPARECYCLES_CHEAT_WEIGHTS")
+    log_path = environ.get("SPARECYCLES_CHEAT_LOG")
+    return Cheat(mode, rate, Path(weights).expanduser() if weights else None,
+                 Path(log_path) if log_path else None,
+                 random.Random(int(seed)) if seed not in (None, "") else random.Random())
+
+
+def random_png(width: int, height: int, rng: random.Random | None = None) -> bytes:
+    from PIL import Image
+
+    raw = (rng.randbytes(width * height * 3) if rng is not None
+           else secrets.token_bytes(width * height * 3))
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (width, height), raw).save(buf, format="PNG", compress_level=6)
+    return buf.getvalue()
+
+
+_TOKEN_LISTS = ("token_ids", "logprobs", "scores")
+
+
+def truncate_text(out):
+    """Half the tokens of a text output's claim (at least one kept) and half its text."""
+    meta = out.meta
+    ids = meta.get("token_ids")
+    if out.media_type != "text/plain" or not isinstance(ids, list) or len(ids) < 2:
+        return out
+    keep = len(ids) // 2
+    for key in _TOKEN_LISTS:
+        if isinstance(meta.get(key), list):
+            meta[key] = meta[key][:keep]
+    if "generated_tokens" in meta:
+        meta["generated_tokens"] = keep
+    text = out.data.decode("utf-8", errors="ignore")
+    out.data = text[:len(text) // 2].encode("utf-8")
+    return out
+
+
+def pad_text(out, rng: random.Random):
+    """Append PAD_TOKENS random token ids (below the largest id seen, never an eos id)
+    with made-up logprobs and scores; some random letters go onto the text."""
+    meta = out.meta
+    ids = meta.get("token_ids")
+    if out.media_type != "text/plain" or not isinstance(ids, list):
+        return out
+    eos = set(meta.get("eos_ids") or [])
+    top = max([*ids, 255])
+    extra = []
+    while len(extra) < PAD_TOKENS:
+        t = rng.randrange(top + 1)
+        if t not in eos:
+            extra.append(t)
+    lps = [round(-rng.uniform(0.05, 3.0), 6) for _ in extra]
+    meta["token_ids"] = ids + extra
+    if isinstance(meta.get("logprobs"), list):
+        meta["logprobs"] = meta["logprobs"] + lps
+    if isinstance(meta.get("scores"), list):
+        meta["scores"] = meta["scores"] + [
+            {"top": [[t, lp, 1.0]], "eos_lp": -20.0, "eos_p": 0.0, "mass_above": 0.0}
+            for t, lp in zip(extra, lps)]
+    if "generated_tokens" in meta:
+        meta["generated_tokens"] = len(meta["token_ids"])
+    out.data += "".join(rng.choice(string.ascii_lowercase + " ")
+                        for _ in range(PAD_TOKENS * 3)).encode()
+    return out
+
+
+def _adapter_meta(text: Any) -> dict[str, float] | None:
+    if not text:
+        return None
+    try:
+        from plugins.adapters import parse_adapters
+
+        return {a.name: a.scale for a in parse_adapters(str(text))} or None
+    except Exception:  # noqa: BLE001 - best effort: a cheater's claim, not a check
+        return None

@@ -1,0 +1,462 @@
+"""Installing plugins and LoRA adapters from the broker's registry, safely.
+
+Every install:
+
+1. fetches the version's signed document (``GET /v1/{plugins|adapters}/<name>/<version>``)
+   and verifies the publisher's Ed25519 signature over it (sdk.protocol.package) — an
+   unsigned or wrongly signed package is refused before a byte of it is downloaded;
+2. checks the publisher: the key must be the one pinned for that name at its first install
+   (a package whose key changes is refused), and one of ``trusted_keys`` when the operator
+   lists any; an adapter must be for the plugin it is installed for (its ``base``);
+3. downloads every file into a fresh temporary folder under ``<cache>/.tmp/``, hashing as it
+   goes: a file whose sha256 or size differs from the signed document is refused, naming
+   the file;
+4. checks the package's own rules again on the downloaded bytes (plugin.toml equals the
+   signed manifest; [[weights]] match; an adapter.json declares the same base);
+5. renames the folder into place in one step (``os.replace``). Any failure removes the
+   temporary folder: nothing half-installed is ever visible under the cache's names.
+
+The cache is size-capped (``max_bytes``): before an install, the least recently used
+packages (not ``in_use``) are evicted until the new one fits. Layout::
+
+    <cache>/plugins/<name>@<version>/          the plugin's files (plugin.toml, code, weights/)
+    <cache>/adapters/<base>/<name>@<version>/  the adapter's files
+    <cache>/<each package>/.package.json       the signed document, for re-verification
+    <cache>/index.json                         sizes, last use, pinned publisher keys
+    <cache>/.tmp/                              downloads in progress (cleared at start)
+
+A plugin host finds adapters under ``<weights_dir>/adapters/<name>/`` (plugins.adapters);
+:meth:`Installer.link_adapter` points that name at the installed folder with a symlink
+swapped atomically, so a job never sees a half-replaced adapter. The sandbox binds the
+cache read-only (provider_agent.launch), so the link resolves inside it too.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from sdk.protocol.package import (Package, PackageError, check_adapter_files, check_path,
+                                  document_digest, verify_document)
+from sdk.protocol.digest import file_sha256
+
+from .errors import AgentError
+
+log = logging.getLogger("agent.installer")
+INDEX = "index.json"
+PACKAGE_JSON = ".package.json"
+DEFAULT_MAX_BYTES = 20 * 1024**3
+
+
+class InstallError(AgentError):
+    """A package could not be installed; ``code`` says why (sent to the broker as a job
+    failure code when an install for a job fails)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Installed:
+    kind: str
+    name: str
+    version: str
+    path: Path
+    package: Package
+
+    @property
+    def key(self) -> str:
+        return _entry_key(self.kind, self.name, self.version, self.package.base)
+
+    @property
+    def digest(self) -> str:
+        return self.package.digest
+
+
+def _entry_key(kind: str, name: str, version: str, base: str | None = None) -> str:
+    return f"plugin:{name}@{version}" if kind == "plugin" else f"adapter:{base}/{name}@{version}"
+
+
+class Installer:
+    def __init__(self, broker_url: str | None, api_key: str | None, cache_dir: Path | str, *,
+                 max_bytes: int = DEFAULT_MAX_BYTES, http: httpx.Client | None = None,
+                 trusted_keys: set[str] | None = None, timeout_s: float = 300.0,
+                 clock=time.time):
+        self.root = Path(cache_dir).resolve()
+        self.max_bytes = int(max_bytes)
+        self.trusted_keys = set(trusted_keys or ())
+        self.clock = clock
+        self.in_use: set[str] = set()     # entry keys that must not be evicted
+        self._lock = threading.RLock()
+        if http is None and broker_url:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            http = httpx.Client(base_url=broker_url.rstrip("/"), headers=headers,
+                                timeout=timeout_s, follow_redirects=False)
+        self.http = http
+        self.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.root / ".tmp", ignore_errors=True)  # downloads a crash left
+        (self.root / ".tmp").mkdir(exist_ok=True)
+        self._index = self._load_index()
+        self._drop_strays()
+
+    # ---- index -------------------------------------------------------------------------
+    def _load_index(self) -> dict:
+        try:
+            data = json.loads((self.root / INDEX).read_text())
+            if isinstance(data, dict) and isinstance(data.get("entries"), dict):
+                data.setdefault("pins", {})
+                return data
+        except (OSError, ValueError):
+            pass
+        return {"entries": {}, "pins": {}}
+
+    def _save_index(self) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".index-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self._index, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.root / INDEX)
+
+    def _drop_strays(self) -> None:
+        """Index entries whose folder is gone are forgotten; folders the index does not
+        know (an install interrupted between rename and index write) are removed."""
+        known = set()
+        for key, e in list(self._index["entries"].items()):
+            if not Path(e["path"]).is_dir():
+                del self._index["entries"][key]
+            else:
+                known.add(Path(e["path"]).resolve())
+        for folder in [*self.root.glob("plugins/*"), *self.root.glob("adapters/*/*")]:
+            if folder.is_dir() and folder.resolve() not in known:
+                log.warning("removing %s: not in the installer's index", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+        self._save_index()
+
+    def entries(self) -> dict[str, dict]:
+        with self._lock:
+            return {k: dict(v) for k, v in self._index["entries"].items()}
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(int(e["size"]) for e in self._index["entries"].values())
+
+    def touch(self, key: str) -> None:
+        with self._lock:
+            e = self._index["entries"].get(key)
+            if e is not None:
+                e["last_used"] = self.clock()
+                self._save_index()
+
+    def touch_path(self, folder: Path) -> None:
+        """Mark the package installed at ``folder`` as just used (LRU)."""
+        folder = Path(folder).resolve()
+        with self._lock:
+            for key, e in self._index["entries"].items():
+                if Path(e["path"]) == folder:
+                    self.touch(key)
+                    return
+
+    def installed_adapters(self) -> list[dict]:
+        """[{plugin, name, version, digest}] for the capabilities/inventory messages."""
+        out = []
+        for e in self.entries().values():
+            if e["kind"] == "adapter":
+                out.append({"plugin": e["base"], "name": e["name"], "version": e["version"],
+                            "digest": e["digest"]})
+        return sorted(out, key=lambda a: (a["plugin"], a["name"], a["version"]))
+
+    # ---- installing --------------------------------------------------------------------
+    def install_plugin(self, name: str, version: str = "latest") -> Installed:
+        return self._install("plugin", name, version)
+
+    def install_adapter(self, name: str, version: str = "latest", *, base: str) -> Installed:
+        """Install an adapter for plugin ``base``; an adapter for another base is refused."""
+        return self._install("adapter", name, version, base=base)
+
+    def _install(self, kind: str, name: str, version: str, base: str | None = None) -> Installed:
+        if self.http is None:
+            raise InstallError("no_registry", f"cannot install {kind} {name}: no registry "
+                               "configured (set registry_url in agent.toml)")
+        with self._lock:
+            detail = self._get_json(f"/v1/{kind}s/{name}/{version}", f"{kind} {name}@{version}")
+            package = self._verify(kind, name, version, base, detail)
+            key = _entry_key(kind, package.name, package.version, package.base)
+            entry = self._index["entries"].get(key)
+            if entry is not None and entry["digest"] == package.digest and \
+                    Path(entry["path"]).is_dir():
+                self.touch(key)
+                return Installed(kind, package.name, package.version, Path(entry["path"]), package)
+            final = self._final_path(package)
+            self._make_room(package.size, keep={key})
+            tmp = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix=f"{package.name}-"))
+            try:
+                for f in package.files:
+                    self._download(kind, package, f, tmp)
+                self._check_contents(package, tmp)
+                (tmp / PACKAGE_JSON).write_text(json.dumps(
+                    {"document": package.document, "signature": detail["signature"]},
+                    sort_keys=True))
+                self._move_into_place(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            self._index["pins"][f"{kind}:{package.name}"] = package.publisher_key
+            self._index["entries"][key] = {
+                "kind": kind, "name": package.name, "version": package.version,
+                "base": package.base, "path": str(final), "size": package.size,
+                "digest": package.digest, "publisher_key": package.publisher_key,
+                "installed_at": self.clock(), "last_used": self.clock()}
+            self._save_index()
+            log.info("installed %s %s (%d files, %d bytes, publisher %s…)", kind, package.ref,
+                     len(package.files), package.size, package.publisher_key[:16])
+            return Installed(kind, package.name, package.version, final, package)
+
+    def _get_json(self, path: str, what: str) -> dict:
+        try:
+            resp = self.http.get(path)
+        except httpx.HTTPError as exc:
+            raise InstallError("registry_unreachable", f"cannot fetch {what} from the "
+                               f"registry: {exc}") from None
+        if resp.status_code == 404:
+            raise InstallError("not_found", f"the registry has no {what}")
+        if resp.status_code >= 400:
+            raise InstallError("registry_error", f"the registry refused {what}: HTTP "
+                               f"{resp.status_code} {resp.text[:300]}")
+        try:
+            return resp.json()
+        except ValueError:
+            raise InstallError("registry_error", f"the registry sent no JSON for {what}") from None
+
+    def _verify(self, kind: str, name: str, version: str, base: str | None,
+                detail: dict) -> Package:
+        try:
+            package = verify_document(detail.get("document"), detail.get("signature") or "")
+        except PackageError as exc:
+            raise InstallError(exc.code, f"refusing {kind} {name}@{version}: {exc}") from None
+        if package.kind != kind or package.name != name or \
+                (version != "latest" and package.version != version):
+            raise InstallError("wrong_package", f"asked for {kind} {name}@{version}, the "
+                               f"registry sent {package.kind} {package.ref}")
+        pinned = self._index["pins"].get(f"{kind}:{name}")
+        if pinned is not None and pinned != package.publisher_key:
+            raise InstallError("publisher_changed", f"refusing {kind} {package.ref}: signed by "
+                               f"key {package.publisher_key[:16]}…, but earlier versions were "
+                               f"signed by {pinned[:16]}… (pinned at first install)")
+        if self.trusted_keys and package.publisher_key not in self.trusted_keys:
+            raise InstallError("untrusted_publisher", f"refusing {kind} {package.ref}: its "
+                               f"publisher key {package.publisher_key[:16]}… is not in "
+                               "trusted_publishers")
+        if kind == "adapter" and base is not None and package.base != base:
+            raise InstallError("base_mismatch", f"refusing adapter {package.ref}: it is for "
+                               f"{package.base}, not for {base}")
+        if package.size > self.max_bytes:
+            raise InstallError("too_large", f"{kind} {package.ref} is {package.size} bytes; "
+                               f"the cache holds at most {self.max_bytes}")
+        return package
+
+    def _final_path(self, package: Package) -> Path:
+        if package.kind == "plugin":
+            return self.root / "plugins" / package.ref
+        return self.root / "adapters" / package.base / package.ref
+
+    def _download(self, kind: str, package: Package, f, tmp: Path) -> None:
+        check_path(f.path)
+        dest = tmp / f.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        h, n = hashlib.sha256(), 0
+        url = f"/v1/{kind}s/{package.name}/{package.version}/files/{f.path}"
+        try:
+            with self.http.stream("GET", url) as resp:
+                if resp.status_code >= 400:
+                    raise InstallError("download_failed", f"{package.ref}: downloading {f.path} "
+                                       f"failed: HTTP {resp.status_code}")
+                with open(dest, "wb") as out:
+                    for block in resp.iter_bytes(1 << 20):
+                        n += len(block)
+                        if n > f.size:
+                            raise InstallError("size_mismatch", f"refusing {package.ref}: "
+                                               f"{f.path} is larger than the signed "
+                                               f"{f.size} bytes")
+                        h.update(block)
+                        out.write(block)
+        except httpx.HTTPError as exc:
+            raise InstallError("download_failed", f"{package.ref}: downloading {f.path} "
+                               f"failed: {exc}") from None
+        if n != f.size:
+            raise InstallError("size_mismatch", f"refusing {package.ref}: {f.path} has {n} "
+                               f"bytes, the signed document says {f.size}")
+        if h.hexdigest() != f.sha256:
+            raise InstallError("sha256_mismatch", f"refusing {package.ref}: {f.path} has "
+                               f"sha256 {h.hexdigest()[:16]}…, the signed document says "
+                               f"{f.sha256[:16]}…")
+
+    @staticmethod
+    def _check_contents(package: Package, folder: Path) -> None:
+        try:
+            if package.kind == "plugin":
+                data = tomllib.loads((folder / "plugin.toml").read_text())
+                if data != package.document["manifest"]:
+                    raise InstallError("manifest_mismatch", f"refusing {package.ref}: its "
+                                       "plugin.toml differs from the signed manifest")
+            else:
+                check_adapter_files(package.files, package.base,
+                                    read=lambda p: (folder / p).read_bytes())
+        except PackageError as exc:
+            raise InstallError(exc.code, f"refusing {package.ref}: {exc}") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InstallError("invalid_package", f"refusing {package.ref}: {exc}") from None
+
+    def _move_into_place(self, tmp: Path, final: Path) -> None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        trash = None
+        if final.exists():  # a damaged copy of the same version: replace it
+            trash = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix="old-"))
+            os.replace(final, trash / "old")
+        os.replace(tmp, final)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # ---- the cap -----------------------------------------------------------------------
+    def _make_room(self, size: int, keep: set[str]) -> None:
+        """Evict least recently used packages until ``size`` more bytes fit."""
+        entries = self._index["entries"]
+        used = sum(int(e["size"]) for e in entries.values())
+        for key in sorted(entries, key=lambda k: entries[k]["last_used"]):
+            if used + size <= self.max_bytes:
+                break
+            if key in keep or key in self.in_use:
+                continue
+            used -= int(entries[key]["size"])
+            self.evict(key)
+        if used + size > self.max_bytes:
+            raise InstallError("cache_full", f"cannot fit {size} bytes in the cache "
+                               f"({used} of {self.max_bytes} bytes held by packages in use)")
+
+    def evict(self, key: str) -> None:
+        with self._lock:
+            e = self._index["entries"].pop(key, None)
+            if e is None:
+                return
+            trash = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix="evict-"))
+            try:
+                os.replace(e["path"], trash / "old")
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(trash, ignore_errors=True)
+            self._save_index()
+            log.info("evicted %s (%d bytes) from the package cache", key, e["size"])
+
+    # ---- use -----------------------------------------------------------------------------
+    def verify_installed(self, key: str) -> Installed:
+        """Re-check an installed package before use: its signed document and every file's
+        sha256 on disk. A damaged package is evicted and InstallError raised."""
+        with self._lock:
+            e = self._index["entries"].get(key)
+            if e is None:
+                raise InstallError("not_installed", f"{key} is not installed")
+            folder = Path(e["path"])
+            try:
+                saved = json.loads((folder / PACKAGE_JSON).read_text())
+                package = verify_document(saved["document"], saved["signature"],
+                                          expected_key=e["publisher_key"])
+                if document_digest(package.document) != e["digest"]:
+                    raise PackageError("document changed on disk", code="tampered")
+                for f in package.files:
+                    p = folder / f.path
+                    if not p.is_file() or p.stat().st_size != f.size or file_sha256(p) != f.sha256:
+                        raise PackageError(f"{f.path} changed on disk", code="tampered")
+            except (OSError, ValueError, KeyError, PackageError) as exc:
+                self.evict(key)
+                raise InstallError(getattr(exc, "code", "tampered"), f"{key} failed "
+                                   f"verification and was removed: {exc}") from None
+            return Installed(e["kind"], e["name"], e["version"], folder, package)
+
+    @staticmethod
+    def link_adapter(installed: Installed, adapters_root: Path) -> Path:
+        """Make ``<adapters_root>/<name>`` point at the installed adapter (atomic swap)."""
+        adapters_root = Path(adapters_root)
+        adapters_root.mkdir(parents=True, exist_ok=True)
+        link = adapters_root / installed.name
+        if link.exists() and not link.is_symlink():
+            raise InstallError("adapter_exists", f"{link} is a folder the operator placed; "
+                               "not replacing it with the registry's adapter")
+        tmp = adapters_root / f".{installed.name}.{os.getpid()}.{threading.get_ident()}.link"
+        try:
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(installed.path, target_is_directory=True)
+            os.replace(tmp, link)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return link
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+
+
+# ---- the agent's start -------------------------------------------------------------------
+def make_installer(cfg) -> Installer | None:
+    """The agent's installer, or None when agent.toml names no registry_url."""
+    if not cfg.registry_url:
+        return None
+    return Installer(cfg.registry_url, cfg.api_key, cfg.registry_cache_dir(),
+                     max_bytes=int(cfg.cache_max_gb * 1024**3),
+                     trusted_keys=set(cfg.trusted_publishers))
+
+
+def resolve_plugins(cfg, installer: Installer | None, builtin=None) -> dict[str, Path]:
+    """The folder of each plugin in ``cfg.plugins`` (``name`` or ``name@version``): a
+    built-in one, else installed from the registry (verified; a cached copy is re-hashed
+    before use). A plugin that cannot be had is logged and left out — the agent serves the
+    others. Then installs ``cfg.adapters`` and links them where the plugin hosts look.
+    Leaves ``cfg.plugins`` naming the plugins served; points ``cfg.weights`` of a registry
+    plugin that carries its weights at them."""
+    if builtin is None:
+        from plugins import builtin_plugin_dir as builtin
+    dirs: dict[str, Path] = {}
+    for spec in cfg.plugins:
+        name, _, version = spec.partition("@")
+        try:
+            if not version:
+                try:
+                    dirs[name] = builtin(name)
+                    continue
+                except LookupError:
+                    if installer is None:
+                        raise
+            if installer is None:
+                raise InstallError("no_registry", f"plugin {spec} is not built in and no "
+                                   "registry_url is configured")
+            inst = installer.install_plugin(name, version or "latest")
+            inst = installer.verify_installed(inst.key)
+            installer.in_use.add(inst.key)
+            dirs[name] = inst.path
+            if name not in cfg.weights and (inst.path / "weights").is_dir():
+                cfg.weights[name] = str(inst.path / "weights")
+        except (InstallError, LookupError) as exc:
+            log.error("not serving %s: %s", spec, exc)
+    cfg.plugins = list(dirs)
+    if installer is not None:
+        for plugin, names in (cfg.adapters or {}).items():
+            weights = cfg.weights_for(plugin) if plugin in dirs else None
+            for name in names:
+                try:
+                    if weights is None:
+                        raise InstallError("no_weights", f"plugin {plugin} is not served here "
+                                           "with a weights folder")
+                    inst = installer.install_adapter(name, base=plugin)
+                    inst = installer.verify_installed(inst.key)
+                    installer.link_adapter(inst, weights / "adapters")
+                except InstallError as exc:
+                    log.error("adapter %s for %s not installed: %s", name, plugin, exc)
+    return dirs

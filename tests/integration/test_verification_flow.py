@@ -1,0 +1,261 @@
+"""Verification by spot redundancy through a real broker and in-process agents (DESIGN §6):
+a new provider's job is re-run on another operator's agent; agreement verifies it; a
+cheater is outvoted 2 to 1, refunded to the client, slashed, and its CV reset."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from broker.ledger.model import AccountId, AccountKind, Splits
+from broker.verification.records import CheckStatus
+from sdk import Client
+from sdk.errors import APIError, InsufficientCreditsError
+
+from tests.integration.conftest import LiveBroker
+
+
+@pytest.fixture
+def vbroker(tmp_path):
+    b = LiveBroker(tmp_path, verification=True, check_delay_max_s=0.0)
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def agents(vbroker):
+    from plugins import builtin_plugin_dir
+    from provider_agent.agent import Agent
+    from provider_agent.config import AgentConfig
+    from sdk.protocol.signing import KeyPair
+
+    started = []
+
+    def start(name: str, key: str | None = None, cheat=None):
+        cfg = AgentConfig(broker=vbroker.grpc, api_key=key or vbroker.key("provider"),
+                          name=name, slots=1, plugins=["echo"], device="cpu")
+        agent = Agent(cfg, KeyPair.generate(), plugin_dirs={"echo": builtin_plugin_dir("echo")},
+                      sandboxed=False)
+        t = threading.Thread(target=agent.run, daemon=True)
+        t.start()
+        started.append((agent, t))
+        deadline = time.monotonic() + 30
+        while not agent.provider_id and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert agent.provider_id, "agent did not connect"
+        if cheat is not None:
+            host = agent.plugins["echo"].host
+            honest = host.run
+
+            def run(*args, **kwargs):
+                result = honest(*args, **kwargs)
+                for out in result.outputs:
+                    out.data = cheat(out.data)
+                return result
+            host.run = run
+        return agent
+
+    yield start
+    for agent, t in started:
+        agent.stop()
+        t.join(10)
+
+
+def _wait(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_a_new_providers_job_is_checked_on_another_operator_and_verified(vbroker, agents):
+    svc = vbroker.services
+    first = agents("first")
+    client = Client(vbroker.url, vbroker.key("client"))
+    result = client.generate("echo", text="check me", timeout=30)
+    assert result.job.data["provider_id"] == first.provider_id
+    assert result.verification == "checking"  # new providers are always checked
+    second = agents("second")  # the only other operator: the check must go there
+
+    assert result.wait_verified(timeout=30) == "verified"
+    checks = svc.jobs.repo.checks_of(result.job.id)
+    assert len(checks) == 1 and checks[0].state.value == "settled"
+    assert checks[0].provider_id == second.provider_id
+    assert checks[0].inputs == result.job.data["inputs"]
+    v = svc.verification.status(result.job.id)
+    assert v.comparisons["primary~checker"]["verdict"] == "match"
+    for agent in (first, second):  # both runs count as one valid check
+        assert svc.verification.repo.standing(agent.provider_id, "echo",
+                                              v.hardware_class).consecutive_valid == 1
+    # The platform paid the checker: its verification account is down by that run's cost.
+    spent = svc.ledger.balance(AccountId.platform(AccountKind.PLATFORM_VERIFICATION))
+    assert spent < 0
+    actions = {e.action for e in svc.audit.search(subject=f"job:{result.job.id}")}
+    assert {"verification.sampled", "verification.checker_queued", "verification.compared",
+            "verification.outcome"} <= actions
+    events = [e.kind for e in svc.jobs.repo.events_after(result.job.id, 0)]
+    assert events.count("verification") == 2
+
+
+def _shape(value):
+    """A document's shape: its keys and value types, recursively (values dropped)."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(v) for v in value]
+    return type(value).__name__
+
+
+def test_a_check_job_and_a_normal_job_look_the_same_on_the_wire(vbroker, agents):
+    """What an agent receives for a check (the signed envelope) has exactly the fields and
+    shapes of a client's job: nothing says "check"; the id is a fresh random uuid."""
+    svc = vbroker.services
+    agents("a")
+    client = Client(vbroker.url, vbroker.key("client"))
+    result = client.generate("echo", text="same shape", timeout=30)
+    agents("b")
+    result.wait_verified(timeout=30)
+    primary = svc.jobs.repo.get(result.job.id)
+    check = svc.jobs.repo.checks_of(primary.id)[0]
+    assert _shape(check.envelope) == _shape(primary.envelope)
+    assert set(check.envelope) == set(primary.envelope)
+    assert check.envelope["inputs"] == primary.envelope["inputs"]
+    assert check.envelope["attempt"] == primary.envelope["attempt"] == 0
+    assert uuid.UUID(check.id).version == 4 and check.id != primary.id
+    assert primary.id not in repr(check.envelope)
+
+
+def test_a_cheater_is_outvoted_refunded_slashed_and_reset(vbroker, agents):
+    svc = vbroker.services
+    cheater = agents("cheater", cheat=lambda data: b'{"text": "made up"}')
+    owner = svc.providers.owner_of(cheater.provider_id)
+    # The cheater staked 5 credits it earned earlier (hold, post, vest, stake).
+    ledger = svc.ledger
+    funder = "seed-client"
+    ledger.open_client(funder)
+    ledger.deposit(funder, 5_000_000, idempotency_key="seed:deposit")
+    hold = ledger.hold(funder, 5_000_000, "seed-job", idempotency_key="seed:hold")
+    ledger.post(hold.id, Splits(provider=owner, provider_micro=5_000_000),
+                idempotency_key="seed:post", vesting_window_s=0)
+    ledger.vest(owner)
+    ledger.stake(owner, 5_000_000, idempotency_key="seed:stake")
+
+    client_key = vbroker.key("client")
+    client = Client(vbroker.url, client_key)
+    before = client.account()["available_micro"]
+    result = client.generate("echo", text="the truth", timeout=30)
+    assert result.json == [{"text": "made up"}]
+    agents("honest-1")
+    agents("honest-2")
+
+    assert result.wait_verified(timeout=60) == "overturned"
+    assert result.json == [{"text": "the truth"}]  # the majority's output replaces it
+    v = svc.verification.status(result.job.id)
+    assert v.comparisons["primary~checker"]["verdict"] == "mismatch"
+    assert v.outcome["penalties"][0]["provider_id"] == cheater.provider_id
+    standing = svc.verification.repo.standing(cheater.provider_id, "echo", v.hardware_class)
+    assert standing.consecutive_valid == 0 and standing.failures == 1
+    assert standing.quota_factor == 0.5
+    assert ledger.balances(owner)[AccountKind.PROVIDER_STAKE] == 4_500_000  # 10% slashed
+    assert client.account()["available_micro"] == before  # the job's charge came back
+    disputes = svc.disputes.repo.list()
+    assert [d.job_id for d in disputes] == [result.job.id]
+    assert {s["verdict"] for s in disputes[0].sides} == {"majority", "minority"}
+    minority = next(s for s in disputes[0].sides if s["verdict"] == "minority")
+    assert svc.jobs.blobs.get(minority["sha256"]) == b'{"text": "made up"}'  # its own output
+
+
+def test_verify_always_is_paid_by_the_client_and_refused_when_short(vbroker, agents):
+    svc = vbroker.services
+    agents("a")
+    agents("b")
+    client = Client(vbroker.url, vbroker.key("client", credits=1000))
+    result = client.generate("echo", text="twice", verify="always", timeout=30)
+    assert result.wait_verified(timeout=30) == "verified"
+    check = svc.jobs.repo.checks_of(result.job.id)[0]
+    assert check.account_id == svc.jobs.repo.get(result.job.id).account_id  # client paid
+    assert svc.verification.status(result.job.id).reason == "client_asked"
+    # Enough for one run but not two: refused up front, nothing held.
+    price = client.quote("echo", text="x")["max_micro"]
+    poor_key = vbroker.key("client", credits=0)
+    poor_id = svc.auth.authenticate(poor_key).account_id
+    svc.payments.grant(poor_id, price, by="test")
+    poor = Client(vbroker.url, poor_key)
+    with pytest.raises(InsufficientCreditsError) as err:
+        poor.generate("echo", text="x", verify="always", timeout=10)
+    assert "short" in str(err.value)
+    assert poor.account()["available_micro"] == price
+    with pytest.raises(APIError) as err:
+        client.generate("echo", text="x", verify="sometimes", timeout=10)
+    assert "verify" in str(err.value) and "always" in str(err.value)
+    assert CheckStatus.VERIFIED.value == result.verification
+
+
+def test_providers_stake_and_the_minimum_stake_gates_dispatch(vbroker, agents):
+    """A plugin's minimum stake (admin policy) keeps providers without it off its jobs;
+    staking through the API lets them back in. Bad amounts are refused."""
+    svc = vbroker.services
+    key = vbroker.key("provider")
+    owner = svc.auth.authenticate(key).account_id
+    svc.admin.policies.set_policy("echo", {"min_stake_micro": 2_000_000}, by="test")
+    svc.ledger.open_client("seed")
+    svc.ledger.deposit("seed", 3_000_000, idempotency_key="seed:d")
+    hold = svc.ledger.hold("seed", 3_000_000, "seed-job", idempotency_key="seed:h")
+    svc.ledger.post(hold.id, Splits(provider=owner, provider_micro=3_000_000),
+                    idempotency_key="seed:p", vesting_window_s=0)
+    svc.ledger.vest(owner)
+    agents("staker", key=key)
+    client = Client(vbroker.url, vbroker.key("client"))
+    job = client.jobs.create("echo", text="needs stake")
+    time.sleep(1.0)
+    assert job.refresh().state == "queued"  # no provider holds the minimum stake
+
+    provider = Client(vbroker.url, key)
+    with pytest.raises(APIError) as err:
+        provider.stake(0)
+    assert "amount_micro" in str(err.value)
+    with pytest.raises(APIError):
+        provider.stake(10_000_000)  # more than is available: refused, nothing moved
+    assert provider.account()["stake_micro"] == 0
+    assert provider.stake(2_000_000)["stake_micro"] == 2_000_000
+    assert job.wait(timeout=30).json == [{"text": "needs stake"}]
+    assert provider.unstake(500_000)["stake_micro"] == 1_500_000
+    with pytest.raises(APIError):
+        client.stake(1)  # a client key holds no stake
+
+
+def test_the_maintenance_sweep_samples_a_job_settled_while_verification_was_down(vbroker,
+                                                                                  agents):
+    svc = vbroker.services
+    agents("a")
+    hook, svc.jobs.on_settled = svc.jobs.on_settled, lambda job, receipt: None
+    client = Client(vbroker.url, vbroker.key("client"))
+    result = client.generate("echo", text="missed", timeout=30)
+    svc.jobs.on_settled = hook  # as after a restart: the draw never happened
+    assert svc.verification.status(result.job.id) is None
+    assert svc.verification.sweep(settle_grace_s=0.0) == 1
+    assert svc.verification.status(result.job.id).status == CheckStatus.CHECKING
+    agents("b")
+    assert result.wait_verified(timeout=30) == "verified"
+    assert svc.verification.sweep(settle_grace_s=0.0) == 0  # nothing left half done
+
+
+def test_a_job_pinned_to_other_weights_never_runs_on_an_agent_serving_others(vbroker, agents):
+    svc = vbroker.services
+    agents("a")
+    client = Client(vbroker.url, vbroker.key("client"))
+    with pytest.raises(APIError) as err:
+        client.jobs.create("echo", text="x", terms={"weights_digest": "not-a-digest"})
+    assert "weights_digest" in str(err.value) and "64" in str(err.value)
+    pinned = client.jobs.create("echo", text="x", terms={"weights_digest": "ab" * 32})
+    plain = client.jobs.create("echo", text="y")
+    assert plain.wait(timeout=30).json == [{"text": "y"}]
+    assert pinned.refresh().state == "queued"  # nobody serves those weights
+    job = svc.jobs.repo.get(plain.id)
+    assert job.envelope["weights_digest"] == ""  # echo has no weights: what it ran on
+    pinned.cancel()

@@ -1,0 +1,42 @@
+"""Canaries with known answers (DESIGN §6): an answer two operators agree on becomes known
+for its inputs and reproducibility class; a later canary that disagrees counts as a failed
+check (CV reset, quota cut), one that agrees as a valid check."""
+from broker.services import build_services
+from broker.settings import Settings
+
+
+def _receipt(sha: str, hw: str = "cpu:x86_64:threads=1") -> dict:
+    return {"outputs": [{"index": 0, "sha256": sha, "meta": {}}],
+            "repro": {"hardware_class": hw, "dtype": "float32", "plugin_build": "sd15@1.0.0+ab"}}
+
+
+def _provider(services, name):
+    from sdk.protocol.signing import KeyPair
+
+    _, who = services.auth.create_account_with_key("provider")
+    return services.providers.connect(who, KeyPair.generate().public_key_hex, name,
+                                      sandboxed=True, hardware={}, plugins=[]).id
+
+
+def test_known_answers_judge_later_canaries(tmp_path):
+    services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0))
+    v = services.verification
+    a, b, c, d = (_provider(services, n) for n in "abcd")
+    inputs = {"prompt": "a lighthouse at dusk", "seed": 2}
+    assert v.canary_answer(a, "sd15", "1.0.0", inputs, _receipt("1" * 64)) == "learning"
+    assert v.canary_answer(b, "sd15", "1.0.0", inputs, _receipt("1" * 64)) == "learning"
+    # two operators agree: known. A third agrees (valid), a fourth does not (invalid).
+    assert v.canary_answer(c, "sd15", "1.0.0", inputs, _receipt("1" * 64)) == "valid"
+    assert v.canary_answer(d, "sd15", "1.0.0", inputs, _receipt("2" * 64)) == "invalid"
+    hw = "cpu:x86_64:threads=1"
+    assert v.repo.standing(c, "sd15", hw).consecutive_valid == 1
+    bad = v.repo.standing(d, "sd15", hw)
+    assert (bad.consecutive_valid, bad.failures, bad.quota_factor) == (0, 1, 0.5)
+    # Another class, or other inputs, learn their own answer: nothing judged yet.
+    assert v.canary_answer(d, "sd15", "1.0.0", inputs,
+                           _receipt("2" * 64, hw="cpu:x86_64:threads=2")) == "learning"
+    assert v.canary_answer(d, "sd15", "1.0.0", {**inputs, "seed": 3},
+                           _receipt("2" * 64)) == "learning"
+    actions = [e.action for e in services.audit.search(subject=f"provider:{d}")]
+    assert "verification.canary" in actions
+    services.engine.dispose()

@@ -1,0 +1,376 @@
+"""Receipts carry each output's plugin meta and the reproducibility class (DESIGN §6), and
+the verification harness's cheating agents (provider_agent.cheats) misbehave as asked
+while their receipts stay signed and valid.
+
+Jobs go through ``Agent._run_job`` (the worker's path) with the broker stream replaced by
+a queue; the model jobs run in real plugin hosts on tiny weights, on the CPU."""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import queue
+import uuid
+from pathlib import Path
+
+import pytest
+
+from plugins import builtin_plugin_dir
+from provider_agent import cheats
+from provider_agent.agent import Agent, RunningJob, json_safe
+from provider_agent.config import AgentConfig
+from provider_agent.errors import ConfigError
+from provider_agent.host.manager import HostOutput, HostResult, PluginHost
+from sdk.protocol.canonical import canonical_bytes, sha256_hex
+from sdk.protocol.envelope import make_envelope, open_receipt
+from sdk.protocol.manifest import load_manifest
+from sdk.protocol.signing import KeyPair
+
+
+# -- helpers ------------------------------------------------------------------------------
+def make_agent(plugin: str, weights: Path | None = None, cheat=None) -> Agent:
+    cfg = AgentConfig(api_key="sc_provider_test", plugins=[plugin], device="cpu",
+                      weights={plugin: str(weights)} if weights else {})
+    return Agent(cfg, KeyPair.generate(), plugin_dirs={plugin: builtin_plugin_dir(plugin)},
+                 sandboxed=False, cheat=cheat)
+
+
+def run_job(agent: Agent, plugin: str, inputs: dict) -> tuple[dict, dict[int, bytes], list]:
+    """One job through the agent's worker path: (opened receipt, outputs, all messages)."""
+    outq: queue.Queue = queue.Queue()
+    agent._outq = outq
+    env = make_envelope(job_id=str(uuid.uuid4()), attempt=1, plugin=plugin,
+                        version=agent.plugins[plugin].manifest.version, inputs=inputs,
+                        provider_key=agent.identity.public_key_hex, lease_timeout_s=30)
+    agent._run_job(env["job_id"], RunningJob(env, canonical_bytes(env)))
+    msgs = []
+    while not outq.empty():
+        msgs.append(outq.get())
+    failed = [m for m in msgs if m.WhichOneof("body") == "failed"]
+    assert not failed, failed[0].failed.message
+    [receipt] = [m.receipt for m in msgs if m.WhichOneof("body") == "receipt"]
+    rec = open_receipt(receipt.receipt, receipt.signature,
+                       provider_key=agent.identity.public_key_hex)
+    assert rec["envelope_sha256"] == sha256_hex(canonical_bytes(env))
+    outputs = {m.output.index: bytes(m.output.data) for m in msgs
+               if m.WhichOneof("body") == "output"}
+    assert [o["sha256"] for o in rec["outputs"]] == [sha256_hex(outputs[o["index"]])
+                                                      for o in rec["outputs"]]
+    return rec, outputs, msgs
+
+
+class FakeHost:
+    """Stands in for a PluginHost: returns the given outputs, records the inputs."""
+
+    def __init__(self, outputs, hardware=None, work_units=1.0):
+        self.outputs, self.calls = outputs, []
+        self.ready = {"hardware": hardware or {"device": "cpu", "cpu_count": 2}}
+        self.work_units = work_units
+
+    def run(self, job_id, inputs, **kw):
+        self.calls.append(inputs)
+        return HostResult([HostOutput(o.index, o.media_type, o.data, dict(o.meta))
+                           for o in self.outputs], 5, self.work_units)
+
+    def alive(self):
+        return True
+
+
+# -- A: receipts ---------------------------------------------------------------------------
+def test_receipt_carries_meta_and_repro_and_round_trips():
+    agent = make_agent("echo")
+    meta = {"seed": 3, "index": 0, "dtype": "float16", "logprobs": [-0.1234567891234, -2.0],
+            "nan": float("nan"), "inf": float("-inf"), "pair": (1, 2),
+            "nested": {"x": [True, None]}}
+    agent.plugins["echo"].host = FakeHost(
+        [HostOutput(0, "application/json", b"{}", meta)],
+        hardware={"device": "cuda", "gpu_name": "NVIDIA H200", "vram_gb": 139.8})
+    agent.plugins["echo"].weights_digest = "ab" * 32
+    rec, _, _ = run_job(agent, "echo", {"text": "hi"})
+    [out] = rec["outputs"]
+    assert out["meta"] == {"seed": 3, "index": 0, "dtype": "float16",
+                           "logprobs": [-0.1234567891234, -2.0], "nan": None, "inf": None,
+                           "pair": [1, 2], "nested": {"x": [True, None]}}
+    manifest = load_manifest(builtin_plugin_dir("echo"))
+    assert rec["repro"] == {"hardware_class": "cuda:NVIDIA H200", "dtype": "float16",
+                            "plugin_build": f"echo@{manifest.version}+{'ab' * 8}"}
+
+
+def test_repro_without_a_dtype_in_meta_falls_back_to_float32_on_the_cpu():
+    agent = make_agent("echo")
+    agent.plugins["echo"].host = FakeHost([HostOutput(0, "application/json", b"{}", {})])
+    rec, _, _ = run_job(agent, "echo", {"text": "hi"})
+    import platform
+
+    assert rec["outputs"][0]["meta"] == {}
+    assert rec["repro"]["hardware_class"] == f"cpu:{platform.machine()}"
+    assert rec["repro"]["dtype"] == "float32"
+    build = rec["repro"]["plugin_build"]
+    assert build.startswith("echo@") and build.endswith("+")   # echo has no weights
+
+
+def test_json_safe():
+    import numpy as np
+
+    assert json_safe({1: np.float32(0.5), "a": np.int64(3), "b": float("inf"), "c": object}) \
+        == {"1": 0.5, "a": 3, "b": None, "c": str(object)}
+
+
+# -- D: cheats, unit level ------------------------------------------------------------------
+def test_no_env_no_cheat_and_bad_settings_are_refused(tmp_path):
+    assert cheats.from_env({}) is None
+    with pytest.raises(ConfigError, match="one of"):
+        cheats.from_env({"SPARECYCLES_CHEAT": "lazy"})
+    with pytest.raises(ConfigError, match="between 0 and 1"):
+        cheats.from_env({"SPARECYCLES_CHEAT": "wrong-seed", "SPARECYCLES_CHEAT_RATE": "2"})
+    with pytest.raises(ConfigError, match="SPARECYCLES_CHEAT_WEIGHTS"):
+        cheats.from_env({"SPARECYCLES_CHEAT": "other-model"})
+    c = cheats.from_env({"SPARECYCLES_CHEAT": "pad-text", "SPARECYCLES_CHEAT_RATE": "0.25",
+                         "SPARECYCLES_CHEAT_SEED": "1"})
+    assert (c.mode, c.rate) == ("pad-text", 0.25)
+
+
+def test_a_cheating_agent_warns_loudly(caplog):
+    with caplog.at_level(logging.WARNING, logger="agent"):
+        make_agent("echo", cheat=cheats.Cheat("wrong-seed"))
+    assert "CHEATS ON PURPOSE" in caplog.text and "wrong-seed" in caplog.text
+
+
+def test_rate_draws_per_job_and_the_log_records_ground_truth(tmp_path):
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    log_path = tmp_path / "cheat.jsonl"
+    c = cheats.from_env({"SPARECYCLES_CHEAT": "wrong-seed", "SPARECYCLES_CHEAT_RATE": "0.5",
+                         "SPARECYCLES_CHEAT_SEED": "7", "SPARECYCLES_CHEAT_LOG": str(log_path)})
+    outcomes = [c.before(f"j{i}", manifest, {"prompt": "x", "seed": 10}) for i in range(200)]
+    cheated = sum(o.cheated for o in outcomes)
+    assert 70 < cheated < 130
+    assert all(o.run_inputs["seed"] == 11 for o in outcomes if o.cheated)
+    assert all(o.run_inputs == {"prompt": "x", "seed": 10} for o in outcomes if not o.cheated)
+    assert len(log_path.read_text().splitlines()) == 200
+    never = cheats.Cheat("wrong-seed", rate=0.0)
+    assert not any(never.before("j", manifest, {"prompt": "x", "seed": 1}).cheated
+                   for _ in range(20))
+
+
+def test_adapter_dropped_removes_the_adapters_and_claims_them():
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    c = cheats.Cheat("adapter-dropped")
+    o = c.before("j", manifest, {"prompt": "x", "seed": 1, "adapters": "ink:0.5"})
+    assert o.cheated and "adapters" not in o.run_inputs
+    assert o.job_inputs["adapters"] == "ink:0.5"
+    [out] = c.after("sd15", o, [HostOutput(0, "image/png", b"png", {"seed": 1, "index": 0})])
+    assert out.meta["adapters"] == {"ink": 0.5}
+    plain = c.before("j", manifest, {"prompt": "x", "seed": 1})
+    assert not plain.cheated                        # nothing to drop: runs honestly
+
+
+def test_fewer_steps_halves_the_steps_default_included():
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    c = cheats.Cheat("fewer-steps")
+    o = c.before("j", manifest, {"prompt": "x", "steps": 9})
+    assert o.cheated and o.run_inputs["steps"] == 4
+    default = manifest.validate_inputs({"prompt": "x"})["steps"]
+    assert c.before("j", manifest, {"prompt": "x"}).run_inputs["steps"] == max(1, default // 2)
+    assert not c.before("j", manifest, {"prompt": "x", "steps": 1}).cheated
+
+
+@pytest.mark.parametrize("mode,plugin,swapped", [("other-model", "sd15", True),
+                                                 ("other-model", "llama", False),
+                                                 ("other-text-model", "llama", True)])
+def test_other_model_runs_other_weights_but_advertises_its_own(tmp_path, mode, plugin, swapped):
+    honest, other = tmp_path / "honest", tmp_path / "other"
+    for folder, body in ((honest, b"honest"), (other, b"other")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(body)
+    agent = make_agent(plugin, honest, cheat=cheats.Cheat(mode, weights=other))
+    served = agent.plugins[plugin]
+    assert served.host.weights_dir == (other if swapped else honest)
+    from provider_agent.weights import folder_digest
+
+    assert served.weights_digest == folder_digest(honest)
+
+
+def test_truncate_and_pad_text_rewrite_the_claim():
+    meta = {"token_ids": list(range(10, 30)), "logprobs": [-1.0] * 20,
+            "scores": [{"top": [[1, -1.0, 0.5]], "eos_lp": -3.0, "eos_p": 0.0,
+                        "mass_above": 0.1}] * 20,
+            "generated_tokens": 20, "finish_reason": "length", "eos_ids": [1, 4]}
+    out = cheats.truncate_text(HostOutput(0, "text/plain", b"x" * 40, dict(meta)))
+    assert len(out.meta["token_ids"]) == len(out.meta["logprobs"]) == len(out.meta["scores"]) == 10
+    assert out.meta["finish_reason"] == "length" and out.data == b"x" * 20
+    import random
+
+    out = cheats.pad_text(HostOutput(0, "text/plain", b"abc", dict(meta)), random.Random(0))
+    assert len(out.meta["token_ids"]) == len(out.meta["logprobs"]) == len(out.meta["scores"]) == 28
+    assert not set(out.meta["token_ids"][20:]) & {1, 4}
+    assert out.meta["generated_tokens"] == 28 and len(out.data) > 3
+
+
+def test_localnet_start_agent_merges_env(tmp_path, monkeypatch):
+    from sdk import localnet
+
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, args, **kw):
+            seen.update(kw["env"])
+
+    monkeypatch.setattr(localnet.subprocess, "Popen", FakePopen)
+    net = localnet.LocalNetwork(tmp_path)
+    net.info = {"grpc": "127.0.0.1:1"}
+    (tmp_path / "agent-a").mkdir()
+    (tmp_path / "agent-a" / "agent.toml").write_text("")
+    net.start_agent("a", "key", env={"SPARECYCLES_CHEAT": "wrong-seed"},
+                    extra_env={"X_EXTRA": "1"})
+    assert seen["SPARECYCLES_CHEAT"] == "wrong-seed" and seen["X_EXTRA"] == "1"
+    for log in net._logs:
+        log.close()
+
+
+# -- D: cheats on tiny models in real plugin hosts -------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("diffusers", reason="model tests need the [agent] extra")
+    from plugins.tiny import build_tiny_llama, build_tiny_sd15
+
+    root = tmp_path_factory.mktemp("cheat-weights")
+    return {"sd15": build_tiny_sd15(root / "sd15", seed=0),
+            "llama": build_tiny_llama(root / "llama", seed=0)}
+
+
+@pytest.fixture(scope="module")
+def hosts(tiny):
+    """One warm plugin host per model, shared by the agents of this module."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # shared cores: the host's torch runs one thread
+    started = {}
+    try:
+        for name in ("sd15", "llama"):
+            host = PluginHost(builtin_plugin_dir(name), tiny[name], device="cpu")
+            host.start()
+            started[name] = host
+        yield started
+    finally:
+        for host in started.values():
+            host.stop()
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
+def agent_on(hosts, tiny, plugin, cheat=None) -> Agent:
+    agent = make_agent(plugin, tiny[plugin], cheat=cheat)
+    agent.plugins[plugin].host = hosts[plugin]
+    return agent
+
+
+IMG = {"prompt": "a red cube", "steps": 2, "width": 80, "height": 64, "seed": 5}
+TXT = {"prompt": "Once upon a time", "max_new_tokens": 16, "temperature": 1.0, "seed": 3,
+       "ignore_eos": True}
+
+
+def _size(png: bytes):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png)).size
+
+
+@pytest.fixture(scope="module")
+def honest(hosts, tiny):
+    img = run_job(agent_on(hosts, tiny, "sd15"), "sd15", IMG)
+    txt = run_job(agent_on(hosts, tiny, "llama"), "llama", TXT)
+    return {"sd15": img, "llama": txt}
+
+
+def test_honest_receipts_carry_the_plugins_meta(honest):
+    rec, outputs, _ = honest["sd15"]
+    meta = rec["outputs"][0]["meta"]
+    assert meta["seed"] == 5 and meta["dtype"] == "float32" and len(meta["latent_sha256"]) == 64
+    assert rec["repro"]["dtype"] == "float32" and rec["repro"]["plugin_build"].startswith("sd15@")
+    rec, outputs, _ = honest["llama"]
+    meta = rec["outputs"][0]["meta"]
+    assert len(meta["scores"]) == len(meta["token_ids"]) == 16
+    assert meta["eos_ids"] and meta["temperature"] == 1.0
+
+
+def test_wrong_seed_changes_the_output_but_claims_the_seed(hosts, tiny, honest):
+    rec, outputs, _ = run_job(agent_on(hosts, tiny, "sd15", cheats.Cheat("wrong-seed")),
+                              "sd15", IMG)
+    h_rec, h_out, _ = honest["sd15"]
+    assert outputs[0] != h_out[0]
+    meta = rec["outputs"][0]["meta"]
+    assert meta["seed"] == 5
+    assert meta["latent_sha256"] != h_rec["outputs"][0]["meta"]["latent_sha256"]
+    rec, outputs, _ = run_job(agent_on(hosts, tiny, "llama", cheats.Cheat("wrong-seed")),
+                              "llama", TXT)
+    assert rec["outputs"][0]["meta"]["token_ids"] != \
+        honest["llama"][0]["outputs"][0]["meta"]["token_ids"]
+    assert rec["outputs"][0]["meta"]["seed"] == 3
+
+
+def test_fewer_steps_changes_the_image_and_bills_the_full_work(hosts, tiny, honest):
+    rec, outputs, msgs = run_job(agent_on(hosts, tiny, "sd15", cheats.Cheat("fewer-steps")),
+                                 "sd15", IMG)
+    h_rec, h_out, _ = honest["sd15"]
+    assert outputs[0] != h_out[0]
+    assert rec["work_units"] == h_rec["work_units"]
+    totals = {m.progress.total for m in msgs if m.WhichOneof("body") == "progress"}
+    assert totals == {1}                            # ran 1 step of the 2 asked
+
+
+def test_random_image_same_size_other_bytes_without_running(hosts, tiny, honest):
+    rec, outputs, msgs = run_job(agent_on(hosts, tiny, "sd15", cheats.Cheat("random-image")),
+                                 "sd15", IMG)
+    h_rec, h_out, _ = honest["sd15"]
+    assert _size(outputs[0]) == _size(h_out[0]) == (80, 64)
+    assert outputs[0] != h_out[0]
+    assert not [m for m in msgs if m.WhichOneof("body") == "progress"]  # the model never ran
+    assert rec["work_units"] == h_rec["work_units"]
+    assert rec["outputs"][0]["meta"]["seed"] == 5
+
+
+def test_cached_output_returns_the_first_output_for_every_later_job(hosts, tiny, honest):
+    agent = agent_on(hosts, tiny, "sd15", cheats.Cheat("cached-output"))
+    _, first, _ = run_job(agent, "sd15", IMG)
+    assert first[0] == honest["sd15"][1][0]          # the first job runs honestly
+    rec, later, _ = run_job(agent, "sd15", {**IMG, "seed": 99})
+    assert later[0] == first[0]
+    assert rec["outputs"][0]["meta"]["seed"] == 99
+
+
+def test_truncate_text_halves_the_tokens(hosts, tiny, honest):
+    rec, outputs, _ = run_job(agent_on(hosts, tiny, "llama", cheats.Cheat("truncate-text")),
+                              "llama", TXT)
+    h_rec, h_out, _ = honest["llama"]
+    meta, h_meta = rec["outputs"][0]["meta"], h_rec["outputs"][0]["meta"]
+    assert meta["token_ids"] == h_meta["token_ids"][:8]
+    assert len(meta["logprobs"]) == len(meta["scores"]) == 8
+    assert meta["finish_reason"] == h_meta["finish_reason"]
+    assert len(outputs[0]) < len(h_out[0])
+
+
+def test_pad_text_appends_eight_tokens(hosts, tiny, honest):
+    rec, outputs, _ = run_job(agent_on(hosts, tiny, "llama", cheats.Cheat("pad-text")),
+                              "llama", TXT)
+    meta, h_meta = rec["outputs"][0]["meta"], honest["llama"][0]["outputs"][0]["meta"]
+    assert meta["token_ids"][:16] == h_meta["token_ids"] and len(meta["token_ids"]) == 24
+    assert len(meta["logprobs"]) == len(meta["scores"]) == 24
+
+
+def test_other_text_model_runs_other_weights(tiny, tmp_path, honest, monkeypatch):
+    from plugins.tiny import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "llama-other", seed=1)
+    agent = make_agent("llama", tiny["llama"],
+                       cheat=cheats.Cheat("other-text-model", weights=other))
+    host = agent.plugins["llama"].host
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    host.start()
+    try:
+        rec, _, _ = run_job(agent, "llama", TXT)
+    finally:
+        host.stop()
+    h_rec = honest["llama"][0]
+    assert rec["outputs"][0]["meta"]["token_ids"] != h_rec["outputs"][0]["meta"]["token_ids"]
+    assert rec["repro"]["plugin_build"] == h_rec["repro"]["plugin_build"]  # claims its own

@@ -1,0 +1,226 @@
+"""The agent's Installer against the broker's real REST app (in-process WSGI): signature and
+sha256 checks before use, atomic installs that leave nothing behind, the LRU size cap."""
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker.app import create_app
+from broker.services import build_services
+from broker.settings import Settings
+from provider_agent.config import AgentConfig
+from provider_agent.installer import Installer, InstallError, resolve_plugins
+from sdk.protocol.package import build_document, sign_document
+from sdk.protocol.signing import KeyPair
+
+from tests.marketplace_helpers import adapter_folder, plugin_folder, publish, register
+
+
+class Tamper(httpx.BaseTransport):
+    """Passes requests to the broker app; ``edit(path, json)`` may rewrite JSON answers."""
+
+    def __init__(self, inner, edit=None):
+        self.inner, self.edit = inner, edit
+
+    def handle_request(self, request):
+        resp = self.inner.handle_request(request)
+        if self.edit is None or "/files/" in request.url.path or resp.status_code != 200:
+            return resp
+        resp.read()
+        body = self.edit(request.url.path, json.loads(resp.content))
+        return httpx.Response(200, json=body)
+
+
+@pytest.fixture
+def world(tmp_path):
+    settings = Settings(data_dir=tmp_path / "broker", maintenance_interval_s=0)
+    services = build_services(settings)
+    app = create_app(services)
+    _, pub = services.auth.create_account_with_key("publisher")
+    provider_key, _ = services.auth.create_account_with_key("provider")
+    keys = register(services.registry, pub)
+    w = type("World", (), {})()
+    w.services, w.pub, w.keys, w.tmp = services, pub, keys, tmp_path
+    w.wsgi = httpx.WSGITransport(app=app)
+
+    def installer(edit=None, **kw):
+        http = httpx.Client(transport=Tamper(w.wsgi, edit), base_url="http://broker",
+                            headers={"Authorization": f"Bearer {provider_key}"})
+        return Installer(None, None, tmp_path / "cache", http=http, **kw)
+
+    w.installer = installer
+    w.publish = lambda folder, **kw: publish(services.registry, pub, keys, folder, **kw)
+    yield w
+    services.close()
+
+
+def _clean(cache: Path) -> None:
+    """Nothing half-installed: no temporary downloads, no package folders, empty index."""
+    assert list((cache / ".tmp").iterdir()) == []
+    assert not any(cache.glob("adapters/*/*")) and not any(cache.glob("plugins/*"))
+    assert json.loads((cache / "index.json").read_text())["entries"] == {}
+
+
+def test_installs_a_signed_adapter_and_links_it_for_the_plugin_host(world):
+    folder = adapter_folder(world.tmp, name="ink", royalty=100)
+    world.publish(folder)
+    inst = world.installer()
+    got = inst.install_adapter("ink", base="sd15")
+    assert got.path == inst.root / "adapters" / "sd15" / "ink@1.0.0"
+    assert (got.path / "pytorch_lora_weights.safetensors").read_bytes() == \
+        (folder / "pytorch_lora_weights.safetensors").read_bytes()
+    assert inst.installed_adapters() == [{"plugin": "sd15", "name": "ink", "version": "1.0.0",
+                                          "digest": got.digest}]
+    link = inst.link_adapter(got, world.tmp / "weights" / "sd15" / "adapters")
+    assert link.is_symlink() and (link / "adapter.json").is_file()
+    assert inst.verify_installed(got.key).digest == got.digest
+    # installed again: served from the cache, same folder
+    assert inst.install_adapter("ink", base="sd15").path == got.path
+
+
+def test_a_tampered_file_is_refused_and_leaves_nothing(world):
+    folder = adapter_folder(world.tmp, name="ink")
+    world.publish(folder)
+    blob = folder / "pytorch_lora_weights.safetensors"
+    sha = json.loads(json.dumps(build_document(folder, world.keys.public_key_hex)))["files"]
+    sha = next(f["sha256"] for f in sha if f["path"] == blob.name)
+    stored = world.services.settings.blob_dir / sha[:2] / sha[2:4] / sha
+    stored.write_bytes(b"\0" * stored.stat().st_size)  # the broker's copy is damaged
+    inst = world.installer()
+    with pytest.raises(InstallError) as e:
+        inst.install_adapter("ink", base="sd15")
+    assert e.value.code == "sha256_mismatch" and blob.name in str(e.value)
+    _clean(inst.root)
+
+
+def test_unsigned_and_wrongly_signed_packages_are_refused_before_download(world):
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    unsigned = world.installer(edit=lambda path, body: {**body, "signature": ""})
+    with pytest.raises(InstallError) as e:
+        unsigned.install_adapter("ink", base="sd15")
+    assert e.value.code == "unsigned"
+    _clean(unsigned.root)
+    other = KeyPair.generate()
+    forged = world.installer(edit=lambda path, body: {
+        **body, "signature": other.sign("adapter", body["document"])})
+    with pytest.raises(InstallError) as e:
+        forged.install_adapter("ink", base="sd15")
+    assert e.value.code == "bad_signature"
+    raised = world.installer(edit=lambda path, body: {
+        **body, "document": {**body["document"], "royalty_micro": 1}})
+    with pytest.raises(InstallError) as e:  # the document was changed after signing
+        raised.install_adapter("ink", base="sd15")
+    assert e.value.code == "bad_signature"
+    _clean(raised.root)
+
+
+def test_an_adapter_for_another_base_is_refused(world):
+    world.publish(adapter_folder(world.tmp, name="ink", base="sd15"))
+    inst = world.installer()
+    with pytest.raises(InstallError) as e:
+        inst.install_adapter("ink", base="sdxl")
+    assert e.value.code == "base_mismatch" and "for sd15, not for sdxl" in str(e.value)
+    _clean(inst.root)
+
+
+def test_a_new_publisher_key_for_a_pinned_name_is_refused(world):
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    inst = world.installer()
+    inst.install_adapter("ink", base="sd15")
+    mallory = KeyPair.generate()
+    folder = adapter_folder(world.tmp, name="ink", version="1.0.0")
+
+    def swap(path, body):
+        doc = build_document(folder, mallory.public_key_hex)
+        return {**body, "document": doc, "signature": sign_document(mallory, doc)}
+    inst2 = world.installer(edit=swap)
+    with pytest.raises(InstallError) as e:
+        inst2.install_adapter("ink", base="sd15")
+    assert e.value.code == "publisher_changed"
+    trusted = world.installer(trusted_keys={"ab" * 32})
+    inst.evict("adapter:sd15/ink@1.0.0")
+    with pytest.raises(InstallError) as e:
+        trusted.install_adapter("ink", base="sd15")
+    assert e.value.code == "untrusted_publisher"
+
+
+def test_the_cache_cap_evicts_the_least_recently_used(world):
+    for name in ("a1", "a2", "a3"):
+        world.publish(adapter_folder(world.tmp, name=name, payload=b"x" * 4000 + name.encode()))
+    size = world.services.registry.get("adapter", "a1").document["files"]
+    one = sum(f["size"] for f in size)
+    clock = iter(range(100, 200)).__next__
+    inst = world.installer(max_bytes=2 * one + 10, clock=clock)
+    inst.install_adapter("a1", base="sd15")
+    inst.install_adapter("a2", base="sd15")
+    inst.touch("adapter:sd15/a1@1.0.0")            # a1 used after a2: a2 is now the LRU
+    inst.install_adapter("a3", base="sd15")
+    assert sorted(inst.entries()) == ["adapter:sd15/a1@1.0.0", "adapter:sd15/a3@1.0.0"]
+    assert not (inst.root / "adapters" / "sd15" / "a2@1.0.0").exists()
+    assert inst.used_bytes() <= inst.max_bytes
+    inst.in_use.update(inst.entries())             # nothing may go: the next one cannot fit
+    with pytest.raises(InstallError) as e:
+        inst.install_adapter("a2", base="sd15")
+    assert e.value.code == "cache_full"
+    assert list((inst.root / ".tmp").iterdir()) == []
+
+
+def test_a_package_damaged_on_disk_is_evicted_before_use(world):
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    inst = world.installer()
+    got = inst.install_adapter("ink", base="sd15")
+    (got.path / "pytorch_lora_weights.safetensors").write_bytes(b"evil")
+    with pytest.raises(InstallError) as e:
+        inst.verify_installed(got.key)
+    assert e.value.code == "tampered" and not got.path.exists()
+    assert inst.entries() == {}
+
+
+def test_the_agent_serves_what_it_can_when_one_install_fails(world, caplog):
+    world.publish(plugin_folder(world.tmp, name="reverse"))
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    inst = world.installer()
+    weights = world.tmp / "weights"
+    (weights / "sd15").mkdir(parents=True)
+    cfg = AgentConfig(api_key="k", plugins=["echo", "reverse", "nosuch", "sd15"],
+                      weights_dir=str(weights), adapters={"sd15": ["ink", "missing"]})
+    dirs = resolve_plugins(cfg, inst)
+    assert sorted(dirs) == ["echo", "reverse", "sd15"] and cfg.plugins == list(dirs)
+    assert dirs["reverse"] == inst.root / "plugins" / "reverse@1.0.0"
+    assert (dirs["reverse"] / "plugin.toml").is_file()
+    assert (weights / "sd15" / "adapters" / "ink" / "adapter.json").is_file()
+    assert "not serving nosuch" in caplog.text and "adapter missing for sd15" in caplog.text
+    # a restart finds the cache as it was left, with nothing stray
+    again = world.installer()
+    assert sorted(again.entries()) == sorted(inst.entries())
+
+
+def test_the_agent_fetches_a_jobs_missing_adapter_before_running_it(world):
+    import queue
+
+    from plugins import builtin_plugin_dir
+    from provider_agent.agent import Agent, RunningJob
+
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    world.publish(adapter_folder(world.tmp, name="xl", base="sdxl"))
+    weights = world.tmp / "w" / "sd15"
+    weights.mkdir(parents=True)
+    cfg = AgentConfig(api_key="k", plugins=["sd15"], weights={"sd15": str(weights)}, device="cpu")
+    agent = Agent(cfg, KeyPair.generate(), plugin_dirs={"sd15": builtin_plugin_dir("sd15")},
+                  sandboxed=False, installer=world.installer())
+    agent._outq = queue.Queue()
+    env = {"job_id": "j1", "attempt": 1, "plugin": "sd15",
+           "inputs": {"prompt": "x", "adapters": "ink:0.5,someones-own"}}
+    assert agent._prepare_job("j1", RunningJob(env, b"")) is True
+    assert (weights / "adapters" / "ink" / "adapter.json").is_file()
+    sent = agent._outq.get_nowait()
+    assert sent.WhichOneof("body") == "inventory"
+    assert [(a.plugin, a.name) for a in sent.inventory.adapters] == [("sd15", "ink")]
+    assert [a.name for a in agent._capabilities().adapters] == ["ink"]
+    # an adapter for another base fails only this job (retryable), with a clear code
+    env2 = {**env, "job_id": "j2", "inputs": {"prompt": "x", "adapters": "xl"}}
+    assert agent._prepare_job("j2", RunningJob(env2, b"")) is False
+    failed = agent._outq.get_nowait().failed
+    assert (failed.job_id, failed.code, failed.retryable) == ("j2", "adapter_base_mismatch", True)
+    assert not (weights / "adapters" / "xl").exists()
