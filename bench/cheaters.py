@@ -129,6 +129,21 @@ class Network:
             time.sleep(0.2)
         raise RuntimeError(f"agent {name} did not connect")
 
+    def give_stake(self, provider_id: str, micro: int) -> None:
+        """Stake ``micro`` for the provider's account, as earned credits would be: a job's
+        post into its vesting balance, vested, then staked (real ledger operations)."""
+        from broker.ledger.model import Splits
+
+        ledger, owner = self.svc.ledger, self.svc.providers.owner_of(provider_id)
+        seed = f"bench-seed-{owner}"
+        ledger.open_client(seed)
+        ledger.deposit(seed, micro, idempotency_key=f"{seed}:deposit")
+        hold = ledger.hold(seed, micro, f"{seed}-job", idempotency_key=f"{seed}:hold")
+        ledger.post(hold.id, Splits(provider=owner, provider_micro=micro),
+                    idempotency_key=f"{seed}:post", vesting_window_s=0)
+        ledger.vest(owner)
+        ledger.stake(owner, micro, idempotency_key=f"{seed}:stake")
+
     def stop_agent(self, name: str) -> None:
         proc = self.procs.pop(name)
         proc.terminate()
@@ -162,7 +177,7 @@ def slashed(v, provider_id: str) -> bool:
 
 
 def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: str,
-                  jobs: int) -> dict:
+                  jobs: int, stake_micro: int) -> dict:
     plugin, extra = BEHAVIOURS[behaviour]
     env = {"SPARECYCLES_CHEAT": behaviour, "SPARECYCLES_CHEAT_SEED": "1",
            "SPARECYCLES_CHEAT_LOG": str(net.work / f"cheat-{behaviour}.jsonl")}
@@ -172,12 +187,16 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
         env["SPARECYCLES_CHEAT_WEIGHTS"] = str(net.weights / "other-llama")
     name = f"cheater-{behaviour}"
     cheater = net.start_agent(name, plugin, env)
+    net.give_stake(cheater, stake_micro)
     for pid in honest:
         net.svc.dispatcher.set_paused(pid, True)
     base = IMAGE if plugin == "sd15" else TEXT
     ids = []
     for i in range(jobs):
-        job = client.jobs.create(plugin, **base, **extra, seed=1000 + i)
+        inputs = dict(base)
+        if plugin == "llama" and i % 2 == 0:
+            inputs["temperature"] = 0.0  # half greedy, half sampled
+        job = client.jobs.create(plugin, **inputs, **extra, seed=1000 + i)
         ids.append(job.id)
         job.wait(timeout=300)
     net.stop_agent(name)
@@ -219,7 +238,8 @@ def run_honest(net: Network, client: Client, total: int) -> dict:
         if rng.random() < 0.7:
             job = client.jobs.create("sd15", **IMAGE, seed=i, terms={"verify": "always"})
         else:
-            job = client.jobs.create("llama", **TEXT, seed=i, terms={"verify": "always"})
+            text = {**TEXT, "temperature": 0.0} if i % 2 else TEXT  # greedy and sampled
+            job = client.jobs.create("llama", **text, seed=i, terms={"verify": "always"})
         job.wait(timeout=600)
         return job.id
 
@@ -250,8 +270,19 @@ def run_honest(net: Network, client: Client, total: int) -> dict:
     for name in list(net.procs):
         if name.startswith("honest-"):
             net.stop_agent(name)
+    reasons: dict[str, int] = {}
+    for j in disputes:
+        figs = records[j].comparisons.get("primary~checker") or {}
+        for r in figs.get("reasons") or ["(grey zone)"]:
+            key = r.split(":")[-1].strip()
+            key = "".join(c if not c.isdigit() else "#" for c in key)
+            reasons[key] = reasons.get(key, 0) + 1
     return {"jobs": len(ids), "false_disputes": len(disputes), "false_slashes": len(slashes),
             "overturned": len(overturned), "methods": methods, "pairs": pairs,
+            "dispute_reasons": reasons,
+            "disputed": [{"job": j, "plugin": net.svc.jobs.repo.get(j).plugin,
+                          "status": records[j].status.value,
+                          "figures": records[j].comparisons} for j in disputes],
             "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -325,9 +356,10 @@ def main() -> int:
         client = net.client()
         honest = [net.start_agent(f"checker-{i}", "sd15,llama") for i in (1, 2)]
         log(f"   two honest checkers connected ({time.monotonic() - t0:.0f} s)")
-        for behaviour in args.behaviours.split(","):
+        for behaviour in [b for b in args.behaviours.split(",") if b]:
             tb = time.monotonic()
-            row = run_behaviour(net, client, honest, behaviour, args.per_behaviour)
+            row = run_behaviour(net, client, honest, behaviour, args.per_behaviour,
+                                int(args.stake_credits * 1_000_000))
             results["behaviours"].append(row)
             log(f"   {behaviour:<17} cheated {row['cheated']:>2}/{row['jobs']}  caught by one "
                 f"check {row['caught']:>2}  overturned {row['overturned']:>2}  slashed "

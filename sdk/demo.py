@@ -41,9 +41,9 @@ def run_demo(workdir: Path, out_dir: Path, *, sandbox: bool = True) -> int:
         _say("starting a broker (SQLite, local blob folder)")
         info = net.start_broker()
         _say(f"broker: REST {info['http']}, agents {info['grpc']}")
-        provider_key = net.create_key("provider", "demo-provider")
         client_key = net.create_key("client", "demo-client")
-        for name in ("alpha", "beta"):
+        for name in ("alpha", "beta"):  # two operators, so each can check the other's work
+            provider_key = net.create_key("provider", f"demo-provider-{name}")
             net.start_agent(name, provider_key, plugins="sd15", weights_dir=weights_root,
                             sandbox=sandbox)
         _say("starting two provider agents (each loads SD 1.5 once in a warm plugin host)")
@@ -58,8 +58,12 @@ def run_demo(workdir: Path, out_dir: Path, *, sandbox: bool = True) -> int:
             path = (out_dir / f"demo-{result.job.id}.png").resolve()
             result.save(path)
             img = result.images[0]
-        _say(f"job {result.job.id} settled in {elapsed:.2f}s on provider "
-             f"{result.job.data.get('provider_id')}")
+            _say(f"job {result.job.id} settled in {elapsed:.2f}s on provider "
+                 f"{result.job.data.get('provider_id')}; verification: {result.verification}")
+            if result.verification == "checking":
+                _say("the other agent re-runs it as a check (new providers are always checked)")
+                status = result.wait_verified(timeout=120)
+                _say(f"verification: {status}")
         print(f"image: {path} ({img.width}x{img.height})")
         print(f"job id: {result.job.id}")
         print(f"logs: {net.workdir}")

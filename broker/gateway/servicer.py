@@ -190,8 +190,12 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         out: list[pb.BrokerMessage] = []
         plugins = {key.split("@", 1)[0]: key.split("@", 1)[1] for key in session.plugins}
         digests = {key.split("@", 1)[0]: digest for key, digest in session.plugins.items()}
+        # The memory a model runs in: the GPU's on a GPU, the host's on a CPU-only machine
+        # (what the manifest's min_vram_gb is checked against).
+        memory = (caps.hardware.vram_gb if caps.hardware.device == "cuda"
+                  else caps.hardware.memory_gb or caps.hardware.vram_gb)
         self.market.connect(session.provider_id, session.account_id, plugins,
-                            vram_gb=caps.hardware.vram_gb, free=session.free,
+                            vram_gb=memory, free=session.free,
                             slots=session.slots, digests=digests)
         for b in caps.benchmarks:
             out += self._benchmark(session, b)

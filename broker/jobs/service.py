@@ -534,6 +534,11 @@ class JobService:
             self.on_queued(moved)
         return moved
 
+    def give_up(self, job: Job, code: str, message: str) -> Job | None:
+        """Fail a queued job the broker will not run after all (a check no provider of
+        another operator took in time): its hold is released, ``on_ended`` runs."""
+        return self._fail(job, code, message)
+
     def _fail(self, job: Job, code: str, message: str) -> Job | None:
         moved = self.repo.transition(job.id, [job.state], JobState.FAILED,
                                      expect_attempt=job.attempt,

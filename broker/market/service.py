@@ -331,6 +331,7 @@ class MarketService:
         with self._lock:
             serving = [pid for pid, s in self._providers.items()
                        if s.online and s.plugins.get(spec.plugin) == spec.plugin_version
+                       and s.vram_gb >= spec.min_vram_gb
                        and (spec.weights_digest == ANY_WEIGHTS
                             or s.digests.get(spec.plugin) == spec.weights_digest)]
             floor = self.rules.reputation_floor
@@ -418,7 +419,9 @@ class MarketService:
              weights_digest: str | None = None) -> JobSpec:
         """The auction's view of a job; ``weights_digest`` is the job's own pin, if any
         (the manifest's pin wins over it)."""
+        manifest = self.manifest_of(plugin, version)
         return JobSpec(plugin=plugin, plugin_version=version,
+                       min_vram_gb=float(getattr(manifest, "min_vram_gb", 0.0) or 0.0),
                        weights_digest=self.pinned_digest(plugin, version, weights_digest),
                        work_units=float(work_units), client_id=client_id,
                        reserve_micro_per_unit=self.reserve_of(plugin),

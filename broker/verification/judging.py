@@ -175,14 +175,27 @@ def rescore_from_rerun(claim_ids: Sequence[int], claim_logprobs: Sequence[float]
                                   mass_above=float(s.get("mass_above", 0.0)),
                                   eos_logprob=eos_lp, eos_mass_sampled=eos_p))
             continue
-        parted = True  # the runs part here: score the claimed token from the top-k
+        parted = True  # the runs part here: score the claimed token from what is known
         hit = next((r for r, (t, _, _) in enumerate(top) if t == tok), None)
-        if hit is None:
+        near = {int(t): (float(lp), float(p)) for t, lp, p in s.get("near", [])}
+        if hit is not None:
+            above = sum(p for _, _, p in top[:hit])
+            out.append(TokenScore(logprob=top[hit][1], rank=hit, top_logprob=top_lp,
+                                  mass_above=above, eos_logprob=eos_lp, eos_mass_sampled=eos_p))
+        elif tok in near:  # a sampled run flipped to the chosen token's neighbour
+            out.append(TokenScore(logprob=near[tok][0], rank=len(top), top_logprob=top_lp,
+                                  mass_above=float(s.get("mass_above", 0.0)),
+                                  eos_logprob=eos_lp, eos_mass_sampled=eos_p))
+        elif temperature == 0:
+            # greedy runs part only at a near-tie of the top tokens: a token outside the
+            # checker's top-k cannot be one
             floor = (top[-1][1] if top else float(lps[i])) - BELOW_TOP_K_NATS
             out.append(TokenScore(logprob=floor, rank=len(top), top_logprob=top_lp,
                                   mass_above=1.0, eos_logprob=eos_lp, eos_mass_sampled=eos_p))
         else:
-            above = sum(p for _, _, p in top[:hit])
-            out.append(TokenScore(logprob=top[hit][1], rank=hit, top_logprob=top_lp,
-                                  mass_above=above, eos_logprob=eos_lp, eos_mass_sampled=eos_p))
+            # sampled runs whose orders differ (near-equal probabilities sort differently
+            # across numeric paths) can part anywhere: nothing to re-score here
+            checked -= 1
+            out.append(TokenScore(logprob=own, rank=0, top_logprob=own, mass_above=0.0,
+                                  eos_logprob=-math.inf, eos_mass_sampled=0.0))
     return Rescore(tokens=tuple(out), eos_ids=eos, temperature=temperature, top_p=top_p), checked

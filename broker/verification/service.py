@@ -59,6 +59,8 @@ def load_catch_probabilities(path: Path | str = THRESHOLDS_PATH) -> dict[str, fl
 @dataclass
 class VerificationSettings:
     check_delay_s: tuple[float, float] = (0.0, 5.0)  # a check is queued after this random wait
+    check_timeout_s: float = 3600.0  # a check no other operator ran by then is given up
+    tiebreak_tries: int = 3          # third runs queued before a dispute waits for an admin
     new_provider_checks: int = 10
     penalty: PenaltyPolicy = field(default_factory=lambda: PenaltyPolicy(
         claw_back_unvested=False))
@@ -113,11 +115,48 @@ class VerificationService:
                 if moved is not None:
                     self._event(v.job_id, CheckStatus.UNCHECKED,
                                 "the check could not run; the output stands unchecked")
+            elif job.id == v.tiebreak_job_id and v.status is CheckStatus.DISPUTED:
+                self._tiebreak_ended(v, job)
             self._audit("verification.check_ended", v.job_id,
                         {"check_job": job.id, "state": job.state.value,
                          "error": job.error_code})
         except Exception:  # noqa: BLE001
             log.exception("verification: recording the end of check %s failed", job.id)
+
+    def _tiebreak_ended(self, v: Verification, tiebreak: Job) -> None:
+        """The third run failed: queue another, twice at most; then the dispute waits for
+        an admin (the runs disagree and no majority could be had)."""
+        tries = int((v.outcome or {}).get("tiebreak_tries", 1))
+        primary = self.jobs.repo.get(v.job_id)
+        checker = self.jobs.repo.get(v.checker_job_id) if v.checker_job_id else None
+        if primary is None or checker is None:
+            return
+        if tries < self.settings.tiebreak_tries:
+            moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
+                                     outcome={**(v.outcome or {}), "tiebreak_tries": tries + 1})
+            if moved is not None:
+                self._spawn(moved, primary, Role.TIEBREAKER,
+                            {self.providers.owner_of(primary.provider_id) or "",
+                             self.providers.owner_of(checker.provider_id) or "",
+                             self.providers.owner_of(tiebreak.provider_id) or ""} - {""},
+                            client_pays=False)
+            return
+        note = (f"no third provider could run the tiebreak ({tries} tries, last: "
+                f"{tiebreak.error_code}); an admin decides")
+        moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
+                                 outcome={**(v.outcome or {}), "note": note, "stalled": True})
+        if moved is not None and self.disputes is not None:
+            sides = []
+            for role, j in ((Role.PRIMARY, primary), (Role.CHECKER, checker)):
+                outs = self.jobs.repo.outputs(j.id)
+                sides.append({"provider_id": j.provider_id, "job_id": j.id,
+                              "role": role.value, "output_index": 0,
+                              "sha256": outs[0].sha256 if outs else "",
+                              "media_type": outs[0].media_type if outs else "",
+                              "verdict": "undecided"})
+            self.disputes.open(v.job_id, primary.plugin, sides, v.comparisons,
+                               f"disputed: {note}")
+            self._event(v.job_id, CheckStatus.DISPUTED, note)
 
     def sweep(self, *, settle_grace_s: float = 30.0, lookback_s: float = 86_400.0) -> int:
         """Finish what a stopped broker left half done (run by the maintenance thread):
@@ -132,11 +171,20 @@ class VerificationService:
                 self.settled(job, job.receipt)
                 moved += 1
         for v in self.repo.open_since(now - settle_grace_s):
+            if (v.outcome or {}).get("stalled"):
+                continue  # waits for an admin
             current = v.tiebreak_job_id if v.status is CheckStatus.DISPUTED else v.checker_job_id
             check = self.jobs.repo.get(current) if current else None
             if check is None:
                 continue
-            if check.state is JobState.SETTLED:
+            if (check.state is JobState.QUEUED
+                    and now - check.created_at > self.settings.check_timeout_s):
+                # no provider of another operator took it in time: give the run up
+                self.jobs.give_up(check, "check_timeout",
+                                  f"no provider of another operator ran this within "
+                                  f"{self.settings.check_timeout_s:g}s")
+                moved += 1
+            elif check.state is JobState.SETTLED:
                 self.settled(check, check.receipt or {})
                 moved += 1
             elif check.state.terminal:

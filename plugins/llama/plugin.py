@@ -362,8 +362,13 @@ def _score(logp: torch.Tensor, token: int, dist, eos: torch.Tensor) -> dict[str,
     # tokens strictly likelier than the chosen one: a prefix of the descending order
     above = int(torch.count_nonzero(sorted_probs > probs[token]))
     mass_above = float(sorted_probs[:above].sum())
+    # The chosen token's neighbours in the order sampled from: where another run of the
+    # same seeded job parts from this one by a numeric hair, it took one of these.
+    pos = int((order == token).nonzero()[0]) if order.numel() else 0
+    near_ids = [int(order[i]) for i in (pos - 1, pos + 1) if 0 <= i < kept]
+    near = [[i, _r6(float(logp[i])), _r6(p)] for i, p in zip(near_ids, sampled_p(near_ids))]
     return {"top": top, "eos_lp": _r6(eos_lp), "eos_p": _r6(eos_p),
-            "mass_above": _r6(mass_above)}
+            "mass_above": _r6(mass_above), "near": near}
 
 
 class _StreamingText:

@@ -259,3 +259,19 @@ def test_a_job_pinned_to_other_weights_never_runs_on_an_agent_serving_others(vbr
     job = svc.jobs.repo.get(plain.id)
     assert job.envelope["weights_digest"] == ""  # echo has no weights: what it ran on
     pinned.cancel()
+
+
+def test_a_check_no_other_operator_takes_is_given_up_and_its_hold_released(vbroker, agents):
+    svc = vbroker.services
+    agents("alone")
+    client = Client(vbroker.url, vbroker.key("client"))
+    result = client.generate("echo", text="nobody to check", timeout=30)
+    assert result.verification == "checking"
+    check = svc.jobs.repo.checks_of(result.job.id)[0]
+    assert check.state.value == "queued"  # the only provider is the one it checks
+    svc.verification.settings.check_timeout_s = 0.0
+    assert svc.verification.sweep(settle_grace_s=0.0) >= 1
+    assert result.wait_verified(timeout=10) == "unchecked"
+    check = svc.jobs.repo.get(check.id)
+    assert check.state.value == "failed" and check.error_code == "check_timeout"
+    assert svc.ledger.get_hold(check.hold_id).state.value == "voided"

@@ -124,8 +124,11 @@ def _check_scores(meta):
     scores = meta["scores"]
     assert len(scores) == len(meta["token_ids"]) == len(meta["logprobs"])
     for token, lp, s in zip(meta["token_ids"], meta["logprobs"], scores):
-        assert set(s) == {"top", "eos_lp", "eos_p", "mass_above"}
+        # "near": the sampled token's neighbours in the order sampled from (not greedy)
+        assert set(s) - {"near"} == {"top", "eos_lp", "eos_p", "mass_above"}
         top = s["top"]
+        for tid, tlp, tp in s.get("near", []):
+            assert isinstance(tid, int) and tlp <= top[0][1] + 1e-6 and 0.0 <= tp <= 1.0
         assert len(top) == 5
         lps = [t[1] for t in top]
         assert lps == sorted(lps, reverse=True)

@@ -218,3 +218,20 @@ def test_impossible_cold_starts_are_refused_and_record_nothing():
         with pytest.raises(InvalidBenchmark):
             m.report_benchmark("p", "echo", 5.0, cold_start_s=bad)
     assert m.theta("p", "echo") == (0.0, False)   # the claim was not recorded either
+
+
+# ---- memory ----------------------------------------------------------------------------
+def test_a_provider_with_less_memory_than_the_manifest_needs_never_wins():
+    big = dataclasses.replace(ECHO, min_vram_gb=16.0)
+    m = market(big)
+    m.connect("small", "op-small", {"echo": "1.0.0"}, vram_gb=8.0, free=1, slots=1,
+              digests={"echo": ""}, asks={"echo": 10})
+    m.observe("small", "echo", 10.0, 1000.0)
+    assert spec(m).min_vram_gb == 16.0
+    with pytest.raises(NoEligibleProvider):
+        m.clear(spec(m))
+    assert m.admitted(spec(m)) == set()  # nor in the cold market
+    m.connect("large", "op-large", {"echo": "1.0.0"}, vram_gb=24.0, free=1, slots=1,
+              digests={"echo": ""}, asks={"echo": 500})
+    m.observe("large", "echo", 10.0, 1000.0)
+    assert m.clear(spec(m)).awards[0].provider_id == "large"
