@@ -195,7 +195,9 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
     for i in range(jobs):
         inputs = dict(base)
         if plugin == "llama" and i % 2 == 0:
-            inputs["temperature"] = 0.0  # half greedy, half sampled
+            # half greedy (all 16 tokens: a tiny random model often ends at once, and a
+            # one-token answer leaves a text cheat nothing to change), half sampled
+            inputs.update(temperature=0.0, ignore_eos=True)
         job = client.jobs.create(plugin, **inputs, **extra, seed=1000 + i)
         ids.append(job.id)
         job.wait(timeout=300)
@@ -227,7 +229,10 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
 
 def run_honest(net: Network, client: Client, total: int) -> dict:
     """``total`` honest jobs, each checked, across three numeric configurations."""
+    # two agents in one reproducibility class (their images are compared by exact latent
+    # hashes), and two others that differ from them in thread count or dtype
     variants = {"fp32-1thread": {"OMP_NUM_THREADS": "1"},
+                "fp32-1thread-b": {"OMP_NUM_THREADS": "1"},
                 "fp32-2threads": {"OMP_NUM_THREADS": "2"},
                 "bf16-1thread": {"OMP_NUM_THREADS": "1", "SPARECYCLES_DTYPE": "bfloat16"}}
     pids = {net.start_agent(f"honest-{k}", "sd15,llama", env): k for k, env in variants.items()}
@@ -238,7 +243,8 @@ def run_honest(net: Network, client: Client, total: int) -> dict:
         if rng.random() < 0.7:
             job = client.jobs.create("sd15", **IMAGE, seed=i, terms={"verify": "always"})
         else:
-            text = {**TEXT, "temperature": 0.0} if i % 2 else TEXT  # greedy and sampled
+            text = ({**TEXT, "temperature": 0.0, "ignore_eos": True} if i % 2
+                    else TEXT)  # greedy and sampled
             job = client.jobs.create("llama", **text, seed=i, terms={"verify": "always"})
         job.wait(timeout=600)
         return job.id
@@ -286,11 +292,23 @@ def run_honest(net: Network, client: Client, total: int) -> dict:
             "seconds": round(time.monotonic() - t0, 1)}
 
 
+def wilson_lower(k: int, n: int, z: float = 1.96) -> float:
+    """The lower end of the 95% Wilson interval of k successes in n: the q the broker may
+    rely on after so few samples (8 of 8 caught is not proof that q = 1)."""
+    if n == 0:
+        return 0.0
+    p = k / n
+    centre = p + z * z / (2 * n)
+    spread = z * ((p * (1 - p) + z * z / (4 * n)) / n) ** 0.5
+    return max(0.0, (centre - spread) / (1 + z * z / n))
+
+
 def simulate_until_slashed(q: float, slash_rate: float, *, cheat_rate: float, gain: int,
                            stake: int, cv0: int = 100, runs: int = 2000,
-                           seed: int = 1) -> float:
+                           seed: int = 1, broker_q: float | None = None) -> float:
     """Mean jobs until a reputable cheater (CV ``cv0``) is slashed, under the broker's
-    sampling rule with the measured q and slash rate."""
+    sampling rule (which assumes ``broker_q``, the q in thresholds.json) with the measured
+    q and slash rate."""
     rng = random.Random(seed)
     policy = SamplingPolicy()
     caught_p = q
@@ -299,8 +317,10 @@ def simulate_until_slashed(q: float, slash_rate: float, *, cheat_rate: float, ga
         cv, n = cv0, 0
         while True:
             n += 1
-            p = check_probability(Standing(cv, stake, 0), gain_micro=gain, job_value_micro=gain,
-                                  catch_probability=max(q, 1e-6), policy=policy).p
+            p = check_probability(Standing(cv, stake // 2, 0), gain_micro=gain,
+                                  job_value_micro=gain,
+                                  catch_probability=max(broker_q if broker_q is not None
+                                                        else q, 1e-6), policy=policy).p
             cheats = rng.random() < cheat_rate
             if rng.random() < p:
                 if cheats and rng.random() < caught_p:
@@ -321,8 +341,8 @@ def overhead(q: float, *, gain: int, stake: int, jobs: int = 20_000, seed: int =
     rng = random.Random(seed)
     cv, checked, tail = 0, 0, 0
     for n in range(jobs):
-        p = check_probability(Standing(cv, stake, 0), gain_micro=gain, job_value_micro=gain,
-                              catch_probability=q).p
+        p = check_probability(Standing(cv, stake // 2, 0), gain_micro=gain,
+                              job_value_micro=gain, catch_probability=q).p
         if rng.random() < p:
             checked += 1
             tail += n >= jobs * 3 // 4
@@ -338,7 +358,8 @@ def main() -> int:
     ap.add_argument("--behaviours", default=",".join(BEHAVIOURS))
     ap.add_argument("--cheat-rate", type=float, default=0.2,
                     help="fraction of its jobs a reputable cheater cheats on (simulation)")
-    ap.add_argument("--stake-credits", type=float, default=10.0)
+    ap.add_argument("--stake-credits", type=float, default=10.0,
+                    help="a reputable provider's stake (half of it is slashed when caught)")
     ap.add_argument("--job-credits", type=float, default=0.05)
     ap.add_argument("--write", action="store_true", help="store q in thresholds.json")
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -373,23 +394,25 @@ def main() -> int:
         net.close()
     gain = int(args.job_credits * 1_000_000)
     stake = int(args.stake_credits * 1_000_000)
-    per_plugin: dict[str, float] = {}
+    per_plugin: dict[str, float] = {}   # what the broker relies on: the lower 95% bound
     for row in results["behaviours"]:
         if row["q"] is not None:
-            per_plugin[row["plugin"]] = min(per_plugin.get(row["plugin"], 1.0), row["q"])
+            row["q_lower"] = wilson_lower(row["caught"], row["cheated"])
+            per_plugin[row["plugin"]] = min(per_plugin.get(row["plugin"], 1.0), row["q_lower"])
     print()
     print(f"{'behaviour':<17} {'plugin':<6} {'cheated':>7} {'q (1 check)':>11} "
-          f"{'slashed':>8} {'jobs until slashed*':>20}")
+          f"{'q, 95% low':>10} {'slashed':>8} {'jobs until slashed*':>20}")
     for row in results["behaviours"]:
         if not row["cheated"]:
             print(f"{row['behaviour']:<17} {row['plugin']:<6} {0:>7}   (no cheated job)")
             continue
         q, s = row["q"], row["slash_rate"]
-        mean = (simulate_until_slashed(q, s, cheat_rate=args.cheat_rate, gain=gain, stake=stake)
+        mean = (simulate_until_slashed(q, s, cheat_rate=args.cheat_rate, gain=gain, stake=stake,
+                                       broker_q=per_plugin.get(row["plugin"]))
                 if s > 0 else float("inf"))
         row["mean_jobs_until_slashed"] = mean
         print(f"{row['behaviour']:<17} {row['plugin']:<6} {row['cheated']:>7} {q:>11.2f} "
-              f"{s:>8.2f} {mean:>20,.0f}")
+              f"{row['q_lower']:>10.2f} {s:>8.2f} {mean:>20,.0f}")
     print(f"* simulated: a cheater with CV 100 cheating on {args.cheat_rate:.0%} of its jobs, "
           f"{args.job_credits} credits a job, {args.stake_credits:g} credits at stake, "
           f"under the broker's sampling rule with the q and slash rate measured above")
@@ -409,15 +432,20 @@ def main() -> int:
         args.json.write_text(json.dumps(results, indent=1, default=str))
     if args.write and per_plugin:
         data = json.loads(THRESHOLDS_PATH.read_text())
+        old = (data.get("catch_probability") or {})
+        merged = {**old.get("per_plugin", {}), **{k: round(v, 4) for k, v in per_plugin.items()}}
+        behaviours = {**old.get("behaviours", {}),
+                      **{r["behaviour"]: {"plugin": r["plugin"], "cheated": r["cheated"],
+                                          "caught": r["caught"], "slashed": r["slashed"]}
+                         for r in results["behaviours"]}}
         data["catch_probability"] = {
-            "per_plugin": {k: round(v, 4) for k, v in per_plugin.items()},
-            "basis": "bench/cheaters.py: the lowest single-check catch rate over the "
-                     "behaviours of each plugin",
-            "behaviours": {r["behaviour"]: {"plugin": r["plugin"], "cheated": r["cheated"],
-                                            "caught": r["caught"], "slashed": r["slashed"]}
-                           for r in results["behaviours"]},
-            "honest": {k: v for k, v in (results["honest"] or {}).items()
-                       if k in ("jobs", "false_disputes", "false_slashes")},
+            "per_plugin": merged,
+            "basis": "bench/cheaters.py: over the behaviours of each plugin, the lowest "
+                     "lower end of the 95% Wilson interval of its single-check catch rate",
+            "behaviours": behaviours,
+            "honest": ({k: v for k, v in results["honest"].items()
+                        if k in ("jobs", "false_disputes", "false_slashes")}
+                       if results["honest"] else old.get("honest", {})),
         }
         from calibrate import write_record  # bench/calibrate.py keeps the file's layout
 

@@ -70,3 +70,8 @@ class IdempotencyConflict(Conflict):
 
 class NotReady(BrokerError):
     code, http_status, grpc_status, title = ("not_ready", 503, "UNAVAILABLE", "Not ready")
+
+
+class PayloadTooLarge(BrokerError):
+    code, http_status, grpc_status, title = ("payload_too_large", 413, "RESOURCE_EXHAUSTED",
+                                             "Payload too large")

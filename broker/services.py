@@ -104,7 +104,8 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                               account_exists=lambda a: accounts.get_account(a) is not None)
     # The marketplace (issue #3): signed plugin/adapter versions, files in the blob store;
     # published plugins join the job catalog; adapter royalties are paid at settlement.
-    registry = RegistryService(SqlRegistryRepository(sessions), LocalBlobStore(settings.blob_dir),
+    registry = RegistryService(SqlRegistryRepository(sessions),
+                               LocalBlobStore(settings.blob_dir / "registry"),  # not job outputs
                                catalog, on_publisher=ledger.open_publisher)
     registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
@@ -174,6 +175,7 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
         disputes=admin["disputes"], audit=admin["audit"],
         settings=VerificationSettings(check_delay_s=(0.0, max(0.0, settings.check_delay_max_s))))
     jobs.on_settled = verification.settled
+    admin["disputes"].on_resolved = verification.admin_resolved
     if canaries is not None:  # canaries answer known inputs: each is a check too
         canaries.on_answer = verification.canary_answer
     jobs.on_ended = verification.ended

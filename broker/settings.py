@@ -34,6 +34,10 @@ verification                 SPARECYCLES_VERIFICATION            on (off: no job
 admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept in <data_dir>/admin_session.key)
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 ===========================  ==================================  ===========================
+
+The registry's package files live in a blob store of their own, ``<blob_dir>/registry``, apart
+from job outputs. A package file uploaded with PUT /v1/blobs may be at most 8 GiB
+(broker.registry.service.MAX_BLOB_BYTES; larger is a 413).
 """
 from __future__ import annotations
 

@@ -411,26 +411,27 @@ class Agent:
         if served is None or not names or served.host.weights_dir is None:
             return True
         root = served.host.weights_dir / "adapters"
-        changed = False
-        for name in names:
-            if (root / name).is_dir():  # installed earlier, or the operator's own folder
-                if (root / name).is_symlink():
-                    self.installer.touch_path((root / name).resolve())
-                continue
-            try:
-                installed = self.installer.install_adapter(name, base=env["plugin"])
-                self.installer.link_adapter(installed, root)
-                changed = True
-            except InstallError as exc:
-                if exc.code == "not_found":
+        before = self.installer.installed_adapters()
+        try:
+            for name in names:
+                if (root / name).is_dir():  # installed earlier, or the operator's own folder
+                    if (root / name).is_symlink():
+                        self.installer.touch_path((root / name).resolve())
                     continue
-                log.warning("job %s: adapter %s not installed: %s", job_id, name, exc)
-                self._send(pb.AgentMessage(failed=pb.JobFailed(
-                    job_id=job_id, attempt=env["attempt"], code=f"adapter_{exc.code}",
-                    message=str(exc), retryable=True)))
-                return False
-        if changed:
-            self.send_inventory()
+                try:
+                    installed = self.installer.install_adapter(name, base=env["plugin"])
+                    self.installer.link_adapter(installed, root)
+                except InstallError as exc:
+                    if exc.code == "not_found":
+                        continue
+                    log.warning("job %s: adapter %s not installed: %s", job_id, name, exc)
+                    self._send(pb.AgentMessage(failed=pb.JobFailed(
+                        job_id=job_id, attempt=env["attempt"], code=f"adapter_{exc.code}",
+                        message=str(exc), retryable=True)))
+                    return False
+        finally:  # an install, or an eviction to make room (even for one that then failed)
+            if self.installer.installed_adapters() != before:
+                self.send_inventory()
         return True
 
     # ---- work --------------------------------------------------------------------------
@@ -447,6 +448,15 @@ class Agent:
             try:
                 if self._prepare_job(job_id, rj):
                     self._run_job(job_id, rj)
+            except Exception as exc:  # noqa: BLE001 - a bad job must never stop this worker
+                log.exception("job %s: unexpected error in the agent", job_id)
+                with self._lock:
+                    delivered = job_id in self.undelivered  # its receipt stands
+                if not delivered:
+                    self._send(pb.AgentMessage(failed=pb.JobFailed(
+                        job_id=job_id, attempt=rj.envelope.get("attempt", 0), code="agent_error",
+                        message=f"the agent failed preparing or running the job: "
+                                f"{type(exc).__name__}: {exc}", retryable=True)))
             finally:
                 with self._lock:
                     self.running.pop(job_id, None)

@@ -184,9 +184,24 @@ class Installer:
         return self._install("adapter", name, version, base=base)
 
     def _install(self, kind: str, name: str, version: str, base: str | None = None) -> Installed:
+        """Install, surfacing every failure as InstallError: an unexpected one (a full disk,
+        a path that is both a file and a folder, a registry answer of the wrong shape) is
+        ``invalid_package``; either way nothing half-installed is left behind."""
         if self.http is None:
             raise InstallError("no_registry", f"cannot install {kind} {name}: no registry "
                                "configured (set registry_url in agent.toml)")
+        try:
+            return self._install_locked(kind, name, version, base)
+        except InstallError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad package must not stop the agent
+            log.warning("installing %s %s@%s failed unexpectedly", kind, name, version,
+                        exc_info=True)
+            raise InstallError("invalid_package", f"cannot install {kind} {name}@{version}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+    def _install_locked(self, kind: str, name: str, version: str,
+                        base: str | None) -> Installed:
         with self._lock:
             detail = self._get_json(f"/v1/{kind}s/{name}/{version}", f"{kind} {name}@{version}")
             package = self._verify(kind, name, version, base, detail)
@@ -210,13 +225,24 @@ class Installer:
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            self._index["pins"][f"{kind}:{package.name}"] = package.publisher_key
-            self._index["entries"][key] = {
-                "kind": kind, "name": package.name, "version": package.version,
-                "base": package.base, "path": str(final), "size": package.size,
-                "digest": package.digest, "publisher_key": package.publisher_key,
-                "installed_at": self.clock(), "last_used": self.clock()}
-            self._save_index()
+            pin = f"{kind}:{package.name}"
+            old_pin = self._index["pins"].get(pin)
+            try:
+                self._index["pins"][pin] = package.publisher_key
+                self._index["entries"][key] = {
+                    "kind": kind, "name": package.name, "version": package.version,
+                    "base": package.base, "path": str(final), "size": package.size,
+                    "digest": package.digest, "publisher_key": package.publisher_key,
+                    "installed_at": self.clock(), "last_used": self.clock()}
+                self._save_index()
+            except BaseException:  # e.g. a full disk: the folder must not outlive its entry
+                self._index["entries"].pop(key, None)
+                if old_pin is None:
+                    self._index["pins"].pop(pin, None)
+                else:
+                    self._index["pins"][pin] = old_pin
+                shutil.rmtree(final, ignore_errors=True)
+                raise
             log.info("installed %s %s (%d files, %d bytes, publisher %s…)", kind, package.ref,
                      len(package.files), package.size, package.publisher_key[:16])
             return Installed(kind, package.name, package.version, final, package)
@@ -239,6 +265,10 @@ class Installer:
 
     def _verify(self, kind: str, name: str, version: str, base: str | None,
                 detail: dict) -> Package:
+        if not isinstance(detail, dict):
+            raise InstallError("invalid_package", f"refusing {kind} {name}@{version}: the "
+                               f"registry's answer is a JSON {type(detail).__name__}, not an "
+                               "object with the signed document")
         try:
             package = verify_document(detail.get("document"), detail.get("signature") or "")
         except PackageError as exc:
@@ -445,6 +475,8 @@ def resolve_plugins(cfg, installer: Installer | None, builtin=None) -> dict[str,
                 cfg.weights[name] = str(inst.path / "weights")
         except (InstallError, LookupError) as exc:
             log.error("not serving %s: %s", spec, exc)
+        except Exception as exc:  # noqa: BLE001 - the agent serves its other plugins
+            log.exception("not serving %s: unexpected %s: %s", spec, type(exc).__name__, exc)
     cfg.plugins = list(dirs)
     if installer is not None:
         for plugin, names in (cfg.adapters or {}).items():
@@ -459,4 +491,7 @@ def resolve_plugins(cfg, installer: Installer | None, builtin=None) -> dict[str,
                     installer.link_adapter(inst, weights / "adapters")
                 except InstallError as exc:
                     log.error("adapter %s for %s not installed: %s", name, plugin, exc)
+                except Exception as exc:  # noqa: BLE001 - e.g. the link cannot be made
+                    log.exception("adapter %s for %s not installed: unexpected %s: %s", name,
+                                  plugin, type(exc).__name__, exc)
     return dirs

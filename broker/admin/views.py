@@ -10,6 +10,7 @@ import jwt
 from flask import (Blueprint, Response, abort, current_app, g, make_response, redirect,
                    render_template, request, url_for)
 
+from broker.api.common import output_response
 from broker.errors import BrokerError, Unauthenticated
 from broker.ledger.model import AccountId, AccountKind
 from broker.jobs.model import JobState
@@ -88,9 +89,11 @@ def headers(resp: Response):
     resp.headers["X-Frame-Options"] = "DENY"
     resp.headers["X-Content-Type-Options"] = "nosniff"
     resp.headers["Referrer-Policy"] = "same-origin"
-    resp.headers["Content-Security-Policy"] = ("default-src 'self'; img-src 'self' data:; "
-                                               "style-src 'self'; script-src 'self'; "
-                                               "frame-ancestors 'none'; form-action 'self'")
+    policy = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+              "frame-ancestors 'none'; form-action 'self'")
+    if resp.headers.get("Content-Security-Policy") == "sandbox":
+        policy += "; sandbox"  # a provider's output (api.common.output_response): keep it
+    resp.headers["Content-Security-Policy"] = policy
     if g.get("flash") is not None:
         resp.delete_cookie(FLASH_COOKIE, path="/admin")
     return resp
@@ -371,8 +374,8 @@ def job_output(job_id, index):
     s = svc()
     for o in s.jobs.repo.outputs(job_id):
         if o.index == index:
-            return Response(s.jobs.blobs.get(o.sha256), mimetype=o.media_type,
-                            headers={"Cache-Control": "private, max-age=3600"})
+            return output_response(s.jobs.blobs.get(o.sha256), o.media_type,
+                                   headers={"Cache-Control": "private, max-age=3600"})
     abort(404)
 
 
@@ -391,8 +394,8 @@ def job_run_output(job_id, index):
                 data = s.jobs.blobs.get(o["sha256"])
             except Exception:  # noqa: BLE001 - gone from the blob store
                 abort(404)
-            return Response(data, mimetype=o["media_type"],
-                            headers={"Cache-Control": "private, max-age=3600"})
+            return output_response(data, o["media_type"],
+                                   headers={"Cache-Control": "private, max-age=3600"})
     abort(404)
 
 

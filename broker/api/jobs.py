@@ -8,7 +8,7 @@ from flask import Blueprint, Response, request, stream_with_context
 
 from broker.errors import InvalidRequest
 from broker.jobs.model import Job, JobOutput
-from .common import json_body, principal, services
+from .common import json_body, output_response, principal, services
 
 bp = Blueprint("jobs", __name__)
 
@@ -133,9 +133,9 @@ def cancel_job(job_id):
 @bp.get("/v1/jobs/<job_id>/outputs/<int:index>")
 def get_output(job_id, index):
     out, data = services().jobs.output(principal(), job_id, index)
-    return Response(data, mimetype=out.media_type,
-                    headers={"ETag": f'"{out.sha256}"', "X-Content-SHA256": out.sha256,
-                             "Cache-Control": "private, max-age=31536000, immutable"})
+    return output_response(data, out.media_type,
+                           headers={"ETag": f'"{out.sha256}"', "X-Content-SHA256": out.sha256,
+                                    "Cache-Control": "private, max-age=31536000, immutable"})
 
 
 @bp.get("/v1/jobs/<job_id>/events")

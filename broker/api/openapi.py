@@ -13,6 +13,7 @@ def _errors(*codes):
             for c, d in ((400, "Malformed request"), (401, "Missing or bad API key"),
                          (403, "Not allowed for this API key"),
                          (404, "No such job, output or plugin"), (409, "Conflict"),
+                         (413, "Payload too large"),
                          (422, "Inputs outside the plugin's schema")) if c in codes}
 
 

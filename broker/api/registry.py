@@ -3,10 +3,9 @@ and adapter versions (broker.registry). ``GET /v1/plugins`` and ``GET /v1/plugin
 (what jobs can run) stay in plugins.py."""
 from __future__ import annotations
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, request, send_file
 
 from broker.errors import InvalidRequest
-from broker.registry.service import MAX_BLOB_BYTES
 from .common import json_body, principal, services
 
 bp = Blueprint("registry", __name__)
@@ -41,8 +40,14 @@ def list_publisher_keys():
 # ---- files -----------------------------------------------------------------------------
 @bp.put("/v1/blobs/<sha256>")
 def put_blob(sha256):
-    request.max_content_length = MAX_BLOB_BYTES  # package files may exceed the JSON limit
-    out = _registry().put_blob(principal(), sha256, request.get_data(cache=False))
+    registry = _registry()
+    registry.check_upload(principal(), sha256)  # role, publisher key, sha256: before the body
+    # Package files may exceed the JSON limit; a declared length above this is a 413 at once,
+    # and a body that runs past it (chunked) is cut off with a 413 too. One byte of slack:
+    # werkzeug cannot tell a body of exactly the limit from a longer one; the registry's
+    # own count refuses anything past max_blob_bytes.
+    request.max_content_length = registry.max_blob_bytes + 1
+    out = registry.put_blob_stream(principal(), sha256, request.stream)
     return {"object": "blob", **out}, (201 if out["created"] else 200)
 
 
@@ -74,9 +79,15 @@ def _search(kind: str):
 
 
 def _file(kind: str, name: str, version: str, path: str) -> Response:
-    data, entry = _registry().file(kind, name, version, path)
-    resp = Response(data, mimetype="application/octet-stream")
+    disk, entry = _registry().file_path(kind, name, version, path)
+    if disk is not None:  # streamed from disk, never read into memory
+        resp = send_file(disk, mimetype="application/octet-stream", etag=entry["sha256"],
+                         max_age=31536000)
+    else:
+        data, entry = _registry().file(kind, name, version, path)
+        resp = Response(data, mimetype="application/octet-stream")
     resp.headers["X-Content-SHA256"] = entry["sha256"]
+    resp.headers["X-Content-Type-Options"] = "nosniff"
     resp.headers["Cache-Control"] = "public, max-age=31536000, immutable"
     return resp
 
@@ -171,7 +182,7 @@ def openapi_paths(errors) -> dict:
             "operationId": "putBlob", "parameters": [_p("sha256")],
             "requestBody": {"required": True, "content": {"application/octet-stream": {}}},
             "responses": {"201": {"description": "Stored"}, "200": {"description": "Had it"},
-                          **errors(400, 401, 403, 422)}}},
+                          **errors(400, 401, 403, 413, 422)}}},
         "/v1/plugins/{name}/versions": {"get": {
             "summary": "Published versions of a plugin, newest first",
             "operationId": "pluginVersions", "parameters": [name],

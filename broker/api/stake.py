@@ -8,7 +8,7 @@ import uuid
 
 from flask import Blueprint, request
 
-from broker.errors import Forbidden, InvalidRequest
+from broker.errors import Conflict, Forbidden, InvalidRequest
 from broker.ledger.model import AccountKind
 from .common import json_body, principal, services
 
@@ -32,6 +32,13 @@ def _move(operation: str):
     amount = _amount()
     key = request.headers.get("Idempotency-Key") or str(uuid.uuid4())
     ledger = services().ledger
+    verification = getattr(services(), "verification", None)
+    if operation == "unstake" and verification is not None:
+        machines = [p.id for p in services().providers.all() if p.account_id == who.account_id]
+        open_checks = verification.repo.open_for(machines)
+        if open_checks:
+            raise Conflict(f"{open_checks} of your jobs are being checked; the stake backs "
+                           "them until their checks end: unstake after that")
     getattr(ledger, operation)(who.account_id, amount,
                                idempotency_key=f"{operation}:{who.account_id}:{key}")
     verification = getattr(services(), "verification", None)

@@ -3,6 +3,12 @@
 Appends are serialised: in-process by a lock, across broker replicas by the unique
 ``seq`` (a writer that lost the race gets :class:`SeqTaken` from the repository and
 retries on the new head).
+
+An append costs one INSERT: the log keeps the head it last wrote in memory (nothing else
+in this process appends behind the lock), and a stale head — another replica appended —
+shows up as :class:`SeqTaken` on the next append, which then re-reads the head and retries.
+An idempotent replay (an entry with the same ``ref`` exists) also shows up as
+:class:`SeqTaken`, from the unique ``ref``; only then is the ref looked up.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ class SeqTaken(Exception):
 class AuditRepository(Protocol):
     def head(self) -> AuditEntry | None: ...
     def add(self, entry: AuditEntry) -> None:
-        """Insert ``entry``; raise :class:`SeqTaken` when its seq exists."""
+        """Insert ``entry``; raise :class:`SeqTaken` when its seq exists, or its ref."""
     def has_ref(self, ref: str) -> bool: ...
     def scan(self, batch: int = 1000) -> Iterator[AuditEntry]:
         """Every entry in seq order."""
@@ -43,6 +49,9 @@ class AuditLog:
         self.repo = repo
         self.clock = clock
         self._lock = threading.Lock()
+        # The last entry this process appended (or read as the head); None: read it first.
+        self._head: AuditEntry | None = None
+        self._head_known = False
 
     def record(self, actor: str, action: str, subject: str, data: dict[str, Any] | None = None,
                *, ref: str | None = None) -> AuditEntry | None:
@@ -51,9 +60,9 @@ class AuditLog:
         body = _jsonable(data or {})
         with self._lock:
             for _ in range(20):
-                if ref is not None and self.repo.has_ref(ref):
-                    return None
-                head = self.repo.head()
+                if not self._head_known:
+                    self._head, self._head_known = self.repo.head(), True
+                head = self._head
                 entry = AuditEntry(seq=(head.seq + 1) if head else 1,
                                    at_ms=int(self.clock() * 1000), actor=actor, action=action,
                                    subject=subject, data=body, ref=ref,
@@ -61,9 +70,18 @@ class AuditLog:
                 entry = AuditEntry(**{**entry.__dict__, "hash": entry.compute_hash()})
                 try:
                     self.repo.add(entry)
-                    return entry
                 except SeqTaken:
+                    # Another replica appended (our head is stale), or this ref is already
+                    # in the log (an idempotent replay: nothing to write).
+                    self._head_known = False
+                    if ref is not None and self.repo.has_ref(ref):
+                        return None
                     continue
+                except BaseException:
+                    self._head_known = False  # the insert may or may not have landed
+                    raise
+                self._head = entry
+                return entry
         raise RuntimeError("could not append to the audit log: 20 collisions in a row")
 
     def safe_record(self, *args, **kwargs) -> AuditEntry | None:
@@ -109,7 +127,9 @@ class InMemoryAuditRepository:
         return self.entries[-1] if self.entries else None
 
     def add(self, entry):
-        if any(e.seq == entry.seq for e in self.entries):
+        # Like the SQL table: seq and ref are unique.
+        if any(e.seq == entry.seq or (entry.ref is not None and e.ref == entry.ref)
+               for e in self.entries):
             raise SeqTaken(entry.seq)
         self.entries.append(entry)
 

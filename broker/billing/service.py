@@ -122,10 +122,16 @@ class JobBilling:
                         job.id, work_units_used, job.work_units)
             work_units_used = job.work_units
         price = self.pricing.price(job.plugin)
+        # The manifest's formula bills the most a job can use: a receipt reporting more
+        # work units than that is charged for the formula's (so an inflated report cannot
+        # eat into the adapter royalty or the fee that the hold also carries).
+        if exact_units(work_units_used) > exact_units(job.work_units):
+            work_units_used = job.work_units
         charge = price.charge_micro(self.rate_of(job), work_units_used,
                                     cap_micro=job.max_price_micro)
+        # A verification re-run is not a client's use of an adapter: no royalty on checks.
         return self._post(job, charge, price.fee_of(charge), price.vesting_window_s,
-                          royalty=True)
+                          royalty=not getattr(job, "check_of", None))
 
     def cancelled(self, job: Job, reason: str) -> Transaction | None:
         """``job`` as it was just before it was cancelled: pay the work units done, release

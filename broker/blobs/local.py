@@ -2,12 +2,16 @@
 
 Writes go to a temporary file that is renamed into place, so a crash never leaves a
 half-written blob under its final name, and storing the same bytes twice is a no-op.
+Large uploads are streamed into a file under :meth:`tmp_dir` (same file system) and moved
+into place with :meth:`put_file`; :meth:`path` lets a web server stream a blob from disk.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -41,6 +45,44 @@ class LocalBlobStore:
             Path(tmp).unlink(missing_ok=True)
             raise
         return key
+
+    def tmp_dir(self) -> Path:
+        """A folder for uploads in progress, on the blobs' file system (cheap renames)."""
+        tmp = self.root / ".tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        return tmp
+
+    def put_file(self, src: Path | str, key: str) -> bool:
+        """Move the file ``src`` into place as blob ``key`` — its sha256, which the caller
+        has checked. True when the blob is new; ``src`` is gone afterwards either way."""
+        src = Path(src)
+        path = self._path(key)
+        if path.exists():
+            src.unlink(missing_ok=True)
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(src, path)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            os.close(fd)
+            try:
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            src.unlink(missing_ok=True)
+        return True
+
+    def path(self, key: str) -> Path:
+        """The file holding blob ``key`` (read it, never write it); NotFound if absent."""
+        path = self._path(key)
+        if not path.is_file():
+            raise NotFound(f"no blob {key}")
+        return path
 
     def get(self, key: str) -> bytes:
         try:

@@ -124,6 +124,8 @@ class CheckpointService:
         return extra
 
     def latest(self, job_id: str, before_attempt: int | None = None) -> CheckpointRecord | None:
+        if before_attempt is not None and before_attempt <= 0:
+            return None  # attempts count from 0: a first attempt has nothing to resume
         rows = [r for r in self.repo.for_job(job_id)
                 if before_attempt is None or r.attempt < before_attempt]
         return max(rows, key=lambda r: (r.step, r.attempt), default=None)

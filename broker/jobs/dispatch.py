@@ -237,7 +237,8 @@ class Dispatcher:
             sessions = dict(self._sessions)
         # Providers short of the plugin's minimum stake never bid; a check never runs on
         # the operator it checks (hard), other exclusions are soft (failed it before).
-        barred = frozenset(p for p in sessions if not self.eligible(p, first.plugin))
+        barred = frozenset(p for p, s in sessions.items()
+                           if not self.eligible(p, first.plugin) or _checked_operator(first, s))
         hard = barred | (excluded if first.check_of else frozenset())
         for avoid in ((excluded | hard, hard) if excluded - hard else (hard,)):
             spec = self.market.spec(
@@ -347,7 +348,8 @@ class Dispatcher:
     def _choose(self, job: Job, allow=None) -> AgentSession | None:
         with self._cond:
             able = [s for s in self._sessions.values() if s.free > 0 and s.serves(job)]
-        able = [s for s in able if self.eligible(s.provider_id, job.plugin)]
+        able = [s for s in able if self.eligible(s.provider_id, job.plugin)
+                and not _checked_operator(job, s)]
         if allow is not None:
             able = [s for s in able if allow(s)]
         if not able:
@@ -359,3 +361,9 @@ class Dispatcher:
             return None
         best = min(len(s.active) / s.slots for s in pool)
         return self.rng.choice([s for s in pool if len(s.active) / s.slots == best])
+
+
+def _checked_operator(job: Job, session: AgentSession) -> bool:
+    """A check job never runs on a machine of an operator it checks (its exclusions name
+    them as ``operator:<account id>``), even one that connected after it was queued."""
+    return bool(job.check_of) and f"operator:{session.account_id}" in job.excluded_providers

@@ -241,8 +241,7 @@ class JobService:
         hold_id, max_price = None, primary.max_price_micro
         if self.billing is not None and primary.hold_id is not None:
             amount = self.billing.max_price(primary.plugin, primary.work_units,
-                                            cap_micro=primary.max_price_micro or None,
-                                            inputs=primary.inputs)
+                                            cap_micro=primary.max_price_micro or None)
             if fund is not None:
                 fund(check_id, amount)
             hold_id, max_price = self.billing.hold(check_id, account_id, primary.plugin,
@@ -283,13 +282,21 @@ class JobService:
     def wait(self, who: Principal, job_id: str, timeout_s: float) -> Job:
         """The job once it is terminal, or as it is when ``timeout_s`` passes."""
         deadline = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            version = self.hub.version(job_id)
-            job = self.get(who, job_id)
+        version = self.hub.version(job_id)
+        job, fresh = self.get(who, job_id), True
+        while not job.state.terminal:
             left = deadline - time.monotonic()
-            if job.state.terminal or left <= 0:
-                return job
+            if left <= 0:
+                return job if fresh else self.get(who, job_id)
             self.hub.wait(job_id, version, min(left, 5.0))
+            version = self.hub.version(job_id)
+            # Any change wakes the waiter (assigned, running, …): one column says whether
+            # the job ended before the whole row is read again.
+            state = self.repo.state_of(job_id)
+            fresh = state is None or state.terminal or time.monotonic() >= deadline
+            if fresh:
+                job = self.get(who, job_id)
+        return job
 
     def events(self, who: Principal, job_id: str, after_id: int = 0) -> list[JobEvent]:
         self.get(who, job_id)
@@ -369,8 +376,10 @@ class JobService:
         return moved
 
     # ---- agents ----------------------------------------------------------------------
-    def _leased(self, provider_id: str, job_id: str, attempt: int) -> Job:
-        job = self.repo.get(job_id) if _is_uuid(job_id) else None
+    def _leased(self, provider_id: str, job_id: str, attempt: int, job: Job | None = None) -> Job:
+        """The job if ``attempt`` of it is leased to ``provider_id`` (``job``: as just read)."""
+        if job is None:
+            job = self.repo.get(job_id) if _is_uuid(job_id) else None
         if job is None:
             raise ReceiptRefused("unknown_job", f"no job {job_id!r}")
         if job.provider_id != provider_id or job.attempt != attempt or job.state not in LEASED:
@@ -429,18 +438,17 @@ class JobService:
             # idempotent, so this also finishes a settlement interrupted before its post.
             self._charge(job, rec)
             return job
-        job = self._leased(provider_id, job_id, attempt)
+        job = self._leased(provider_id, job_id, attempt, job)
         if rec["envelope_sha256"] != sha256_hex(canonical_bytes(job.envelope)):
             raise ReceiptRefused("envelope_mismatch", "receipt does not cover this job's envelope")
+        check_receipt_shape(rec)
         outputs = []
         for i, out in enumerate(rec["outputs"]):
-            sha = str(out.get("sha256", ""))
+            sha = out["sha256"]
             if not self.blobs.exists(sha):
                 raise ReceiptRefused("output_missing",
                                      f"output {i} ({sha[:12]}…) was not uploaded before the receipt")
-            outputs.append(JobOutput(job.id, int(out.get("index", i)), sha,
-                                     str(out.get("media_type", "application/octet-stream")),
-                                     int(out.get("size", 0))))
+            outputs.append(JobOutput(job.id, out["index"], sha, out["media_type"], out["size"]))
         now = self.clock()
         # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
         # receipt settles at once, in one transaction with its outputs and both events.
@@ -579,6 +587,37 @@ class JobService:
                                     {"step": what, "error": f"{type(exc).__name__}: {exc}"})
             except Exception:  # noqa: BLE001 - the log line above still names the job
                 log.exception("job %s: could not record the ledger failure", job.id)
+
+
+def check_receipt_shape(rec: dict) -> None:
+    """Refuse a receipt whose outputs or reproducibility class are not what the broker and
+    verification read (a provider controls every byte of it): ``outputs`` a list of
+    ``{index: int, sha256: 64 hex, media_type: str, size: int >= 0, meta: dict}`` with
+    indexes 0..n-1, and ``repro`` (when present) a dict of strings."""
+    outs = rec.get("outputs")
+    if not isinstance(outs, list) or len(outs) > 1024:
+        raise ReceiptRefused("malformed_receipt", "receipt outputs must be a list (at most 1024)")
+    for i, out in enumerate(outs):
+        where = f"receipt output {i}"
+        if not isinstance(out, dict):
+            raise ReceiptRefused("malformed_receipt", f"{where} is not an object")
+        sha = out.get("sha256")
+        if not (isinstance(sha, str) and len(sha) == 64
+                and all(c in "0123456789abcdef" for c in sha)):
+            raise ReceiptRefused("malformed_receipt", f"{where}: sha256 must be 64 lowercase hex")
+        if out.get("index") != i or isinstance(out.get("index"), bool):
+            raise ReceiptRefused("malformed_receipt", f"{where}: index must be {i}")
+        media = out.get("media_type")
+        if not isinstance(media, str) or not 0 < len(media) <= 100 or "/" not in media:
+            raise ReceiptRefused("malformed_receipt", f"{where}: media_type must be a MIME type")
+        size = out.get("size")
+        if type(size) is not int or size < 0:
+            raise ReceiptRefused("malformed_receipt", f"{where}: size must be an integer >= 0")
+        if not isinstance(out.get("meta", {}), dict):
+            raise ReceiptRefused("malformed_receipt", f"{where}: meta must be an object")
+    repro = rec.get("repro", {})
+    if not isinstance(repro, dict) or not all(isinstance(v, str) for v in repro.values()):
+        raise ReceiptRefused("malformed_receipt", "receipt repro must be an object of strings")
 
 
 MARKET_FIELDS = ("priority", "max_price_micro", "deadline_s", "n")

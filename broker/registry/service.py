@@ -3,11 +3,13 @@
 * **Publisher keys**: an account with the ``publisher`` (or ``admin``) role registers an
   Ed25519 public key, proving it holds the private half by signing
   ``{"account_id", "public_key"}`` (purpose ``publisher``). A key belongs to one account.
-* **Files first, then the document**: a publisher uploads each file into the blob store
-  (``PUT /v1/blobs/<sha256>``, content-addressed, checked), then publishes the signed
-  document (sdk.protocol.package) that lists every file's sha256 and size. Publishing
-  checks the signature, that the key is the caller's, that every file is in the blob store
-  with that size, and the package's own rules (manifest, weights, adapter base).
+* **Files first, then the document**: a publisher uploads each file into the registry's
+  own blob store, apart from job outputs (``PUT /v1/blobs/<sha256>``, content-addressed,
+  checked before the body is read, streamed to disk, at most ``MAX_BLOB_BYTES``), then
+  publishes the signed document (sdk.protocol.package) that lists every file's sha256 and
+  size. Publishing checks the signature, that the key is the caller's, that every file is
+  in the blob store with that size, and the package's own rules (manifest, weights,
+  adapter base).
 * **Immutable versions**: ``name@version`` is published once. The same document again is
   accepted and changes nothing; another document for it is a 409 ``version_exists``.
 * **Names**: the first account to publish a name owns it (plugins and adapters are separate
@@ -22,10 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from sdk.protocol.canonical import canonical_bytes
@@ -35,13 +40,14 @@ from sdk.protocol.package import (Package, PackageError, adapter_names, check_ad
 from sdk.protocol.signing import SignatureError, verify
 
 from broker.errors import (Conflict, Forbidden, InvalidInput, InvalidRequest, NotFound,
-                           UnknownPlugin)
+                           PayloadTooLarge, UnknownPlugin)
 
 log = logging.getLogger(__name__)
 
 PUBLISH_ROLES = ("publisher", "admin")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-MAX_BLOB_BYTES = 8 * 1024**3
+MAX_BLOB_BYTES = 8 * 1024**3   # the largest package file PUT /v1/blobs accepts (413 above)
+UPLOAD_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,9 @@ class RegistryRepository(Protocol):
 
 class BlobStore(Protocol):
     def put(self, data: bytes) -> str: ...
+    def put_file(self, src: Path, key: str) -> bool: ...
     def get(self, key: str) -> bytes: ...
+    def size(self, key: str) -> int: ...
     def exists(self, key: str) -> bool: ...
 
 
@@ -132,9 +140,11 @@ def semver_key(v: str):
 class RegistryService:
     def __init__(self, repo: RegistryRepository, blobs, catalog, *, clock=time.time,
                  on_publisher: Callable[[str], None] = lambda account_id: None,
-                 builtin_plugins: Iterable[str] | None = None):
+                 builtin_plugins: Iterable[str] | None = None,
+                 max_blob_bytes: int = MAX_BLOB_BYTES):
         self.repo = repo
-        self.blobs = blobs
+        self.blobs = blobs              # the registry's own store, never the job outputs'
+        self.max_blob_bytes = int(max_blob_bytes)
         self.catalog = catalog          # broker.catalog.PluginCatalog: published plugins join it
         self.clock = clock
         self.on_publisher = on_publisher  # opens the account's royalties ledger account
@@ -142,7 +152,7 @@ class RegistryService:
         self._lock = threading.Lock()
         from .warm import WarmIndex
 
-        self.warm = WarmIndex(self)
+        self.warm = WarmIndex()
 
     # ---- startup -----------------------------------------------------------------------
     def load_catalog(self) -> int:
@@ -191,7 +201,16 @@ class RegistryService:
         key = PublisherKey(key_id=hashlib.sha256(bytes.fromhex(public_key)).hexdigest()[:32],
                            account_id=who.account_id, public_key=public_key,
                            label=label or "", created_at=self.clock())
-        self.repo.add_key(key)
+        try:
+            self.repo.add_key(key)
+        except Exception:  # noqa: BLE001 - a concurrent request registered it first
+            existing = self.repo.key_by_public(public_key)
+            if existing is None:
+                raise
+            if existing.account_id != who.account_id:
+                raise Conflict("this public key is registered to another account",
+                               field="public_key", code_override="key_taken") from None
+            return existing, False
         self.on_publisher(who.account_id)
         return key, True
 
@@ -199,30 +218,80 @@ class RegistryService:
         return self.repo.keys_of(who.account_id)
 
     # ---- files -------------------------------------------------------------------------
-    def put_blob(self, who, sha256: str, data: bytes) -> dict:
-        """Store one package file under its sha256 (checked)."""
+    def check_upload(self, who, sha256: str) -> None:
+        """What an upload needs before a byte of it is read: a publisher (or admin) key, a
+        registered publisher key, a sha256 in the path."""
         self._require_publisher(who)
         if not any(k.revoked_at is None for k in self.repo.keys_of(who.account_id)):
             raise Forbidden("register a publisher key first (POST /v1/publishers)",
                             code_override="no_publisher_key")
-        if not _HEX64.match(sha256 or ""):
+        if not isinstance(sha256, str) or not _HEX64.match(sha256):
             raise InvalidRequest("the path must end in the file's sha256 (64 lowercase hex "
                                  "digits)", field="sha256")
+
+    def _too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"a package file may be at most {self.max_blob_bytes} bytes",
+                               field="body", limit=self.max_blob_bytes)
+
+    @staticmethod
+    def _mismatch(got: str, sha256: str) -> InvalidInput:
+        return InvalidInput(f"the body's sha256 is {got}, not {sha256}: the upload was "
+                            "damaged or the wrong file was sent", field="sha256",
+                            code_override="sha256_mismatch")
+
+    def put_blob(self, who, sha256: str, data: bytes) -> dict:
+        """Store one package file under its sha256 (checked)."""
+        self.check_upload(who, sha256)
+        if len(data) > self.max_blob_bytes:
+            raise self._too_large()
         got = hashlib.sha256(data).hexdigest()
         if got != sha256:
-            raise InvalidInput(f"the body's sha256 is {got}, not {sha256}: the upload was "
-                               "damaged or the wrong file was sent", field="sha256",
-                               code_override="sha256_mismatch")
+            raise self._mismatch(got, sha256)
         existed = self.blobs.exists(sha256)
         self.blobs.put(data)
         return {"sha256": sha256, "size": len(data), "created": not existed}
 
-    def file(self, kind: str, name: str, version: str, path: str) -> tuple[bytes, dict]:
+    def put_blob_stream(self, who, sha256: str, stream, *, chunk: int = UPLOAD_CHUNK) -> dict:
+        """Store one package file read from ``stream`` (``read(n) -> bytes``): checked
+        before reading, written to a temporary file in chunks while hashing (never held in
+        memory), refused past ``max_blob_bytes``, then moved into the blob store."""
+        self.check_upload(who, sha256)
+        tmp_dir = self.blobs.tmp_dir() if hasattr(self.blobs, "tmp_dir") else None
+        fd, tmp = tempfile.mkstemp(dir=tmp_dir, prefix=".upload-")
+        try:
+            h, n = hashlib.sha256(), 0
+            with os.fdopen(fd, "wb") as out:
+                while block := stream.read(chunk):
+                    n += len(block)
+                    if n > self.max_blob_bytes:
+                        raise self._too_large()
+                    h.update(block)
+                    out.write(block)
+            if h.hexdigest() != sha256:
+                raise self._mismatch(h.hexdigest(), sha256)
+            created = self.blobs.put_file(Path(tmp), sha256)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return {"sha256": sha256, "size": n, "created": created}
+
+    def _file_entry(self, kind: str, name: str, version: str, path: str) -> dict:
         rec = self.get(kind, name, version)
         entry = next((f for f in rec.document["files"] if f["path"] == path), None)
         if entry is None:
             raise NotFound(f"{kind} {rec.ref} has no file {path!r}", field="path")
+        return entry
+
+    def file(self, kind: str, name: str, version: str, path: str) -> tuple[bytes, dict]:
+        entry = self._file_entry(kind, name, version, path)
         return self.blobs.get(entry["sha256"]), entry
+
+    def file_path(self, kind: str, name: str, version: str,
+                  path: str) -> tuple[Path | None, dict]:
+        """The file on disk a download can stream, when the blob store keeps files (None:
+        read it with :meth:`file`), and its entry in the document."""
+        entry = self._file_entry(kind, name, version, path)
+        locate = getattr(self.blobs, "path", None)
+        return (locate(entry["sha256"]) if callable(locate) else None), entry
 
     # ---- publishing --------------------------------------------------------------------
     def publish(self, who, document: Any, signature: Any) -> tuple[PackageRecord, bool]:

@@ -7,7 +7,8 @@ import time
 from datetime import datetime, timezone
 from typing import Iterator
 
-from sqlalchemy import JSON, BigInteger, Float, Index, Integer, String, Text, select, update
+from sqlalchemy import (JSON, BigInteger, Float, Index, Integer, String, Text, bindparam, insert,
+                        select, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
@@ -16,7 +17,7 @@ from broker.audit.model import AuditEntry
 from broker.audit.service import SeqTaken
 from broker.jobs.model import JobState
 from broker.pricing.policy import PluginPolicy
-from .base import Base
+from .base import Base, read_only
 from .ledger_sql import LedgerAccountRow, LedgerHoldRow, LedgerIdempotencyRow, LedgerTransactionRow
 from .models import AccountRow, JobRow
 
@@ -72,28 +73,38 @@ def _entry(r: AuditRow) -> AuditEntry:
                       data=json.loads(r.data), ref=r.ref, prev_hash=r.prev_hash, hash=r.hash)
 
 
+AUDIT = AuditRow.__table__
+# Built once (see broker/storage/jobs_sql.py): the append path runs on every money movement.
+_AUDIT_HEAD = select(AUDIT).order_by(AUDIT.c.seq.desc()).limit(1)
+_AUDIT_INSERT = insert(AUDIT)
+_AUDIT_HAS_REF = select(AUDIT.c.seq).where(AUDIT.c.ref == bindparam("w_ref"))
+
+
 class SqlAuditRepository:
     def __init__(self, sessions: sessionmaker[Session]):
         self.sessions = sessions
+        self.engine = sessions.kw["bind"]
 
     def head(self) -> AuditEntry | None:
-        with self.sessions() as s:
-            r = s.scalars(select(AuditRow).order_by(AuditRow.seq.desc()).limit(1)).first()
+        with read_only(self.engine) as c:
+            r = c.execute(_AUDIT_HEAD).first()
             return _entry(r) if r else None
 
     def add(self, e: AuditEntry) -> None:
+        """Insert ``e``; :class:`SeqTaken` when its seq or its ref exists (unique columns)."""
         from sdk.protocol.canonical import canonical_bytes
         try:
-            with self.sessions.begin() as s:
-                s.add(AuditRow(seq=e.seq, at_ms=e.at_ms, actor=e.actor, action=e.action,
-                               subject=e.subject, data=canonical_bytes(e.data).decode("utf-8"),
-                               ref=e.ref, prev_hash=e.prev_hash, hash=e.hash))
+            with self.engine.begin() as c:
+                c.execute(_AUDIT_INSERT, {
+                    "seq": e.seq, "at_ms": e.at_ms, "actor": e.actor, "action": e.action,
+                    "subject": e.subject, "data": canonical_bytes(e.data).decode("utf-8"),
+                    "ref": e.ref, "prev_hash": e.prev_hash, "hash": e.hash})
         except IntegrityError as exc:
             raise SeqTaken(e.seq) from exc
 
     def has_ref(self, ref: str) -> bool:
-        with self.sessions() as s:
-            return s.scalar(select(AuditRow.seq).where(AuditRow.ref == ref)) is not None
+        with read_only(self.engine) as c:
+            return c.execute(_AUDIT_HAS_REF, {"w_ref": ref}).first() is not None
 
     def scan(self, batch: int = 1000) -> Iterator[AuditEntry]:
         after = 0

@@ -5,7 +5,7 @@ import sqlite3
 import threading
 
 from sqlalchemy import MetaData, create_engine, event
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase
 
 # Stable constraint names, so Alembic migrations are identical on SQLite and PostgreSQL.
@@ -53,10 +53,25 @@ class _SerialSQLiteConnection(sqlite3.Connection):
             self._release()
 
 
+_READ_ONLY = "sparecycles_read_only"
+
+
+def read_only(engine: Engine) -> Connection:
+    """A connection for a single SELECT (``with read_only(engine) as c: c.execute(...)``).
+
+    On SQLite it takes neither the in-process writer lock nor ``BEGIN IMMEDIATE``: one
+    statement is atomic by itself and, in WAL mode, reads the last committed state without
+    waiting for a writer, so reads stop queueing behind writes. Reads that need several
+    statements to agree, and anything that writes, use ``engine.begin()``. On PostgreSQL
+    it is an ordinary connection."""
+    return engine.connect().execution_options(**{_READ_ONLY: True})
+
+
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
     """An engine for ``url``. SQLite gets WAL, a busy timeout and foreign keys; its
     transactions start with BEGIN IMMEDIATE so that read-then-write never deadlocks, and
-    are serialised in-process (see _SerialSQLiteConnection)."""
+    are serialised in-process (see _SerialSQLiteConnection); single reads through
+    :func:`read_only` skip both."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30,
                                                   "factory": _SerialSQLiteConnection})
@@ -75,6 +90,8 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn):
+            if conn.get_execution_options().get(_READ_ONLY):
+                return  # autocommit mode: the SELECT is its own (read) transaction
             dbapi_conn = conn.connection.dbapi_connection
             dbapi_conn.begin_serial()
             try:

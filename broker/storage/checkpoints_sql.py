@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import BigInteger, Float, ForeignKey, Integer, String, select, update
+from sqlalchemy import BigInteger, Float, ForeignKey, Integer, String, bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from broker.jobs.checkpoints import CheckpointRecord
-from .base import Base
+from .base import Base, read_only
 
 
 class JobCheckpointRow(Base):
@@ -27,6 +27,10 @@ class JobCheckpointRow(Base):
 
 
 _COLUMNS = [c.name for c in JobCheckpointRow.__table__.columns]
+_TABLE = JobCheckpointRow.__table__
+# Built once (see jobs_sql.py); every assignment reads a job's checkpoints.
+_FOR_JOB = (select(*[_TABLE.c[c] for c in _COLUMNS]).where(_TABLE.c.job_id == bindparam("w_id"))
+            .order_by(_TABLE.c.attempt))
 
 
 def _record(row) -> CheckpointRecord:
@@ -62,10 +66,8 @@ class SqlCheckpointRepository:
             return self.save(rec, _retried=True)  # a racing first checkpoint of the attempt
 
     def for_job(self, job_id: str) -> list[CheckpointRecord]:
-        with self.sessions() as s:
-            rows = s.scalars(select(JobCheckpointRow).where(JobCheckpointRow.job_id == job_id)
-                             .order_by(JobCheckpointRow.attempt))
-            return [_record(r) for r in rows]
+        with read_only(self.sessions.kw["bind"]) as c:
+            return [_record(r) for r in c.execute(_FOR_JOB, {"w_id": job_id})]
 
 
 

@@ -8,18 +8,77 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy import bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker.jobs.model import Job, JobEvent, JobOutput, JobState, LEASED
+from .base import read_only
 from .models import JobEventRow, JobOutputRow, JobRow
 
 _FIELDS = [c for c in Job.__dataclass_fields__]
+_FIELD_SET = frozenset(_FIELDS)
 JOBS = JobRow.__table__
+EVENTS = JobEventRow.__table__
+OUTPUTS = JobOutputRow.__table__
+_LEASED_STATES = [x.value for x in LEASED]
 # Hot paths read through Core (plain rows), not the ORM's identity map: several times
 # cheaper per call, and jobs are immutable snapshots for the domain anyway.
-_SELECT = select(*[JOBS.c[name] for name in _FIELDS])
+_COLUMNS = [JOBS.c[name] for name in _FIELDS]
+_SELECT = select(*_COLUMNS)
+
+# Statements are built once, here, and executed with parameter dicts: building a construct
+# (``insert(...).values(**kw)``, ``x == value``) and computing its cache key cost about
+# 0.3 ms per statement, more than SQLite takes to run it. A prebuilt statement's cache key
+# is memoised on the object, so each call goes straight to the compiled-statement cache.
+# Where-clause parameters are named ``w_*`` so they never collide with a column (an UPDATE
+# without ``.values()`` SETs exactly the columns named in the parameters).
+_GET = _SELECT.where(JOBS.c.id == bindparam("w_id"))
+_STATE = select(JOBS.c.state).where(JOBS.c.id == bindparam("w_id"))
+_INSERT_JOB = insert(JOBS)
+_INSERT_EVENT = insert(EVENTS)
+_INSERT_OUTPUT = insert(OUTPUTS)
+_UPDATE_JOB = update(JOBS).where(JOBS.c.id == bindparam("w_id"))
+_QUEUED = (_SELECT.where(JOBS.c.state == JobState.QUEUED.value,
+                         or_(JOBS.c.not_before.is_(None), JOBS.c.not_before <= bindparam("w_now")))
+           .order_by(JOBS.c.created_at).limit(bindparam("w_limit")))
+_EVENTS_AFTER = (select(EVENTS.c.id, EVENTS.c.job_id, EVENTS.c.kind, EVENTS.c.data,
+                        EVENTS.c.created_at)
+                 .where(EVENTS.c.job_id == bindparam("w_id"), EVENTS.c.id > bindparam("w_after"))
+                 .order_by(EVENTS.c.id).limit(bindparam("w_limit")))
+_OUTPUTS_OF = (select(OUTPUTS.c.job_id, OUTPUTS.c.index, OUTPUTS.c.sha256, OUTPUTS.c.media_type,
+                      OUTPUTS.c.size)
+               .where(OUTPUTS.c.job_id == bindparam("w_id")).order_by(OUTPUTS.c.index))
+_EXTEND_LEASES = (update(JOBS).where(JOBS.c.provider_id == bindparam("w_provider"),
+                                     JOBS.c.id.in_(bindparam("w_ids", expanding=True)),
+                                     JOBS.c.state.in_(_LEASED_STATES)))
+_LEASED_TO = _SELECT.where(JOBS.c.provider_id == bindparam("w_provider"),
+                           JOBS.c.state.in_(_LEASED_STATES))
+
+
+def _transition_statement(with_attempt: bool, with_provider: bool, returning: bool):
+    """The conditional UPDATE of a transition: ``WHERE id = :w_id AND state IN :w_states``
+    (+ attempt, + provider), SET from the parameters; with RETURNING of the new row where
+    the database has it (SQLite >= 3.35, PostgreSQL), so no second SELECT is needed."""
+    cond = [JOBS.c.id == bindparam("w_id"), JOBS.c.state.in_(bindparam("w_states", expanding=True))]
+    if with_attempt:
+        cond.append(JOBS.c.attempt == bindparam("w_attempt"))
+    if with_provider:
+        cond.append(JOBS.c.provider_id == bindparam("w_provider"))
+    stmt = update(JOBS).where(*cond)
+    return stmt.returning(*_COLUMNS) if returning else stmt
+
+
+_TRANSITIONS = {(a, p, r): _transition_statement(a, p, r)
+                for a in (False, True) for p in (False, True) for r in (False, True)}
+
+
+def _check_fields(fields: dict) -> None:
+    # A statement executed with parameters ignores keys that name no column; a typo must
+    # fail loudly, as ``.values(**fields)`` did.
+    unknown = fields.keys() - _FIELD_SET
+    if unknown:
+        raise TypeError(f"not a job column: {sorted(unknown)}")
 
 
 def _to_job(row) -> Job:
@@ -39,14 +98,17 @@ def _row_values(job: Job) -> dict:
 class SqlJobRepository:
     def __init__(self, sessions: sessionmaker[Session], clock=time.time):
         self.sessions = sessions
+        # The hot paths run Core statements on the engine's connections (no ORM session).
+        self.engine = sessions.kw["bind"]
         self.clock = clock
+        self._returning = bool(self.engine.dialect.update_returning)
 
     def create(self, job: Job, first_event: tuple[str, dict]) -> tuple[Job, bool]:
         try:
-            with self.sessions.begin() as s:
-                s.execute(insert(JobRow).values(**_row_values(job)))
-                s.execute(insert(JobEventRow).values(job_id=job.id, kind=first_event[0],
-                                                     data=first_event[1], created_at=job.created_at))
+            with self.engine.begin() as c:
+                c.execute(_INSERT_JOB, _row_values(job))
+                c.execute(_INSERT_EVENT, {"job_id": job.id, "kind": first_event[0],
+                                          "data": first_event[1], "created_at": job.created_at})
             return job, True
         except IntegrityError:
             if job.idempotency_key is None:
@@ -60,9 +122,14 @@ class SqlJobRepository:
                 return _to_job(row), False
 
     def get(self, job_id: str) -> Job | None:
-        with self.sessions() as s:
-            row = s.execute(_SELECT.where(JOBS.c.id == job_id)).first()
+        with read_only(self.engine) as c:
+            row = c.execute(_GET, {"w_id": job_id}).first()
             return _to_job(row) if row else None
+
+    def state_of(self, job_id: str) -> JobState | None:
+        with read_only(self.engine) as c:
+            state = c.execute(_STATE, {"w_id": job_id}).scalar()
+            return JobState(state) if state is not None else None
 
     def list_for_account(self, account_id: str, limit: int = 50) -> list[Job]:
         with self.sessions() as s:
@@ -78,12 +145,9 @@ class SqlJobRepository:
             return [_to_job(r) for r in rows]
 
     def queued(self, limit: int) -> list[Job]:
-        with self.sessions() as s:
+        with read_only(self.engine) as c:
             # A check job waits out its random delay (not_before) before it is offered.
-            rows = s.execute(_SELECT.where(JOBS.c.state == JobState.QUEUED.value,
-                                           or_(JOBS.c.not_before.is_(None),
-                                               JOBS.c.not_before <= self.clock()))
-                             .order_by(JOBS.c.created_at).limit(limit))
+            rows = c.execute(_QUEUED, {"w_now": self.clock(), "w_limit": limit})
             return [_to_job(r) for r in rows]
 
     def transition(self, job_id: str, expect: Iterable[JobState], to: JobState, *,
@@ -91,42 +155,51 @@ class SqlJobRepository:
                    event: tuple[str, dict] | None = None,
                    events: list[tuple[str, dict]] | None = None,
                    outputs: list[JobOutput] | None = None, **fields) -> Job | None:
+        _check_fields(fields)
         now = self.clock()
         all_events = ([event] if event else []) + list(events or [])
-        cond = [JobRow.id == job_id, JobRow.state.in_([e.value for e in expect])]
+        params = {"state": to.value, "updated_at": now, **fields,
+                  "w_id": job_id, "w_states": [e.value for e in expect]}
         if expect_attempt is not None:
-            cond.append(JobRow.attempt == expect_attempt)
+            params["w_attempt"] = expect_attempt
         if expect_provider is not None:
-            cond.append(JobRow.provider_id == expect_provider)
-        with self.sessions.begin() as s:
-            result = s.execute(update(JobRow).where(*cond)
-                               .values(state=to.value, updated_at=now, **fields))
-            if result.rowcount != 1:
+            params["w_provider"] = expect_provider
+        stmt = _TRANSITIONS[(expect_attempt is not None, expect_provider is not None,
+                             self._returning)]
+        with self.engine.begin() as c:
+            result = c.execute(stmt, params)
+            if self._returning:
+                row = result.first()
+                if row is None:
+                    return None
+            elif result.rowcount != 1:
                 return None
-            for kind, data in all_events:
-                s.execute(insert(JobEventRow).values(job_id=job_id, kind=kind, data=data,
-                                                     created_at=now))
-            for o in outputs or []:
-                s.execute(insert(JobOutputRow).values(job_id=o.job_id, index=o.index,
-                                                      sha256=o.sha256, media_type=o.media_type,
-                                                      size=o.size))
-            return _to_job(s.execute(_SELECT.where(JOBS.c.id == job_id)).first())
+            if all_events:
+                c.execute(_INSERT_EVENT, [{"job_id": job_id, "kind": kind, "data": data,
+                                           "created_at": now} for kind, data in all_events])
+            if outputs:
+                c.execute(_INSERT_OUTPUT, [{"job_id": o.job_id, "index": o.index,
+                                            "sha256": o.sha256, "media_type": o.media_type,
+                                            "size": o.size} for o in outputs])
+            if not self._returning:
+                row = c.execute(_GET, {"w_id": job_id}).first()
+            return _to_job(row)
 
     def add_event(self, job_id: str, kind: str, data: dict, **fields) -> int:
         now = self.clock()
-        with self.sessions.begin() as s:
+        _check_fields(fields)
+        with self.engine.begin() as c:
             if fields:
-                s.execute(update(JobRow).where(JobRow.id == job_id).values(updated_at=now, **fields))
-            result = s.execute(insert(JobEventRow).values(job_id=job_id, kind=kind, data=data,
-                                                          created_at=now))
+                c.execute(_UPDATE_JOB, {"updated_at": now, **fields, "w_id": job_id})
+            result = c.execute(_INSERT_EVENT, {"job_id": job_id, "kind": kind, "data": data,
+                                               "created_at": now})
             return int(result.inserted_primary_key[0])
 
     def events_after(self, job_id: str, after_id: int, limit: int = 500) -> list[JobEvent]:
-        with self.sessions() as s:
-            rows = s.scalars(select(JobEventRow).where(JobEventRow.job_id == job_id,
-                                                       JobEventRow.id > after_id)
-                             .order_by(JobEventRow.id).limit(limit))
-            return [JobEvent(r.id, r.job_id, r.kind, r.data, r.created_at) for r in rows]
+        with read_only(self.engine) as c:
+            rows = c.execute(_EVENTS_AFTER, {"w_id": job_id, "w_after": after_id,
+                                             "w_limit": limit})
+            return [JobEvent(*r) for r in rows]
 
     def expired_leases(self, now: float, limit: int = 100) -> list[Job]:
         with self.sessions() as s:
@@ -138,36 +211,31 @@ class SqlJobRepository:
     def extend_leases(self, provider_id: str, job_ids: list[str], until: float) -> int:
         if not job_ids:
             return 0
-        with self.sessions.begin() as s:
-            result = s.execute(update(JobRow).where(
-                JobRow.provider_id == provider_id, JobRow.id.in_(job_ids),
-                JobRow.state.in_([x.value for x in LEASED])).values(lease_expires_at=until))
+        with self.engine.begin() as c:
+            result = c.execute(_EXTEND_LEASES, {"lease_expires_at": until,
+                                                "w_provider": provider_id, "w_ids": list(job_ids)})
             return result.rowcount
 
     def leased_to(self, provider_id: str) -> list[Job]:
-        with self.sessions() as s:
-            rows = s.scalars(select(JobRow).where(JobRow.provider_id == provider_id,
-                                                  JobRow.state.in_([x.value for x in LEASED])))
-            return [_to_job(r) for r in rows]
+        with read_only(self.engine) as c:
+            return [_to_job(r) for r in c.execute(_LEASED_TO, {"w_provider": provider_id})]
 
     def outputs(self, job_id: str) -> list[JobOutput]:
-        with self.sessions() as s:
-            rows = s.scalars(select(JobOutputRow).where(JobOutputRow.job_id == job_id)
-                             .order_by(JobOutputRow.index))
-            return [JobOutput(r.job_id, r.index, r.sha256, r.media_type, r.size) for r in rows]
+        with read_only(self.engine) as c:
+            return [JobOutput(*r) for r in c.execute(_OUTPUTS_OF, {"w_id": job_id})]
 
     def replace_outputs(self, job_id: str, outputs: list[JobOutput],
                         event: tuple[str, dict]) -> None:
         """Point a settled job at other outputs (verification overturned it: the majority's
         outputs replace the wrong ones), with its event, in one transaction."""
-        with self.sessions.begin() as s:
-            s.execute(delete(JobOutputRow).where(JobOutputRow.job_id == job_id))
-            for o in outputs:
-                s.execute(insert(JobOutputRow).values(job_id=job_id, index=o.index,
-                                                      sha256=o.sha256, media_type=o.media_type,
-                                                      size=o.size))
-            s.execute(insert(JobEventRow).values(job_id=job_id, kind=event[0], data=event[1],
-                                                 created_at=self.clock()))
+        with self.engine.begin() as c:
+            c.execute(delete(OUTPUTS).where(OUTPUTS.c.job_id == job_id))
+            if outputs:
+                c.execute(_INSERT_OUTPUT, [{"job_id": job_id, "index": o.index,
+                                            "sha256": o.sha256, "media_type": o.media_type,
+                                            "size": o.size} for o in outputs])
+            c.execute(_INSERT_EVENT, {"job_id": job_id, "kind": event[0], "data": event[1],
+                                      "created_at": self.clock()})
 
     def checks_of(self, job_id: str) -> list[Job]:
         """The check jobs that re-run ``job_id``, oldest first."""

@@ -75,7 +75,7 @@ class SqlVerificationRepository:
         self.sessions = sessions
         self.clock = clock
 
-    def add(self, v: Verification) -> Verification:
+    def add(self, v: Verification) -> tuple[Verification, bool]:
         now = self.clock()
         values = {name: getattr(v, name) for name in _V_FIELDS}
         values.update(status=v.status.value, created_at=v.created_at or now, updated_at=now)
@@ -83,8 +83,24 @@ class SqlVerificationRepository:
             with self.sessions.begin() as s:
                 s.add(VerificationRow(**values))
         except IntegrityError:
-            pass  # decided already (a re-sent receipt): the first decision stands
-        return self.get(v.job_id)
+            # decided already (a re-sent receipt, a racing sweep): the first decision stands
+            return self.get(v.job_id), False
+        return self.get(v.job_id), True
+
+    def touch(self, job_id: str) -> None:
+        with self.sessions.begin() as s:
+            s.execute(update(VerificationRow).where(VerificationRow.job_id == job_id)
+                      .values(updated_at=self.clock()))
+
+    def open_for(self, provider_ids: list[str]) -> int:
+        """How many checks of these providers' jobs are still open (checking, disputed)."""
+        if not provider_ids:
+            return 0
+        with self.sessions() as s:
+            return int(s.scalar(select(func.count()).select_from(VerificationRow).where(
+                VerificationRow.provider_id.in_(provider_ids),
+                VerificationRow.status.in_([CheckStatus.CHECKING.value,
+                                            CheckStatus.DISPUTED.value]))) or 0)
 
     def get(self, job_id: str) -> Verification | None:
         with self.sessions() as s:
@@ -98,14 +114,17 @@ class SqlVerificationRepository:
                 | (VerificationRow.tiebreak_job_id == check_job_id))).first()
             return _to_v(row) if row else None
 
-    def update(self, job_id: str, expect: set[CheckStatus], **fields) -> Verification | None:
+    def update(self, job_id: str, expect: set[CheckStatus], *, expect_tiebreak: str | None = None,
+               **fields) -> Verification | None:
         if "status" in fields:
             fields["status"] = CheckStatus(fields["status"]).value
+        where = [VerificationRow.job_id == job_id,
+                 VerificationRow.status.in_([e.value for e in expect])]
+        if expect_tiebreak is not None:  # compare-and-set on the current third run
+            where.append(VerificationRow.tiebreak_job_id == expect_tiebreak)
         with self.sessions.begin() as s:
-            result = s.execute(update(VerificationRow).where(
-                VerificationRow.job_id == job_id,
-                VerificationRow.status.in_([e.value for e in expect]))
-                .values(updated_at=self.clock(), **fields))
+            result = s.execute(update(VerificationRow).where(*where)
+                               .values(updated_at=self.clock(), **fields))
             if result.rowcount != 1:
                 return None
         return self.get(job_id)

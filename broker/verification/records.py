@@ -52,15 +52,21 @@ class StandingRecord:
 
 
 class VerificationRepository(Protocol):
-    def add(self, v: Verification) -> Verification:
-        """Insert; the existing record when one exists for the job (idempotent)."""
+    def add(self, v: Verification) -> tuple[Verification, bool]:
+        """Insert; (record, True), or (the existing record, False) when the job has one."""
 
     def get(self, job_id: str) -> Verification | None: ...
 
     def by_check_job(self, check_job_id: str) -> Verification | None: ...
 
-    def update(self, job_id: str, expect: set[CheckStatus], **fields) -> Verification | None:
-        """Change a record whose status is in ``expect``; None when it moved meanwhile."""
+    def update(self, job_id: str, expect: set[CheckStatus], *, expect_tiebreak: str | None = None,
+               **fields) -> Verification | None:
+        """Change a record whose status is in ``expect`` (and whose third run is
+        ``expect_tiebreak``, when given); None when it moved meanwhile."""
+
+    def touch(self, job_id: str) -> None: ...
+
+    def open_for(self, provider_ids: list[str]) -> int: ...
 
     def standing(self, provider_id: str, plugin: str, hardware_class: str) -> StandingRecord: ...
 

@@ -32,9 +32,11 @@ from typing import Any, Callable
 from sdk.protocol.canonical import canonical_bytes, sha256_hex
 
 from broker.jobs.model import Job, JobOutput, JobState
-from broker.ledger.model import AccountKind, FundingSource
+from broker.ledger.model import AccountId, AccountKind, FundingSource
 from broker.verification.comparators import THRESHOLDS_PATH
-from broker.verification.judging import (Run, RunOutput, StoredJudgement, judge, repro_of)
+from broker.verification.comparators import Verdict
+from broker.verification.judging import (Judgement, Run, RunOutput, StoredJudgement, judge,
+                                         repro_of)
 from broker.verification.outcomes import (Outcome, Party, PenaltyPolicy, Role, Status,
                                           resolve_pair, resolve_three)
 from broker.verification.records import (CheckStatus, Verification, VerificationRepository)
@@ -62,8 +64,10 @@ class VerificationSettings:
     check_timeout_s: float = 3600.0  # a check no other operator ran by then is given up
     tiebreak_tries: int = 3          # third runs queued before a dispute waits for an admin
     new_provider_checks: int = 10
+    # Outvoted 2 to 1 on two clear mismatches: half the stake goes. What a caught cheat
+    # loses is what the sampling's economic floor counts as S (see _decide).
     penalty: PenaltyPolicy = field(default_factory=lambda: PenaltyPolicy(
-        claw_back_unvested=False))
+        slash_fraction=0.5, claw_back_unvested=False))
     catch_probability: dict[str, float] = field(default_factory=load_catch_probabilities)
 
 
@@ -85,6 +89,7 @@ class VerificationService:
         self.settings = settings or VerificationSettings()
         self.on_quota = lambda provider_id, factor: None  # the dispatcher scales slots
         self._lock = threading.Lock()
+        self._fund_lock = threading.Lock()
         self._stake_cache: dict[str, tuple[float, int]] = {}
 
     # ---- hooks from the job service ----------------------------------------------------
@@ -133,6 +138,7 @@ class VerificationService:
             return
         if tries < self.settings.tiebreak_tries:
             moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
+                                     expect_tiebreak=tiebreak.id,  # once per failed run
                                      outcome={**(v.outcome or {}), "tiebreak_tries": tries + 1})
             if moved is not None:
                 self._spawn(moved, primary, Role.TIEBREAKER,
@@ -143,7 +149,7 @@ class VerificationService:
             return
         note = (f"no third provider could run the tiebreak ({tries} tries, last: "
                 f"{tiebreak.error_code}); an admin decides")
-        moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
+        moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED}, expect_tiebreak=tiebreak.id,
                                  outcome={**(v.outcome or {}), "note": note, "stalled": True})
         if moved is not None and self.disputes is not None:
             sides = []
@@ -172,10 +178,21 @@ class VerificationService:
                 moved += 1
         for v in self.repo.open_since(now - settle_grace_s):
             if (v.outcome or {}).get("stalled"):
-                continue  # waits for an admin
+                self.repo.touch(v.job_id)  # waits for an admin; let the others come first
+                continue
             current = v.tiebreak_job_id if v.status is CheckStatus.DISPUTED else v.checker_job_id
             check = self.jobs.repo.get(current) if current else None
             if check is None:
+                primary = self.jobs.repo.get(v.job_id)
+                if v.status is CheckStatus.CHECKING and primary is not None:
+                    # the check was drawn but never queued (the broker stopped, or its hold
+                    # failed): queue it now
+                    owner = self.providers.owner_of(primary.provider_id) or ""
+                    self._spawn(v, primary, Role.CHECKER, {owner} - {""},
+                                client_pays=primary.verify == "always")
+                    moved += 1
+                else:
+                    self.repo.touch(v.job_id)
                 continue
             if (check.state is JobState.QUEUED
                     and now - check.created_at > self.settings.check_timeout_s):
@@ -186,11 +203,63 @@ class VerificationService:
                 moved += 1
             elif check.state is JobState.SETTLED:
                 self.settled(check, check.receipt or {})
+                if (self.repo.get(v.job_id) or v).status is v.status:
+                    self.repo.touch(v.job_id)  # could not be judged now: not ahead of others
                 moved += 1
             elif check.state.terminal:
                 self.ended(check)
                 moved += 1
         return moved
+
+    # ---- admins ---------------------------------------------------------------------
+    def admin_resolved(self, dispute) -> None:
+        """An admin overrode a dispute (``DisputeService.on_resolved``): the chosen run's
+        output stands. The client's job gets that run's outputs; a slash of that run's
+        provider is reversed; a stalled dispute (no majority) also refunds the client when
+        its job's run lost. Refunds already made stay made (the ledger corrects only by
+        reversal, and a refund is final): the audit log says so."""
+        v = self.repo.get(dispute.job_id)
+        winner = (dispute.resolution or {}).get("winner_provider_id")
+        primary = self.jobs.repo.get(dispute.job_id)
+        if v is None or primary is None or not winner:
+            return
+        runs = [j for j in (primary,
+                            self.jobs.repo.get(v.checker_job_id) if v.checker_job_id else None,
+                            self.jobs.repo.get(v.tiebreak_job_id) if v.tiebreak_job_id else None)
+                if j is not None and j.state is JobState.SETTLED]
+        win = next((j for j in runs if j.provider_id == winner), None)
+        if win is None:
+            return
+        record = dict(v.outcome or {})
+        undone = []
+        for pid, txn in (record.get("slash_transactions") or {}).items():
+            if pid == winner:
+                try:
+                    self.ledger.reverse(txn, idempotency_key=f"dispute:{dispute.id}:unslash",
+                                        reason=f"admin override of dispute {dispute.id}")
+                    undone.append(txn)
+                except Exception as exc:  # noqa: BLE001 - recorded for the admin
+                    log.warning("dispute %s: reversing slash %s failed: %s", dispute.id, txn, exc)
+        status = CheckStatus.VERIFIED if win.id == primary.id else CheckStatus.OVERTURNED
+        if status is CheckStatus.OVERTURNED:
+            self._refund(primary, f"admin override of dispute {dispute.id}")
+        outs = ([JobOutput(primary.id, int(o["index"]), o["sha256"], o["media_type"],
+                           int(o["size"])) for o in (primary.receipt or {}).get("outputs", [])]
+                if win.id == primary.id else
+                [JobOutput(primary.id, o.index, o.sha256, o.media_type, o.size)
+                 for o in self.jobs.repo.outputs(win.id)])
+        if [o.sha256 for o in outs] != [o.sha256 for o in self.jobs.repo.outputs(primary.id)]:
+            self.jobs.repo.replace_outputs(primary.id, outs,
+                                           ("admin_override", {"outputs_from": win.id}))
+        record.update(status=status.value, stalled=False,
+                      admin={"dispute": dispute.id, "winner": winner,
+                             "reason": dispute.resolution.get("reason", ""),
+                             "slashes_reversed": undone})
+        self.repo.update(v.job_id, set(CheckStatus), status=status, outcome=record)
+        self._audit("verification.admin_override", v.job_id,
+                    {"dispute": dispute.id, "winner": winner, "status": status.value,
+                     "slashes_reversed": undone})
+        self._event(v.job_id, status, f"an admin decided: {dispute.resolution.get('reason', '')}")
 
     # ---- canaries -------------------------------------------------------------------
     def canary_answer(self, provider_id: str, plugin: str, version: str, inputs: dict,
@@ -262,17 +331,22 @@ class VerificationService:
         standing = self.repo.standing(job.provider_id, job.plugin, hw)
         gain, value = self._hold_figures(job)
         policy = self.policies.policy(job.plugin)
+        # S in the economic floor is what a caught cheat really loses: the slashed part of
+        # its stake, and its unvested credits only where those are clawed back.
+        penalty = self.settings.penalty
         decision = decide_check(
             Standing(standing.consecutive_valid,
-                     max(0, balances.get(AccountKind.PROVIDER_STAKE, 0)),
-                     max(0, balances.get(AccountKind.PROVIDER_VESTING, 0))),
+                     int(max(0, balances.get(AccountKind.PROVIDER_STAKE, 0))
+                         * penalty.slash_fraction),
+                     max(0, balances.get(AccountKind.PROVIDER_VESTING, 0))
+                     if penalty.claw_back_unvested else 0),
             self.rng, gain_micro=gain, job_value_micro=value,
             catch_probability=self.settings.catch_probability.get(job.plugin),
             policy=SamplingPolicy(self.settings.new_provider_checks,
                                   policy.always_verify_above_micro or None))
         check = decision.check or job.verify == "always"
         reason = "client_asked" if job.verify == "always" else decision.reason.value
-        v = self.repo.add(Verification(
+        v, created = self.repo.add(Verification(
             job_id=job.id, plugin=job.plugin, provider_id=job.provider_id or "",
             hardware_class=hw, status=CheckStatus.CHECKING if check else CheckStatus.UNCHECKED,
             p=1.0 if job.verify == "always" else decision.p, reason=reason,
@@ -283,7 +357,9 @@ class VerificationService:
                      "economic_floor": decision.economic_floor,
                      "cv": standing.consecutive_valid, "gain_micro": gain,
                      "receipt": job.receipt})
-        if check and v.checker_job_id is None and v.status is CheckStatus.CHECKING:
+        if not created:
+            return  # another thread or replica drew for this job first
+        if check:
             self._spawn(v, job, Role.CHECKER, {owner}, client_pays=job.verify == "always")
         self._event(job.id, v.status, "a second provider will re-run this job" if check
                     else "not sampled for a check")
@@ -301,26 +377,38 @@ class VerificationService:
     def _spawn(self, v: Verification, primary: Job, role: Role, exclude_operators: set[str],
                client_pays: bool) -> Job | None:
         """Queue a check (or tiebreak) run of ``primary`` on another operator's provider."""
+        # The operators' machines known now, and the operators themselves ("operator:<id>",
+        # which the dispatcher matches against each session's account: a machine the
+        # operator connects later is excluded too).
         excluded = sorted({p.id for p in self.providers.all()
                            if p.account_id in exclude_operators}
-                          | {primary.provider_id or ""} - {""})
+                          | {primary.provider_id or ""}
+                          | {f"operator:{o}" for o in exclude_operators} - {"", "operator:"})
         delay = self.rng.uniform(*self.settings.check_delay_s)
         check_id = str(uuid.uuid4())  # fresh and unlinkable to the job it checks
         account = primary.account_id if client_pays else CHECK_ACCOUNT
         try:
-            check = self.jobs.submit_check(primary, check_id, account,
-                                           pinned_inputs(primary), excluded,
-                                           not_before=self.clock() + delay,
-                                           fund=None if client_pays else self._fund)
+            if client_pays:
+                check = self.jobs.submit_check(primary, check_id, account,
+                                               pinned_inputs(primary), excluded,
+                                               not_before=self.clock() + delay)
+            else:
+                with self._fund_lock:  # fund the shortfall, then hold: one at a time
+                    check = self.jobs.submit_check(primary, check_id, account,
+                                                   pinned_inputs(primary), excluded,
+                                                   not_before=self.clock() + delay,
+                                                   fund=self._fund)
         except Exception as exc:  # noqa: BLE001 - e.g. the client's balance ran short
             if not client_pays:
                 raise
             log.warning("job %s: the client's check could not be held (%s); the platform "
                         "pays for it", primary.id, exc)
             account = CHECK_ACCOUNT
-            check = self.jobs.submit_check(primary, check_id, account, pinned_inputs(primary),
-                                           excluded, not_before=self.clock() + delay,
-                                           fund=self._fund)
+            with self._fund_lock:
+                check = self.jobs.submit_check(primary, check_id, account,
+                                               pinned_inputs(primary), excluded,
+                                               not_before=self.clock() + delay,
+                                               fund=self._fund)
         column = "checker_job_id" if role is Role.CHECKER else "tiebreak_job_id"
         expect = CheckStatus.CHECKING if role is Role.CHECKER else CheckStatus.DISPUTED
         self.repo.update(v.job_id, {expect}, **{column: check.id})
@@ -330,9 +418,15 @@ class VerificationService:
         return check
 
     def _fund(self, check_id: str, amount_micro: int) -> None:
-        """The platform pays for a check it sampled: credit the checks account first."""
-        if amount_micro > 0:
-            self.ledger.deposit(CHECK_ACCOUNT, amount_micro,
+        """The platform pays for a check it sampled: credit the checks account with what
+        it lacks for the check's hold (what earlier checks left unspent is used first)."""
+        try:
+            have = self.ledger.balance(AccountId(AccountKind.CLIENT_AVAILABLE, CHECK_ACCOUNT))
+        except Exception:  # noqa: BLE001 - no account yet: it holds nothing
+            have = 0
+        short = amount_micro - max(0, have)
+        if short > 0:
+            self.ledger.deposit(CHECK_ACCOUNT, short,
                                 idempotency_key=f"check:{check_id}:fund",
                                 source=FundingSource.VERIFICATION,
                                 memo=f"check run {check_id}")
@@ -347,7 +441,7 @@ class VerificationService:
             primary = self.jobs.repo.get(v.job_id)
             kind = self._output_kind(primary)
             if check.id == v.checker_job_id and v.status is CheckStatus.CHECKING:
-                cmp = judge(kind, self._run(primary), self._run(check))
+                cmp = _judge(kind, lambda: self._run(primary), lambda: self._run(check))
                 outcome = resolve_pair(self._party(primary, Role.PRIMARY),
                                        self._party(check, Role.CHECKER), cmp)
                 self._audit("verification.compared", primary.id,
@@ -370,14 +464,14 @@ class VerificationService:
                              CheckStatus.CHECKING)
             elif check.id == v.tiebreak_job_id and v.status is CheckStatus.DISPUTED:
                 checker = self.jobs.repo.get(v.checker_job_id)
-                runs = {Role.PRIMARY: self._run(primary), Role.CHECKER: self._run(checker),
-                        Role.TIEBREAKER: self._run(check)}
                 outcome = resolve_three(
                     self._party(primary, Role.PRIMARY), self._party(checker, Role.CHECKER),
                     self._party(check, Role.TIEBREAKER),
                     primary_checker=StoredJudgement.of(v.comparisons["primary~checker"]),
-                    primary_tiebreaker=judge(kind, runs[Role.PRIMARY], runs[Role.TIEBREAKER]),
-                    checker_tiebreaker=judge(kind, runs[Role.CHECKER], runs[Role.TIEBREAKER]),
+                    primary_tiebreaker=_judge(kind, lambda: self._run(primary),
+                                              lambda: self._run(check)),
+                    checker_tiebreaker=_judge(kind, lambda: self._run(checker),
+                                              lambda: self._run(check)),
                     policy=self.settings.penalty)
                 self._finish(v, outcome, {Role.PRIMARY: primary, Role.CHECKER: checker,
                                           Role.TIEBREAKER: check}, CheckStatus.DISPUTED)
@@ -402,7 +496,7 @@ class VerificationService:
             job = by_provider[credit.provider_id]
             self.repo.record_check(credit.provider_id, job.plugin,
                                    repro_of(job.receipt).hardware_class, valid=True)
-        for penalty in outcome.penalties:
+        for idx, penalty in enumerate(outcome.penalties):
             job = by_provider[penalty.provider_id]
             standing = self.repo.record_check(penalty.provider_id, job.plugin,
                                               repro_of(job.receipt).hardware_class,
@@ -410,18 +504,28 @@ class VerificationService:
             self.on_quota(penalty.provider_id, self.repo.quota_factor(penalty.provider_id))
             self._refund(job, f"verification: outvoted on job {v.job_id}")
             owner = self.providers.owner_of(penalty.provider_id)
+            slashed, slash_txn = 0, None
             if penalty.slash_micro > 0 and owner:
+                # what is at stake now (unstaking is refused while checks are open, but a
+                # stake can only be slashed down to zero)
+                amount = min(penalty.slash_micro, max(0, self.ledger.balances(owner).get(
+                    AccountKind.PROVIDER_STAKE, 0)))
                 try:
-                    self.ledger.slash(owner, penalty.slash_micro,
-                                      idempotency_key=f"verify:{v.job_id}:slash:{penalty.provider_id}",
-                                      reason=f"lost the check of job {v.job_id}")
+                    if amount > 0:
+                        slash_txn = self.ledger.slash(
+                            owner, amount, reason=f"lost the check of job {v.job_id}",
+                            idempotency_key=f"verify:{v.job_id}:slash:{penalty.provider_id}").id
+                        slashed = amount
                     self._stake_cache.pop(owner, None)
                 except Exception:  # noqa: BLE001 - recorded; an admin reconciles
                     log.exception("slashing %s for job %s failed", owner, v.job_id)
+            record["penalties"][idx]["slash_micro"] = slashed  # what was really taken
+            if slash_txn:
+                record.setdefault("slash_transactions", {})[penalty.provider_id] = slash_txn
             self._audit("verification.penalty", v.job_id,
                         {"provider": penalty.provider_id, "role": penalty.role.value,
                          "forfeit_micro": penalty.forfeit_micro,
-                         "slash_micro": penalty.slash_micro,
+                         "slash_micro": slashed, "slash_transaction": slash_txn,
                          "cv": standing.consecutive_valid, "quota_factor": standing.quota_factor})
         sides = []  # each run's own first output, read before an overturn replaces any
         if Role.TIEBREAKER in jobs and self.disputes is not None:
@@ -431,6 +535,8 @@ class VerificationService:
                               "output_index": 0, "sha256": outs[0].sha256 if outs else "",
                               "media_type": outs[0].media_type if outs else "",
                               "verdict": "minority" if j.provider_id in losers else "majority"})
+        if outcome.penalties:
+            self.repo.update(v.job_id, {status}, outcome=record)
         if status is CheckStatus.NONDETERMINISTIC:
             self._refund(primary, "verification: no two runs agree (nondeterministic job)")
         if status is CheckStatus.OVERTURNED and outcome.deliver_from:
@@ -495,6 +601,18 @@ class VerificationService:
     def _audit(self, action: str, job_id: str, data: dict[str, Any]) -> None:
         if self.audit is not None:
             self.audit.record("verification", action, f"job:{job_id}", data)
+
+
+def _judge(kind: str, claimed, check) -> Judgement:
+    """``judge`` on two runs loaded lazily; outputs that cannot even be read or compared
+    (not an image, malformed token ids) are a mismatch, never an error that would leave
+    the check open for ever."""
+    try:
+        return judge(kind, claimed(), check())
+    except Exception as exc:  # noqa: BLE001 - provider-supplied bytes and meta
+        return Judgement(Verdict.MISMATCH, "unreadable",
+                         reasons=(f"the outputs could not be compared: "
+                                  f"{type(exc).__name__}: {exc}"[:300],))
 
 
 def pinned_inputs(job: Job) -> dict[str, Any]:

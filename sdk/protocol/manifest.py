@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from .schema import InputError, InputSchema, SchemaDeclarationError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 VERSION_RE = re.compile(r"^\d+\.\d+\.\d+([-+][0-9A-Za-z.-]+)?$")
+MAX_VERSION_LEN = 64  # the registry's and the jobs' version columns are String(64)
 ENTRY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 OUTPUTS = ("images", "text", "json")
 _TOP = {"name", "version", "publisher", "entrypoint", "output", "description", "work_units",
@@ -122,6 +124,9 @@ def _parse(data: Mapping[str, Any]) -> Manifest:
     if not NAME_RE.match(name):
         raise ManifestError(f"name {name!r} must match {NAME_RE.pattern}")
     version = _req(data, "version", str)
+    if len(version) > MAX_VERSION_LEN:
+        raise ManifestError(f"version is {len(version)} characters long; at most "
+                            f"{MAX_VERSION_LEN} are allowed")
     if not VERSION_RE.match(version):
         raise ManifestError(f"version {version!r} must be a semantic version like 1.2.3")
     publisher = _req(data, "publisher", str)
@@ -213,7 +218,14 @@ def _compile_formula(expr: str, names: set[str]):
     return compile(tree, "<work_units>", "eval")
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled_formula(expr: str, names: frozenset[str]):
+    """:func:`_compile_formula`, once per formula and set of input names (every job
+    evaluates its plugin's formula; parsing and checking it each time is wasted work)."""
+    return _compile_formula(expr, set(names))
+
+
 def evaluate_formula(expr: str, inputs: Mapping[str, Any]) -> float:
-    code = _compile_formula(expr, set(inputs))
+    code = _compiled_formula(expr, frozenset(inputs))
     value = eval(code, {"__builtins__": {}}, {**_FUNCS, **inputs})  # noqa: S307 - AST-checked
     return float(value)

@@ -28,7 +28,6 @@ and the agent's installer must agree on it exactly.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import tomllib
@@ -38,7 +37,8 @@ from typing import Any, Mapping
 
 from .canonical import CanonicalEncodingError, canonical_bytes, sha256_hex
 from .digest import file_sha256
-from .manifest import NAME_RE, VERSION_RE, Manifest, ManifestError, parse_manifest
+from .manifest import (MAX_VERSION_LEN, NAME_RE, VERSION_RE, Manifest, ManifestError,
+                       parse_manifest)
 from .signing import KeyPair, SignatureError, verify
 
 FORMAT = 1
@@ -132,6 +132,9 @@ def parse_adapter_manifest(data: Mapping[str, Any], source: str = ADAPTER_TOML) 
             raise fail(f"{key} must be a str, got {data[key]!r}")
     if not ADAPTER_NAME_RE.match(data["name"]):
         raise fail(f"name {data['name']!r} must match {ADAPTER_NAME_RE.pattern}")
+    if len(data["version"]) > MAX_VERSION_LEN:
+        raise fail(f"version is {len(data['version'])} characters long; at most "
+                   f"{MAX_VERSION_LEN} are allowed")
     if not VERSION_RE.match(data["version"]):
         raise fail(f"version {data['version']!r} must be a semantic version like 1.2.3")
     if not NAME_RE.match(data["base"]):
@@ -227,6 +230,13 @@ def _files_from(doc_files: Any) -> tuple[PackageFile, ...]:
         files.append(PackageFile(path, f["sha256"], size))
     if [f.path for f in files] != sorted(f.path for f in files):
         raise PackageError("files must be sorted by path", field="files")
+    for f in files:  # "a" and "a/b": a path cannot be a file and a folder at once
+        parts = f.path.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent in seen:
+                raise PackageError(f"files: {parent!r} is a file, but {f.path!r} needs it to be "
+                                   "a folder; a path cannot be both", field="files")
     return tuple(files)
 
 
@@ -338,6 +348,9 @@ def parse_document(document: Any) -> Package:
                            field="description")
     files = _files_from(document["files"])
     name, version = document["name"], document["version"]
+    if isinstance(version, str) and len(version) > MAX_VERSION_LEN:
+        raise PackageError(f"version is {len(version)} characters long; at most "
+                           f"{MAX_VERSION_LEN} are allowed", field="version")
     if not isinstance(version, str) or not VERSION_RE.match(version):
         raise PackageError(f"version {version!r} must be a semantic version like 1.2.3",
                            field="version")
@@ -411,13 +424,3 @@ def adapter_names(value: Any) -> list[str]:
         if isinstance(n, str) and _ADAPTER_IN_INPUT.match(n) and n not in out:
             out.append(n)
     return out
-
-
-def sha256_file_matches(path: Path, sha256: str, size: int) -> bool:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-            n += len(block)
-    return n == size and h.hexdigest() == sha256

@@ -13,7 +13,7 @@ import os
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
-from .canonical import canonical_bytes
+from .canonical import CanonicalEncodingError, canonical_bytes
 
 # "publisher": proof that a publisher holds the key it registers (broker.registry).
 PURPOSES = frozenset({"envelope", "receipt", "challenge", "manifest", "adapter", "publisher"})
@@ -82,10 +82,16 @@ def verify(public_key_hex: str, purpose: str, document, signature_hex: str) -> N
     try:
         key = VerifyKey(bytes.fromhex(public_key_hex))
         sig = bytes.fromhex(signature_hex)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise SignatureError(f"malformed key or signature for {purpose}: {exc}") from None
     try:
-        key.verify(_message(purpose, document), sig)
+        message = _message(purpose, document)
+    except CanonicalEncodingError as exc:  # NaN, infinities…: nothing was signed over it
+        raise SignatureError(f"the signed {purpose} has no canonical encoding: {exc}") from None
+    try:
+        key.verify(message, sig)
     except BadSignatureError:
         raise SignatureError(f"the {purpose} signature does not verify against key "
                              f"{public_key_hex[:16]}…") from None
+    except ValueError as exc:  # nacl: a signature of the wrong length
+        raise SignatureError(f"malformed signature for {purpose}: {exc}") from None

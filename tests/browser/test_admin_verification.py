@@ -237,7 +237,7 @@ def test_overturned_job_shows_three_runs_the_figures_and_the_penalty(env):
     assert figures.nth(2).locator("[data-fig=ssim]").inner_text() == "1.0000"
     outcome = page.locator("#voutcome").inner_text()
     assert "outvoted" in outcome and "mallory" in outcome
-    assert "0.5" in outcome  # 10% of its 5 credits of stake slashed
+    assert "2.5" in outcome  # half of its 5 credits of stake slashed
     shot(page, "15-job-overturned")
 
 
@@ -261,7 +261,7 @@ def test_providers_show_cv_quota_and_claimed_vs_measured_throughput(env):
 
     page.goto(env.url + f"/admin/providers/{env.cheater.provider_id}")
     assert page.locator("#provider-cv").inner_text() == "0"
-    assert page.locator("#provider-stake").inner_text() == "4.5"
+    assert page.locator("#provider-stake").inner_text() == "2.5"
     assert "×0.5" in page.locator("#standing").inner_text()
     shot(page, "18-provider-cheater")
 

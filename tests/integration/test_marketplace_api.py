@@ -121,8 +121,8 @@ def test_an_agent_installs_a_published_plugin_and_runs_a_job(market, tmp_path):
         with Client(market.url, market.key("client")) as client:
             result = client.generate("reverse", text="from the registry", timeout=120)
             assert result.json[0]["text"] == "from the registry"
-        warm = market.services.registry.warm.facts(agent.provider_id)
-        assert warm["plugins"] == {"reverse": True}
+        warm = market.services.registry.warm.holdings(agent.provider_id)
+        assert warm.plugins == {"reverse": True}
     finally:
         agent.stop()
         t.join(10)

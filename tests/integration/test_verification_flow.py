@@ -12,7 +12,7 @@ import pytest
 from broker.ledger.model import AccountId, AccountKind, Splits
 from broker.verification.records import CheckStatus
 from sdk import Client
-from sdk.errors import APIError, InsufficientCreditsError
+from sdk.errors import APIError, ConflictError, InsufficientCreditsError
 
 from tests.integration.conftest import LiveBroker
 
@@ -161,13 +161,22 @@ def test_a_cheater_is_outvoted_refunded_slashed_and_reset(vbroker, agents):
     standing = svc.verification.repo.standing(cheater.provider_id, "echo", v.hardware_class)
     assert standing.consecutive_valid == 0 and standing.failures == 1
     assert standing.quota_factor == 0.5
-    assert ledger.balances(owner)[AccountKind.PROVIDER_STAKE] == 4_500_000  # 10% slashed
+    assert ledger.balances(owner)[AccountKind.PROVIDER_STAKE] == 2_500_000  # half slashed
     assert client.account()["available_micro"] == before  # the job's charge came back
     disputes = svc.disputes.repo.list()
     assert [d.job_id for d in disputes] == [result.job.id]
     assert {s["verdict"] for s in disputes[0].sides} == {"majority", "minority"}
     minority = next(s for s in disputes[0].sides if s["verdict"] == "minority")
     assert svc.jobs.blobs.get(minority["sha256"]) == b'{"text": "made up"}'  # its own output
+    # An admin who sides with the outvoted provider: its output stands again and its slash
+    # is reversed (the refund already made stays made).
+    svc.disputes.override(disputes[0].id, cheater.provider_id, "the prompt allowed it",
+                          by="admin-1")
+    assert result.wait_verified(timeout=10) == "verified"
+    assert result.json == [{"text": "made up"}]
+    assert ledger.balances(owner)[AccountKind.PROVIDER_STAKE] == 5_000_000
+    assert svc.verification.status(result.job.id).outcome["admin"]["winner"] == \
+        cheater.provider_id
 
 
 def test_verify_always_is_paid_by_the_client_and_refused_when_short(vbroker, agents):
@@ -224,6 +233,11 @@ def test_providers_stake_and_the_minimum_stake_gates_dispatch(vbroker, agents):
     assert provider.account()["stake_micro"] == 0
     assert provider.stake(2_000_000)["stake_micro"] == 2_000_000
     assert job.wait(timeout=30).json == [{"text": "needs stake"}]
+    # its job is being checked (nobody else can, here): the stake stays until it is
+    with pytest.raises(ConflictError, match="being checked"):
+        provider.unstake(500_000)
+    svc.verification.settings.check_timeout_s = 0.0
+    svc.verification.sweep(settle_grace_s=0.0)  # the check is given up: nothing open
     assert provider.unstake(500_000)["stake_micro"] == 1_500_000
     with pytest.raises(APIError):
         client.stake(1)  # a client key holds no stake
@@ -275,3 +289,20 @@ def test_a_check_no_other_operator_takes_is_given_up_and_its_hold_released(vbrok
     check = svc.jobs.repo.get(check.id)
     assert check.state.value == "failed" and check.error_code == "check_timeout"
     assert svc.ledger.get_hold(check.hold_id).state.value == "voided"
+
+
+def test_a_check_never_runs_on_a_machine_the_checked_operator_connects_later(vbroker, agents):
+    svc = vbroker.services
+    operator_key = vbroker.key("provider")
+    first = agents("first", key=operator_key)
+    client = Client(vbroker.url, vbroker.key("client"))
+    result = client.generate("echo", text="mine", timeout=30)
+    assert result.job.data["provider_id"] == first.provider_id
+    second_machine = agents("same-operator", key=operator_key)  # a new machine of it
+    time.sleep(1.0)
+    check = svc.jobs.repo.checks_of(result.job.id)[0]
+    assert svc.jobs.repo.get(check.id).state.value == "queued"
+    other = agents("other-operator")
+    assert result.wait_verified(timeout=30) == "verified"
+    assert svc.jobs.repo.get(check.id).provider_id == other.provider_id != \
+        second_machine.provider_id

@@ -82,3 +82,20 @@ def test_money_movements_are_audited_once(tmp_path):
     actions = [e.action for e in sorted(audit.search(limit=10), key=lambda e: e.seq)]
     assert actions == ["ledger.deposit", "ledger.hold"]
     assert audit.verify().ok
+
+
+def test_two_writers_on_one_log_keep_one_chain(log):
+    """Each AuditLog keeps its head in memory; a second writer (another broker replica)
+    makes it stale, which the next append finds out (SeqTaken) and recovers from."""
+    other = AuditLog(log.repo, clock=lambda: 1000.0)
+    for i in range(3):
+        assert log.record("system", "x", "y", {"i": i}) is not None
+        assert other.record("system", "x", "y", {"j": i}) is not None
+    # A replay through the writer whose head is stale is still recognised by its ref.
+    assert other.record("ledger", "ledger.post", "hold:h", {}, ref="txn:9") is not None
+    assert log.record("ledger", "ledger.post", "hold:h", {}, ref="txn:9") is None
+    assert log.record("system", "x", "y", {"k": 1}) is not None
+    entries = sorted(log.search(limit=20), key=lambda e: e.seq)
+    assert [e.seq for e in entries] == list(range(1, 9))
+    report = log.verify()
+    assert report.ok and report.checked == 8

@@ -60,6 +60,40 @@ def test_submit_match_run_settle(world):
     assert s.active == set()
 
 
+def test_wait_returns_the_job_when_it_ends_or_as_it_is_at_the_deadline(world):
+    import threading
+    import time
+
+    jobs, _, client, _ = world
+    key = KeyPair.generate()
+    s = _session(key)
+    d = Dispatcher(jobs)
+    d.register(s)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    got = {}
+
+    def waiter(name, timeout_s):
+        got[name] = jobs.wait(client, job.id, timeout_s)
+
+    # Woken by the assignment (not an end): keeps waiting, then returns the job as it is.
+    t = threading.Thread(target=waiter, args=("deadline", 0.5))
+    t.start()
+    time.sleep(0.1)
+    d.match_once()
+    t.join(5)
+    assert got["deadline"].state == JobState.MATCHED
+    # Woken by "running" (keeps waiting), then by the settlement (returns at once).
+    t = threading.Thread(target=waiter, args=("end", 30))
+    t.start()
+    time.sleep(0.1)
+    jobs.accepted(s.provider_id, job.id, 0)
+    _, blob, sig = _finish(jobs, job, s, key)
+    started = time.monotonic()
+    jobs.receipt(s.provider_id, key.public_key_hex, blob, sig)
+    t.join(5)
+    assert got["end"].state == JobState.SETTLED and time.monotonic() - started < 5
+
+
 def test_forged_receipt_is_refused_and_moves_nothing(world):
     jobs, _, client, _ = world
     key = KeyPair.generate()
@@ -93,7 +127,7 @@ def test_receipt_without_uploaded_outputs_is_refused(world):
     env_bytes, _ = s.sent[-1]
     env = loads(env_bytes)
     rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
-                       outputs=[{"index": 0, "sha256": "f" * 64, "media_type": "x", "size": 1}],
+                       outputs=[{"index": 0, "sha256": "f" * 64, "media_type": "image/png", "size": 1}],
                        work_units=1, timings_ms={})
     with pytest.raises(ReceiptRefused, match="not uploaded"):
         jobs.receipt(s.provider_id, key.public_key_hex, canonical_bytes(rec),
@@ -200,3 +234,33 @@ def test_jobs_are_private_to_their_account(world):
         jobs.get(provider, job.id)
     with pytest.raises(JobNotFound):
         jobs.get(client, "not-a-uuid")
+
+
+@pytest.mark.parametrize("bad,why", [
+    ({"index": 0, "sha256": "f" * 64, "media_type": "image/png", "size": 1, "meta": ["x"]},
+     "meta must be an object"),
+    ({"index": 1, "sha256": "f" * 64, "media_type": "image/png", "size": 1}, "index must be 0"),
+    ({"index": 0, "sha256": "zz", "media_type": "image/png", "size": 1}, "sha256"),
+    ({"index": 0, "sha256": "f" * 64, "media_type": "png", "size": 1}, "media_type"),
+    ({"index": 0, "sha256": "f" * 64, "media_type": "image/png", "size": -1}, "size"),
+    ("not an object", "not an object"),
+])
+def test_a_malformed_receipt_is_refused_and_the_job_keeps_its_lease(world, bad, why):
+    """Every byte of a receipt is the provider's: what the broker and verification read
+    must have the documented shape, or the receipt is refused (nothing settles)."""
+    jobs, _, client, _ = world
+    key = KeyPair.generate()
+    s = _session(key)
+    d = Dispatcher(jobs)
+    d.register(s)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    d.match_once()
+    env_bytes, _ = s.sent[-1]
+    env = loads(env_bytes)
+    rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
+                       outputs=[bad], work_units=1, timings_ms={})
+    with pytest.raises(ReceiptRefused, match=why) as err:
+        jobs.receipt(s.provider_id, key.public_key_hex, canonical_bytes(rec),
+                     key.sign("receipt", rec))
+    assert err.value.code == "malformed_receipt"
+    assert jobs.repo.get(job.id).state.value == "matched"

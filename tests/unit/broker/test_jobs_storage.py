@@ -67,6 +67,43 @@ def test_transition_is_conditional_and_appends_its_event(repo):
     assert r.get(job.id).provider_id == "p1"
 
 
+@pytest.mark.parametrize("returning", [True, False])
+def test_transition_returns_the_new_row_with_or_without_returning(repo, returning):
+    """UPDATE … RETURNING where the database has it, a SELECT after the UPDATE elsewhere:
+    the same job either way; and a field that names no column fails loudly."""
+    r, _ = repo
+    r._returning = returning and r._returning
+    job, _ = r.create(_job(), ("queued", {}))
+    moved = r.transition(job.id, [JobState.QUEUED], JobState.MATCHED, expect_attempt=0,
+                         provider_id="p1", envelope={"a": [1, 2]}, excluded_providers=["x"],
+                         event=("assigned", {}))
+    assert moved == r.get(job.id)
+    assert r.state_of(job.id) == JobState.MATCHED and r.state_of(str(uuid.uuid4())) is None
+    assert moved.envelope == {"a": [1, 2]} and moved.excluded_providers == ["x"]
+    assert r.transition(job.id, [JobState.QUEUED], JobState.MATCHED) is None
+    with pytest.raises(TypeError):
+        r.transition(job.id, [JobState.MATCHED], JobState.RUNNING, provder_id="typo")
+    assert r.get(job.id).state == JobState.MATCHED
+
+
+def test_events_and_replaced_outputs(repo):
+    r, _ = repo
+    job, _ = r.create(_job(), ("queued", {}))
+    first = r.add_event(job.id, "progress", {"step": 1}, progress_step=1, progress_total=4)
+    second = r.add_event(job.id, "token", {"text": "a"})
+    assert isinstance(first, int) and second > first
+    assert (r.get(job.id).progress_step, r.get(job.id).progress_total) == (1, 4)
+    assert [e.id for e in r.events_after(job.id, first)] == [second]
+    assert r.events_after(job.id, 0, limit=1)[0].kind == "queued"
+    r.transition(job.id, [JobState.QUEUED], JobState.SETTLED,
+                 outputs=[JobOutput(job.id, 0, "a" * 64, "image/png", 10)])
+    new = [JobOutput(job.id, 0, "b" * 64, "image/png", 11),
+           JobOutput(job.id, 1, "c" * 64, "image/png", 12)]
+    r.replace_outputs(job.id, new, ("overturned", {}))
+    assert r.outputs(job.id) == new
+    assert r.events_after(job.id, second)[-1].kind == "overturned"
+
+
 def test_leases_expire_and_extend(repo):
     r, clock = repo
     job, _ = r.create(_job(), ("queued", {}))

@@ -236,17 +236,13 @@ def test_search_and_royalties(reg, tmp_path):
     assert reg.royalty_split("sd15", {"adapters": "ink"}, as_of=first) == (ALICE.account_id, 500)
 
 
-def test_warm_index_counts_what_a_provider_lacks(reg, tmp_path):
-    keys = register(reg, ALICE)
-    publish(reg, ALICE, keys, adapter_folder(tmp_path, name="ink"))
+def test_warm_index_records_what_each_provider_holds(reg):
     warm = reg.warm
-    job = {"adapters": "ink:0.8,private-one"}
     warm.update("p-hot", [{"name": "sd15", "warm": True}],
                 [{"plugin": "sd15", "name": "ink", "version": "1.0.0"}])
     warm.update("p-cold", [{"name": "sd15", "warm": False}], [])
-    assert warm.cold_cost("p-hot", "sd15", job) == 0
-    assert warm.cold_cost("p-cold", "sd15", job) == 2
-    assert warm.prefer(["p-cold", "p-hot"], "sd15", job) == ["p-hot", "p-cold"]
-    assert warm.penalty_s("p-cold", "sd15", job) > warm.penalty_s("p-hot", "sd15", job)
+    assert warm.holdings("p-hot").plugins == {"sd15": True}
+    assert warm.holdings("p-hot").adapters == {("sd15", "ink"): "1.0.0"}
+    assert warm.holdings("p-cold").plugins == {"sd15": False}
     warm.forget("p-hot")
-    assert warm.cold_cost("p-hot", "sd15", job) == 2
+    assert warm.holdings("p-hot") is None

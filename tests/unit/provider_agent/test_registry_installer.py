@@ -85,7 +85,7 @@ def test_a_tampered_file_is_refused_and_leaves_nothing(world):
     blob = folder / "pytorch_lora_weights.safetensors"
     sha = json.loads(json.dumps(build_document(folder, world.keys.public_key_hex)))["files"]
     sha = next(f["sha256"] for f in sha if f["path"] == blob.name)
-    stored = world.services.settings.blob_dir / sha[:2] / sha[2:4] / sha
+    stored = world.services.settings.blob_dir / "registry" / sha[:2] / sha[2:4] / sha
     stored.write_bytes(b"\0" * stored.stat().st_size)  # the broker's copy is damaged
     inst = world.installer()
     with pytest.raises(InstallError) as e:
@@ -224,3 +224,100 @@ def test_the_agent_fetches_a_jobs_missing_adapter_before_running_it(world):
     failed = agent._outq.get_nowait().failed
     assert (failed.job_id, failed.code, failed.retryable) == ("j2", "adapter_base_mismatch", True)
     assert not (weights / "adapters" / "xl").exists()
+
+
+# ---- regressions from the marketplace review --------------------------------------------
+def test_an_unexpected_error_mid_install_is_an_install_error_and_leaves_nothing(world,
+                                                                               monkeypatch):
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    inst = world.installer()
+
+    def clash(tmp, final):
+        raise FileExistsError(17, "File exists", str(final))
+    monkeypatch.setattr(inst, "_move_into_place", clash)
+    with pytest.raises(InstallError) as e:
+        inst.install_adapter("ink", base="sd15")
+    assert e.value.code == "invalid_package" and "FileExistsError" in str(e.value)
+    _clean(inst.root)
+
+
+def test_a_full_disk_after_the_rename_removes_the_installed_folder(world, monkeypatch):
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    inst = world.installer()
+
+    def full():
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(inst, "_save_index", full)
+    with pytest.raises(InstallError) as e:
+        inst.install_adapter("ink", base="sd15")
+    assert e.value.code == "invalid_package" and "No space left" in str(e.value)
+    assert inst.entries() == {} and inst._index["pins"] == {}
+    monkeypatch.undo()
+    _clean(inst.root)
+    assert inst.install_adapter("ink", base="sd15").path.is_dir()  # and it can be retried
+
+
+def test_a_registry_answer_of_the_wrong_shape_or_signature_length_is_refused(world):
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    listed = world.installer(edit=lambda path, body: [body])
+    with pytest.raises(InstallError) as e:
+        listed.install_adapter("ink", base="sd15")
+    assert e.value.code == "invalid_package" and "not an object" in str(e.value)
+    short = world.installer(edit=lambda path, body: {**body, "signature": "abcd"})
+    with pytest.raises(InstallError) as e:
+        short.install_adapter("ink", base="sd15")
+    assert e.value.code == "bad_signature"
+    _clean(short.root)
+
+
+def test_the_agent_serves_its_other_plugins_when_one_fails_unexpectedly(world, monkeypatch,
+                                                                         caplog):
+    world.publish(plugin_folder(world.tmp, name="reverse"))
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    inst = world.installer()
+    weights = world.tmp / "weights"
+    (weights / "sd15").mkdir(parents=True)
+    real_verify = inst.verify_installed
+
+    def broken(key):
+        if key.startswith("plugin:reverse"):
+            raise RuntimeError("disk went away")
+        return real_verify(key)
+    monkeypatch.setattr(inst, "verify_installed", broken)
+    monkeypatch.setattr(inst, "link_adapter", lambda *a: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")))
+    cfg = AgentConfig(api_key="k", plugins=["reverse", "echo", "sd15"],
+                      weights_dir=str(weights), adapters={"sd15": ["ink"]})
+    dirs = resolve_plugins(cfg, inst)
+    assert sorted(dirs) == ["echo", "sd15"]
+    assert "not serving reverse" in caplog.text and "disk went away" in caplog.text
+    assert "adapter ink for sd15 not installed" in caplog.text
+
+
+def test_an_eviction_is_reported_even_when_the_install_then_fails(world):
+    import queue
+
+    from plugins import builtin_plugin_dir
+    from provider_agent.agent import Agent, RunningJob
+
+    for name in ("a1", "a2"):
+        world.publish(adapter_folder(world.tmp, name=name, payload=b"x" * 4000 + name.encode()))
+    one = sum(f["size"] for f in world.services.registry.get("adapter", "a1").document["files"])
+    inst = world.installer(max_bytes=one + 10)
+    inst.install_adapter("a1", base="sd15")
+    sha = next(f["sha256"] for f in world.services.registry.get("adapter", "a2").document["files"]
+               if f["path"].endswith(".safetensors"))
+    stored = world.services.registry.blobs.path(sha)
+    stored.write_bytes(b"\0" * stored.stat().st_size)  # a2's download will fail its sha256
+    weights = world.tmp / "w" / "sd15"
+    weights.mkdir(parents=True)
+    cfg = AgentConfig(api_key="k", plugins=["sd15"], weights={"sd15": str(weights)}, device="cpu")
+    agent = Agent(cfg, KeyPair.generate(), plugin_dirs={"sd15": builtin_plugin_dir("sd15")},
+                  sandboxed=False, installer=inst)
+    agent._outq = queue.Queue()
+    env = {"job_id": "j1", "attempt": 1, "plugin": "sd15", "inputs": {"adapters": "a2"}}
+    assert agent._prepare_job("j1", RunningJob(env, b"")) is False
+    assert agent._outq.get_nowait().failed.code == "adapter_sha256_mismatch"
+    sent = agent._outq.get_nowait()  # a1 was evicted to make room: the broker hears of it
+    assert sent.WhichOneof("body") == "inventory" and list(sent.inventory.adapters) == []
+    assert inst.entries() == {}
