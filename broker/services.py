@@ -134,6 +134,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     market.warm = lambda provider_id, plugin: (
         (registry.warm.holdings(provider_id) is None)
         or registry.warm.holdings(provider_id).plugins.get(plugin, True))
+    dispatcher.needs_download = registry.warm.needs_download
     use_measured_throughput(jobs, market)
     admin = build_admin(settings, sessions, audit=audit, pricing=pricing, providers=providers,
                         dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,

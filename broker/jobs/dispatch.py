@@ -79,6 +79,10 @@ class Dispatcher:
         # the plugin's minimum stake), and its concurrency quota factor.
         self.eligible = lambda provider_id, plugin: True
         self.quota = lambda provider_id: 1.0
+        # The marketplace (issue #3): whether a provider would first have to download
+        # something the job names (an adapter it has not installed). Such providers are
+        # avoided while one that holds everything can take the job.
+        self.needs_download = lambda provider_id, job: False
         jobs.on_queued = self._queued
         jobs.on_released = self._released
         jobs.cancel_hook = self._cancel
@@ -240,7 +244,11 @@ class Dispatcher:
         barred = frozenset(p for p, s in sessions.items()
                            if not self.eligible(p, first.plugin) or _checked_operator(first, s))
         hard = barred | (excluded if first.check_of else frozenset())
-        for avoid in ((excluded | hard, hard) if excluded - hard else (hard,)):
+        cold = frozenset(p for p in sessions if self.needs_download(p, first))
+        tries = [excluded | hard, hard] if excluded - hard else [hard]
+        if cold and cold != frozenset(sessions):  # warm ones first, the others if need be
+            tries = [t | cold for t in tries] + tries
+        for avoid in tries:
             spec = self.market.spec(
                 plugin=first.plugin, version=first.plugin_version, work_units=first.work_units,
                 client_id=first.account_id, priority=first.priority,
@@ -359,6 +367,8 @@ class Dispatcher:
         pool = fresh if job.check_of else (fresh or able)
         if not pool:
             return None
+        warm = [s for s in pool if not self.needs_download(s.provider_id, job)]
+        pool = warm or pool  # those holding what the job names, if any
         best = min(len(s.active) / s.slots for s in pool)
         return self.rng.choice([s for s in pool if len(s.active) / s.slots == best])
 

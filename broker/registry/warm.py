@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from sdk.protocol.package import adapter_names
+
 
 @dataclass
 class Holdings:
@@ -43,3 +45,13 @@ class WarmIndex:
     def holdings(self, provider_id: str) -> Holdings | None:
         with self._lock:
             return self._by_provider.get(provider_id)
+
+    def needs_download(self, provider_id: str, job) -> bool:
+        """Whether ``provider_id`` lacks an adapter ``job`` names that it reported none of
+        (the dispatcher prefers providers that need no download). Unknown providers and
+        jobs without adapters need nothing."""
+        names = adapter_names((getattr(job, "inputs", None) or {}).get("adapters"))
+        h = self.holdings(provider_id)
+        if not names or h is None:
+            return False
+        return any((job.plugin, n) not in h.adapters for n in names)

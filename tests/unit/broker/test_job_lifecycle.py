@@ -264,3 +264,20 @@ def test_a_malformed_receipt_is_refused_and_the_job_keeps_its_lease(world, bad, 
                      key.sign("receipt", rec))
     assert err.value.code == "malformed_receipt"
     assert jobs.repo.get(job.id).state.value == "matched"
+
+
+def test_a_provider_that_needs_no_download_is_preferred_then_any_other(world):
+    """The marketplace's warm preference: a job naming an adapter goes to a provider that
+    has it installed; when none is free, to one that must download it first."""
+    jobs, _, client, _ = world
+    cold, warm = _session(KeyPair.generate(), "cold"), _session(KeyPair.generate(), "warm")
+    d = Dispatcher(jobs)
+    d.needs_download = lambda pid, job: pid == "cold" and job.inputs.get("text") == "ink"
+    d.register(cold)
+    d.register(warm)
+    first, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "ink"}})
+    d.match_once()
+    assert jobs.repo.get(first.id).provider_id == "warm"
+    second, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "ink"}})
+    d.match_once()
+    assert jobs.repo.get(second.id).provider_id == "cold"  # the warm one is busy

@@ -246,3 +246,19 @@ def test_warm_index_records_what_each_provider_holds(reg):
     assert warm.holdings("p-cold").plugins == {"sd15": False}
     warm.forget("p-hot")
     assert warm.holdings("p-hot") is None
+
+
+def test_the_warm_index_says_who_would_first_download_an_adapter():
+    from types import SimpleNamespace
+
+    from broker.registry.warm import WarmIndex
+
+    warm = WarmIndex()
+    warm.update("a", [{"name": "sd15", "warm": True}],
+                [{"plugin": "sd15", "name": "ink", "version": "1.0.0"}])
+    warm.update("b", [{"name": "sd15", "warm": True}], [])
+    job = SimpleNamespace(plugin="sd15", inputs={"adapters": "ink:0.8"})
+    assert not warm.needs_download("a", job)
+    assert warm.needs_download("b", job)
+    assert not warm.needs_download("unknown", job)  # no report: nothing assumed
+    assert not warm.needs_download("b", SimpleNamespace(plugin="sd15", inputs={}))
