@@ -8,6 +8,18 @@ bp = Blueprint("openapi", __name__)
 _PROBLEM = {"$ref": "#/components/schemas/Problem"}
 
 
+def _stake_move(operation: str, summary: str) -> dict:
+    """POST /v1/account/stake and /unstake: the same request and answers."""
+    return {"post": {
+        "summary": summary, "operationId": operation,
+        "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"type": "object", "required": ["amount_micro"],
+                       "properties": {"amount_micro": {"type": "integer", "minimum": 1}}}}}},
+        "responses": {"200": {"description": "Stake and available balances"},
+                      **_errors(400, 401, 403, 409)}}}
+
+
 def _errors(*codes):
     return {str(c): {"description": d, "content": {"application/problem+json": {"schema": _PROBLEM}}}
             for c, d in ((400, "Malformed request"), (401, "Missing or bad API key"),
@@ -162,29 +174,12 @@ def document() -> dict:
                 "summary": "Ledger history of your accounts", "operationId": "transactions",
                 "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer"}}],
                 "responses": {"200": {"description": "Transactions"}, **_errors(401)}}},
-            "/v1/account/stake": {"post": {
-                "summary": "Put available credits at stake (providers; verification slashes "
-                           "part of it when the provider is outvoted)",
-                "operationId": "stake",
-                "parameters": [{"name": "Idempotency-Key", "in": "header",
-                                "schema": {"type": "string"}}],
-                "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"type": "object", "required": ["amount_micro"],
-                               "properties": {"amount_micro": {"type": "integer",
-                                                               "minimum": 1}}}}}},
-                "responses": {"200": {"description": "Stake and available balances"},
-                              **_errors(400, 401, 403, 409)}}},
-            "/v1/account/unstake": {"post": {
-                "summary": "Take credits back from stake to the available balance",
-                "operationId": "unstake",
-                "parameters": [{"name": "Idempotency-Key", "in": "header",
-                                "schema": {"type": "string"}}],
-                "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"type": "object", "required": ["amount_micro"],
-                               "properties": {"amount_micro": {"type": "integer",
-                                                               "minimum": 1}}}}}},
-                "responses": {"200": {"description": "Stake and available balances"},
-                              **_errors(400, 401, 403, 409)}}},
+            "/v1/account/stake": _stake_move(
+                "stake", "Put available credits at stake (providers; verification slashes "
+                         "part of it when the provider is outvoted)"),
+            "/v1/account/unstake": _stake_move(
+                "unstake", "Take credits back from stake to the available balance (refused "
+                           "while any of your jobs is being checked)"),
             "/v1/credits/checkout": {"post": {
                 "summary": "Buy credits: a Stripe Checkout session URL",
                 "operationId": "checkout",

@@ -10,14 +10,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from broker.errors import NotFound
+from sdk.protocol.canonical import is_sha256_hex
 
-_KEY = re.compile(r"^[0-9a-f]{64}$")
+from broker.errors import NotFound
 
 
 class LocalBlobStore:
@@ -26,7 +25,7 @@ class LocalBlobStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
-        if not _KEY.match(key):
+        if not is_sha256_hex(key):
             raise NotFound(f"no blob {key!r}: blob keys are sha256 hex digests")
         return self.root / key[:2] / key[2:4] / key
 

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sdk.protocol.canonical import canonical_bytes, sha256_hex
+from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
 from sdk.protocol.schema import InputError
 from sdk.protocol.signing import KeyPair
@@ -86,8 +86,7 @@ class JobService:
                                  "version, inputs, verify, weights_digest, "
                                  + ", ".join(MARKET_FIELDS), field=sorted(unknown)[0])
         weights = body.get("weights_digest")
-        if weights is not None and not (isinstance(weights, str) and len(weights) == 64
-                                        and all(c in "0123456789abcdef" for c in weights)):
+        if weights is not None and not is_sha256_hex(weights):
             raise InvalidRequest(f"weights_digest is {weights!r}; it must be the 64 lowercase "
                                  "hex digits of a weights digest (GET /v1/plugins lists the "
                                  "ones providers serve)", field="weights_digest")
@@ -601,9 +600,7 @@ def check_receipt_shape(rec: dict) -> None:
         where = f"receipt output {i}"
         if not isinstance(out, dict):
             raise ReceiptRefused("malformed_receipt", f"{where} is not an object")
-        sha = out.get("sha256")
-        if not (isinstance(sha, str) and len(sha) == 64
-                and all(c in "0123456789abcdef" for c in sha)):
+        if not is_sha256_hex(out.get("sha256")):
             raise ReceiptRefused("malformed_receipt", f"{where}: sha256 must be 64 lowercase hex")
         if out.get("index") != i or isinstance(out.get("index"), bool):
             raise ReceiptRefused("malformed_receipt", f"{where}: index must be {i}")

@@ -32,11 +32,12 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+
+from sdk.protocol.canonical import is_sha256_hex
 
 from broker.auction import (Ask, AuctionRules, CannotMeetTerms, ClearingResult, InvalidAsk,
                             InvalidJob, JobSpec, NoEligibleProvider, OrderBook, Priority, clear,
@@ -51,7 +52,6 @@ from .throughput import ThroughputTracker
 
 log = logging.getLogger(__name__)
 
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 #: A provider's queue is re-posted when it drifts by this much (seconds): time passing
 #: shortens the backlog, and re-indexing on every tick would cost more than it tells.
 QUEUE_RESOLUTION_S = 1.0
@@ -404,7 +404,7 @@ class MarketService:
         """The weights digest a job of this build must run on: the manifest's, else the
         job's own pin, else ``ANY_WEIGHTS`` (see :mod:`.builds`). Raises
         :class:`InvalidJob` for a job pin that is not a sha256 hex digest."""
-        if job_pin is not None and job_pin != ANY_WEIGHTS and not _DIGEST_RE.match(job_pin):
+        if job_pin is not None and job_pin != ANY_WEIGHTS and not is_sha256_hex(job_pin):
             raise InvalidJob("weights_digest", job_pin,
                              "64 lowercase hex digits (the weights' sha256 digest) or 'any'")
         pin = self._catalog_pin(plugin, version)

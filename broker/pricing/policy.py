@@ -32,12 +32,24 @@ class PolicyRepository(Protocol):
 
 
 class PolicyService:
+    # Dispatch asks for a plugin's minimum stake once per connected provider per job: a
+    # short cache, like the prices' (a change on this broker applies to the very next job,
+    # one made on another replica within CACHE_S).
+    CACHE_S = 2.0
+
     def __init__(self, repo: PolicyRepository, clock=time.time):
         self.repo = repo
         self.clock = clock
+        self._cache: dict[str, tuple[float, PluginPolicy]] = {}
 
     def policy(self, plugin: str) -> PluginPolicy:
-        return self.repo.get(plugin) or PluginPolicy(plugin)
+        now = time.monotonic()
+        hit = self._cache.get(plugin)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        found = self.repo.get(plugin) or PluginPolicy(plugin)
+        self._cache[plugin] = (now + self.CACHE_S, found)
+        return found
 
     def set_policy(self, plugin: str, changes: dict[str, Any], *, by: str) -> PluginPolicy:
         self.check(changes)
@@ -45,6 +57,7 @@ class PolicyService:
         new = PluginPolicy(plugin, **{n: changes.get(n, getattr(current, n)) for n in POLICY_FIELDS},
                            updated_at=self.clock(), updated_by=by)
         self.repo.put(new)
+        self._cache.pop(plugin, None)
         return new
 
     @staticmethod

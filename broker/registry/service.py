@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
-from sdk.protocol.canonical import canonical_bytes
+from sdk.protocol.canonical import canonical_bytes, is_sha256_hex
 from sdk.protocol.manifest import parse_manifest
 from sdk.protocol.package import (Package, PackageError, adapter_names, check_adapter_files,
                                   document_digest, verify_document)
@@ -45,7 +44,6 @@ from broker.errors import (Conflict, Forbidden, InvalidInput, InvalidRequest, No
 log = logging.getLogger(__name__)
 
 PUBLISH_ROLES = ("publisher", "admin")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_BLOB_BYTES = 8 * 1024**3   # the largest package file PUT /v1/blobs accepts (413 above)
 UPLOAD_CHUNK = 1 << 20
 
@@ -175,7 +173,7 @@ class RegistryService:
         """Register ``public_key`` for the caller's account; (key, created). Idempotent for
         the same account; a key registered by another account is a 409."""
         self._require_publisher(who)
-        if not isinstance(public_key, str) or not _HEX64.match(public_key):
+        if not is_sha256_hex(public_key):
             raise InvalidRequest("public_key must be a 64-hex-digit Ed25519 public key "
                                  "(`sparecycles publisher init` makes one)", field="public_key")
         if not isinstance(label, str) or len(label) > 200:
@@ -225,7 +223,7 @@ class RegistryService:
         if not any(k.revoked_at is None for k in self.repo.keys_of(who.account_id)):
             raise Forbidden("register a publisher key first (POST /v1/publishers)",
                             code_override="no_publisher_key")
-        if not isinstance(sha256, str) or not _HEX64.match(sha256):
+        if not is_sha256_hex(sha256):
             raise InvalidRequest("the path must end in the file's sha256 (64 lowercase hex "
                                  "digits)", field="sha256")
 

@@ -8,7 +8,8 @@ from sqlalchemy import JSON, Float, Index, Integer, String, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
-from broker.verification.records import CheckStatus, StandingRecord, Verification
+from broker.verification.records import (OPEN_STATUSES, CheckStatus, StandingRecord,
+                                         Verification)
 from .base import Base
 
 MIN_QUOTA_FACTOR = 0.125
@@ -99,8 +100,7 @@ class SqlVerificationRepository:
         with self.sessions() as s:
             return int(s.scalar(select(func.count()).select_from(VerificationRow).where(
                 VerificationRow.provider_id.in_(provider_ids),
-                VerificationRow.status.in_([CheckStatus.CHECKING.value,
-                                            CheckStatus.DISPUTED.value]))) or 0)
+                VerificationRow.status.in_([s.value for s in OPEN_STATUSES]))) or 0)
 
     def get(self, job_id: str) -> Verification | None:
         with self.sessions() as s:
@@ -193,8 +193,7 @@ class SqlVerificationRepository:
         """Checks still open (checking or disputed) last changed before ``before``."""
         with self.sessions() as s:
             rows = s.scalars(select(VerificationRow).where(
-                VerificationRow.status.in_([CheckStatus.CHECKING.value,
-                                            CheckStatus.DISPUTED.value]),
+                VerificationRow.status.in_([s.value for s in OPEN_STATUSES]),
                 VerificationRow.updated_at < before)
                 .order_by(VerificationRow.updated_at).limit(limit))
             return [_to_v(r) for r in rows]

@@ -17,9 +17,9 @@ class CheckStatus(str, enum.Enum):
     OVERTURNED = "overturned"              # the output was wrong: refunded, replaced
     NONDETERMINISTIC = "nondeterministic"  # no two runs agree: refunded, nobody slashed
 
-    @property
-    def open(self) -> bool:
-        return self in (CheckStatus.CHECKING, CheckStatus.DISPUTED)
+
+#: Statuses whose check is still running or awaiting its third run (or an admin).
+OPEN_STATUSES = (CheckStatus.CHECKING, CheckStatus.DISPUTED)
 
 
 @dataclass

@@ -152,14 +152,8 @@ class VerificationService:
         moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED}, expect_tiebreak=tiebreak.id,
                                  outcome={**(v.outcome or {}), "note": note, "stalled": True})
         if moved is not None and self.disputes is not None:
-            sides = []
-            for role, j in ((Role.PRIMARY, primary), (Role.CHECKER, checker)):
-                outs = self.jobs.repo.outputs(j.id)
-                sides.append({"provider_id": j.provider_id, "job_id": j.id,
-                              "role": role.value, "output_index": 0,
-                              "sha256": outs[0].sha256 if outs else "",
-                              "media_type": outs[0].media_type if outs else "",
-                              "verdict": "undecided"})
+            sides = self._sides({Role.PRIMARY: primary, Role.CHECKER: checker},
+                                lambda job: "undecided")
             self.disputes.open(v.job_id, primary.plugin, sides, v.comparisons,
                                f"disputed: {note}")
             self._event(v.job_id, CheckStatus.DISPUTED, note)
@@ -527,14 +521,10 @@ class VerificationService:
                          "forfeit_micro": penalty.forfeit_micro,
                          "slash_micro": slashed, "slash_transaction": slash_txn,
                          "cv": standing.consecutive_valid, "quota_factor": standing.quota_factor})
-        sides = []  # each run's own first output, read before an overturn replaces any
-        if Role.TIEBREAKER in jobs and self.disputes is not None:
-            for role, j in jobs.items():
-                outs = self.jobs.repo.outputs(j.id)
-                sides.append({"provider_id": j.provider_id, "job_id": j.id, "role": role.value,
-                              "output_index": 0, "sha256": outs[0].sha256 if outs else "",
-                              "media_type": outs[0].media_type if outs else "",
-                              "verdict": "minority" if j.provider_id in losers else "majority"})
+        # each run's own first output, read before an overturn replaces any
+        sides = (self._sides(jobs, lambda job: "minority" if job.provider_id in losers
+                             else "majority")
+                 if Role.TIEBREAKER in jobs and self.disputes is not None else [])
         if outcome.penalties:
             self.repo.update(v.job_id, {status}, outcome=record)
         if status is CheckStatus.NONDETERMINISTIC:
@@ -553,6 +543,17 @@ class VerificationService:
             self.disputes.open(v.job_id, primary.plugin, sides, outcome.comparisons,
                                f"{status.value}: {outcome.note}")
         self._event(primary.id, status, outcome.note)
+
+    def _sides(self, jobs: dict[Role, Job], verdict) -> list[dict]:
+        """A dispute's sides: each run's provider, role, first output and ``verdict(job)``."""
+        sides = []
+        for role, j in jobs.items():
+            outs = self.jobs.repo.outputs(j.id)
+            sides.append({"provider_id": j.provider_id, "job_id": j.id, "role": role.value,
+                          "output_index": 0, "sha256": outs[0].sha256 if outs else "",
+                          "media_type": outs[0].media_type if outs else "",
+                          "verdict": verdict(j)})
+        return sides
 
     def _refund(self, job: Job, reason: str) -> None:
         if job.hold_id is None:

@@ -63,3 +63,9 @@ def loads(data: bytes) -> Any:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def is_sha256_hex(value) -> bool:
+    """Whether ``value`` is a sha256 digest as this project writes them: 64 lowercase hex."""
+    return isinstance(value, str) and len(value) == 64 and all(
+        c in "0123456789abcdef" for c in value)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .canonical import is_sha256_hex
 from .schema import InputError, InputSchema, SchemaDeclarationError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -171,7 +172,7 @@ def _parse(data: Mapping[str, Any]) -> Manifest:
         if not isinstance(w, Mapping):
             raise ManifestError(f"weights[{i}] must be a table")
         sha = _req(w, "sha256", str, where)
-        if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        if not is_sha256_hex(sha):
             raise ManifestError(f"{where}sha256 must be 64 lowercase hex digits")
         weights.append(WeightFile(_req(w, "path", str, where), sha, _req(w, "size", int, where)))
     return Manifest(

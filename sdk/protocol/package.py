@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
-from .canonical import CanonicalEncodingError, canonical_bytes, sha256_hex
+from .canonical import CanonicalEncodingError, canonical_bytes, is_sha256_hex, sha256_hex
 from .digest import file_sha256
 from .manifest import (MAX_VERSION_LEN, NAME_RE, VERSION_RE, Manifest, ManifestError,
                        parse_manifest)
@@ -220,7 +220,7 @@ def _files_from(doc_files: Any) -> tuple[PackageFile, ...]:
         if path in seen:
             raise PackageError(f"files[{i}]: {path} is listed twice", field=f"files[{i}]")
         seen.add(path)
-        if not isinstance(f["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", f["sha256"]):
+        if not is_sha256_hex(f["sha256"]):
             raise PackageError(f"files[{i}].sha256 must be 64 lowercase hex digits",
                                field=f"files[{i}].sha256")
         size = f["size"]
@@ -340,7 +340,7 @@ def parse_document(document: Any) -> Package:
         raise PackageError(f"format {document['format']!r} is not supported (this side "
                            f"reads format {FORMAT})", field="format")
     key = document["publisher_key"]
-    if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
+    if not is_sha256_hex(key):
         raise PackageError("publisher_key must be a 64-hex-digit Ed25519 public key",
                            field="publisher_key")
     if not isinstance(document["description"], str) or len(document["description"]) > 4000:

@@ -7,13 +7,12 @@ admin's session would. Screenshots of every page go to artifacts/screenshots/.
 from __future__ import annotations
 
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import LiveBroker
+from plugins import builtin_plugin_dir
+from tests.integration.conftest import LiveBroker, agent_starter
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,25 +28,6 @@ if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
 pytestmark = pytest.mark.timeout(120)
 
 
-def _agent(broker, name):
-    from plugins import builtin_plugin_dir
-    from provider_agent.agent import Agent
-    from provider_agent.config import AgentConfig
-    from sdk.protocol.signing import KeyPair
-
-    cfg = AgentConfig(broker=broker.grpc, api_key=broker.key("provider"), name=name, slots=2,
-                      plugins=["echo", "swatch"], device="cpu")
-    agent = Agent(cfg, KeyPair.generate(), sandboxed=False,
-                  plugin_dirs={"echo": builtin_plugin_dir("echo"), "swatch": FIXTURE_PLUGINS / "swatch"})
-    t = threading.Thread(target=agent.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while not agent.provider_id and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert agent.provider_id, f"agent {name} did not connect"
-    return agent, t
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     from broker.settings import BUILTIN_PLUGINS
@@ -55,7 +35,9 @@ def env(tmp_path_factory):
 
     broker = LiveBroker(tmp_path_factory.mktemp("console"),
                         plugin_dirs=[BUILTIN_PLUGINS, FIXTURE_PLUGINS])
-    agents = [_agent(broker, "alpha"), _agent(broker, "bravo")]
+    start, stop_all = agent_starter(broker)
+    served = {"echo": builtin_plugin_dir("echo"), "swatch": FIXTURE_PLUGINS / "swatch"}
+    agents = [start("alpha", slots=2, plugins=served), start("bravo", slots=2, plugins=served)]
     SHOTS.mkdir(parents=True, exist_ok=True)
     with playwright_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
@@ -72,13 +54,11 @@ def env(tmp_path_factory):
         e.url = broker.url
         e.admin_key = broker.key("admin")
         e.client = Client(broker.url, broker.key("client", credits=1000))
-        e.alpha, e.bravo = agents[0][0], agents[1][0]
+        e.alpha, e.bravo = agents
         e.state = {}
         yield e
         browser.close()
-    for agent, t in agents:
-        agent.stop()
-        t.join(10)
+    stop_all()
     broker.stop()
 
 

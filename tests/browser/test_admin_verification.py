@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import shutil
 import struct
-import threading
 import time
 import zlib
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import LiveBroker
+from tests.integration.conftest import LiveBroker, agent_starter, give_stake
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,34 +48,6 @@ def _png(width: int, height: int, pixel) -> bytes:
 FAKE_PNG = _png(64, 64, lambda x, y: (79, 124, 255) if (x // 16 + y // 16) % 2 else (60, 90, 200))
 
 
-def _agent(broker, name, cheat=False, key=None):
-    from provider_agent.agent import Agent
-    from provider_agent.config import AgentConfig
-    from sdk.protocol.signing import KeyPair
-
-    cfg = AgentConfig(broker=broker.grpc, api_key=key or broker.key("provider"), name=name,
-                      slots=1, plugins=["swatch"], device="cpu")
-    agent = Agent(cfg, KeyPair.generate(), sandboxed=False,
-                  plugin_dirs={"swatch": FIXTURE_PLUGINS / "swatch"})
-    t = threading.Thread(target=agent.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while not agent.provider_id and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert agent.provider_id, f"agent {name} did not connect"
-    if cheat:  # returns a made-up image instead of running the model
-        host = agent.plugins["swatch"].host
-        honest = host.run
-
-        def run(*args, **kwargs):
-            result = honest(*args, **kwargs)
-            for out in result.outputs:
-                out.data = FAKE_PNG
-            return result
-        host.run = run
-    return agent, t
-
-
 def _wait(predicate, timeout=60.0, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -85,19 +56,6 @@ def _wait(predicate, timeout=60.0, what="condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _stake(svc, owner: str, micro: int) -> None:
-    """Give the operator ``micro`` earned, vested and staked credits."""
-    from broker.ledger.model import Splits
-    ledger = svc.ledger
-    ledger.open_client("seed-client")
-    ledger.deposit("seed-client", micro, idempotency_key=f"seed:{owner}:deposit")
-    hold = ledger.hold("seed-client", micro, f"seed-{owner}", idempotency_key=f"seed:{owner}:hold")
-    ledger.post(hold.id, Splits(provider=owner, provider_micro=micro),
-                idempotency_key=f"seed:{owner}:post", vesting_window_s=0)
-    ledger.vest(owner)
-    ledger.stake(owner, micro, idempotency_key=f"seed:{owner}:stake")
 
 
 @pytest.fixture(scope="module")
@@ -109,37 +67,40 @@ def env(tmp_path_factory):
                         plugin_dirs=[BUILTIN_PLUGINS, FIXTURE_PLUGINS],
                         verification=True, check_delay_max_s=0.0)
     svc = broker.services
+    start, stop_all = agent_starter(broker)
+    swatch = {"swatch": FIXTURE_PLUGINS / "swatch"}
     agents = []
     try:
         client = Client(broker.url, broker.key("client", credits=1000))
         status = lambda job_id: getattr(svc.verification.status(job_id), "status", None)  # noqa: E731
 
         # 1. A new provider's job is always checked; the check goes to the other operator.
-        agents.append(_agent(broker, "alpha"))
+        agents.append(start("alpha", plugins=swatch))
         verified = client.jobs.create("swatch", color="e5484d")
         verified.wait(timeout=30)
-        agents.append(_agent(broker, "bravo"))
+        agents.append(start("bravo", plugins=swatch))
         _wait(lambda: status(verified.id) and status(verified.id).value == "verified",
               what="the first job to be verified")
 
         # 2. A cheater (with 5 credits at stake) runs the next job alone; the honest two
         #    are paused meanwhile, then resumed to check it and break the tie.
         cheater_key = broker.key("provider")
-        _stake(svc, svc.auth.authenticate(cheater_key).account_id, 5_000_000)
-        agents.append(_agent(broker, "mallory", cheat=True, key=cheater_key))
-        honest = [a.provider_id for a, _ in agents[:2]]
+        give_stake(svc, svc.auth.authenticate(cheater_key).account_id, 5_000_000)
+        # returns a made-up image instead of running the model
+        agents.append(start("mallory", key=cheater_key, plugins=swatch,
+                            cheat=lambda data: FAKE_PNG))
+        honest = [a.provider_id for a in agents[:2]]
         for pid in honest:
             svc.admin.provider_action(pid, "pause", "test: let the cheater take the job", by="test")
         overturned = client.jobs.create("swatch", color="30a46c")
         overturned.wait(timeout=30)
-        assert svc.jobs.repo.get(overturned.id).provider_id == agents[2][0].provider_id
+        assert svc.jobs.repo.get(overturned.id).provider_id == agents[2].provider_id
         for pid in honest:
             svc.admin.provider_action(pid, "resume", "test: check the cheater", by="test")
         _wait(lambda: status(overturned.id) and status(overturned.id).value == "overturned",
               timeout=90, what="the cheater's job to be overturned")
     except BaseException:
-        for agent, t in agents:
-            agent.stop()
+        stop_all()
         broker.stop()
         raise
 
@@ -156,7 +117,7 @@ def env(tmp_path_factory):
             pass
         e = Env()
         e.broker, e.svc, e.page, e.url = broker, svc, page, broker.url
-        e.alpha, e.bravo, e.cheater = (a for a, _ in agents)
+        e.alpha, e.bravo, e.cheater = agents
         e.verified, e.overturned = verified.id, overturned.id
         page.goto(e.url + "/admin/login")
         page.fill("input[name=api_key]", broker.key("admin"))
@@ -164,9 +125,7 @@ def env(tmp_path_factory):
         assert page.url.endswith("/admin/")
         yield e
         browser.close()
-    for agent, t in agents:
-        agent.stop()
-        t.join(10)
+    stop_all()
     broker.stop()
 
 

@@ -31,6 +31,15 @@ def test_four_agents_asks_speeds_and_a_split(localnet):
         text = agent.log_path.read_text()
         providers[agent.name] = text.split(" as provider ")[1].split()[0]
     by_id = {v: k for k, v in providers.items()}
+    # Wait until the broker has measured all four (their canaries came back): an agent not
+    # yet measured is not eligible, and the split below must find four.
+    with Client(localnet.url, localnet.create_key("admin")) as admin:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            asks = admin.request("GET", "/v1/asks").json()["data"]
+            if sum(1 for a in asks if a["measured_units_per_s"]) >= len(AGENTS):
+                break
+            time.sleep(0.3)
     with Client(localnet.url, client_key) as client:
         # Wait until the broker has measured everyone (benchmarks checked by canaries).
         deadline = time.monotonic() + 60

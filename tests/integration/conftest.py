@@ -51,9 +51,26 @@ def live_broker(tmp_path):
     b.stop()
 
 
-@pytest.fixture
-def start_agent(live_broker, tmp_path):
-    """Start an in-process agent serving echo (plain subprocess host) on the live broker."""
+def give_stake(services, owner: str, micro: int) -> None:
+    """Give provider account ``owner`` ``micro`` credits at stake, as earned credits get
+    there: a job's post into its vesting balance, vested, then staked."""
+    from broker.ledger.model import Splits
+
+    ledger, seed = services.ledger, f"seed-{owner}"
+    ledger.open_client(seed)
+    ledger.deposit(seed, micro, idempotency_key=f"{seed}:deposit")
+    hold = ledger.hold(seed, micro, f"{seed}-job", idempotency_key=f"{seed}:hold")
+    ledger.post(hold.id, Splits(provider=owner, provider_micro=micro),
+                idempotency_key=f"{seed}:post", vesting_window_s=0)
+    ledger.vest(owner)
+    ledger.stake(owner, micro, idempotency_key=f"{seed}:stake")
+
+
+def agent_starter(broker: LiveBroker):
+    """(start, stop_all): ``start(name, slots=1, key=None, cheat=None, plugins=None)`` runs
+    an in-process agent (plain subprocess hosts) on ``broker`` serving ``plugins`` ({name:
+    folder}, default echo); ``cheat(bytes) -> bytes`` rewrites every output it returns (a
+    cheating provider, for verification tests)."""
     from plugins import builtin_plugin_dir
     from provider_agent.agent import Agent
     from provider_agent.config import AgentConfig
@@ -61,11 +78,11 @@ def start_agent(live_broker, tmp_path):
 
     agents = []
 
-    def start(name="agent", slots=1, key=None):
-        cfg = AgentConfig(broker=live_broker.grpc, api_key=key or live_broker.key("provider"),
-                          name=name, slots=slots, plugins=["echo"], device="cpu")
-        agent = Agent(cfg, KeyPair.generate(), plugin_dirs={"echo": builtin_plugin_dir("echo")},
-                      sandboxed=False)
+    def start(name="agent", slots=1, key=None, cheat=None, plugins=None):
+        plugins = plugins or {"echo": builtin_plugin_dir("echo")}
+        cfg = AgentConfig(broker=broker.grpc, api_key=key or broker.key("provider"),
+                          name=name, slots=slots, plugins=list(plugins), device="cpu")
+        agent = Agent(cfg, KeyPair.generate(), plugin_dirs=dict(plugins), sandboxed=False)
         t = threading.Thread(target=agent.run, daemon=True)
         t.start()
         agents.append((agent, t))
@@ -73,9 +90,27 @@ def start_agent(live_broker, tmp_path):
         while not agent.provider_id and time.monotonic() < deadline:
             time.sleep(0.02)
         assert agent.provider_id, "agent did not connect"
+        for served in (agent.plugins.values() if cheat is not None else ()):
+            honest = served.host.run
+
+            def run(*args, _honest=honest, **kwargs):
+                result = _honest(*args, **kwargs)
+                for out in result.outputs:
+                    out.data = cheat(out.data)
+                return result
+            served.host.run = run
         return agent
 
+    def stop_all():
+        for agent, t in agents:
+            agent.stop()
+            t.join(10)
+    return start, stop_all
+
+
+@pytest.fixture
+def start_agent(live_broker, tmp_path):
+    """Start an in-process agent serving echo (plain subprocess host) on the live broker."""
+    start, stop_all = agent_starter(live_broker)
     yield start
-    for agent, t in agents:
-        agent.stop()
-        t.join(10)
+    stop_all()

@@ -3,7 +3,6 @@ a new provider's job is re-run on another operator's agent; agreement verifies i
 cheater is outvoted 2 to 1, refunded to the client, slashed, and its CV reset."""
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -14,7 +13,7 @@ from broker.verification.records import CheckStatus
 from sdk import Client
 from sdk.errors import APIError, ConflictError, InsufficientCreditsError
 
-from tests.integration.conftest import LiveBroker
+from tests.integration.conftest import LiveBroker, agent_starter, give_stake
 
 
 @pytest.fixture
@@ -26,51 +25,9 @@ def vbroker(tmp_path):
 
 @pytest.fixture
 def agents(vbroker):
-    from plugins import builtin_plugin_dir
-    from provider_agent.agent import Agent
-    from provider_agent.config import AgentConfig
-    from sdk.protocol.signing import KeyPair
-
-    started = []
-
-    def start(name: str, key: str | None = None, cheat=None):
-        cfg = AgentConfig(broker=vbroker.grpc, api_key=key or vbroker.key("provider"),
-                          name=name, slots=1, plugins=["echo"], device="cpu")
-        agent = Agent(cfg, KeyPair.generate(), plugin_dirs={"echo": builtin_plugin_dir("echo")},
-                      sandboxed=False)
-        t = threading.Thread(target=agent.run, daemon=True)
-        t.start()
-        started.append((agent, t))
-        deadline = time.monotonic() + 30
-        while not agent.provider_id and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert agent.provider_id, "agent did not connect"
-        if cheat is not None:
-            host = agent.plugins["echo"].host
-            honest = host.run
-
-            def run(*args, **kwargs):
-                result = honest(*args, **kwargs)
-                for out in result.outputs:
-                    out.data = cheat(out.data)
-                return result
-            host.run = run
-        return agent
-
+    start, stop_all = agent_starter(vbroker)
     yield start
-    for agent, t in started:
-        agent.stop()
-        t.join(10)
-
-
-def _wait(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
+    stop_all()
 
 
 def test_a_new_providers_job_is_checked_on_another_operator_and_verified(vbroker, agents):
@@ -134,16 +91,8 @@ def test_a_cheater_is_outvoted_refunded_slashed_and_reset(vbroker, agents):
     svc = vbroker.services
     cheater = agents("cheater", cheat=lambda data: b'{"text": "made up"}')
     owner = svc.providers.owner_of(cheater.provider_id)
-    # The cheater staked 5 credits it earned earlier (hold, post, vest, stake).
     ledger = svc.ledger
-    funder = "seed-client"
-    ledger.open_client(funder)
-    ledger.deposit(funder, 5_000_000, idempotency_key="seed:deposit")
-    hold = ledger.hold(funder, 5_000_000, "seed-job", idempotency_key="seed:hold")
-    ledger.post(hold.id, Splits(provider=owner, provider_micro=5_000_000),
-                idempotency_key="seed:post", vesting_window_s=0)
-    ledger.vest(owner)
-    ledger.stake(owner, 5_000_000, idempotency_key="seed:stake")
+    give_stake(svc, owner, 5_000_000)  # staked 5 credits it earned earlier
 
     client_key = vbroker.key("client")
     client = Client(vbroker.url, client_key)
