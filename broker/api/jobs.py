@@ -76,12 +76,42 @@ def _render(job: Job) -> dict:
 
 @bp.post("/v1/jobs")
 def create_job():
+    """Submit a job (202; 200 when an Idempotency-Key replays an earlier one). With
+    ``Prefer: wait=N`` (RFC 7240) the answer waits up to N seconds (at most 60) for the
+    job to end, saving the client a second request; ``Preference-Applied`` then says so.
+    """
     key = request.headers.get("Idempotency-Key")
-    job, created = services().jobs.submit(principal(), json_body(), idempotency_key=key)
+    wait_s = _preferred_wait(request.headers.get("Prefer"))  # checked before any row exists
+    svc, who = services(), principal()
+    job, created = svc.jobs.submit(who, json_body(), idempotency_key=key)
+    status = 202 if created else 200
     if job.batch_id:
-        return _render_batch(services().jobs.batch(principal(), job.batch_id)), \
-            202 if created else 200
-    return _render(job), 202 if created else 200
+        return _render_batch(svc.jobs.batch(who, job.batch_id)), status
+    if wait_s is None:
+        return _render(job), status
+    job = svc.jobs.wait(who, job.id, wait_s, job=job)
+    return _render(job), status, {"Preference-Applied": f"wait={wait_s:g}"}
+
+
+def _preferred_wait(prefer: str | None) -> float | None:
+    """The ``wait`` preference of a Prefer header (``wait=10``, among others separated by
+    commas); other preferences are ignored, as RFC 7240 asks."""
+    for token in (prefer or "").split(","):
+        name, _, value = token.strip().partition("=")
+        if name.strip().lower() != "wait":
+            continue
+        value = value.split(";")[0].strip().strip('"')
+        try:
+            wait_s = float(value)
+        except ValueError:
+            raise InvalidRequest(f"Prefer: wait={value!r} is not a number of seconds; send "
+                                 f"e.g. 'Prefer: wait=30' (0 to {MAX_WAIT_S:g})",
+                                 field="Prefer") from None
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise InvalidRequest(f"Prefer: wait={value} is out of range; it must be between 0 "
+                                 f"and {MAX_WAIT_S:g} seconds", field="Prefer")
+        return wait_s
+    return None
 
 
 def _render_batch(jobs: list[Job]) -> dict:

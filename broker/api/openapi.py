@@ -100,7 +100,12 @@ def document() -> dict:
             "/v1/jobs": {
                 "post": {"summary": "Submit a job", "operationId": "createJob",
                          "parameters": [{"name": "Idempotency-Key", "in": "header",
-                                         "schema": {"type": "string", "maxLength": 200}}],
+                                         "schema": {"type": "string", "maxLength": 200}},
+                                        {"name": "Prefer", "in": "header",
+                                         "description": "wait=N (RFC 7240): answer once the "
+                                                        "job ends or N seconds (at most 60) "
+                                                        "pass",
+                                         "schema": {"type": "string", "example": "wait=30"}}],
                          "requestBody": {"required": True, "content": {"application/json": {
                              "schema": {"$ref": "#/components/schemas/JobRequest"}}}},
                          "responses": {"202": {"description": "Queued", "content": {

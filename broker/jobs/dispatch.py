@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from broker.auction.errors import NoMatch
 
-from .model import Job
+from .model import Job, JobState
 from .service import JobService
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,15 @@ class Dispatcher:
         # True while queued jobs may be waiting for a slot: then a new job must queue
         # behind them instead of being handed out directly (first come, first served).
         self._backlog = True
+        # The queued jobs this process knows of (submitted or requeued here), oldest first,
+        # so that matching does not re-read the whole queue from the database on every
+        # freed slot. The database stays the truth: the queue is re-read from it every
+        # ``reap_interval_s`` (jobs queued by another replica, delayed checks coming due,
+        # jobs cancelled while queued), and a job that moved meanwhile fails its
+        # conditional assignment and is dropped.
+        self._pending: dict[str, Job] = {}
+        self._pending_sorted = True
+        self._scanned_at = float("-inf")
         self.market = None        # broker.market.MarketService; None: least-loaded matching
         self.canary_sender = None  # callable(session): sends the canaries due to an agent
         # Verification (DESIGN §6): whether a provider may take a plugin's jobs (it holds
@@ -184,7 +193,50 @@ class Dispatcher:
         if not self._backlog and not job.batch_id:
             if self._place(job):
                 return
+        jobs = [job]
+        if job.batch_id:  # one wake-up for a whole split: its queued siblings clear together
+            try:
+                jobs = [j for j in self.jobs.repo.batch(job.batch_id)
+                        if j.state is JobState.QUEUED] or [job]
+            except Exception:  # noqa: BLE001 - the next queue read finds them
+                log.exception("could not read the siblings of batch %s", job.batch_id)
+        with self._cond:
+            for j in jobs:
+                last = next(reversed(self._pending.values()), None)
+                if last is not None and (last.created_at, last.id) > (j.created_at, j.id):
+                    self._pending_sorted = False  # a requeued job goes back to its place
+                self._pending[j.id] = j
         self.kick()
+
+    def _queue_snapshot(self, limit: int = 256) -> list[Job]:
+        """The oldest queued jobs, from memory; from the database every reap interval."""
+        now = time.monotonic()
+        if now - self._scanned_at >= self.reap_interval_s:
+            fresh = self.jobs.queued(limit=limit)
+            with self._cond:
+                self._scanned_at = now
+                # Jobs queued since the read started are kept; the rest is the database's.
+                newer = [j for j in self._pending.values()
+                         if j.created_at > (fresh[-1].created_at if fresh else 0)]
+                self._pending = {j.id: j for j in fresh}
+                self._pending.update((j.id, j) for j in newer)
+                self._pending_sorted = False
+        with self._cond:
+            if not self._pending_sorted:
+                self._pending = dict(sorted(self._pending.items(),
+                                            key=lambda kv: (kv[1].created_at, kv[0])))
+                self._pending_sorted = True
+            out = []
+            for job in self._pending.values():
+                out.append(job)
+                if len(out) >= limit:
+                    break
+            return out
+
+    def _forget(self, job_ids) -> None:
+        with self._cond:
+            for job_id in job_ids:
+                self._pending.pop(job_id, None)
 
     def _sync(self, session: AgentSession) -> None:
         """Tell the market how many slots the agent has free (paused, draining: none)."""
@@ -207,6 +259,8 @@ class Dispatcher:
         if moved is None:
             with self._cond:
                 session.active.discard(job.id)
+                # Assigned elsewhere, cancelled, or an attempt moved on: not queued as seen.
+                self._pending.pop(job.id, None)
             if self.market is not None:
                 self.market.release(session.provider_id, job.id)
             self._sync(session)
@@ -329,7 +383,7 @@ class Dispatcher:
         self._backlog = True
         assigned = 0
         while True:
-            batch = self.jobs.queued(limit=256)
+            batch = self._queue_snapshot(256)
             if not batch:
                 self._backlog = False
                 return assigned
@@ -343,8 +397,10 @@ class Dispatcher:
                 if not n:
                     left += 1
                     continue
+                placed_ids.add(job.id)
                 if job.batch_id:
                     placed_ids |= {j.id for j in batch if j.batch_id == job.batch_id}
+                self._forget(placed_ids)
                 assigned += n
                 progress = True
                 if not any(s.free > 0 for s in self.sessions()):

@@ -1,9 +1,9 @@
 """EventHub: wakes threads waiting on a job (long-poll GETs, server-sent event streams).
 
 The events themselves live in the database; the hub only says "something happened to job
-X", so a waiter re-reads. Each job has its own waiters: a notification wakes only the
-threads watching that job (one shared condition would wake every long-poll on every event
-and have each of them re-query the database).
+X" (and whether that was its end), so a waiter re-reads when it needs to. Each job has its
+own waiters: a notification wakes only the threads watching that job (one shared condition
+would wake every long-poll on every event and have each of them re-query the database).
 """
 from __future__ import annotations
 
@@ -17,17 +17,29 @@ class EventHub:
         self._lock = threading.Lock()
         self._versions: dict[str, int] = {}
         self._waiters: dict[str, list[threading.Event]] = {}
+        self._ended: set[str] = set()
 
     def version(self, job_id: str) -> int:
         with self._lock:
             return self._versions.get(job_id, 0)
 
-    def notify(self, job_id: str) -> None:
+    def ended(self, job_id: str) -> bool:
+        """Whether this process saw the job end (settled, failed, cancelled). False also
+        when it ended elsewhere (another broker replica) or was forgotten: a waiter that
+        must know for sure reads the database."""
+        with self._lock:
+            return job_id in self._ended
+
+    def notify(self, job_id: str, ended: bool = False) -> None:
+        """Something happened to ``job_id``; ``ended``: it reached a terminal state."""
         with self._lock:
             if len(self._versions) > self.MAX_TRACKED:
                 # Forgetting versions only makes a waiter re-read once too often.
                 self._versions.clear()
+                self._ended.clear()
             self._versions[job_id] = self._versions.get(job_id, 0) + 1
+            if ended:
+                self._ended.add(job_id)
             waiters = self._waiters.pop(job_id, ())
         for ev in waiters:
             ev.set()

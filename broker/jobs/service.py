@@ -278,23 +278,27 @@ class JobService:
             raise JobNotFound(f"no job {job_id!r} in your account")
         return job
 
-    def wait(self, who: Principal, job_id: str, timeout_s: float) -> Job:
-        """The job once it is terminal, or as it is when ``timeout_s`` passes."""
+    def wait(self, who: Principal, job_id: str, timeout_s: float, job: Job | None = None) -> Job:
+        """The job once it is terminal, or as it is when ``timeout_s`` passes (``job``: the
+        caller's fresh copy, e.g. just submitted)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         version = self.hub.version(job_id)
-        job, fresh = self.get(who, job_id), True
+        fresh = job is None
+        if job is None:
+            job = self.get(who, job_id)
         while not job.state.terminal:
             left = deadline - time.monotonic()
             if left <= 0:
                 return job if fresh else self.get(who, job_id)
-            self.hub.wait(job_id, version, min(left, 5.0))
-            version = self.hub.version(job_id)
-            # Any change wakes the waiter (assigned, running, …): one column says whether
-            # the job ended before the whole row is read again.
-            state = self.repo.state_of(job_id)
-            fresh = state is None or state.terminal or time.monotonic() >= deadline
-            if fresh:
-                job = self.get(who, job_id)
+            seen = version
+            version = self.hub.wait(job_id, seen, min(left, 5.0))
+            # Every change here wakes the waiter (assigned, running, progress…); the hub
+            # says whether it was the end. A quiet slice re-reads the row: the job may
+            # have ended on another broker replica.
+            if self.hub.ended(job_id) or version == seen:
+                job, fresh = self.get(who, job_id), True
+            else:
+                fresh = False
         return job
 
     def events(self, who: Principal, job_id: str, after_id: int = 0) -> list[JobEvent]:
@@ -329,7 +333,7 @@ class JobService:
                                                                      resumed, reason))
                 else:
                     self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
-                self.hub.notify(job.id)
+                self.hub.notify(job.id, ended=True)
                 self.on_ended(moved)
                 return moved
             job = self.get(who, job_id)
@@ -470,7 +474,7 @@ class JobService:
         # Verification draws whether to check the job once its receipt is signed and
         # settled, before the client is woken, so it never sees a status that changes back.
         self.on_settled(settled, rec)
-        self.hub.notify(job.id)
+        self.hub.notify(job.id, ended=True)
         return settled
 
     def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
@@ -554,7 +558,7 @@ class JobService:
                                      finished_at=self.clock(), lease_expires_at=None)
         if moved is not None:
             self._money("release", moved, lambda: self.billing.failed(moved, f"{code}: {message}"))
-            self.hub.notify(job.id)
+            self.hub.notify(job.id, ended=True)
             self.on_ended(moved)
         return moved
 

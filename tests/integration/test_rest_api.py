@@ -96,6 +96,50 @@ def test_submit_get_cancel_and_idempotency(api):
     assert services.jobs.repo.counts_by_state() == {"cancelled": 1}
 
 
+@pytest.mark.parametrize("prefer", ["wait=soon", "wait=-1", "wait=61", "respond-async, wait=x"])
+def test_a_bad_prefer_wait_is_refused_before_any_job_exists(api, prefer):
+    client, services = api
+    resp = client.post("/v1/jobs", json={"plugin": "echo", "inputs": {"text": "hi"}},
+                       headers={"Prefer": prefer})
+    assert resp.status_code == 400 and resp.json["field"] == "Prefer"
+    assert "seconds" in resp.json["detail"]
+    _no_jobs(services)
+
+
+def test_prefer_wait_answers_when_the_job_ends_or_the_wait_passes(api):
+    import threading
+    import time
+
+    client, services = api
+    t = time.monotonic()
+    resp = client.post("/v1/jobs", json={"plugin": "echo", "inputs": {"text": "a"}},
+                       headers={"Prefer": "respond-async, wait=0.3, handling=lenient"})
+    assert resp.status_code == 202 and resp.json["state"] == "queued"
+    assert resp.headers["Preference-Applied"] == "wait=0.3"
+    assert time.monotonic() - t >= 0.3
+    # No agent is connected: the job only ends when it is cancelled during the wait.
+    seen: list = []
+
+    def cancel_soon():
+        for _ in range(100):
+            time.sleep(0.05)
+            queued = services.jobs.repo.queued(10)
+            if len(queued) == 2:
+                services.jobs.cancel(services.auth.authenticate(
+                    client.environ_base["HTTP_AUTHORIZATION"].split()[1]), queued[-1].id)
+                seen.append(queued[-1].id)
+                return
+
+    canceller = threading.Thread(target=cancel_soon)
+    canceller.start()
+    t = time.monotonic()
+    resp = client.post("/v1/jobs", json={"plugin": "echo", "inputs": {"text": "b"}},
+                       headers={"Prefer": "wait=30"})
+    canceller.join()
+    assert resp.json["id"] == seen[0] and resp.json["state"] == "cancelled"
+    assert time.monotonic() - t < 10  # woken by the end, not by the 30 s wait
+
+
 def test_plugins_list_their_input_schema(api):
     client, _ = api
     names = {p["name"]: p for p in client.get("/v1/plugins").json["data"]}
