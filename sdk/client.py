@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
+import urllib3
 
+from sdk._http import Response, TransportError, describe, iter_lines, with_query
 from sdk.errors import (APIConnectionError, ConfigurationError, InvalidInputError,
                         JobFailedError, JobTimeoutError, NotFoundError, error_for)
 from sdk.protocol.schema import InputError, InputSchema
@@ -25,6 +26,9 @@ from sdk.protocol.schema import InputError, InputSchema
 DEFAULT_URL = "http://127.0.0.1:8080"
 TERMINAL = {"settled", "failed", "cancelled", "refunded"}
 RETRY_STATUS = {429, 502, 503, 504}
+POOL_SIZE = 32  # keep-alive connections kept per broker (more threads may open more)
+MAX_PREFER_WAIT_S = 60  # the longest ``Prefer: wait`` the broker accepts
+USER_AGENT = "sparecycles-python/0.1"
 
 
 @dataclass
@@ -44,48 +48,88 @@ class Client:
                 "no API key: pass Client(api_key=...) or set SPARECYCLES_API_KEY "
                 "(an admin creates one with `sparecycles broker create-key --role client`)")
         self.max_retries = max_retries
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout,
-                                  headers={"Authorization": f"Bearer {self.api_key}",
-                                           "User-Agent": "sparecycles-python/0.1"})
+        self.timeout = timeout
+        self._timeout = urllib3.Timeout(connect=timeout, read=timeout)
+        # One pool per broker, shared by every thread using this client (thread-safe);
+        # retries and redirects are this class's business, not urllib3's.
+        self._http = urllib3.PoolManager(num_pools=4, maxsize=POOL_SIZE, block=False,
+                                         retries=False, timeout=self._timeout)
+        try:
+            base = urllib3.util.parse_url(self.base_url)
+            self._pool = self._http.connection_from_url(self.base_url)
+        except urllib3.exceptions.LocationValueError as exc:
+            raise ConfigurationError(f"bad broker URL {self.base_url!r} ({exc}): give one like "
+                                     f"{DEFAULT_URL}") from None
+        self._prefix = (base.path or "").rstrip("/")
+        self._headers = {"Authorization": f"Bearer {self.api_key}", "User-Agent": USER_AGENT,
+                         "Accept": "application/json"}
         self._schemas: dict[str, InputSchema] = {}
         self.jobs = Jobs(self)
 
     # ---- plumbing ----------------------------------------------------------------------
     def request(self, method: str, path: str, *, json_body: Any = None,
                 params: dict | None = None, idempotency_key: str | None = None,
-                timeout: float | None = None, content: bytes | None = None) -> httpx.Response:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+                timeout: float | None = None, content: bytes | None = None,
+                headers: dict | None = None) -> Response:
+        """One API call, retried on connection errors and 429/502/503/504 (with the same
+        Idempotency-Key); an error answer raises the matching ``sdk.errors`` class."""
+        hdrs = dict(self._headers)
+        if idempotency_key:
+            hdrs["Idempotency-Key"] = idempotency_key
         if content is not None:
-            headers["Content-Type"] = "application/octet-stream"
+            hdrs["Content-Type"] = "application/octet-stream"
+            body = content
+        elif json_body is not None:
+            hdrs["Content-Type"] = "application/json"
+            body = json.dumps(json_body, ensure_ascii=False, separators=(",", ":"),
+                              allow_nan=False).encode()
+        else:
+            body = None
+        if headers:
+            hdrs.update(headers)
+        tmo = self._timeout if timeout is None else urllib3.Timeout(connect=timeout,
+                                                                    read=timeout)
+        url = with_query(path, params)
+        absolute = "://" in url.split("?", 1)[0]
         for attempt in range(self.max_retries + 1):
             try:
-                resp = self._http.request(method, path, json=json_body, params=params,
-                                          headers=headers, content=content,
-                                          timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
-            except httpx.TransportError as exc:
+                if absolute:  # e.g. an output's URL on another host
+                    raw = self._http.urlopen(method, url, body=body, headers=hdrs,
+                                             timeout=tmo, retries=False, redirect=False)
+                else:
+                    raw = self._pool.urlopen(method, self._prefix + url, body=body,
+                                             headers=hdrs, timeout=tmo, retries=False,
+                                             redirect=False)
+            except TransportError as exc:
                 if attempt == self.max_retries:
-                    raise APIConnectionError(f"cannot reach the broker at {self.base_url}: {exc}; "
+                    raise APIConnectionError(f"cannot reach the broker at {self.base_url}: "
+                                             f"{describe(exc)}; "
                                              "is `sparecycles broker serve` running?") from exc
                 self._backoff(attempt)
                 continue
+            resp = Response(raw.status, raw.headers, raw.data, url)
             if resp.status_code in RETRY_STATUS and attempt < self.max_retries:
                 self._backoff(attempt)
                 continue
             if resp.status_code >= 400:
-                try:
-                    body = resp.json()
-                except ValueError:
-                    body = {"detail": resp.text[:500]}
-                raise error_for(resp.status_code, body, resp.headers.get("X-Request-Id"))
+                raise _error(resp)
             return resp
         raise AssertionError("unreachable")
+
+    def _open_stream(self, path: str, params: dict | None, read_timeout: float):
+        """A GET whose body is read as it arrives (the caller closes it)."""
+        hdrs = {**self._headers, "Accept": "text/event-stream"}
+        return self._pool.urlopen("GET", self._prefix + with_query(path, params),
+                                  headers=hdrs, retries=False, redirect=False,
+                                  preload_content=False,
+                                  timeout=urllib3.Timeout(connect=30.0, read=read_timeout))
 
     @staticmethod
     def _backoff(attempt: int) -> None:
         time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
 
     def close(self) -> None:
-        self._http.close()
+        self._http.clear()
 
     def __enter__(self):
         return self
@@ -175,8 +219,13 @@ class Client:
         if n > 1:
             return self.jobs.create_batch(plugin, version=version, terms=terms,
                                           **inputs).wait(timeout=timeout)
-        return self.jobs.create(plugin, version=version, terms=terms,
-                                **inputs).wait(timeout=timeout)
+        # Submit and wait in one request (``Prefer: wait``); a broker that answers before
+        # the job ends (or ignores the preference) leaves the rest to Job.wait().
+        started = time.monotonic()
+        job = self.jobs.create(plugin, version=version, terms=terms,
+                               wait=30.0 if timeout is None else min(timeout, 30.0), **inputs)
+        left = None if timeout is None else timeout - (time.monotonic() - started)
+        return job.wait(timeout=left)
 
     def quote(self, plugin: str, *, version: str | None = None, **inputs) -> dict:
         """What a job would cost, without running it: ``min_micro``, ``expected_micro`` and
@@ -239,19 +288,29 @@ class Jobs:
         self._c = client
 
     def _post(self, plugin: str, version: str | None, idempotency_key: str | None,
-              validate: bool, terms: dict | None, inputs: dict) -> dict:
+              validate: bool, terms: dict | None, inputs: dict,
+              wait: float | None = None) -> dict:
         if validate:
             self._c.validate(plugin, inputs)
         body: dict[str, Any] = {"plugin": plugin, "inputs": inputs, **(terms or {})}
         if version:
             body["version"] = version
+        headers = timeout = None
+        if wait is not None:
+            wait_s = min(MAX_PREFER_WAIT_S, max(1, int(wait)))
+            headers, timeout = {"Prefer": f"wait={wait_s}"}, wait_s + 30.0
         return self._c.request("POST", "/v1/jobs", json_body=body,
-                               idempotency_key=idempotency_key or str(uuid.uuid4())).json()
+                               idempotency_key=idempotency_key or str(uuid.uuid4()),
+                               headers=headers, timeout=timeout).json()
 
     def create(self, plugin: str, *, version: str | None = None,
                idempotency_key: str | None = None, validate: bool = True,
-               terms: dict | None = None, **inputs) -> "Job":
-        return Job(self._c, self._post(plugin, version, idempotency_key, validate, terms, inputs))
+               terms: dict | None = None, wait: float | None = None, **inputs) -> "Job":
+        """Submit a job. With ``wait`` (seconds) the broker may hold the answer until the
+        job ends or the wait passes (RFC 7240 ``Prefer: wait``), so a quick job comes back
+        finished; either way check ``job.done`` or call ``job.wait()``."""
+        return Job(self._c, self._post(plugin, version, idempotency_key, validate, terms,
+                                       inputs, wait))
 
     def get(self, job_id: str) -> "Job":
         return Job(self._c, self._c.request("GET", f"/v1/jobs/{job_id}").json())
@@ -330,20 +389,28 @@ class Job:
         last = after
         while True:
             try:
-                with self._c._http.stream("GET", f"/v1/jobs/{self.id}/events",
-                                          params={"after": last},
-                                          timeout=httpx.Timeout(30.0, read=60.0)) as resp:
-                    if resp.status_code >= 400:
-                        resp.read()
-                        raise error_for(resp.status_code, resp.json(), None)
-                    for ev in _parse_sse(resp.iter_lines()):
-                        last = ev.id
-                        yield ev
-                        if ev.kind in ("done", "failed", "cancelled", "refunded"):
-                            return
-                    return
-            except (httpx.ReadTimeout, httpx.RemoteProtocolError):
+                raw = self._c._open_stream(f"/v1/jobs/{self.id}/events", {"after": last},
+                                           read_timeout=60.0)
+            except (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError):
                 continue
+            except TransportError as exc:
+                raise APIConnectionError(f"cannot reach the broker at {self._c.base_url}: "
+                                         f"{describe(exc)}") from exc
+            try:
+                if raw.status >= 400:
+                    raise _error(Response(raw.status, raw.headers, raw.read()))
+                for ev in _parse_sse(iter_lines(raw)):
+                    last = ev.id
+                    yield ev
+                    if ev.kind in ("done", "failed", "cancelled", "refunded"):
+                        return
+                return
+            except (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError):
+                continue  # reconnect after the last event seen
+            finally:
+                # never reuse a connection whose stream may not be read to its end
+                raw.close()
+                raw.release_conn()
 
 
 class Batch:
@@ -377,6 +444,17 @@ class Batch:
         result = Result(self._c, self.jobs[0])
         result.outputs = outputs
         return result
+
+
+def _error(resp: Response) -> Exception:
+    """The sdk.errors exception for an error answer (RFC 7807 body, or its text)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {"detail": resp.text[:500]}
+    return error_for(resp.status_code, body, resp.headers.get("X-Request-Id"))
 
 
 def _parse_sse(lines) -> Iterator[Event]:
@@ -438,7 +516,7 @@ class Result:
     def output_bytes(self, index: int) -> bytes:
         if index not in self._bytes:
             self._bytes[index] = self._c.request("GET", self.outputs[index]["url"],
-                                                 timeout=120).content
+                                                 timeout=120, headers={"Accept": "*/*"}).content
         return self._bytes[index]
 
     @property

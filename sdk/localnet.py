@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import urllib3
 
 
 class LocalNetworkError(RuntimeError):
@@ -154,10 +154,11 @@ class LocalNetwork:
                     raise LocalNetworkError(f"agent {a.name} exited (code {a.proc.returncode}):\n"
                                             f"{self.tail(a.log_path.name)}")
             try:
-                body = httpx.get(f"{self.url}/readyz", timeout=5).json()
-                if body.get("providers_online", 0) >= n:
+                resp = urllib3.request("GET", f"{self.url}/readyz", timeout=5, retries=False)
+                body = json.loads(resp.data)
+                if isinstance(body, dict) and body.get("providers_online", 0) >= n:
                     return
-            except httpx.HTTPError:
+            except (urllib3.exceptions.HTTPError, ValueError):
                 pass
             time.sleep(0.1)
         raise LocalNetworkError(f"{n} agent(s) did not connect within {timeout_s:g}s")

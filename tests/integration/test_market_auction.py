@@ -9,7 +9,7 @@ import pytest
 from plugins import builtin_plugin_dir
 from provider_agent.agent import Agent
 from provider_agent.config import AgentConfig
-from sdk import Client
+from sdk import Client, PermissionDeniedError
 from sdk.protocol.signing import KeyPair
 
 # name: (ask micro/unit, throttle ms per unit). Echo's benchmark is 1 work unit.
@@ -84,8 +84,8 @@ def test_terms_no_provider_can_meet_are_refused_up_front(live_broker, four):
 def test_asks_are_sealed(live_broker, four):
     agents, ids = four
     with Client(live_broker.url, live_broker.key("client")) as client:
-        r = client._http.get("/v1/asks")
-        assert r.status_code == 403
+        with pytest.raises(PermissionDeniedError):
+            client.request("GET", "/v1/asks")
 
 
 def test_a_pinned_build_runs_only_on_agents_with_its_weights(live_broker, tmp_path):
