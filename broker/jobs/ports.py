@@ -13,8 +13,9 @@ class JobRepository(Protocol):
 
     def get(self, job_id: str) -> Job | None: ...
 
-    def state_of(self, job_id: str) -> JobState | None:
-        """Just the job's state (a cheap read for waiters); None when there is no such job."""
+    def lease_of(self, job_id: str) -> tuple[JobState, str | None, int] | None:
+        """Just the job's (state, provider id, attempt): a cheap read for checks that need
+        no more (an agent's output upload); None when there is no such job."""
 
     def list_for_account(self, account_id: str, limit: int = 50) -> list[Job]: ...
 

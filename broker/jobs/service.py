@@ -383,12 +383,8 @@ class JobService:
         """The job if ``attempt`` of it is leased to ``provider_id`` (``job``: as just read)."""
         if job is None:
             job = self.repo.get(job_id) if _is_uuid(job_id) else None
-        if job is None:
-            raise ReceiptRefused("unknown_job", f"no job {job_id!r}")
-        if job.provider_id != provider_id or job.attempt != attempt or job.state not in LEASED:
-            raise ReceiptRefused("not_your_job",
-                                 f"job {job_id} attempt {attempt} is not leased to you (it is "
-                                 f"{job.state.value}, attempt {job.attempt})")
+        _check_lease(job_id, provider_id, attempt,
+                     None if job is None else (job.state, job.provider_id, job.attempt))
         return job
 
     def accepted(self, provider_id: str, job_id: str, attempt: int) -> None:
@@ -418,7 +414,9 @@ class JobService:
 
     def store_output(self, provider_id: str, job_id: str, attempt: int, data: bytes,
                      sha256: str) -> str:
-        self._leased(provider_id, job_id, attempt)
+        # Only the lease is needed, not the whole row (an upload per output of every job).
+        _check_lease(job_id, provider_id, attempt,
+                     self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
         actual = sha256_hex(data)
         if sha256 and actual != sha256:
             raise ReceiptRefused("output_hash_mismatch",
@@ -590,6 +588,19 @@ class JobService:
                                     {"step": what, "error": f"{type(exc).__name__}: {exc}"})
             except Exception:  # noqa: BLE001 - the log line above still names the job
                 log.exception("job %s: could not record the ledger failure", job.id)
+
+
+def _check_lease(job_id: str, provider_id: str, attempt: int,
+                 lease: tuple[JobState, str | None, int] | None) -> None:
+    """Refuse unless ``lease`` (state, holder, attempt) says ``attempt`` of the job is
+    leased to ``provider_id``."""
+    if lease is None:
+        raise ReceiptRefused("unknown_job", f"no job {job_id!r}")
+    state, holder, current = lease
+    if holder != provider_id or current != attempt or state not in LEASED:
+        raise ReceiptRefused("not_your_job",
+                             f"job {job_id} attempt {attempt} is not leased to you (it is "
+                             f"{state.value}, attempt {current})")
 
 
 def check_receipt_shape(rec: dict) -> None:

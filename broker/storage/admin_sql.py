@@ -18,6 +18,7 @@ from broker.audit.service import SeqTaken
 from broker.jobs.model import JobState
 from broker.pricing.policy import PluginPolicy
 from .base import Base, read_only
+from .fast import Prepared
 from .ledger_sql import LedgerAccountRow, LedgerHoldRow, LedgerIdempotencyRow, LedgerTransactionRow
 from .models import AccountRow, JobRow
 
@@ -76,7 +77,7 @@ def _entry(r: AuditRow) -> AuditEntry:
 AUDIT = AuditRow.__table__
 # Built once (see broker/storage/jobs_sql.py): the append path runs on every money movement.
 _AUDIT_HEAD = select(AUDIT).order_by(AUDIT.c.seq.desc()).limit(1)
-_AUDIT_INSERT = insert(AUDIT)
+_AUDIT_INSERT = Prepared(insert(AUDIT))
 _AUDIT_HAS_REF = select(AUDIT.c.seq).where(AUDIT.c.ref == bindparam("w_ref"))
 
 
@@ -95,7 +96,7 @@ class SqlAuditRepository:
         from sdk.protocol.canonical import canonical_bytes
         try:
             with self.engine.begin() as c:
-                c.execute(_AUDIT_INSERT, {
+                _AUDIT_INSERT.run(c, {
                     "seq": e.seq, "at_ms": e.at_ms, "actor": e.actor, "action": e.action,
                     "subject": e.subject, "data": canonical_bytes(e.data).decode("utf-8"),
                     "ref": e.ref, "prev_hash": e.prev_hash, "hash": e.hash})

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.jobs.model import Job, JobEvent, JobOutput, JobState, LEASED
 from .base import read_only
+from .fast import Prepared
 from .models import JobEventRow, JobOutputRow, JobRow
 
 _FIELDS = [c for c in Job.__dataclass_fields__]
@@ -33,13 +34,17 @@ _SELECT = select(*_COLUMNS)
 # is memoised on the object, so each call goes straight to the compiled-statement cache.
 # Where-clause parameters are named ``w_*`` so they never collide with a column (an UPDATE
 # without ``.values()`` SETs exactly the columns named in the parameters).
-_GET = _SELECT.where(JOBS.c.id == bindparam("w_id"))
-_STATE = select(JOBS.c.state).where(JOBS.c.id == bindparam("w_id"))
-_INSERT_JOB = insert(JOBS)
-_INSERT_EVENT = insert(EVENTS)
-_INSERT_OUTPUT = insert(OUTPUTS)
+# The hottest also run as Prepared statements (broker/storage/fast.py): straight on the
+# DBAPI cursor with SQLAlchemy's own value processing.
+_GET = Prepared(_SELECT.where(JOBS.c.id == bindparam("w_id")))
+_LEASE = Prepared(select(JOBS.c.state, JOBS.c.provider_id, JOBS.c.attempt)
+                  .where(JOBS.c.id == bindparam("w_id")))
+_INSERT_JOB = Prepared(insert(JOBS))
+_INSERT_EVENT = Prepared(insert(EVENTS))
+_INSERT_EVENT_STMT = _INSERT_EVENT.stmt
+_INSERT_OUTPUT = Prepared(insert(OUTPUTS))
 _UPDATE_JOB = update(JOBS).where(JOBS.c.id == bindparam("w_id"))
-_QUEUED = (_SELECT.where(JOBS.c.state == JobState.QUEUED.value,
+_QUEUED = Prepared(_SELECT.where(JOBS.c.state == JobState.QUEUED.value,
                          or_(JOBS.c.not_before.is_(None), JOBS.c.not_before <= bindparam("w_now")))
            .order_by(JOBS.c.created_at).limit(bindparam("w_limit")))
 _EVENTS_AFTER = (select(EVENTS.c.id, EVENTS.c.job_id, EVENTS.c.kind, EVENTS.c.data,
@@ -49,11 +54,12 @@ _EVENTS_AFTER = (select(EVENTS.c.id, EVENTS.c.job_id, EVENTS.c.kind, EVENTS.c.da
 _OUTPUTS_OF = (select(OUTPUTS.c.job_id, OUTPUTS.c.index, OUTPUTS.c.sha256, OUTPUTS.c.media_type,
                       OUTPUTS.c.size)
                .where(OUTPUTS.c.job_id == bindparam("w_id")).order_by(OUTPUTS.c.index))
+_OUTPUTS_OF = Prepared(_OUTPUTS_OF)
 _EXTEND_LEASES = (update(JOBS).where(JOBS.c.provider_id == bindparam("w_provider"),
                                      JOBS.c.id.in_(bindparam("w_ids", expanding=True)),
                                      JOBS.c.state.in_(_LEASED_STATES)))
-_LEASED_TO = _SELECT.where(JOBS.c.provider_id == bindparam("w_provider"),
-                           JOBS.c.state.in_(_LEASED_STATES))
+_LEASED_TO = Prepared(_SELECT.where(JOBS.c.provider_id == bindparam("w_provider"),
+                           JOBS.c.state.in_(_LEASED_STATES)))
 
 
 def _transition_statement(with_attempt: bool, with_provider: bool, returning: bool):
@@ -66,7 +72,7 @@ def _transition_statement(with_attempt: bool, with_provider: bool, returning: bo
     if with_provider:
         cond.append(JOBS.c.provider_id == bindparam("w_provider"))
     stmt = update(JOBS).where(*cond)
-    return stmt.returning(*_COLUMNS) if returning else stmt
+    return Prepared(stmt.returning(*_COLUMNS) if returning else stmt)
 
 
 _TRANSITIONS = {(a, p, r): _transition_statement(a, p, r)
@@ -82,8 +88,13 @@ def _check_fields(fields: dict) -> None:
 
 
 def _to_job(row) -> Job:
-    values = dict(row._mapping) if hasattr(row, "_mapping") else {
-        name: getattr(row, name) for name in _FIELDS}
+    """A Job from a row: a tuple in _FIELDS order (a Prepared statement's), a Row or an
+    ORM object."""
+    if isinstance(row, tuple) and not hasattr(row, "_mapping"):
+        values = dict(zip(_FIELDS, row))
+    else:
+        values = dict(row._mapping) if hasattr(row, "_mapping") else {
+            name: getattr(row, name) for name in _FIELDS}
     values["state"] = JobState(values["state"])
     values["excluded_providers"] = list(values["excluded_providers"] or [])
     return Job(**values)
@@ -106,9 +117,9 @@ class SqlJobRepository:
     def create(self, job: Job, first_event: tuple[str, dict]) -> tuple[Job, bool]:
         try:
             with self.engine.begin() as c:
-                c.execute(_INSERT_JOB, _row_values(job))
-                c.execute(_INSERT_EVENT, {"job_id": job.id, "kind": first_event[0],
-                                          "data": first_event[1], "created_at": job.created_at})
+                _INSERT_JOB.run(c, _row_values(job))
+                _INSERT_EVENT.run(c, {"job_id": job.id, "kind": first_event[0],
+                                      "data": first_event[1], "created_at": job.created_at})
             return job, True
         except IntegrityError:
             if job.idempotency_key is None:
@@ -123,13 +134,13 @@ class SqlJobRepository:
 
     def get(self, job_id: str) -> Job | None:
         with read_only(self.engine) as c:
-            row = c.execute(_GET, {"w_id": job_id}).first()
+            row = _GET.run(c, {"w_id": job_id}).first()
             return _to_job(row) if row else None
 
-    def state_of(self, job_id: str) -> JobState | None:
+    def lease_of(self, job_id: str) -> tuple[JobState, str | None, int] | None:
         with read_only(self.engine) as c:
-            state = c.execute(_STATE, {"w_id": job_id}).scalar()
-            return JobState(state) if state is not None else None
+            row = _LEASE.run(c, {"w_id": job_id}).first()
+            return (JobState(row[0]), row[1], row[2]) if row else None
 
     def list_for_account(self, account_id: str, limit: int = 50) -> list[Job]:
         with self.sessions() as s:
@@ -147,7 +158,7 @@ class SqlJobRepository:
     def queued(self, limit: int) -> list[Job]:
         with read_only(self.engine) as c:
             # A check job waits out its random delay (not_before) before it is offered.
-            rows = c.execute(_QUEUED, {"w_now": self.clock(), "w_limit": limit})
+            rows = _QUEUED.run(c, {"w_now": self.clock(), "w_limit": limit})
             return [_to_job(r) for r in rows]
 
     def transition(self, job_id: str, expect: Iterable[JobState], to: JobState, *,
@@ -167,7 +178,7 @@ class SqlJobRepository:
         stmt = _TRANSITIONS[(expect_attempt is not None, expect_provider is not None,
                              self._returning)]
         with self.engine.begin() as c:
-            result = c.execute(stmt, params)
+            result = stmt.run(c, params)
             if self._returning:
                 row = result.first()
                 if row is None:
@@ -175,14 +186,14 @@ class SqlJobRepository:
             elif result.rowcount != 1:
                 return None
             if all_events:
-                c.execute(_INSERT_EVENT, [{"job_id": job_id, "kind": kind, "data": data,
-                                           "created_at": now} for kind, data in all_events])
+                _INSERT_EVENT.run(c, [{"job_id": job_id, "kind": kind, "data": data,
+                                       "created_at": now} for kind, data in all_events])
             if outputs:
-                c.execute(_INSERT_OUTPUT, [{"job_id": o.job_id, "index": o.index,
-                                            "sha256": o.sha256, "media_type": o.media_type,
-                                            "size": o.size} for o in outputs])
+                _INSERT_OUTPUT.run(c, [{"job_id": o.job_id, "index": o.index,
+                                        "sha256": o.sha256, "media_type": o.media_type,
+                                        "size": o.size} for o in outputs])
             if not self._returning:
-                row = c.execute(_GET, {"w_id": job_id}).first()
+                row = _GET.run(c, {"w_id": job_id}).first()
             return _to_job(row)
 
     def add_event(self, job_id: str, kind: str, data: dict, **fields) -> int:
@@ -191,8 +202,8 @@ class SqlJobRepository:
         with self.engine.begin() as c:
             if fields:
                 c.execute(_UPDATE_JOB, {"updated_at": now, **fields, "w_id": job_id})
-            result = c.execute(_INSERT_EVENT, {"job_id": job_id, "kind": kind, "data": data,
-                                               "created_at": now})
+            result = c.execute(_INSERT_EVENT_STMT, {"job_id": job_id, "kind": kind,
+                                                    "data": data, "created_at": now})
             return int(result.inserted_primary_key[0])
 
     def events_after(self, job_id: str, after_id: int, limit: int = 500) -> list[JobEvent]:
@@ -218,11 +229,11 @@ class SqlJobRepository:
 
     def leased_to(self, provider_id: str) -> list[Job]:
         with read_only(self.engine) as c:
-            return [_to_job(r) for r in c.execute(_LEASED_TO, {"w_provider": provider_id})]
+            return [_to_job(r) for r in _LEASED_TO.run(c, {"w_provider": provider_id})]
 
     def outputs(self, job_id: str) -> list[JobOutput]:
         with read_only(self.engine) as c:
-            return [JobOutput(*r) for r in c.execute(_OUTPUTS_OF, {"w_id": job_id})]
+            return [JobOutput(*r) for r in _OUTPUTS_OF.run(c, {"w_id": job_id})]
 
     def replace_outputs(self, job_id: str, outputs: list[JobOutput],
                         event: tuple[str, dict]) -> None:
@@ -231,11 +242,11 @@ class SqlJobRepository:
         with self.engine.begin() as c:
             c.execute(delete(OUTPUTS).where(OUTPUTS.c.job_id == job_id))
             if outputs:
-                c.execute(_INSERT_OUTPUT, [{"job_id": job_id, "index": o.index,
-                                            "sha256": o.sha256, "media_type": o.media_type,
-                                            "size": o.size} for o in outputs])
-            c.execute(_INSERT_EVENT, {"job_id": job_id, "kind": event[0], "data": event[1],
-                                      "created_at": self.clock()})
+                _INSERT_OUTPUT.run(c, [{"job_id": job_id, "index": o.index,
+                                        "sha256": o.sha256, "media_type": o.media_type,
+                                        "size": o.size} for o in outputs])
+            _INSERT_EVENT.run(c, {"job_id": job_id, "kind": event[0], "data": event[1],
+                                  "created_at": self.clock()})
 
     def checks_of(self, job_id: str) -> list[Job]:
         """The check jobs that re-run ``job_id``, oldest first."""

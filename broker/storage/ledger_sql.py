@@ -34,6 +34,7 @@ from broker.ledger.model import (
 )
 from broker.ledger.ports import RetryableConflict
 from broker.storage.base import Base
+from broker.storage.fast import Prepared
 
 # BIGINT everywhere for money; SQLite only auto-numbers an INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -136,27 +137,32 @@ LEDGER_TABLES = (accounts_t, transactions_t, entries_t, holds_t, idempotency_t)
 # Statements are built once and executed with parameter dicts (see broker/storage/jobs_sql.py:
 # building a construct per call cost more than running it). Where-clause parameters are
 # named ``w_*`` so that they never collide with a column an UPDATE sets.
-_ACCOUNTS = (select(accounts_t.c.id, accounts_t.c.balance_micro)
-             .where(accounts_t.c.id.in_(bindparam("w_ids", expanding=True)))
-             .order_by(accounts_t.c.id))
-_ACCOUNTS_FOR_UPDATE = _ACCOUNTS.with_for_update()
-_ACCOUNT_IDS = select(accounts_t.c.id).where(accounts_t.c.id.in_(bindparam("w_ids", expanding=True)))
-_ACCOUNTS_OF = (select(accounts_t.c.id, accounts_t.c.balance_micro)
-                .where(accounts_t.c.owner_id == bindparam("w_owner")).order_by(accounts_t.c.id))
-_INSERT_ACCOUNT = insert(accounts_t)
-_INSERT_TRANSACTION = insert(transactions_t)
-_INSERT_ENTRY = insert(entries_t)
-_INSERT_HOLD = insert(holds_t)
-_UPDATE_HOLD = update(holds_t).where(holds_t.c.id == bindparam("w_id"))
-_HOLD = select(holds_t).where(holds_t.c.id == bindparam("w_id"))
-_HOLD_FOR_UPDATE = _HOLD.with_for_update()
-_IDEMPOTENCY = select(idempotency_t).where(idempotency_t.c.key == bindparam("w_key"))
-_INSERT_IDEMPOTENCY = insert(idempotency_t)
-_ENTRIES_OF = (select(entries_t.c.transaction_id, entries_t.c.account_id, entries_t.c.amount_micro)
-               .where(entries_t.c.transaction_id.in_(bindparam("w_ids", expanding=True)))
-               .order_by(entries_t.c.id))
-_TRANSACTION_BY_ID = select(transactions_t).where(transactions_t.c.id == bindparam("w_id"))
-_REVERSAL_OF = select(transactions_t).where(transactions_t.c.reverses_id == bindparam("w_id"))
+_ACCOUNTS = Prepared(select(accounts_t.c.id, accounts_t.c.balance_micro)
+                     .where(accounts_t.c.id.in_(bindparam("w_ids", expanding=True)))
+                     .order_by(accounts_t.c.id))
+_ACCOUNTS_FOR_UPDATE = Prepared(_ACCOUNTS.stmt.with_for_update())
+_ACCOUNT_IDS = Prepared(select(accounts_t.c.id)
+                        .where(accounts_t.c.id.in_(bindparam("w_ids", expanding=True))))
+_ACCOUNTS_OF = Prepared(select(accounts_t.c.id, accounts_t.c.balance_micro)
+                        .where(accounts_t.c.owner_id == bindparam("w_owner"))
+                        .order_by(accounts_t.c.id))
+_INSERT_ACCOUNT = Prepared(insert(accounts_t))
+_INSERT_TRANSACTION = Prepared(insert(transactions_t))
+_INSERT_ENTRY = Prepared(insert(entries_t))
+_INSERT_HOLD = Prepared(insert(holds_t))
+_UPDATE_HOLD = Prepared(update(holds_t).where(holds_t.c.id == bindparam("w_id")))
+_HOLD = Prepared(select(holds_t).where(holds_t.c.id == bindparam("w_id")))
+_HOLD_FOR_UPDATE = Prepared(_HOLD.stmt.with_for_update())
+_IDEMPOTENCY = Prepared(select(idempotency_t).where(idempotency_t.c.key == bindparam("w_key")))
+_INSERT_IDEMPOTENCY = Prepared(insert(idempotency_t))
+_ENTRIES_OF = Prepared(select(entries_t.c.transaction_id, entries_t.c.account_id,
+                              entries_t.c.amount_micro)
+                       .where(entries_t.c.transaction_id.in_(bindparam("w_ids", expanding=True)))
+                       .order_by(entries_t.c.id))
+_TRANSACTION_BY_ID = Prepared(select(transactions_t)
+                              .where(transactions_t.c.id == bindparam("w_id")))
+_REVERSAL_OF = Prepared(select(transactions_t)
+                        .where(transactions_t.c.reverses_id == bindparam("w_id")))
 _BALANCE_UPDATES: dict[int, object] = {}
 
 
@@ -169,9 +175,9 @@ def _balance_update(legs: int):
         ids = [bindparam(f"w_a{i}") for i in range(legs)]
         delta = case(*[(accounts_t.c.id == ids[i], bindparam(f"w_d{i}", type_=BigInteger))
                        for i in range(legs)])
-        stmt = _BALANCE_UPDATES.setdefault(legs, update(accounts_t)
-                                           .where(accounts_t.c.id.in_(ids))
-                                           .values(balance_micro=accounts_t.c.balance_micro + delta))
+        stmt = _BALANCE_UPDATES.setdefault(legs, Prepared(
+            update(accounts_t).where(accounts_t.c.id.in_(ids))
+            .values(balance_micro=accounts_t.c.balance_micro + delta)))
     return stmt
 
 
@@ -229,18 +235,18 @@ class _SqlUnitOfWork:
     # accounts
     def add_accounts(self, accounts: Iterable[AccountId]) -> None:
         wanted = {str(a): a for a in accounts}
-        existing = set(self.c.scalars(_ACCOUNT_IDS, {"w_ids": list(wanted)}))
+        existing = {r[0] for r in _ACCOUNT_IDS.run(self.c, {"w_ids": list(wanted)})}
         rows = [{"id": key, "kind": a.kind.value, "owner_id": a.owner,
                  "allow_negative": a.kind.allows_negative, "balance_micro": 0}
                 for key, a in wanted.items() if key not in existing]
         if rows:
-            self.c.execute(_INSERT_ACCOUNT, rows)
+            _INSERT_ACCOUNT.run(self.c, rows)
 
     def _select_accounts(self, accounts: Sequence[AccountId], lock: bool) -> dict[AccountId, Account]:
         by_key = {str(a): a for a in accounts}
         query = _ACCOUNTS_FOR_UPDATE if lock and self._lock_rows else _ACCOUNTS
         found = {}
-        for key, balance in self.c.execute(query, {"w_ids": sorted(by_key)}):
+        for key, balance in query.run(self.c, {"w_ids": sorted(by_key)}):
             account = by_key[key] if key in by_key else AccountId.parse(key)
             found[account] = Account(account, balance)
         return found
@@ -252,31 +258,31 @@ class _SqlUnitOfWork:
         return self._select_accounts(accounts, lock=False)
 
     def accounts_of(self, owner: str) -> list[Account]:
-        rows = self.c.execute(_ACCOUNTS_OF, {"w_owner": owner})
+        rows = _ACCOUNTS_OF.run(self.c, {"w_owner": owner})
         return [Account(AccountId.parse(key), balance) for key, balance in rows]
 
     # transactions
     def add_transaction(self, transaction: Transaction) -> None:
         t = transaction
-        self.c.execute(_INSERT_TRANSACTION, {
+        _INSERT_TRANSACTION.run(self.c, {
             "id": t.id, "kind": t.kind.value, "created_at": t.created_at, "memo": t.memo,
             "idempotency_key": t.idempotency_key, "hold_id": t.hold_id,
             "reverses_id": t.reverses_id})
-        self.c.execute(_INSERT_ENTRY, [
+        _INSERT_ENTRY.run(self.c, [
             {"transaction_id": t.id, "account_id": str(e.account), "amount_micro": e.amount_micro}
             for e in t.entries])
         params = {}
         for i, e in enumerate(t.entries):
             params[f"w_a{i}"] = str(e.account)
             params[f"w_d{i}"] = e.amount_micro
-        self.c.execute(_balance_update(len(t.entries)), params)
+        _balance_update(len(t.entries)).run(self.c, params)
 
     def _load_transactions(self, query, transaction_id: str) -> list[Transaction]:
-        rows = self.c.execute(query, {"w_id": transaction_id}).mappings().all()
+        rows = query.run(self.c, {"w_id": transaction_id}).mappings()
         if not rows:
             return []
         entries: dict[str, list[Entry]] = {r["id"]: [] for r in rows}
-        for tid, account, amount in self.c.execute(_ENTRIES_OF, {"w_ids": list(entries)}):
+        for tid, account, amount in _ENTRIES_OF.run(self.c, {"w_ids": list(entries)}):
             entries[tid].append(Entry(AccountId.parse(account), amount))
         return [Transaction(id=r["id"], kind=TransactionKind(r["kind"]),
                             created_at=_utc(r["created_at"]), entries=tuple(entries[r["id"]]),
@@ -331,16 +337,16 @@ class _SqlUnitOfWork:
                     refund_transaction_id=r["refund_transaction_id"])
 
     def add_hold(self, hold: Hold) -> None:
-        self.c.execute(_INSERT_HOLD, self._hold_values(hold))
+        _INSERT_HOLD.run(self.c, self._hold_values(hold))
 
     def save_hold(self, hold: Hold) -> None:
         values = self._hold_values(hold)
         values["w_id"] = values.pop("id")
-        self.c.execute(_UPDATE_HOLD, values)
+        _UPDATE_HOLD.run(self.c, values)
 
     def get_hold(self, hold_id: str, *, for_update: bool = False) -> Hold | None:
         query = _HOLD_FOR_UPDATE if for_update and self._lock_rows else _HOLD
-        row = self.c.execute(query, {"w_id": hold_id}).mappings().first()
+        row = query.run(self.c, {"w_id": hold_id}).mapping()
         return self._hold(row) if row else None
 
     def due_hold_ids(self, now: datetime, *, limit: int) -> list[str]:
@@ -361,7 +367,7 @@ class _SqlUnitOfWork:
 
     # idempotency
     def get_idempotency(self, key: str) -> IdempotencyRecord | None:
-        row = self.c.execute(_IDEMPOTENCY, {"w_key": key}).mappings().first()
+        row = _IDEMPOTENCY.run(self.c, {"w_key": key}).mapping()
         if row is None:
             return None
         return IdempotencyRecord(key=row["key"], operation=row["operation"],
@@ -369,7 +375,7 @@ class _SqlUnitOfWork:
                                  result_id=row["result_id"], created_at=_utc(row["created_at"]))
 
     def add_idempotency(self, record: IdempotencyRecord) -> None:
-        self.c.execute(_INSERT_IDEMPOTENCY, {
+        _INSERT_IDEMPOTENCY.run(self.c, {
             "key": record.key, "operation": record.operation, "fingerprint": record.fingerprint,
             "result_type": record.result_type, "result_id": record.result_id,
             "created_at": record.created_at})

@@ -78,7 +78,8 @@ def test_transition_returns_the_new_row_with_or_without_returning(repo, returnin
                          provider_id="p1", envelope={"a": [1, 2]}, excluded_providers=["x"],
                          event=("assigned", {}))
     assert moved == r.get(job.id)
-    assert r.state_of(job.id) == JobState.MATCHED and r.state_of(str(uuid.uuid4())) is None
+    assert r.lease_of(job.id) == (JobState.MATCHED, "p1", 0)
+    assert r.lease_of(str(uuid.uuid4())) is None
     assert moved.envelope == {"a": [1, 2]} and moved.excluded_providers == ["x"]
     assert r.transition(job.id, [JobState.QUEUED], JobState.MATCHED) is None
     with pytest.raises(TypeError):
