@@ -38,6 +38,9 @@ from .weights import folder_digest
 
 log = logging.getLogger("agent")
 VERSION = "0.1.0"
+# Finished jobs are logged one by one at DEBUG only (an INFO line each costs CPU on every
+# job); at INFO a summary line comes at most this often, and with the first job.
+SUMMARY_EVERY_S = 60.0
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 20_000),
@@ -91,21 +94,24 @@ class Agent:
                 manifest, PluginHost(folder, run_weights, device=cfg.device, launcher=launcher),
                 folder_digest(weights, (home / "weights-cache.json") if home else None))
         self.replay = ReplayGuard()
-        self.jobs: queue.Queue = queue.Queue()
+        # SimpleQueue (C) rather than Queue (Python locks and conditions): cheaper hand-offs.
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._my_key = identity.public_key_hex  # the identity never changes
         self.running: dict[str, RunningJob] = {}
         self.undelivered: dict[str, list[pb.AgentMessage]] = {}
         # Checkpoints: the latest of each running job (re-sent after a reconnect) and the
         # workers waiting for a checkpoint to resume from.
         self.latest_checkpoint: dict[str, pb.AgentMessage] = {}
-        self._checkpoint_waiters: dict[str, queue.Queue] = {}
+        self._checkpoint_waiters: dict[str, queue.SimpleQueue] = {}
         self.checkpoint_fetch_timeout_s = 30.0
         self._lock = threading.Lock()
-        self._outq: queue.Queue | None = None
+        self._outq: queue.SimpleQueue | None = None
         self._stop = threading.Event()
         self.draining = False
         self._signals = 0
         self.provider_id = ""
         self.completed = 0
+        self._summary = _DoneSummary()
         self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
         self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
 
@@ -154,6 +160,8 @@ class Agent:
             q = self._outq
         if q is not None:
             q.put(None)
+        for _ in range(self.cfg.slots):
+            self.jobs.put(None)  # wakes the workers waiting for a job
 
     # ---- main loop ---------------------------------------------------------------------
     def start_hosts(self) -> None:
@@ -217,7 +225,7 @@ class Agent:
 
     def _session(self) -> None:
         channel = grpc.insecure_channel(self.cfg.broker, options=GRPC_OPTIONS)
-        outq: queue.Queue = queue.Queue()
+        outq: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests():
             while True:
@@ -230,7 +238,7 @@ class Agent:
         call = stub.Connect(requests(), metadata=[("authorization", f"Bearer {self.cfg.api_key}")])
         hb_stop = threading.Event()
         try:
-            me = self.identity.public_key_hex
+            me = self._my_key
             outq.put(pb.AgentMessage(hello=pb.Hello(public_key=me, agent_version=VERSION,
                                                     name=self.cfg.name)))
             challenge = next(call).challenge
@@ -302,7 +310,7 @@ class Agent:
         start_ms = served.host.ready.get("start_ms", 0) if served is not None else 0
         return float(start_ms) / 1000.0
 
-    def _heartbeats(self, outq: queue.Queue, stop: threading.Event, interval: float) -> None:
+    def _heartbeats(self, outq: queue.SimpleQueue, stop: threading.Event, interval: float) -> None:
         while not stop.wait(interval):
             with self._lock:
                 ids = list(self.running) + list(self.undelivered)
@@ -355,7 +363,7 @@ class Agent:
     def _on_assignment(self, a: pb.Assignment) -> None:
         try:
             env = open_envelope(a.envelope, a.signature, broker_key=self.cfg.broker_public_key,
-                                my_key=self.identity.public_key_hex, replay=self.replay)
+                                my_key=self._my_key, replay=self.replay)
         except EnvelopeError as exc:
             log.error("refused a job envelope (%s): %s", exc.code, exc)
             return
@@ -438,8 +446,11 @@ class Agent:
     def _worker(self) -> None:
         while not self._stop.is_set():
             try:
-                job_id = self.jobs.get(timeout=0.2)
+                # stop() wakes this with None; the timeout is for a _stop set directly.
+                job_id = self.jobs.get(timeout=1.0)
             except queue.Empty:
+                continue
+            if job_id is None:
                 continue
             with self._lock:
                 rj = self.running.get(job_id)
@@ -539,7 +550,7 @@ class Agent:
                 job_id=job_id, attempt=attempt, index=out.index, media_type=out.media_type,
                 data=out.data, sha256=sha)))
         receipt = make_receipt(envelope=env, envelope_bytes=rj.envelope_bytes,
-                               provider_key=self.identity.public_key_hex, outputs=outputs,
+                               provider_key=self._my_key, outputs=outputs,
                                work_units=result.work_units,
                                timings_ms={"run": run_ms,
                                            "total": int((time.perf_counter() - t0) * 1000)},
@@ -553,7 +564,10 @@ class Agent:
                 log.info("job %s done while disconnected; the receipt goes out on reconnect", job_id)
                 break
         self.completed += 1
-        log.info("job %s done in %d ms", job_id, result.run_ms)
+        log.debug("job %s done in %d ms", job_id, result.run_ms)
+        line = self._summary.add(result.run_ms)
+        if line is not None:
+            log.info("%s", line)
 
     def _fetch_checkpoint(self, job_id: str, attempt: int, resume) -> bytes | None:
         """The checkpoint the envelope says to resume from, fetched from the broker and checked
@@ -561,7 +575,7 @@ class Agent:
         if not isinstance(resume, dict) or not resume.get("sha256"):
             return None
         want = str(resume["sha256"])
-        waiter: queue.Queue = queue.Queue()
+        waiter: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             self._checkpoint_waiters[job_id] = waiter
         try:
@@ -586,6 +600,33 @@ class Agent:
         finally:
             with self._lock:
                 self._checkpoint_waiters.pop(job_id, None)
+
+
+class _DoneSummary:
+    """Counts finished jobs for the INFO summary line (see SUMMARY_EVERY_S)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.total = 0
+        self._count = 0
+        self._run_ms = 0
+        self._since = time.monotonic()
+        self._next = 0.0  # the first job is reported at once
+
+    def add(self, run_ms: int) -> str | None:
+        """Count one job; the summary line when one is due, else None."""
+        now = time.monotonic()
+        with self._lock:
+            self.total += 1
+            self._count += 1
+            self._run_ms += run_ms
+            if now < self._next:
+                return None
+            line = (f"{self._count} job(s) done in the last {now - self._since:.0f}s "
+                    f"(mean run {self._run_ms / self._count:.0f} ms); {self.total} since start")
+            self._count, self._run_ms, self._since = 0, 0, now
+            self._next = now + SUMMARY_EVERY_S
+            return line
 
 
 def hardware_class(hardware: dict) -> str:

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 
 
@@ -26,17 +27,92 @@ def _protocol_streams():
     return proto_in, proto_out
 
 
+class Inbox:
+    """The agent's frames, read by the thread that needs them, not by a reader thread.
+
+    Between jobs the main loop waits in ``next()``. While a job runs, its cancellation
+    checks (``Context.cancelled()``) ``poll()`` for what has arrived, without waiting: a
+    cancel marks its job's context, anything else (a shutdown) waits its turn until the
+    job is over. A cancel can only be seen when the plugin checks, as it always could, and
+    a job costs no hand-off between threads.
+    """
+
+    def __init__(self, frames):
+        self.frames = frames
+        self.current: dict[str, Context] = {}   # the running job's context, by job id
+        self._pending: deque = deque()
+        self._lock = threading.Lock()            # one reader at a time
+        self._closed = False                     # EOF, garbage or shutdown: read no more
+
+    def next(self) -> dict:
+        """The next frame other than a cancel (waits for it); ``shutdown`` at the end."""
+        with self._lock:
+            while True:
+                if self._pending:
+                    return self._pending.popleft()
+                h = self._read(None)
+                if not self._route(h):
+                    return h
+
+    def poll(self) -> None:
+        """Take in whatever frames have arrived, without waiting (from any thread)."""
+        if self._closed or not self._lock.acquire(blocking=False):
+            return
+        try:
+            while not self._closed:
+                h = self._read(0)
+                if h is None:
+                    return
+                if not self._route(h):
+                    self._pending.append(h)
+        finally:
+            self._lock.release()
+
+    def _read(self, timeout_s: float | None) -> dict | None:
+        if self._closed:
+            return {"type": "shutdown"}
+        try:
+            got = self.frames.next(timeout_s)
+        except EOFError:
+            got = ({"type": "shutdown"}, b"")
+        except Exception:  # noqa: BLE001 - a garbled frame: stop cleanly, not hang
+            traceback.print_exc()
+            got = ({"type": "shutdown"}, b"")
+        if got is None:
+            return None
+        h, body = got
+        if h["type"] == "run" and body:
+            h["_resume_from"] = body  # the checkpoint to resume from
+        elif h["type"] == "shutdown":
+            self._closed = True
+        return h
+
+    def _route(self, h: dict) -> bool:
+        """Apply a cancel (True: consumed); any other frame is for the main loop."""
+        if h["type"] != "cancel":
+            return False
+        ctx = self.current.get(h.get("job_id", ""))
+        if ctx:
+            ctx._cancel.set()
+        return True
+
+
 class Context:
     """RunContext for one job (see plugins.api)."""
 
+    # How often cancelled() looks at the pipe for a cancel (a plugin may check very often).
+    POLL_EVERY_S = 0.005
+
     def __init__(self, job_id: str, writer, scratch: Path, *, checkpoint_every: int = 0,
-                 resume_from: bytes | None = None):
+                 resume_from: bytes | None = None, inbox: Inbox | None = None):
         self.job_id = job_id
         self.scratch_dir = scratch
         self.checkpoint_every = checkpoint_every
         self.resume_from = resume_from
         self._writer = writer
         self._cancel = threading.Event()
+        self._inbox = inbox
+        self._next_poll = 0.0
 
     def checkpoint(self, step: int, data: bytes) -> None:
         self._writer.send({"type": "checkpoint", "job_id": self.job_id, "step": int(step)},
@@ -51,12 +127,17 @@ class Context:
                            "token_ids": list(token_ids or [])})
 
     def cancelled(self) -> bool:
+        if self._inbox is not None and not self._cancel.is_set():
+            now = time.monotonic()
+            if now >= self._next_poll:
+                self._next_poll = now + self.POLL_EVERY_S
+                self._inbox.poll()
         return self._cancel.is_set()
 
     def check_cancelled(self) -> None:
-        from plugins.api import Cancelled
+        if self.cancelled():
+            from plugins.api import Cancelled
 
-        if self._cancel.is_set():
             raise Cancelled(f"job {self.job_id} was cancelled")
 
 
@@ -86,11 +167,12 @@ def _hardware(device: str) -> dict:
 
 
 def main() -> int:
-    from provider_agent.host.protocol import FrameWriter, read_frame
+    from provider_agent.host.protocol import FrameReader, FrameWriter
 
     proto_in, proto_out = _protocol_streams()
     writer = FrameWriter(proto_out)
-    header, _ = read_frame(proto_in)
+    frames = FrameReader(proto_in)
+    header, _ = frames.next()
     if header["type"] != "init":
         writer.send({"type": "failed", "job_id": "", "code": "protocol",
                      "message": "first message must be init", "retryable": False})
@@ -123,40 +205,12 @@ def main() -> int:
     # a job starts and leaves running can be found and killed. Outside it, /proc is the
     # provider's whole machine, so the host never does this.
     reaper = StrayReaper() if os.environ.get("SPARECYCLES_SANDBOXED") == "1" else None
-    jobs: list = []
-    jobs_cv = threading.Condition()
-    current: dict[str, Context] = {}
-
-    def reader():
-        while True:
-            try:
-                h, body = read_frame(proto_in)
-                if h["type"] == "run" and body:
-                    h["_resume_from"] = body  # the checkpoint to resume from
-            except EOFError:
-                h = {"type": "shutdown"}
-            except Exception:  # noqa: BLE001 - a garbled frame: stop cleanly, not hang
-                traceback.print_exc()
-                h = {"type": "shutdown"}
-            if h["type"] == "cancel":
-                ctx = current.get(h.get("job_id", ""))
-                if ctx:
-                    ctx._cancel.set()
-                continue
-            with jobs_cv:
-                jobs.append(h)
-                jobs_cv.notify()
-            if h["type"] == "shutdown":
-                return
-
-    threading.Thread(target=reader, daemon=True, name="host-reader").start()
+    inbox = Inbox(frames)
+    current = inbox.current
     from plugins.api import InputError, PluginError
 
     while True:
-        with jobs_cv:
-            while not jobs:
-                jobs_cv.wait()
-            h = jobs.pop(0)
+        h = inbox.next()
         if h["type"] == "shutdown":
             try:
                 plugin.teardown()
@@ -166,10 +220,10 @@ def main() -> int:
             continue
         job_id = h["job_id"]
         scratch = scratch_root / f"job-{job_id}"
-        scratch.mkdir(parents=True, exist_ok=True)
+        _mkdir(scratch)
         ctx = Context(job_id, writer, scratch,
                       checkpoint_every=int(h.get("checkpoint_every") or 0),
-                      resume_from=h.get("_resume_from"))
+                      resume_from=h.get("_resume_from"), inbox=inbox)
         current[job_id] = ctx
         t_run = time.perf_counter()
         failure: dict | None = None
@@ -203,12 +257,13 @@ def main() -> int:
         if failure is not None:
             writer.send({"type": "failed", "job_id": job_id, **failure})
             continue
-        for i, (media_type, meta, data) in enumerate(outputs):
-            writer.send({"type": "output", "job_id": job_id, "index": i,
-                         "media_type": media_type, "meta": meta}, data)
-        writer.send({"type": "result", "job_id": job_id, "count": len(outputs),
-                     "run_ms": int((time.perf_counter() - t_run) * 1000),
-                     "work_units": work_units})
+        # The outputs and the result in one write: the agent reads them in one go.
+        writer.send_many([*(({"type": "output", "job_id": job_id, "index": i,
+                              "media_type": media_type, "meta": meta}, data)
+                             for i, (media_type, meta, data) in enumerate(outputs)),
+                          ({"type": "result", "job_id": job_id, "count": len(outputs),
+                            "run_ms": int((time.perf_counter() - t_run) * 1000),
+                            "work_units": work_units}, b"")])
 
 
 class StrayReaper:
@@ -217,16 +272,29 @@ class StrayReaper:
     Everything alive when it is made (bwrap's init, this host, helpers the plugin started
     in ``setup()``) is kept; any other process seen after a job is SIGKILLed, repeatedly
     until none is left, so a fork loop cannot outrun it. Processes are told apart by pid
-    *and* start time, so a recycled pid is not mistaken for a kept one.
+    *and* start time, so a recycled pid is not mistaken for a kept one — except this host
+    and the pid namespace's init (pid 1), whose pids cannot be recycled while this host
+    runs: those are known by pid alone, so the usual scan after a job (no strays) lists
+    /proc and reads no process's stat.
     """
 
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self.proc = proc
+        self._dir = os.fspath(proc)
         self.keep = {(pid, start) for pid, (state, start) in self._live().items()}
         self.keep.add((os.getpid(), self._stat(os.getpid())[1]))
+        self._kept_pids = {os.getpid()}
+        if proc == Path("/proc") and any(pid == 1 for pid, _ in self.keep):
+            self._kept_pids.add(1)
 
     def _stat(self, pid: int) -> tuple[str, int]:
-        raw = (self.proc / str(pid) / "stat").read_bytes()
+        fd = os.open(f"{self._dir}/{pid}/stat", os.O_RDONLY)
+        try:
+            raw = b""
+            while chunk := os.read(fd, 4096):
+                raw += chunk
+        finally:
+            os.close(fd)
         fields = raw[raw.rindex(b")") + 2:].split()
         return fields[0].decode(), int(fields[19])   # state, starttime (clock ticks)
 
@@ -240,12 +308,25 @@ class StrayReaper:
                     continue  # gone meanwhile
         return out
 
+    def _strays(self) -> list[int]:
+        strays = []
+        for name in os.listdir(self._dir):
+            if not name.isdigit() or int(name) in self._kept_pids:
+                continue
+            pid = int(name)
+            try:
+                state, start = self._stat(pid)
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            if state not in ("Z", "X") and (pid, start) not in self.keep:
+                strays.append(pid)
+        return strays
+
     def reap(self, rounds: int = 200) -> list[int]:
         """Kill every process not kept; return their pids (empty when there were none)."""
         killed: set[int] = set()
         for _ in range(rounds):
-            strays = [pid for pid, (state, start) in self._live().items()
-                      if state not in ("Z", "X") and (pid, start) not in self.keep]
+            strays = self._strays()
             if not strays:
                 break
             for pid in strays:
@@ -263,7 +344,21 @@ class StrayReaper:
         return sorted(killed)
 
 
+def _mkdir(path: Path) -> None:
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # the scratch root itself is missing
+        path.mkdir(parents=True, exist_ok=True)
+
+
 def _rmtree(path: Path) -> None:
+    try:
+        os.rmdir(path)  # the usual case: the job left its scratch folder empty
+        return
+    except OSError:
+        pass
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)

@@ -3,12 +3,14 @@
 ``start()`` pays process start and model load once; ``run()`` sends one job and relays its
 progress, streamed text and outputs. A host that dies, hangs past the job's wall clock or
 breaks a limit is killed and restarted, and the job fails with a clear, retryable error.
+
+The thread running a job reads the host's frames itself (``FrameReader``, waiting with a
+timeout): no pump thread and no queue between the pipe and the job.
 """
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from provider_agent.errors import AgentError, HostError
-from .protocol import FrameWriter, read_frame
+from .protocol import FrameReader, FrameWriter
 
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +54,7 @@ class PluginHost:
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.ready: dict = {}
-        self._frames: queue.Queue = queue.Queue()
+        self._reader: FrameReader | None = None
         self._writer: FrameWriter | None = None
         self._lock = threading.Lock()  # one job at a time
         self.name = self.plugin_dir.name
@@ -73,10 +75,8 @@ class PluginHost:
         except AgentError as exc:  # the sandbox could not be set up (SandboxError)
             raise HostError("host_start_failed", f"could not start the plugin host for "
                             f"{self.name}: {exc}", retryable=True) from exc
-        self._frames = queue.Queue()
+        self._reader = FrameReader(self.proc.stdout)
         self._writer = FrameWriter(self.proc.stdin)
-        threading.Thread(target=self._pump, args=(self.proc, self._frames), daemon=True,
-                         name=f"host-{self.name}").start()
         try:
             self._writer.send({"type": "init", "plugin_dir": str(self.plugin_dir),
                                "weights_dir": str(self.weights_dir) if self.weights_dir else None,
@@ -103,14 +103,6 @@ class PluginHost:
         log.info("plugin host %s ready in %.1fs (model load %.1fs, pid %d)", self.name,
                  self.ready["start_ms"] / 1000, header.get("load_ms", 0) / 1000, self.proc.pid)
         return self.ready
-
-    @staticmethod
-    def _pump(proc: subprocess.Popen, frames: queue.Queue) -> None:
-        try:
-            while True:
-                frames.put(read_frame(proc.stdout))
-        except Exception as exc:  # noqa: BLE001 - EOF or garbage: the host is gone
-            frames.put(({"type": "_dead", "message": str(exc)}, b""))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -146,9 +138,12 @@ class PluginHost:
     # ---- jobs --------------------------------------------------------------------------
     def _next(self, timeout_s: float, job_id: str) -> tuple[dict, bytes]:
         try:
-            header, body = self._frames.get(timeout=max(0.0, timeout_s))
-        except queue.Empty:
-            raise TimeoutError from None
+            frame = self._reader.next(max(0.0, timeout_s))
+        except Exception as exc:  # noqa: BLE001 - EOF or garbage: the host is gone
+            frame = ({"type": "_dead", "message": str(exc)}, b"")
+        if frame is None:
+            raise TimeoutError
+        header, body = frame
         if header["type"] == "_dead":
             try:
                 code = self.proc.wait(2) if self.proc else None
