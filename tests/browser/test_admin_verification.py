@@ -48,6 +48,16 @@ def _png(width: int, height: int, pixel) -> bytes:
 FAKE_PNG = _png(64, 64, lambda x, y: (79, 124, 255) if (x // 16 + y // 16) % 2 else (60, 90, 200))
 
 
+def _canary_answer_known(svc) -> bool:
+    """Whether providers of two operators returned the same canary answer (then a canary
+    that disagrees is a lost check)."""
+    from sqlalchemy import select
+
+    from broker.storage.verification_sql import CanaryAnswerRow
+    with svc.engine.connect() as c:
+        return any(len(ops) >= 2 for ops in c.scalars(select(CanaryAnswerRow.operators)))
+
+
 def _wait(predicate, timeout=60.0, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -82,6 +92,12 @@ def env(tmp_path_factory):
         _wait(lambda: status(verified.id) and status(verified.id).value == "verified",
               what="the first job to be verified")
 
+        # Every new agent runs a first canary. Once the two honest operators agreed on its
+        # answer, a canary that disagrees is a lost check: wait for that, so that the
+        # cheater's made-up canary always counts (it used to count only when the honest
+        # canaries happened to finish first).
+        _wait(lambda: _canary_answer_known(svc), what="the honest operators' canaries to agree")
+
         # 2. A cheater (with 5 credits at stake) runs the next job alone; the honest two
         #    are paused meanwhile, then resumed to check it and break the tie.
         cheater_key = broker.key("provider")
@@ -99,6 +115,9 @@ def env(tmp_path_factory):
             svc.admin.provider_action(pid, "resume", "test: check the cheater", by="test")
         _wait(lambda: status(overturned.id) and status(overturned.id).value == "overturned",
               timeout=90, what="the cheater's job to be overturned")
+        _wait(lambda: sum(r.failures for r in
+                          svc.verification.repo.standings(agents[2].provider_id)) >= 2,
+              what="the cheater's canary and its lost dispute to be counted")
     except BaseException:
         stop_all()
         broker.stop()
@@ -204,7 +223,8 @@ def test_providers_show_cv_quota_and_claimed_vs_measured_throughput(env):
     page = env.page
     page.goto(env.url + "/admin/providers")
     cheater = page.locator(f"tr[data-provider='{env.cheater.provider_id}'] [data-cv]").inner_text()
-    assert cheater.startswith("0") and "1 lost" in cheater and "quota ×0.5" in cheater
+    # its made-up first canary and the dispute it lost: two lost checks, quota halved twice
+    assert cheater.startswith("0") and "2 lost" in cheater and "quota ×0.25" in cheater
     alpha = page.locator(f"tr[data-provider='{env.alpha.provider_id}'] [data-cv]").inner_text()
     assert alpha.startswith("2")  # its job verified, then one of the majority on the cheater's
     shot(page, "16-providers-cv")
@@ -221,7 +241,7 @@ def test_providers_show_cv_quota_and_claimed_vs_measured_throughput(env):
     page.goto(env.url + f"/admin/providers/{env.cheater.provider_id}")
     assert page.locator("#provider-cv").inner_text() == "0"
     assert page.locator("#provider-stake").inner_text() == "2.5"
-    assert "×0.5" in page.locator("#standing").inner_text()
+    assert "×0.25" in page.locator("#standing").inner_text()  # its canary and its dispute
     shot(page, "18-provider-cheater")
 
 

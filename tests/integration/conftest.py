@@ -83,13 +83,8 @@ def agent_starter(broker: LiveBroker):
         cfg = AgentConfig(broker=broker.grpc, api_key=key or broker.key("provider"),
                           name=name, slots=slots, plugins=list(plugins), device="cpu")
         agent = Agent(cfg, KeyPair.generate(), plugin_dirs=dict(plugins), sandboxed=False)
-        t = threading.Thread(target=agent.run, daemon=True)
-        t.start()
-        agents.append((agent, t))
-        deadline = time.monotonic() + 30
-        while not agent.provider_id and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert agent.provider_id, "agent did not connect"
+        # The cheat is in place before the agent connects: its very first run (the
+        # broker's canary) is already cheated.
         for served in (agent.plugins.values() if cheat is not None else ()):
             honest = served.host.run
 
@@ -99,6 +94,13 @@ def agent_starter(broker: LiveBroker):
                     out.data = cheat(out.data)
                 return result
             served.host.run = run
+        t = threading.Thread(target=agent.run, daemon=True)
+        t.start()
+        agents.append((agent, t))
+        deadline = time.monotonic() + 30
+        while not agent.provider_id and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert agent.provider_id, "agent did not connect"
         return agent
 
     def stop_all():
