@@ -120,7 +120,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             provider_id=provider.id, public_key=agent_key, account_id=provider.account_id,
             plugins={f"{p['name']}@{p['version']}": p["weights_digest"] for p in plugins},
             slots=caps.slots, paused=provider.status != "active")
-        resumed = [j.id for j in self.jobs.repo.leased_to(provider.id)]
+        session.resumed = {j.id: j for j in self.jobs.repo.leased_to(provider.id)}
+        resumed = list(session.resumed)
         session.active.update(resumed)
         if not caps.sandboxed:
             log.warning("provider %s (%s) runs plugins WITHOUT a sandbox", provider.id,

@@ -38,6 +38,7 @@ class AgentSession:
     draining: bool = False
     paused: bool = False
     quota_factor: float = 1.0        # cut by lost verification disputes (DESIGN §6)
+    resumed: dict[str, Job] = field(default_factory=dict)  # jobs it held when it connected
 
     def serves(self, job: Job) -> bool:
         """It serves the job's plugin version, on the pinned weights if the job pins any."""
@@ -81,6 +82,8 @@ class Dispatcher:
         # conditional assignment and is dropped.
         self._pending: dict[str, Job] = {}
         self._pending_sorted = True
+        self._added: dict[str, int] = {}  # job id -> _stamp when it was added in memory
+        self._stamp = 0
         self._scanned_at = float("-inf")
         self.market = None        # broker.market.MarketService; None: least-loaded matching
         self.canary_sender = None  # callable(session): sends the canaries due to an agent
@@ -120,7 +123,7 @@ class Dispatcher:
             if self.market.holds(session.provider_id, job_id):
                 continue
             try:
-                job = self.jobs.repo.get(job_id)
+                job = session.resumed.get(job_id) or self.jobs.repo.get(job_id)
             except Exception:  # noqa: BLE001 - only the queue estimate is at stake
                 log.exception("could not read resumed job %s", job_id)
                 continue
@@ -206,20 +209,25 @@ class Dispatcher:
                 if last is not None and (last.created_at, last.id) > (j.created_at, j.id):
                     self._pending_sorted = False  # a requeued job goes back to its place
                 self._pending[j.id] = j
+                self._stamp += 1
+                self._added[j.id] = self._stamp
         self.kick()
 
     def _queue_snapshot(self, limit: int = 256) -> list[Job]:
         """The oldest queued jobs, from memory; from the database every reap interval."""
         now = time.monotonic()
         if now - self._scanned_at >= self.reap_interval_s:
+            with self._cond:
+                before = self._stamp
             fresh = self.jobs.queued(limit=limit)
             with self._cond:
                 self._scanned_at = now
-                # Jobs queued since the read started are kept; the rest is the database's.
-                newer = [j for j in self._pending.values()
-                         if j.created_at > (fresh[-1].created_at if fresh else 0)]
+                # The database is the truth as of the read (a job cancelled or assigned
+                # meanwhile is gone); jobs added in memory since the read began are kept.
+                newer = {i: j for i, j in self._pending.items() if self._added.get(i, 0) > before}
                 self._pending = {j.id: j for j in fresh}
-                self._pending.update((j.id, j) for j in newer)
+                self._pending.update(newer)
+                self._added = {i: self._added[i] for i in newer}
                 self._pending_sorted = False
         with self._cond:
             if not self._pending_sorted:
@@ -237,6 +245,7 @@ class Dispatcher:
         with self._cond:
             for job_id in job_ids:
                 self._pending.pop(job_id, None)
+                self._added.pop(job_id, None)
 
     def _sync(self, session: AgentSession) -> None:
         """Tell the market how many slots the agent has free (paused, draining: none)."""
@@ -261,28 +270,26 @@ class Dispatcher:
                 session.active.discard(job.id)
                 # Assigned elsewhere, cancelled, or an attempt moved on: not queued as seen.
                 self._pending.pop(job.id, None)
+                self._added.pop(job.id, None)
             if self.market is not None:
                 self.market.release(session.provider_id, job.id)
             self._sync(session)
             return False
         return True
 
-    def _place(self, job: Job, queued: list[Job] | None = None) -> int:
+    def _place(self, job: Job, queued: list[Job] | None = None) -> list[str]:
         """Assign ``job`` (with its queued siblings when it belongs to a split batch);
-        returns how many jobs were assigned."""
+        returns the ids of the jobs assigned."""
         if self.market is None:
             session = self._choose(job)
-            return 1 if session is not None and self._assign(job, session) else 0
+            return [job.id] if session is not None and self._assign(job, session) else []
         siblings = [job]
         if job.batch_id:
             pool = queued if queued is not None else self.jobs.queued(limit=256)
             siblings = sorted({j.id: j for j in [job, *pool] if j.batch_id == job.batch_id}
                               .values(), key=lambda j: j.batch_index)
-        placed = 0
-        for sibling, session, price in self._clear(siblings):
-            if self._assign(sibling, session, price):
-                placed += 1
-        return placed
+        return [sibling.id for sibling, session, price in self._clear(siblings)
+                if self._assign(sibling, session, price)]
 
     def _clear(self, jobs: list[Job]) -> list[tuple[Job, AgentSession, int]]:
         """Clear ``jobs`` (one job, or siblings of one split) in the auction: the winners'
@@ -389,19 +396,21 @@ class Dispatcher:
                 return assigned
             progress = False
             left = 0
-            placed_ids: set[str] = set()
+            cleared: set[str] = set()  # placed, or siblings of a split cleared in this pass
             for job in batch:
-                if job.id in placed_ids:
+                if job.id in cleared:
                     continue
-                n = self._place(job, batch)
-                if not n:
+                placed = self._place(job, batch)
+                if not placed:
                     left += 1
                     continue
-                placed_ids.add(job.id)
-                if job.batch_id:
-                    placed_ids |= {j.id for j in batch if j.batch_id == job.batch_id}
-                self._forget(placed_ids)
-                assigned += n
+                self._forget(placed)
+                cleared.update(placed)
+                if job.batch_id:  # siblings left over wait for the next pass
+                    siblings = {j.id for j in batch if j.batch_id == job.batch_id}
+                    left += len(siblings - cleared)
+                    cleared |= siblings
+                assigned += len(placed)
                 progress = True
                 if not any(s.free > 0 for s in self.sessions()):
                     return assigned

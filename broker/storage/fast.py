@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from sqlalchemy import exc
 from sqlalchemy.engine import Connection
 
 
@@ -32,9 +31,6 @@ class Rows:
 
     def first(self) -> tuple | None:
         return self.rows[0] if self.rows else None
-
-    def scalar(self) -> Any:
-        return self.rows[0][0] if self.rows else None
 
     def mapping(self) -> dict | None:
         """The first row as a dict by column name (None when there is none)."""
@@ -96,19 +92,20 @@ class Prepared:
         return plan
 
     def _args(self, plan: _Plan, params: dict) -> tuple[str, Any]:
+        """The SQL and the DBAPI parameters, as DefaultExecutionContext builds them: every
+        bind parameter required (a missing one raises, never binds NULL), expanding IN
+        lists rendered, each value through its processor, names escaped."""
         compiled = plan.compiled
+        values = compiled.construct_params(params, escape_names=False)
+        sql, order, procs = plan.sql, plan.positions, plan.binds
         if plan.expanding:
-            state = compiled.construct_expanded_state(params)
-            values, sql, order = dict(state.parameters), state.statement, state.positiontup
-        else:
-            values, sql, order = compiled.construct_params(params, _check=False), plan.sql, \
-                plan.positions
-        for name, proc in plan.binds.items():
-            if name in values and not isinstance(proc, tuple):
-                values[name] = proc(values[name])
+            state = compiled._process_parameters_for_postcompile(values)
+            sql, order, procs = state.statement, state.positiontup, {**procs, **state.processors}
         if plan.positional:
-            return sql, [values[name] for name in order]
-        return sql, values
+            return sql, [procs[k](values[k]) if k in procs else values[k] for k in order]
+        escaped = compiled.escaped_bind_names or {}
+        return sql, {escaped.get(k, k): (procs[k](v) if k in procs else v)
+                     for k, v in values.items()}
 
     def run(self, conn: Connection, params: dict | Iterable[dict] | None = None) -> Rows:
         many = isinstance(params, list)
@@ -136,10 +133,10 @@ class Prepared:
                 rows = cursor.fetchall()
                 procs = plan.result_processors(conn.dialect, cursor.description)
             rowcount = cursor.rowcount
-        except conn.dialect.loaded_dbapi.Error as error:
-            # As Connection.execute raises them: IntegrityError, OperationalError … with .orig
-            raise exc.DBAPIError.instance(sql, args, error, conn.dialect.loaded_dbapi.Error,
-                                          dialect=conn.dialect) from error
+        except Exception as error:  # noqa: BLE001 - handled as Connection.execute does
+            # Wrapped (IntegrityError … with .orig), a lost connection invalidated, and the
+            # engine's handle_error hooks run: the same as for any other statement.
+            conn._handle_dbapi_exception(error, sql, args, cursor, None)
         finally:
             cursor.close()
         if rows and any(procs):

@@ -1,0 +1,65 @@
+"""The dispatcher's in-memory queue: the database stays the truth."""
+import pytest
+
+from broker.jobs.dispatch import Dispatcher
+from sdk.protocol.signing import KeyPair
+
+from broker_fixtures import RecordingSession, make_world
+
+
+@pytest.fixture
+def world(tmp_path):
+    engine, auth, jobs, clock = make_world(f"sqlite:///{tmp_path / 'b.db'}", tmp_path)
+    _, client = auth.create_account_with_key("client")
+    yield jobs, client
+    engine.dispose()
+
+
+def _session(plugins, pid="prov-1"):
+    return RecordingSession(provider_id=pid, public_key=KeyPair.generate().public_key_hex,
+                            account_id="acct", plugins=plugins, slots=4)
+
+
+def test_a_job_cancelled_while_queued_leaves_the_memory_queue(world):
+    jobs, client = world
+    d = Dispatcher(jobs, reap_interval_s=0.0)  # re-read the database on every pass
+    d.register(_session({"other@1.0.0": ""}))   # connected, but serves no echo
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    assert d.match_once() == 0 and job.id in d._pending and d._backlog
+    jobs.cancel(client, job.id)
+    for _ in range(2):
+        assert d.match_once() == 0
+    assert job.id not in d._pending
+    assert not d._backlog  # a new job may be handed out directly again
+
+
+def test_a_job_queued_during_the_database_read_is_kept(world):
+    jobs, client = world
+    d = Dispatcher(jobs, reap_interval_s=0.0)
+    d.register(_session({"other@1.0.0": ""}))
+    late = []
+    read = jobs.queued
+
+    def queued_while_another_arrives(limit):
+        rows = read(limit)  # the read sees the queue before the next job exists
+        if not late:
+            late.append(jobs.submit(client, {"plugin": "echo", "inputs": {}})[0])
+        return rows
+
+    jobs.queued = queued_while_another_arrives
+    d.match_once()
+    assert late and late[0].id in d._pending
+
+
+def test_siblings_of_a_split_that_did_not_fit_stay_queued(world):
+    jobs, client = world
+    d = Dispatcher(jobs, reap_interval_s=60.0)  # memory only, after the first read
+    s = _session({"echo@1.0.0": ""})
+    s.slots = 2
+    d.register(s)
+    first, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}, "n": 3})
+    for _ in range(3):
+        d.match_once()
+    assert len(s.sent) == 2
+    left = [j for j in jobs.batch(client, first.batch_id) if j.state.value == "queued"]
+    assert len(left) == 1 and left[0].id in d._pending
