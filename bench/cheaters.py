@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from broker.ledger.seeding import seed_earned  # noqa: E402
 from broker.server import BrokerServer  # noqa: E402
 from broker.settings import Settings  # noqa: E402
 from broker.verification.comparators import THRESHOLDS_PATH  # noqa: E402
@@ -130,19 +131,9 @@ class Network:
         raise RuntimeError(f"agent {name} did not connect")
 
     def give_stake(self, provider_id: str, micro: int) -> None:
-        """Stake ``micro`` for the provider's account, as earned credits would be: a job's
-        post into its vesting balance, vested, then staked (real ledger operations)."""
-        from broker.ledger.model import Splits
-
-        ledger, owner = self.svc.ledger, self.svc.providers.owner_of(provider_id)
-        seed = f"bench-seed-{owner}"
-        ledger.open_client(seed)
-        ledger.deposit(seed, micro, idempotency_key=f"{seed}:deposit")
-        hold = ledger.hold(seed, micro, f"{seed}-job", idempotency_key=f"{seed}:hold")
-        ledger.post(hold.id, Splits(provider=owner, provider_micro=micro),
-                    idempotency_key=f"{seed}:post", vesting_window_s=0)
-        ledger.vest(owner)
-        ledger.stake(owner, micro, idempotency_key=f"{seed}:stake")
+        """Stake ``micro`` for the provider's account, as earned credits would be (real
+        ledger operations: see :func:`broker.ledger.seeding.seed_earned`)."""
+        seed_earned(self.svc.ledger, self.svc.providers.owner_of(provider_id), micro)
 
     def stop_agent(self, name: str) -> None:
         proc = self.procs.pop(name)

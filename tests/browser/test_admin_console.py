@@ -6,24 +6,11 @@ admin's session would. Screenshots of every page go to artifacts/screenshots/.
 """
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from plugins import builtin_plugin_dir
+from tests.browser.conftest import FIXTURE_PLUGINS, chromium_page, shot
 from tests.integration.conftest import LiveBroker, agent_starter
-
-CHROMIUM = "/usr/bin/chromium"
-ROOT = Path(__file__).resolve().parents[2]
-SHOTS = ROOT / "artifacts" / "screenshots"
-FIXTURE_PLUGINS = ROOT / "tests" / "fixtures" / "plugins"
-
-playwright_api = pytest.importorskip("playwright.sync_api",
-                                     reason="playwright is not installed: pip install -e .[dev]")
-if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-    pytest.skip("chromium is missing (apt-get install chromium, or `make system-deps`); the "
-                "console's browser tests need Debian's headless Chromium", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,15 +25,7 @@ def env(tmp_path_factory):
     start, stop_all = agent_starter(broker)
     served = {"echo": builtin_plugin_dir("echo"), "swatch": FIXTURE_PLUGINS / "swatch"}
     agents = [start("alpha", slots=2, plugins=served), start("bravo", slots=2, plugins=served)]
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with playwright_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        context = browser.new_context(viewport={"width": 1360, "height": 900})
-        page = context.new_page()
-        page.set_default_timeout(10_000)
-
+    with chromium_page() as (browser, context, page):
         class Env:
             pass
         e = Env()
@@ -57,13 +36,8 @@ def env(tmp_path_factory):
         e.alpha, e.bravo = agents
         e.state = {}
         yield e
-        browser.close()
     stop_all()
     broker.stop()
-
-
-def shot(page, name):
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
 def test_login_refuses_bad_keys_and_accepts_an_admin_key(env):

@@ -7,45 +7,20 @@ shows the three sides. Screenshots go to artifacts/screenshots/ (14- onwards).
 """
 from __future__ import annotations
 
-import shutil
-import struct
 import time
-import zlib
-from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import LiveBroker, agent_starter, give_stake
-
-CHROMIUM = "/usr/bin/chromium"
-ROOT = Path(__file__).resolve().parents[2]
-SHOTS = ROOT / "artifacts" / "screenshots"
-FIXTURE_PLUGINS = ROOT / "tests" / "fixtures" / "plugins"
-
-playwright_api = pytest.importorskip("playwright.sync_api",
-                                     reason="playwright is not installed: pip install -e .[dev]")
-if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-    pytest.skip("chromium is missing (apt-get install chromium, or `make system-deps`); the "
-                "console's browser tests need Debian's headless Chromium", allow_module_level=True)
+from broker.ledger.seeding import seed_earned
+from tests.browser.conftest import FIXTURE_PLUGINS, chromium_page, shot
+from tests.fixtures.plugins.swatch.plugin import png
+from tests.integration.conftest import LiveBroker, agent_starter
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _png(width: int, height: int, pixel) -> bytes:
-    raw = b"".join(b"\0" + b"".join(bytes(pixel(x, y)) for x in range(width))
-                   for y in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-    return (b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
-
-
 #: What the cheater returns instead of the swatch it was asked for: a cheap flat image.
-FAKE_PNG = _png(64, 64, lambda x, y: (79, 124, 255) if (x // 16 + y // 16) % 2 else (60, 90, 200))
+FAKE_PNG = png(64, 64, lambda x, y: (79, 124, 255) if (x // 16 + y // 16) % 2 else (60, 90, 200))
 
 
 def _canary_answer_known(svc) -> bool:
@@ -101,7 +76,7 @@ def env(tmp_path_factory):
         # 2. A cheater (with 5 credits at stake) runs the next job alone; the honest two
         #    are paused meanwhile, then resumed to check it and break the tie.
         cheater_key = broker.key("provider")
-        give_stake(svc, svc.auth.authenticate(cheater_key).account_id, 5_000_000)
+        seed_earned(svc.ledger, svc.auth.authenticate(cheater_key).account_id, 5_000_000)
         # returns a made-up image instead of running the model
         agents.append(start("mallory", key=cheater_key, plugins=swatch,
                             cheat=lambda data: FAKE_PNG))
@@ -123,15 +98,7 @@ def env(tmp_path_factory):
         broker.stop()
         raise
 
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with playwright_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        context = browser.new_context(viewport={"width": 1360, "height": 900})
-        page = context.new_page()
-        page.set_default_timeout(10_000)
-
+    with chromium_page() as (_, _, page):
         class Env:
             pass
         e = Env()
@@ -143,13 +110,8 @@ def env(tmp_path_factory):
         page.click("button[type=submit]")
         assert page.url.endswith("/admin/")
         yield e
-        browser.close()
     stop_all()
     broker.stop()
-
-
-def shot(page, name):
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
 def _loaded(page, img) -> int:

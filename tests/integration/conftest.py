@@ -51,21 +51,6 @@ def live_broker(tmp_path):
     b.stop()
 
 
-def give_stake(services, owner: str, micro: int) -> None:
-    """Give provider account ``owner`` ``micro`` credits at stake, as earned credits get
-    there: a job's post into its vesting balance, vested, then staked."""
-    from broker.ledger.model import Splits
-
-    ledger, seed = services.ledger, f"seed-{owner}"
-    ledger.open_client(seed)
-    ledger.deposit(seed, micro, idempotency_key=f"{seed}:deposit")
-    hold = ledger.hold(seed, micro, f"{seed}-job", idempotency_key=f"{seed}:hold")
-    ledger.post(hold.id, Splits(provider=owner, provider_micro=micro),
-                idempotency_key=f"{seed}:post", vesting_window_s=0)
-    ledger.vest(owner)
-    ledger.stake(owner, micro, idempotency_key=f"{seed}:stake")
-
-
 def agent_starter(broker: LiveBroker):
     """(start, stop_all): ``start(name, slots=1, key=None, cheat=None, plugins=None)`` runs
     an in-process agent (plain subprocess hosts) on ``broker`` serving ``plugins`` ({name:

@@ -8,12 +8,13 @@ import uuid
 
 import pytest
 
-from broker.ledger.model import AccountId, AccountKind, Splits
+from broker.ledger.model import AccountId, AccountKind
+from broker.ledger.seeding import seed_earned
 from broker.verification.records import CheckStatus
 from sdk import Client
 from sdk.errors import APIError, ConflictError, InsufficientCreditsError
 
-from tests.integration.conftest import LiveBroker, agent_starter, give_stake
+from tests.integration.conftest import LiveBroker, agent_starter
 
 
 @pytest.fixture
@@ -92,7 +93,7 @@ def test_a_cheater_is_outvoted_refunded_slashed_and_reset(vbroker, agents):
     cheater = agents("cheater", cheat=lambda data: b'{"text": "made up"}')
     owner = svc.providers.owner_of(cheater.provider_id)
     ledger = svc.ledger
-    give_stake(svc, owner, 5_000_000)  # staked 5 credits it earned earlier
+    seed_earned(svc.ledger, owner, 5_000_000)  # staked 5 credits it earned earlier
 
     client_key = vbroker.key("client")
     client = Client(vbroker.url, client_key)
@@ -161,12 +162,7 @@ def test_providers_stake_and_the_minimum_stake_gates_dispatch(vbroker, agents):
     key = vbroker.key("provider")
     owner = svc.auth.authenticate(key).account_id
     svc.admin.policies.set_policy("echo", {"min_stake_micro": 2_000_000}, by="test")
-    svc.ledger.open_client("seed")
-    svc.ledger.deposit("seed", 3_000_000, idempotency_key="seed:d")
-    hold = svc.ledger.hold("seed", 3_000_000, "seed-job", idempotency_key="seed:h")
-    svc.ledger.post(hold.id, Splits(provider=owner, provider_micro=3_000_000),
-                    idempotency_key="seed:p", vesting_window_s=0)
-    svc.ledger.vest(owner)
+    seed_earned(svc.ledger, owner, 3_000_000, stake=False)  # earned, not yet staked
     agents("staker", key=key)
     client = Client(vbroker.url, vbroker.key("client"))
     job = client.jobs.create("echo", text="needs stake")

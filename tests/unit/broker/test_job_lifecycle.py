@@ -26,6 +26,25 @@ def _session(key: KeyPair, pid="prov-1"):
                             account_id="acct", plugins={"echo@1.0.0": ""})
 
 
+def _provider(jobs, pid="prov-1"):
+    """A dispatcher with one provider session (serving echo) registered: (session, key, d)."""
+    key = KeyPair.generate()
+    s = _session(key, pid)
+    d = Dispatcher(jobs)
+    d.register(s)
+    return s, key, d
+
+
+def _matched(world, inputs=None, pid="prov-1"):
+    """One echo job submitted and matched to a registered provider session ``pid``:
+    (job, session, key, dispatcher)."""
+    jobs, _, client, _ = world
+    s, key, d = _provider(jobs, pid)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": inputs or {}})
+    assert d.match_once() == 1
+    return job, s, key, d
+
+
 def _finish(jobs, job, session, key: KeyPair, data=b'{"ok":true}'):
     env_bytes, _ = session.sent[-1]
     env = loads(env_bytes)
@@ -38,10 +57,7 @@ def _finish(jobs, job, session, key: KeyPair, data=b'{"ok":true}'):
 
 def test_submit_match_run_settle(world):
     jobs, clock, client, _ = world
-    key = KeyPair.generate()
-    s = _session(key)
-    d = Dispatcher(jobs)
-    d.register(s)
+    s, key, d = _provider(jobs)
     job, created = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "hi"}})
     assert created and job.state == JobState.QUEUED and job.inputs["sleep_ms"] == 0
     assert d.match_once() == 1 and len(s.sent) == 1
@@ -65,10 +81,7 @@ def test_wait_returns_the_job_when_it_ends_or_as_it_is_at_the_deadline(world):
     import time
 
     jobs, _, client, _ = world
-    key = KeyPair.generate()
-    s = _session(key)
-    d = Dispatcher(jobs)
-    d.register(s)
+    s, key, d = _provider(jobs)
     job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
     got = {}
 
@@ -96,12 +109,7 @@ def test_wait_returns_the_job_when_it_ends_or_as_it_is_at_the_deadline(world):
 
 def test_forged_receipt_is_refused_and_moves_nothing(world):
     jobs, _, client, _ = world
-    key = KeyPair.generate()
-    s = _session(key)
-    d = Dispatcher(jobs)
-    d.register(s)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
-    d.match_once()
+    job, s, key, _ = _matched(world)
     rec, blob, _sig = _finish(jobs, job, s, key)
     thief = KeyPair.generate()
     with pytest.raises(ReceiptRefused) as exc:
@@ -116,33 +124,10 @@ def test_forged_receipt_is_refused_and_moves_nothing(world):
     assert jobs.get(client, job.id).state == JobState.MATCHED
 
 
-def test_receipt_without_uploaded_outputs_is_refused(world):
-    jobs, _, client, _ = world
-    key = KeyPair.generate()
-    s = _session(key)
-    d = Dispatcher(jobs)
-    d.register(s)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
-    d.match_once()
-    env_bytes, _ = s.sent[-1]
-    env = loads(env_bytes)
-    rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
-                       outputs=[{"index": 0, "sha256": "f" * 64, "media_type": "image/png", "size": 1}],
-                       work_units=1, timings_ms={})
-    with pytest.raises(ReceiptRefused, match="not uploaded"):
-        jobs.receipt(s.provider_id, key.public_key_hex, canonical_bytes(rec),
-                     key.sign("receipt", rec))
-
-
 def test_expired_lease_requeues_to_another_provider_then_fails(world):
     jobs, clock, client, _ = world
-    k1, k2 = KeyPair.generate(), KeyPair.generate()
-    s1, s2 = _session(k1, "p1"), _session(k2, "p2")
-    d = Dispatcher(jobs)
-    d.register(s1)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
-    d.match_once()
-    d.register(s2)
+    job, s1, _, d = _matched(world, pid="p1")
+    d.register(_session(KeyPair.generate(), "p2"))
     clock.advance(11)
     assert [j.state for j in jobs.reap_expired()] == [JobState.QUEUED]
     assert s1.cancels and s1.active == set()
@@ -165,22 +150,14 @@ def test_expired_lease_requeues_to_another_provider_then_fails(world):
 
 def test_give_back_requeues_without_using_an_attempt(world):
     jobs, _, client, _ = world
-    s = _session(KeyPair.generate())
-    d = Dispatcher(jobs)
-    d.register(s)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
-    d.match_once()
+    job, s, _, _ = _matched(world)
     moved = jobs.give_back(s.provider_id, job.id, 0, "operator stopped the agent")
     assert moved.state == JobState.QUEUED and moved.attempt == 1 and moved.max_attempts == 3
 
 
 def test_cancel_running_job_tells_the_agent(world):
     jobs, _, client, _ = world
-    s = _session(KeyPair.generate())
-    d = Dispatcher(jobs)
-    d.register(s)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 1000}})
-    d.match_once()
+    job, s, _, _ = _matched(world, {"sleep_ms": 1000})
     cancelled = jobs.cancel(client, job.id)
     assert cancelled.state == JobState.CANCELLED and s.cancels[0][0] == job.id
     assert jobs.cancel(client, job.id).state == JobState.CANCELLED  # idempotent
@@ -188,12 +165,7 @@ def test_cancel_running_job_tells_the_agent(world):
 
 def test_settled_job_cannot_be_cancelled(world):
     jobs, _, client, _ = world
-    key = KeyPair.generate()
-    s = _session(key)
-    d = Dispatcher(jobs)
-    d.register(s)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
-    d.match_once()
+    job, s, key, _ = _matched(world)
     _, blob, sig = _finish(jobs, job, s, key)
     jobs.receipt(s.provider_id, key.public_key_hex, blob, sig)
     with pytest.raises(JobNotCancellable, match="already settled"):
@@ -236,25 +208,28 @@ def test_jobs_are_private_to_their_account(world):
         jobs.get(client, "not-a-uuid")
 
 
-@pytest.mark.parametrize("bad,why", [
+@pytest.mark.parametrize("bad,why,code", [
     ({"index": 0, "sha256": "f" * 64, "media_type": "image/png", "size": 1, "meta": ["x"]},
-     "meta must be an object"),
-    ({"index": 1, "sha256": "f" * 64, "media_type": "image/png", "size": 1}, "index must be 0"),
-    ({"index": 0, "sha256": "zz", "media_type": "image/png", "size": 1}, "sha256"),
-    ({"index": 0, "sha256": "f" * 64, "media_type": "png", "size": 1}, "media_type"),
-    ({"index": 0, "sha256": "f" * 64, "media_type": "image/png", "size": -1}, "size"),
-    ("not an object", "not an object"),
+     "meta must be an object", "malformed_receipt"),
+    ({"index": 1, "sha256": "f" * 64, "media_type": "image/png", "size": 1}, "index must be 0",
+     "malformed_receipt"),
+    ({"index": 0, "sha256": "zz", "media_type": "image/png", "size": 1}, "sha256",
+     "malformed_receipt"),
+    ({"index": 0, "sha256": "f" * 64, "media_type": "png", "size": 1}, "media_type",
+     "malformed_receipt"),
+    ({"index": 0, "sha256": "f" * 64, "media_type": "image/png", "size": -1}, "size",
+     "malformed_receipt"),
+    ("not an object", "not an object", "malformed_receipt"),
+    # well formed, but names an output that was never uploaded
+    ({"index": 0, "sha256": "f" * 64, "media_type": "image/png", "size": 1}, "not uploaded",
+     "output_missing"),
 ])
-def test_a_malformed_receipt_is_refused_and_the_job_keeps_its_lease(world, bad, why):
+def test_a_bad_receipt_is_refused_and_the_job_keeps_its_lease(world, bad, why, code):
     """Every byte of a receipt is the provider's: what the broker and verification read
-    must have the documented shape, or the receipt is refused (nothing settles)."""
-    jobs, _, client, _ = world
-    key = KeyPair.generate()
-    s = _session(key)
-    d = Dispatcher(jobs)
-    d.register(s)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
-    d.match_once()
+    must have the documented shape, and every output it names must have been uploaded, or
+    the receipt is refused (nothing settles)."""
+    jobs, _, _, _ = world
+    job, s, key, _ = _matched(world)
     env_bytes, _ = s.sent[-1]
     env = loads(env_bytes)
     rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
@@ -262,7 +237,7 @@ def test_a_malformed_receipt_is_refused_and_the_job_keeps_its_lease(world, bad, 
     with pytest.raises(ReceiptRefused, match=why) as err:
         jobs.receipt(s.provider_id, key.public_key_hex, canonical_bytes(rec),
                      key.sign("receipt", rec))
-    assert err.value.code == "malformed_receipt"
+    assert err.value.code == code
     assert jobs.repo.get(job.id).state.value == "matched"
 
 

@@ -73,6 +73,23 @@ def make_ctx():
     return FakeContext
 
 
+@pytest.fixture
+def ckpt_ctx(make_ctx):
+    """A FakeContext class that also checkpoints: ``ckpt_ctx(every=2)`` records each
+    checkpoint in ``.checkpoints`` ({step: bytes}); ``ckpt_ctx(resume=data)`` resumes."""
+    class CheckpointContext(make_ctx):
+        def __init__(self, every: int = 0, resume: bytes | None = None, **kw):
+            super().__init__(**kw)
+            self.checkpoint_every = every
+            self.resume_from = resume
+            self.checkpoints: dict[int, bytes] = {}
+
+        def checkpoint(self, step: int, data: bytes) -> None:
+            self.checkpoints[step] = data
+
+    return CheckpointContext
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny-weights")

@@ -10,21 +10,6 @@ from plugins import checkpoints  # noqa: E402
 from plugins.checkpoints import BadCheckpoint  # noqa: E402
 
 
-@pytest.fixture
-def ckpt_ctx(make_ctx):
-    class CheckpointContext(make_ctx):
-        def __init__(self, every: int = 0, resume: bytes | None = None, **kw):
-            super().__init__(**kw)
-            self.checkpoint_every = every
-            self.resume_from = resume
-            self.checkpoints: dict[int, bytes] = {}
-
-        def checkpoint(self, step: int, data: bytes) -> None:
-            self.checkpoints[step] = data
-
-    return CheckpointContext
-
-
 @pytest.mark.parametrize("scheduler", ["euler", "euler_a", "ddim", "dpmpp_2m"])
 def test_sd15_resumed_from_a_checkpoint_is_byte_identical(sd15, ckpt_ctx, scheduler):
     plugin, manifest = sd15

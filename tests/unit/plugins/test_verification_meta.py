@@ -91,22 +91,13 @@ def test_sd15_latent_hash_is_of_the_latents_the_vae_decodes(sd15, make_ctx, monk
         assert out.meta["latent_sha256"] == latent_digest(hashed[i])
 
 
-def test_sd15_resumed_job_has_the_same_latent_hash(sd15, make_ctx):
+def test_sd15_resumed_job_has_the_same_latent_hash(sd15, ckpt_ctx):
     plugin, manifest = sd15
     inputs = manifest.validate_inputs({**FAST, "steps": 4, "seed": 5, "scheduler": "euler_a"})
-
-    class Ctx(make_ctx):
-        def __init__(self, every=0, resume=None):
-            super().__init__()
-            self.checkpoint_every, self.resume_from, self.checkpoints = every, resume, {}
-
-        def checkpoint(self, step, data):
-            self.checkpoints[step] = data
-
-    [plain] = plugin.run(inputs, Ctx())
-    writer = Ctx(every=2)
+    [plain] = plugin.run(inputs, ckpt_ctx())
+    writer = ckpt_ctx(every=2)
     plugin.run(inputs, writer)
-    [resumed] = plugin.run(inputs, Ctx(resume=writer.checkpoints[2]))
+    [resumed] = plugin.run(inputs, ckpt_ctx(resume=writer.checkpoints[2]))
     assert resumed.meta["latent_sha256"] == plain.meta["latent_sha256"]
 
 
@@ -196,10 +187,15 @@ def test_llama_sampled_meta_mass_above_and_sampled_probabilities(llama_run):
 
 
 def test_llama_top_p_zeroes_the_tail_and_eos_mass_counts(llama_run):
-    out, = llama_run(prompt="Hello", max_new_tokens=10, temperature=0.7, top_p=0.05, seed=2)
+    """Without ignore_eos the eos ids are not banned: their mass in the distribution sampled
+    from (what top_p kept of it) is reported as eos_p, beside the other tokens' mass."""
+    job = {"prompt": "Hello", "max_new_tokens": 10, "temperature": 0.7, "top_p": 0.05,
+           "seed": 2}
+    out, = llama_run(**job)
     m = out.meta
     _check_scores(m)
     assert m["top_p"] == 0.05 and m["temperature"] == 0.7
+    eos = set(m["eos_ids"])
     for token, s in zip(m["token_ids"], m["scores"]):
         kept = [t for t in s["top"] if t[2] > 0]
         assert kept and sum(t[2] for t in kept) <= 1.0 + 1e-5
@@ -207,7 +203,17 @@ def test_llama_top_p_zeroes_the_tail_and_eos_mass_counts(llama_run):
         dropped = [t for t in s["top"] if t[2] == 0]
         if dropped:
             assert min(t[1] for t in kept) >= max(t[1] for t in dropped)
-        assert s["eos_p"] >= 0.0
+        # the eos mass is a share of the sampled distribution, apart from the others'
+        assert s["eos_p"] + sum(t[2] for t in s["top"] if t[0] not in eos) <= 1.0 + 1e-5
+    # where top_p's head takes an eos id in, its mass counts (this seeded job has such steps)
+    assert any(s["eos_p"] > 0 for s in m["scores"])
+    # ... unless ignore_eos bans the eos ids from the sampler
+    banned, = llama_run(**job, ignore_eos=True)
+    assert all(s["eos_p"] == 0.0 for s in banned.meta["scores"])
+    # at T=1 without top_p the sampled distribution is the model's own: all its eos mass
+    full, = llama_run(**{**job, "temperature": 1.0, "top_p": 1.0})
+    for s in full.meta["scores"]:
+        assert s["eos_p"] == pytest.approx(math.exp(s["eos_lp"]), rel=1e-3)
 
 
 def test_llama_stop_string_is_reported(llama_run):
@@ -223,23 +229,14 @@ def test_llama_stop_string_is_reported(llama_run):
     _check_scores(out.meta)
 
 
-def test_llama_resumed_job_keeps_the_scores(llama, make_ctx):
+def test_llama_resumed_job_keeps_the_scores(llama, ckpt_ctx):
     plugin, manifest = llama
     inputs = manifest.validate_inputs({"prompt": "hello there", "max_new_tokens": 12,
                                        "seed": 4, "temperature": 0.8, "ignore_eos": True})
-
-    class Ctx(make_ctx):
-        def __init__(self, every=0, resume=None):
-            super().__init__()
-            self.checkpoint_every, self.resume_from, self.checkpoints = every, resume, {}
-
-        def checkpoint(self, step, data):
-            self.checkpoints[step] = data
-
-    [plain] = plugin.run(inputs, Ctx())
-    writer = Ctx(every=5)
+    [plain] = plugin.run(inputs, ckpt_ctx())
+    writer = ckpt_ctx(every=5)
     plugin.run(inputs, writer)
-    [resumed] = plugin.run(inputs, Ctx(resume=writer.checkpoints[5]))
+    [resumed] = plugin.run(inputs, ckpt_ctx(resume=writer.checkpoints[5]))
     assert resumed.meta["token_ids"] == plain.meta["token_ids"]
     # the first 5 come from the checkpoint; after it the prompt is re-encoded in one pass
     # rather than token by token, which may move the last digit
