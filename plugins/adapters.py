@@ -34,19 +34,19 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from plugins.api import BadInput, PluginError
+from sdk.protocol.package import ADAPTER_INPUT_NAME_RE as _NAME
+from sdk.protocol.package import adapter_pairs
 
 MAX_ADAPTERS_PER_JOB = 4
 SCALE_LIMITS = (-4.0, 4.0)
 DEFAULT_CACHE_SIZE = 8  # adapters kept loaded in the warm model (least recently used go)
 DECLARATION = "adapter.json"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 @dataclass(frozen=True)
@@ -57,23 +57,13 @@ class AdapterRequest:
 
 def parse_adapters(text: str | None) -> list[AdapterRequest]:
     """The ``adapters`` input as a list of (name, scale); empty for "" or None."""
-    text = (text or "").strip()
-    if not text:
-        return []
-    if text.startswith("{"):
-        try:
-            table = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BadInput(f"adapters is not valid JSON ({exc.msg} at character {exc.pos}); "
-                           f'send {{"name": scale}} or "name:scale,name2:scale"') from None
-        if not isinstance(table, dict):
-            raise BadInput('adapters as JSON must be an object like {"ink": 0.8}')
-        pairs = list(table.items())
-    else:
-        pairs = []
-        for part in text.split(","):
-            name, sep, scale = part.strip().partition(":")
-            pairs.append((name.strip(), scale.strip() if sep else 1.0))
+    try:
+        pairs = adapter_pairs(text)
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"adapters is not valid JSON ({exc.msg} at character {exc.pos}); "
+                       f'send {{"name": scale}} or "name:scale,name2:scale"') from None
+    except ValueError as exc:  # JSON, but not an object
+        raise BadInput(str(exc)) from None
     requests: list[AdapterRequest] = []
     for name, raw in pairs:
         if not isinstance(name, str) or not _NAME.fullmatch(name):

@@ -22,15 +22,13 @@ class Response:
     """A fully read answer: ``status_code``, ``headers`` (case-insensitive), ``content``
     (bytes), ``text`` and ``json()`` (raises ValueError when the body is not JSON)."""
 
-    __slots__ = ("status_code", "headers", "content", "url")
+    __slots__ = ("status_code", "headers", "content")
 
-    def __init__(self, status_code: int, headers: Mapping[str, str], content: bytes,
-                 url: str = ""):
+    def __init__(self, status_code: int, headers: Mapping[str, str], content: bytes):
         self.status_code = status_code
         self.headers = headers if isinstance(headers, urllib3.HTTPHeaderDict) \
             else urllib3.HTTPHeaderDict(headers)
         self.content = content
-        self.url = url
 
     @property
     def encoding(self) -> str:
@@ -46,10 +44,6 @@ class Response:
 
     def json(self) -> Any:
         return json.loads(self.content)
-
-    @property
-    def is_success(self) -> bool:
-        return 200 <= self.status_code < 300
 
     def __repr__(self) -> str:
         return f"<Response [{self.status_code}]>"

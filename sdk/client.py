@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import urllib3
 
@@ -48,18 +48,23 @@ class Client:
                 "no API key: pass Client(api_key=...) or set SPARECYCLES_API_KEY "
                 "(an admin creates one with `sparecycles broker create-key --role client`)")
         self.max_retries = max_retries
-        self.timeout = timeout
         self._timeout = urllib3.Timeout(connect=timeout, read=timeout)
-        # One pool per broker, shared by every thread using this client (thread-safe);
-        # retries and redirects are this class's business, not urllib3's.
-        self._http = urllib3.PoolManager(num_pools=4, maxsize=POOL_SIZE, block=False,
-                                         retries=False, timeout=self._timeout)
         try:
             base = urllib3.util.parse_url(self.base_url)
-            self._pool = self._http.connection_from_url(self.base_url)
+            if base.scheme not in ("http", "https") or not base.host:
+                raise urllib3.exceptions.LocationValueError(
+                    f"the scheme is {base.scheme!r}, not http or https")
+            # One pool for the broker, shared by every thread using this client
+            # (thread-safe); retries and redirects are this class's business, not urllib3's.
+            self._pool = urllib3.connection_from_url(self.base_url, maxsize=POOL_SIZE,
+                                                     block=False, retries=False,
+                                                     timeout=self._timeout)
         except urllib3.exceptions.LocationValueError as exc:
             raise ConfigurationError(f"bad broker URL {self.base_url!r} ({exc}): give one like "
                                      f"{DEFAULT_URL}") from None
+        # The only origin this client sends its API key to.
+        self._origin = (base.scheme, base.host.lower(),
+                        base.port or (443 if base.scheme == "https" else 80))
         self._prefix = (base.path or "").rstrip("/")
         self._headers = {"Authorization": f"Bearer {self.api_key}", "User-Agent": USER_AGENT,
                          "Accept": "application/json"}
@@ -69,16 +74,26 @@ class Client:
     # ---- plumbing ----------------------------------------------------------------------
     def request(self, method: str, path: str, *, json_body: Any = None,
                 params: dict | None = None, idempotency_key: str | None = None,
-                timeout: float | None = None, content: bytes | None = None,
+                timeout: float | None = None, content: bytes | BinaryIO | None = None,
                 headers: dict | None = None) -> Response:
         """One API call, retried on connection errors and 429/502/503/504 (with the same
-        Idempotency-Key); an error answer raises the matching ``sdk.errors`` class."""
+        Idempotency-Key); an error answer raises the matching ``sdk.errors`` class.
+
+        ``path`` is a path under the broker's URL (``/v1/...``); an absolute URL must be on
+        the broker's own origin (the API key goes to no other host). ``content`` is bytes
+        or a seekable binary file, streamed from its current position (and rewound to it
+        for each retry)."""
+        target = self._target(with_query(path, params))
         hdrs = dict(self._headers)
         if idempotency_key:
             hdrs["Idempotency-Key"] = idempotency_key
+        rewind = None
         if content is not None:
             hdrs["Content-Type"] = "application/octet-stream"
             body = content
+            if hasattr(content, "read"):  # a file: sent as read, with its length declared
+                rewind = content.tell()
+                hdrs["Content-Length"] = str(content.seek(0, os.SEEK_END) - rewind)
         elif json_body is not None:
             hdrs["Content-Type"] = "application/json"
             body = json.dumps(json_body, ensure_ascii=False, separators=(",", ":"),
@@ -89,17 +104,12 @@ class Client:
             hdrs.update(headers)
         tmo = self._timeout if timeout is None else urllib3.Timeout(connect=timeout,
                                                                     read=timeout)
-        url = with_query(path, params)
-        absolute = "://" in url.split("?", 1)[0]
         for attempt in range(self.max_retries + 1):
+            if rewind is not None:
+                content.seek(rewind)
             try:
-                if absolute:  # e.g. an output's URL on another host
-                    raw = self._http.urlopen(method, url, body=body, headers=hdrs,
-                                             timeout=tmo, retries=False, redirect=False)
-                else:
-                    raw = self._pool.urlopen(method, self._prefix + url, body=body,
-                                             headers=hdrs, timeout=tmo, retries=False,
-                                             redirect=False)
+                raw = self._pool.urlopen(method, target, body=body, headers=hdrs, timeout=tmo,
+                                         retries=False, redirect=False)
             except TransportError as exc:
                 if attempt == self.max_retries:
                     raise APIConnectionError(f"cannot reach the broker at {self.base_url}: "
@@ -107,7 +117,7 @@ class Client:
                                              "is `sparecycles broker serve` running?") from exc
                 self._backoff(attempt)
                 continue
-            resp = Response(raw.status, raw.headers, raw.data, url)
+            resp = Response(raw.status, raw.headers, raw.data)
             if resp.status_code in RETRY_STATUS and attempt < self.max_retries:
                 self._backoff(attempt)
                 continue
@@ -119,17 +129,35 @@ class Client:
     def _open_stream(self, path: str, params: dict | None, read_timeout: float):
         """A GET whose body is read as it arrives (the caller closes it)."""
         hdrs = {**self._headers, "Accept": "text/event-stream"}
-        return self._pool.urlopen("GET", self._prefix + with_query(path, params),
+        return self._pool.urlopen("GET", self._target(with_query(path, params)),
                                   headers=hdrs, retries=False, redirect=False,
                                   preload_content=False,
                                   timeout=urllib3.Timeout(connect=30.0, read=read_timeout))
+
+    def _target(self, url: str) -> str:
+        """The request target on the broker for ``url``: a path (``/v1/...``) goes under
+        the broker's URL; an absolute URL is refused unless it is on the broker's own
+        origin, so the API key is never sent to another host."""
+        if "://" not in url.split("?", 1)[0]:
+            return self._prefix + url
+        try:
+            u = urllib3.util.parse_url(url)
+            origin = (u.scheme, (u.host or "").lower(),
+                      u.port or (443 if u.scheme == "https" else 80))
+        except urllib3.exceptions.LocationValueError:
+            origin = None
+        if origin != self._origin:
+            raise ValueError(f"refusing to send the API key to {url!r}: this client only "
+                             f"talks to its broker at {self.base_url}; give a path like "
+                             "/v1/jobs (fetch other hosts' URLs without the client)")
+        return u.request_uri
 
     @staticmethod
     def _backoff(attempt: int) -> None:
         time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
 
     def close(self) -> None:
-        self._http.clear()
+        self._pool.close()
 
     def __enter__(self):
         return self
@@ -149,9 +177,10 @@ class Client:
     def register_publisher_key(self, keys, label: str = "") -> dict:
         """Register ``keys`` (sdk.protocol.signing.KeyPair) as a publisher key of this
         account, proving it holds the private key (needs a publisher API key)."""
-        account_id = self.account()["id"]
-        proof = keys.sign("publisher", {"account_id": account_id,
-                                        "public_key": keys.public_key_hex})
+        from sdk.protocol.package import publisher_proof_document
+
+        proof = keys.sign("publisher", publisher_proof_document(self.account()["id"],
+                                                                keys.public_key_hex))
         return self.request("POST", "/v1/publishers", json_body={
             "public_key": keys.public_key_hex, "proof": proof, "label": label}).json()
 
@@ -166,8 +195,8 @@ class Client:
         document = build_document(folder, keys.public_key_hex, royalty_micro=royalty_micro)
         signature = sign_document(keys, document)
         for f in document["files"]:
-            self.request("PUT", f"/v1/blobs/{f['sha256']}",
-                         content=(folder / f["path"]).read_bytes(), timeout=600.0)
+            with open(folder / f["path"], "rb") as fh:  # streamed: weights may be GBs
+                self.request("PUT", f"/v1/blobs/{f['sha256']}", content=fh, timeout=600.0)
         return self.request("POST", f"/v1/{document['kind']}s", json_body={
             "document": document, "signature": signature}).json()
 
@@ -385,32 +414,46 @@ class Job:
         return Result(self._c, self)
 
     def events(self, after: int = 0) -> Iterator[Event]:
-        """Server-sent events until the job ends (reconnects where it left off)."""
-        last = after
+        """Server-sent events until the job ends. A stream that drops or goes silent is
+        reopened after the last event seen: at once when it had delivered events, with
+        backoff when it had not; ``max_retries`` such empty tries in a row raise
+        APIConnectionError."""
+        last, failures = after, 0
+        dropped = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError)
         while True:
+            fresh = False  # whether this connection delivered an event
             try:
                 raw = self._c._open_stream(f"/v1/jobs/{self.id}/events", {"after": last},
                                            read_timeout=60.0)
-            except (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError):
-                continue
+            except dropped as exc:
+                error = exc
             except TransportError as exc:
                 raise APIConnectionError(f"cannot reach the broker at {self._c.base_url}: "
                                          f"{describe(exc)}") from exc
-            try:
-                if raw.status >= 400:
-                    raise _error(Response(raw.status, raw.headers, raw.read()))
-                for ev in _parse_sse(iter_lines(raw)):
-                    last = ev.id
-                    yield ev
-                    if ev.kind in ("done", "failed", "cancelled", "refunded"):
-                        return
-                return
-            except (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError):
-                continue  # reconnect after the last event seen
-            finally:
-                # never reuse a connection whose stream may not be read to its end
-                raw.close()
-                raw.release_conn()
+            else:
+                try:
+                    if raw.status >= 400:
+                        raise _error(Response(raw.status, raw.headers, raw.read()))
+                    for ev in _parse_sse(iter_lines(raw)):
+                        last, fresh, failures = ev.id, True, 0
+                        yield ev
+                        if ev.kind in ("done", "failed", "cancelled", "refunded"):
+                            return
+                    return
+                except dropped as exc:
+                    error = exc  # reconnect after the last event seen
+                finally:
+                    # never reuse a connection whose stream may not be read to its end
+                    raw.close()
+                    raw.release_conn()
+            if fresh:
+                continue
+            failures += 1
+            if failures > self._c.max_retries:
+                raise APIConnectionError(
+                    f"lost the event stream of job {self.id} at {self._c.base_url}: "
+                    f"{describe(error)} ({failures} tries in a row without an event)") from error
+            self._c._backoff(failures - 1)
 
 
 class Batch:
@@ -498,12 +541,14 @@ class Result:
         """Wait until the verification status is final (not checking or disputed), then
         refetch the outputs (an overturned job's outputs are replaced). Returns it."""
         deadline = time.monotonic() + timeout
+        delay = 0.2  # doubling to 5 s: a re-run takes as long as the job did
         self.job.refresh()
         while self.job.verification in ("checking", "disputed"):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            time.sleep(min(0.2, left))
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
             self.job.refresh()
         self.outputs, self._bytes = self.job.data.get("outputs", []), {}
         return self.job.verification

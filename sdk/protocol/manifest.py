@@ -49,6 +49,20 @@ _TOP = {"name", "version", "publisher", "entrypoint", "output", "description", "
         "wall_clock_s", "hardware", "inputs", "benchmark", "weights"}
 
 
+def version_key(version: str) -> tuple:
+    """The sort key of a version that ``VERSION_RE`` accepts, in semver precedence: the
+    numeric core, then a release above its pre-releases (``1.0.0-rc.1`` < ``1.0.0``),
+    pre-release identifiers compared one by one (numeric ones numerically and below
+    alphanumeric ones); build metadata (``+...``) is ignored. The one ordering the broker
+    uses to pick a "latest" version."""
+    core, _, pre = version.partition("+")[0].partition("-")
+    nums = tuple(int(x) for x in core.split("."))
+    if not pre:
+        return (nums, 1, ())
+    return (nums, 0, tuple((0, int(p), "") if p.isdigit() else (1, 0, p)
+                           for p in pre.split(".")))
+
+
 class ManifestError(ValueError):
     """A malformed manifest; the message names the field."""
 
@@ -99,6 +113,18 @@ class Manifest:
         }
 
 
+def check_version(value: Any, what: str = "version") -> str:
+    """``value`` when it is a semantic version (``VERSION_RE``) of at most
+    ``MAX_VERSION_LEN`` characters; else raises ManifestError (``what`` names the field in
+    the message). The one version check of manifests, adapter.toml and package documents."""
+    if isinstance(value, str) and len(value) > MAX_VERSION_LEN:
+        raise ManifestError(f"{what} is {len(value)} characters long; at most "
+                            f"{MAX_VERSION_LEN} are allowed")
+    if not isinstance(value, str) or not VERSION_RE.match(value):
+        raise ManifestError(f"{what} {value!r} must be a semantic version like 1.2.3")
+    return value
+
+
 def _req(data: Mapping, key: str, typ: type, where: str = "") -> Any:
     name = f"{where}{key}"
     if key not in data:
@@ -124,12 +150,7 @@ def _parse(data: Mapping[str, Any]) -> Manifest:
     name = _req(data, "name", str)
     if not NAME_RE.match(name):
         raise ManifestError(f"name {name!r} must match {NAME_RE.pattern}")
-    version = _req(data, "version", str)
-    if len(version) > MAX_VERSION_LEN:
-        raise ManifestError(f"version is {len(version)} characters long; at most "
-                            f"{MAX_VERSION_LEN} are allowed")
-    if not VERSION_RE.match(version):
-        raise ManifestError(f"version {version!r} must be a semantic version like 1.2.3")
+    version = check_version(_req(data, "version", str))
     publisher = _req(data, "publisher", str)
     entrypoint = _req(data, "entrypoint", str)
     if not ENTRY_RE.match(entrypoint):

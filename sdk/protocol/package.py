@@ -37,8 +37,7 @@ from typing import Any, Mapping
 
 from .canonical import CanonicalEncodingError, canonical_bytes, is_sha256_hex, sha256_hex
 from .digest import file_sha256
-from .manifest import (MAX_VERSION_LEN, NAME_RE, VERSION_RE, Manifest, ManifestError,
-                       parse_manifest)
+from .manifest import NAME_RE, Manifest, ManifestError, check_version, parse_manifest
 from .signing import KeyPair, SignatureError, verify
 
 FORMAT = 1
@@ -132,11 +131,10 @@ def parse_adapter_manifest(data: Mapping[str, Any], source: str = ADAPTER_TOML) 
             raise fail(f"{key} must be a str, got {data[key]!r}")
     if not ADAPTER_NAME_RE.match(data["name"]):
         raise fail(f"name {data['name']!r} must match {ADAPTER_NAME_RE.pattern}")
-    if len(data["version"]) > MAX_VERSION_LEN:
-        raise fail(f"version is {len(data['version'])} characters long; at most "
-                   f"{MAX_VERSION_LEN} are allowed")
-    if not VERSION_RE.match(data["version"]):
-        raise fail(f"version {data['version']!r} must be a semantic version like 1.2.3")
+    try:
+        check_version(data["version"])
+    except ManifestError as exc:
+        raise fail(str(exc)) from None
     if not NAME_RE.match(data["base"]):
         raise fail(f"base {data['base']!r} must be a plugin name (like sd15)")
     royalty = data.get("royalty_micro", 0)
@@ -348,12 +346,10 @@ def parse_document(document: Any) -> Package:
                            field="description")
     files = _files_from(document["files"])
     name, version = document["name"], document["version"]
-    if isinstance(version, str) and len(version) > MAX_VERSION_LEN:
-        raise PackageError(f"version is {len(version)} characters long; at most "
-                           f"{MAX_VERSION_LEN} are allowed", field="version")
-    if not isinstance(version, str) or not VERSION_RE.match(version):
-        raise PackageError(f"version {version!r} must be a semantic version like 1.2.3",
-                           field="version")
+    try:
+        check_version(version)
+    except ManifestError as exc:
+        raise PackageError(str(exc), field="version") from None
     if kind == "plugin":
         try:
             manifest = parse_manifest(document["manifest"], source="manifest")
@@ -401,26 +397,50 @@ def verify_document(document: Any, signature: str, *, expected_key: str | None =
     return package
 
 
+# ---- publisher keys --------------------------------------------------------------------
+def publisher_proof_document(account_id: str, public_key: str) -> dict:
+    """What a publisher signs (purpose ``publisher``) with the key it registers, to show the
+    broker it holds that key for that account."""
+    return {"account_id": account_id, "public_key": public_key}
+
+
 # ---- jobs ------------------------------------------------------------------------------
-_ADAPTER_IN_INPUT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# An adapter name in a job's ``adapters`` input (plugins.adapters checks it with fullmatch).
+ADAPTER_INPUT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def adapter_pairs(text: str | None) -> list[tuple[Any, Any]]:
+    """A job's ``adapters`` input split into (name, raw scale) pairs, unchecked:
+    ``"ink:0.8, film"`` gives ``[("ink", "0.8"), ("film", 1.0)]`` and ``'{"ink": 0.8}'``
+    gives ``[("ink", 0.8)]``; "" or None gives []. Raises json.JSONDecodeError for bad
+    JSON and ValueError for JSON that is not an object. plugins.adapters.parse_adapters
+    checks the pairs strictly; :func:`adapter_names` leaves out what it would refuse."""
+    text = (text or "").strip()
+    if not text:
+        return []
+    if text.startswith("{"):
+        table = json.loads(text)
+        if not isinstance(table, dict):
+            raise ValueError('adapters as JSON must be an object like {"ink": 0.8}')
+        return list(table.items())
+    pairs: list[tuple[Any, Any]] = []
+    for part in text.split(","):
+        name, sep, scale = part.strip().partition(":")
+        pairs.append((name.strip(), scale.strip() if sep else 1.0))
+    return pairs
 
 
 def adapter_names(value: Any) -> list[str]:
     """The adapter names a job's ``adapters`` input asks for (``"ink:0.8,film"`` or
     ``{"ink": 0.8}``), leniently: whatever the plugin would refuse is left out."""
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str):
         return []
-    text = value.strip()
-    if text.startswith("{"):
-        try:
-            table = json.loads(text)
-        except ValueError:
-            return []
-        names = list(table) if isinstance(table, dict) else []
-    else:
-        names = [part.strip().partition(":")[0].strip() for part in text.split(",")]
-    out = []
-    for n in names:
-        if isinstance(n, str) and _ADAPTER_IN_INPUT.match(n) and n not in out:
-            out.append(n)
+    try:
+        pairs = adapter_pairs(value)
+    except ValueError:
+        return []
+    out: list[str] = []
+    for name, _ in pairs:
+        if isinstance(name, str) and ADAPTER_INPUT_NAME_RE.fullmatch(name) and name not in out:
+            out.append(name)
     return out

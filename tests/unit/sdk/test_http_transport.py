@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -280,3 +281,125 @@ def test_events_of_an_unknown_job_raise(server, client):
 
     with pytest.raises(NotFoundError):
         list(Job(client, {"id": "zz", "state": "queued"}).events())
+
+
+def test_events_back_off_then_give_up_on_a_broker_that_drops_every_stream(server, monkeypatch):
+    waits = []
+    monkeypatch.setattr(Client, "_backoff", staticmethod(waits.append))
+
+    def drop(h):  # accepts the request, then hangs up without an answer
+        h.close_connection = True
+        return None
+
+    server.routes[("GET", "/v1/jobs/j1/events")] = drop
+    from sdk.client import Job
+
+    with Client(server.url, "sc_k", timeout=5, max_retries=2) as c:
+        with pytest.raises(APIConnectionError, match="lost the event stream of job j1"):
+            list(Job(c, {"id": "j1", "state": "running"}).events())
+    assert len(server.seen) == 3 and waits == [0, 1]
+
+
+def test_events_reset_the_failure_count_on_each_event(server, monkeypatch):
+    waits = []
+    monkeypatch.setattr(Client, "_backoff", staticmethod(waits.append))
+    script = iter(["drop", "drop", "one", "drop", "done"])
+
+    def events(h):
+        step = next(script)
+        h.close_connection = True
+        if step == "drop":
+            return None
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        if step == "one":  # an event, then the connection breaks mid-stream
+            h.chunk(_sse(1, "token", {"text": "a"}))
+            h.wfile.write(b"40\r\nid: 2\nev")
+            h.wfile.flush()
+            return None
+        h.chunk(_sse(2, "done", {}))
+        h.chunk(b"")
+        return None
+
+    server.routes[("GET", "/v1/jobs/j1/events")] = events
+    from sdk.client import Job
+
+    with Client(server.url, "sc_k", timeout=5, max_retries=2) as c:
+        got = [(e.id, e.kind) for e in Job(c, {"id": "j1", "state": "running"}).events()]
+    assert got == [(1, "token"), (2, "done")]
+    assert [s[2]["after"] for s in server.seen] == [["0"], ["0"], ["0"], ["1"], ["1"]]
+    assert waits == [0, 1, 0]  # no wait after the stream that delivered an event
+
+
+# ---- the API key stays with the broker -------------------------------------------------
+def test_absolute_urls_only_reach_the_brokers_own_origin(server, client):
+    server.routes[("GET", "/v1/jobs/j1/outputs/0")] = lambda h: (200, {}, b"png")
+    assert client.request("GET", "/v1/jobs/j1/outputs/0").content == b"png"
+    assert client.request("GET", server.url + "/v1/jobs/j1/outputs/0").content == b"png"
+    seen = len(server.seen)
+    for url in ("http://example.com/v1/jobs/j1/outputs/0",
+                server.url.replace("127.0.0.1", "localhost") + "/x",
+                "https://127.0.0.1:%d/x" % server.server_address[1]):
+        with pytest.raises(ValueError, match="refusing to send the API key"):
+            client.request("GET", url)
+    assert len(server.seen) == seen
+
+
+# ---- uploads -----------------------------------------------------------------------------
+def test_a_file_upload_is_streamed_with_its_length_and_rewound_for_a_retry(server, client,
+                                                                          tmp_path):
+    answers = iter([503, 201])
+    server.routes[("PUT", "/v1/blobs/abc")] = lambda h: (next(answers), {},
+                                                         {"size": len(h.body)})
+    data = bytes(range(256)) * 1000
+    (tmp_path / "f.bin").write_bytes(b"skip" + data)
+    with open(tmp_path / "f.bin", "rb") as fh:
+        fh.seek(4)  # sent from where the file stands
+        assert client.request("PUT", "/v1/blobs/abc", content=fh).json() == {"size": len(data)}
+    assert [s[4] for s in server.seen] == [data, data]
+    assert all(s[3]["Content-Length"] == str(len(data)) and "Transfer-Encoding" not in s[3]
+               for s in server.seen)
+
+
+def test_publish_streams_each_file_from_disk(server, client, tmp_path, monkeypatch):
+    from sdk.protocol.package import build_document
+    from sdk.protocol.signing import KeyPair
+    from tests.marketplace_helpers import adapter_folder
+
+    keys = KeyPair.generate()
+    folder = adapter_folder(tmp_path)
+    files = build_document(folder, keys.public_key_hex)["files"]
+    for f in files:
+        server.routes[("PUT", f"/v1/blobs/{f['sha256']}")] = lambda h: (201, {}, {})
+    server.routes[("POST", "/v1/adapters")] = lambda h: (201, {}, {"created": True})
+    real = Path.read_bytes
+
+    def read_bytes(self):  # the upload must not load a weights file whole
+        assert self.suffix != ".safetensors", f"{self} read whole"
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert client.publish(folder, keys) == {"created": True}
+    puts = {s[1]: s for s in server.seen if s[0] == "PUT"}
+    assert len(puts) == len(files)
+    for f in files:
+        _, _, _, headers, body = puts[f"/v1/blobs/{f['sha256']}"]
+        with open(folder / f["path"], "rb") as fh:
+            assert body == fh.read() and headers["Content-Length"] == str(f["size"])
+
+
+# ---- verification ------------------------------------------------------------------------
+def test_wait_verified_backs_off_to_five_seconds(server, client, monkeypatch):
+    polls = iter(["checking"] * 8 + ["verified"])
+    server.routes[("GET", "/v1/jobs/j1")] = lambda h: (200, {}, {
+        "id": "j1", "state": "settled", "outputs": [],
+        "verification": {"status": next(polls)}})
+    sleeps = []
+    monkeypatch.setattr("sdk.client.time.sleep", sleeps.append)
+    from sdk.client import Job, Result
+
+    result = Result(client, Job(client, {"id": "j1", "state": "settled", "outputs": []}))
+    assert result.wait_verified(timeout=600) == "verified"
+    assert sleeps == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0, 5.0]
