@@ -49,7 +49,7 @@ class BrokerServer:
             signer=svc.signer, heartbeat_interval_s=settings.heartbeat_interval_s,
             lease_timeout_s=settings.lease_timeout_s, market=svc.market,
             canaries=svc.canaries,
-            warm=getattr(getattr(svc, "registry", None), "warm", None)), self.grpc_server)
+            warm=svc.registry.warm if svc.registry is not None else None), self.grpc_server)
         self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:
             raise SystemExit(f"cannot listen for agents on {settings.grpc}: address in use?")

@@ -11,7 +11,7 @@ from sqlalchemy.orm import sessionmaker
 
 from sdk.protocol.signing import KeyPair
 
-from broker.admin.wiring import audit_price_changes, build_admin
+from broker.admin.wiring import audit_market_rules, audit_price_changes, build_admin
 from broker.audit.money import AuditedLedger
 from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService
@@ -126,14 +126,13 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                                           reputation_floor=settings.market_reputation_floor,
                                           default_cold_start_s=settings.market_cold_start_s),
                            store=SqlAskStore(sessions), manifest_of=manifests_of(catalog))
+    market.on_rule_changed = audit_market_rules(audit)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s)
     attach_market(market, canaries, jobs, dispatcher)
     # The market's cold-start term asks the registry's warm index whether the provider's
     # plugin host has the model loaded (providers it has no report from count as warm).
-    market.warm = lambda provider_id, plugin: (
-        (registry.warm.holdings(provider_id) is None)
-        or registry.warm.holdings(provider_id).plugins.get(plugin, True))
+    market.warm = registry.warm.is_warm
     dispatcher.needs_download = registry.warm.needs_download
     use_measured_throughput(jobs, market)
     admin = build_admin(settings, sessions, audit=audit, pricing=pricing, providers=providers,

@@ -2,12 +2,13 @@
 and publishing them through a RegistryService the way `sparecycles publish` does."""
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
 
 from plugins import builtin_plugin_dir
-from sdk.protocol.package import build_document, sign_document
+from sdk.protocol.package import build_document, publisher_proof_document, sign_document
 from sdk.protocol.signing import KeyPair
 
 
@@ -64,8 +65,8 @@ def adapter_folder(root: Path, name: str = "ink", version: str = "1.0.0", *, bas
 def register(registry, who, keys: KeyPair | None = None) -> KeyPair:
     keys = keys or KeyPair.generate()
     registry.register_key(who, keys.public_key_hex,
-                          keys.sign("publisher", {"account_id": who.account_id,
-                                                  "public_key": keys.public_key_hex}), "test")
+                          keys.sign("publisher", publisher_proof_document(
+                              who.account_id, keys.public_key_hex)), "test")
     return keys
 
 
@@ -74,6 +75,6 @@ def publish(registry, who, keys: KeyPair, folder: Path, *, royalty: int | None =
     """Upload the folder's files and publish its signed document (as the CLI does)."""
     document = document or build_document(folder, keys.public_key_hex, royalty_micro=royalty)
     for f in document["files"]:
-        registry.put_blob(who, f["sha256"], (folder / f["path"]).read_bytes())
+        registry.put_blob_stream(who, f["sha256"], io.BytesIO((folder / f["path"]).read_bytes()))
     return registry.publish(who, document,
                             sign_document(keys, document) if signature is None else signature)

@@ -38,7 +38,9 @@ class AdminService:
     def change_price(self, plugin: str, values: dict[str, Any], *, by: str) -> list[str]:
         """Apply the fields of ``values`` that differ from the current ones; returns the
         names changed. Everything is checked before anything is written."""
-        price, policy = self.pricing.price(plugin), self.policies.policy(plugin)
+        # The stored values, not cached ones: they decide what changes and what is audited.
+        price = self.pricing.price(plugin, fresh=True)
+        policy = self.policies.policy(plugin, fresh=True)
         price_changes = {k: v for k, v in values.items()
                          if k in PRICE_FIELDS and v != getattr(price, k)}
         policy_changes = {k: v for k, v in values.items()

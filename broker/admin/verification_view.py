@@ -32,6 +32,13 @@ STATUS_TEXT = {
 }
 
 ROLE_ORDER = ("primary", "checker", "tiebreaker")
+
+
+def role_rank(role: str) -> int:
+    """Where a run is shown among a dispute's sides: ``ROLE_ORDER``, then any other role."""
+    return ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
+
+
 PAIR_ORDER = ("primary~checker", "primary~tiebreaker", "checker~tiebreaker")
 METHODS = {"image": "image", "structural": "structural (SSIM / PSNR / pHash)",
            "latent_hash": "latent hash", "text_rescore": "teacher-forced re-score",

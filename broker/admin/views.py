@@ -11,7 +11,7 @@ from flask import (Blueprint, Response, abort, current_app, g, make_response, re
                    render_template, request, url_for)
 
 from broker.api.common import output_response
-from broker.errors import BrokerError, Unauthenticated
+from broker.errors import BrokerError, NotFound, Unauthenticated
 from broker.ledger.model import AccountId, AccountKind
 from broker.jobs.model import JobState
 from broker.pricing.policy import POLICY_FIELDS
@@ -392,7 +392,7 @@ def job_run_output(job_id, index):
         if o["index"] == index:
             try:
                 data = s.jobs.blobs.get(o["sha256"])
-            except Exception:  # noqa: BLE001 - gone from the blob store
+            except NotFound:  # gone from the blob store
                 abort(404)
             return output_response(data, o["media_type"],
                                    headers={"Cache-Control": "private, max-age=3600"})
@@ -400,12 +400,9 @@ def job_run_output(job_id, index):
 
 
 # ---- disputes -----------------------------------------------------------------------------
-ROLE_RANK = {"primary": 0, "checker": 1, "tiebreaker": 2}
-
-
 @bp.get("/disputes")
 def disputes():
-    from .verification_view import comparison_rows, thresholds_caption
+    from .verification_view import comparison_rows, role_rank, thresholds_caption
     s = svc()
     state = request.args.get("state", "open")
     items = s.disputes.list(None if state == "all" else state)
@@ -414,7 +411,7 @@ def disputes():
         rows = comparison_rows(d.comparisons)
         figures[d.id] = (rows, thresholds_caption(rows))
         shown = []
-        for side in sorted(d.sides, key=lambda x: ROLE_RANK.get(x.get("role", ""), 9)):
+        for side in sorted(d.sides, key=lambda x: role_rank(x.get("role", ""))):
             side = dict(side)  # what the run's provider signed, not what the job shows now
             key = (side.get("job_id"), side.get("output_index", 0))
             job = s.jobs.repo.get(key[0]) if key[0] else None

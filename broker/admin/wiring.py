@@ -22,6 +22,14 @@ def audit_price_changes(audit):
     return hook
 
 
+def audit_market_rules(audit):
+    """The market's hook: each rule an admin changes is audited with before and after."""
+    def hook(rule, before, after, by):
+        audit.record(f"admin:{by}", "market.set", f"market:{rule}",
+                     {"before": before, "after": after})
+    return hook
+
+
 def build_admin(settings, sessions, *, audit, pricing, providers, dispatcher, ledger, payments,
                 jobs, catalog, auth) -> dict:
     secret = settings.admin_session_secret or load_or_create_secret(

@@ -6,8 +6,9 @@ from flask import Blueprint, current_app, request
 
 from broker.errors import InvalidInput, InvalidRequest
 from broker.ledger.model import AccountId, AccountKind
+from broker.registry.service import RoyaltyBreakdown
 from sdk.protocol.schema import InputError
-from .common import json_body, principal, services
+from .common import json_object, principal, services
 
 bp = Blueprint("account", __name__)
 
@@ -17,9 +18,8 @@ FUNDING_HEADER = "X-Sparecycles-Funding"
 @bp.after_app_request
 def funding_header(response):
     svc = current_app.extensions.get("sparecycles")
-    payments = getattr(svc, "payments", None)
-    if payments is not None:
-        response.headers[FUNDING_HEADER] = payments.funding_mode
+    if svc is not None:
+        response.headers[FUNDING_HEADER] = svc.payments.funding_mode
     return response
 
 
@@ -78,13 +78,7 @@ def list_transactions():
 
 @bp.post("/v1/quotes")
 def create_quote():
-    body = json_body()
-    if not isinstance(body, dict):
-        raise InvalidRequest('send a JSON object like {"plugin": "sd15", "inputs": {...}}')
-    unknown = set(body) - {"plugin", "version", "inputs"}
-    if unknown:
-        field = sorted(unknown)[0]
-        raise InvalidRequest(f"unknown field {field!r}; allowed: plugin, version, inputs", field=field)
+    body = json_object(("plugin", "version", "inputs"), '{"plugin": "sd15", "inputs": {...}}')
     svc = services()
     plugin, version = body.get("plugin"), body.get("version")
     if not isinstance(plugin, str) or not plugin:
@@ -99,10 +93,9 @@ def create_quote():
     q = svc.pricing.quote(manifest.name, manifest.version, manifest.work_units_for(inputs))
     # Adapter royalties (issue #5) are added to the hold at submit and paid after the
     # provider's share and before the platform fee (broker/billing/service.py).
-    registry = getattr(svc, "registry", None)
-    royalties = registry.royalties_for(manifest.name, inputs) if registry is not None else []
-    publisher, royalty = (registry.royalty_split(manifest.name, inputs)
-                          if registry is not None else (None, 0))
+    royalties = (svc.registry.royalty_breakdown(manifest.name, inputs)
+                 if svc.registry is not None else RoyaltyBreakdown((), None, 0))
+    royalty = royalties.micro
     return {"object": "quote", "plugin": q.plugin, "version": q.version,
             "work_units": q.work_units, "min_micro": q.min_micro + royalty,
             "expected_micro": q.expected_micro + royalty,
@@ -112,7 +105,7 @@ def create_quote():
             "royalties": [{"adapter": r.adapter, "version": r.version,
                            "publisher_account": r.publisher_account,
                            "royalty_micro": r.royalty_micro,
-                           "charged": r.royalty_micro > 0 and r.publisher_account == publisher}
-                          for r in royalties],
+                           "charged": royalties.charged(r)}
+                          for r in royalties.royalties],
             "price": {"reserve_micro_per_unit": q.price.reserve_micro_per_unit,
                       "fee_bps": q.price.fee_bps, "min_charge_micro": q.price.min_charge_micro}}

@@ -1,9 +1,12 @@
-"""Helpers the blueprints share: the services of this app, the caller, JSON bodies."""
+"""Helpers the blueprints share: the services of this app, the caller and its role, JSON
+bodies."""
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from flask import Response, current_app, g, request
 
-from broker.errors import InvalidRequest
+from broker.errors import Forbidden, InvalidRequest
 
 # Output media types served as themselves; anything else a provider names is a download.
 SAFE_OUTPUT_TYPES = {"image/png": "image/png", "image/jpeg": "image/jpeg",
@@ -17,6 +20,35 @@ def services():
 
 def principal():
     return g.principal
+
+
+def require_role(*roles: str, what: str = "this"):
+    """The caller, when its key has one of ``roles``; else a 403 naming them (``what``: the
+    thing the roles are needed for, e.g. "setting the market's rules")."""
+    who = principal()
+    if who.role not in roles:
+        raise Forbidden(f"{what} needs {_a(' or '.join(roles))} key; yours is "
+                        f"{_a(who.role)} key")
+    return who
+
+
+def _a(word: str) -> str:
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
+def json_object(allowed: Collection[str] | None, example: str) -> dict:
+    """The request's JSON body, which must be an object with keys from ``allowed`` only
+    (None: any key): else a 400 showing ``example``, or naming the first unknown key as
+    its ``field``."""
+    body = json_body()
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"send a JSON object like {example}")
+    if allowed is not None:
+        unknown = sorted(set(body) - set(allowed))
+        if unknown:
+            raise InvalidRequest(f"unknown field {unknown[0]!r}; allowed: "
+                                 f"{', '.join(allowed)} (like {example})", field=unknown[0])
+    return body
 
 
 def json_body():

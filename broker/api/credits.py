@@ -4,33 +4,20 @@ from __future__ import annotations
 
 from flask import Blueprint, request
 
-from broker.errors import Forbidden, InvalidRequest
+from broker.errors import InvalidRequest
 from broker.payments.service import credits_to_micro, payout_to_json
 from broker.pricing.service import price_to_json
-from .common import json_body, principal, services
+from .common import json_object, require_role, services
 
 bp = Blueprint("credits", __name__)
 
 WEBHOOK_PATH = "/v1/stripe/webhook"  # public: Stripe signs it instead of a bearer key
 
 
-def _require(*roles: str):
-    who = principal()
-    if who.role not in roles:
-        raise Forbidden(f"this needs a {' or '.join(roles)} key; yours is a {who.role} key")
-    return who
-
-
-def _object(body) -> dict:
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    return body
-
-
 @bp.post("/v1/credits/checkout")
 def create_checkout():
-    who = _require("client", "admin")
-    body = _object(json_body())
+    who = require_role("client", "admin")
+    body = json_object(("credits",), '{"credits": 10}')
     return services().payments.checkout(who.account_id, body.get("credits"),
                                         idempotency_key=request.headers.get("Idempotency-Key")), 201
 
@@ -45,14 +32,14 @@ def stripe_webhook():
 
 @bp.post("/v1/payouts/onboarding")
 def payout_onboarding():
-    who = _require("provider")
+    who = require_role("provider")
     return services().payments.onboarding_link(who.account_id), 201
 
 
 @bp.post("/v1/payouts")
 def create_payout():
-    who = _require("provider")
-    body = _object(json_body())
+    who = require_role("provider")
+    body = json_object(("credits", "amount_micro"), '{"credits": 10}')
     if ("credits" in body) == ("amount_micro" in body):
         raise InvalidRequest('send either "credits" or "amount_micro"')
     amount = (credits_to_micro(body["credits"]) if "credits" in body else body["amount_micro"])
@@ -63,7 +50,7 @@ def create_payout():
 
 @bp.get("/v1/payouts")
 def list_payouts():
-    who = _require("provider")
+    who = require_role("provider")
     return {"object": "list", "data": [payout_to_json(p) for p in
                                        services().payments.payouts(who.account_id)]}
 
@@ -71,7 +58,7 @@ def list_payouts():
 # ---- admin ------------------------------------------------------------------------------
 @bp.get("/v1/admin/prices")
 def list_prices():
-    _require("admin")
+    require_role("admin")
     svc = services()
     return {"object": "list", "data": [price_to_json(p) for p in
                                        svc.pricing.prices(svc.catalog.names())]}
@@ -79,22 +66,23 @@ def list_prices():
 
 @bp.get("/v1/admin/prices/<plugin>")
 def get_price(plugin):
-    _require("admin")
+    require_role("admin")
     return price_to_json(services().pricing.price(plugin))
 
 
 @bp.put("/v1/admin/prices/<plugin>")
 def set_price(plugin):
-    who = _require("admin")
+    who = require_role("admin")
     svc = services()
     svc.catalog.get(plugin)  # 404 for a plugin the broker does not know
-    return price_to_json(svc.pricing.set_price(plugin, _object(json_body()), by=who.account_id))
+    changes = json_object(None, '{"reserve_micro_per_unit": 2000}')  # pricing names unknowns
+    return price_to_json(svc.pricing.set_price(plugin, changes, by=who.account_id))
 
 
 @bp.post("/v1/admin/grants")
 def grant_credits():
-    who = _require("admin")
-    body = _object(json_body())
+    who = require_role("admin")
+    body = json_object(("account_id", "credits"), '{"account_id": "<account id>", "credits": 10}')
     account = body.get("account_id")
     if not isinstance(account, str) or not account:
         raise InvalidRequest("account_id is required", field="account_id")

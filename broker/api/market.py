@@ -6,7 +6,7 @@ from __future__ import annotations
 from flask import Blueprint, request
 
 from broker.errors import Forbidden, InvalidRequest, NotFound
-from .common import json_body, principal, services
+from .common import json_object, principal, require_role, services
 
 bp = Blueprint("market", __name__)
 
@@ -28,16 +28,9 @@ def list_asks():
     return {"object": "list", "data": rows}
 
 
-def _admin():
-    who = principal()
-    if who.role != "admin":
-        raise Forbidden(f"the market's rules are for admins; yours is a {who.role} key")
-    return who
-
-
 @bp.get("/v1/admin/market")
 def get_market_rules():
-    _admin()
+    require_role("admin", what="reading the market's rules")
     market = services().market
     if market is None:
         raise NotFound("this broker runs without a market")
@@ -46,17 +39,13 @@ def get_market_rules():
 
 @bp.put("/v1/admin/market")
 def set_market_rules():
-    who = _admin()
+    who = require_role("admin", what="setting the market's rules")
     svc = services()
     if svc.market is None:
         raise NotFound("this broker runs without a market")
-    body = json_body()
-    if not isinstance(body, dict) or set(body) - {"reputation_floor"} or not body:
-        raise InvalidRequest('the body must be a JSON object like {"reputation_floor": 0.5}; '
-                             "reputation_floor is the only rule set here")
-    before = svc.market.market_rules()["reputation_floor"]
-    after = svc.market.set_reputation_floor(body["reputation_floor"], by=who.account_id)
-    if svc.audit is not None:
-        svc.audit.record(f"admin:{who.account_id}", "market.set", "market:reputation_floor",
-                         {"before": before, "after": after})
+    body = json_object(("reputation_floor",), '{"reputation_floor": 0.5}')
+    if "reputation_floor" not in body:
+        raise InvalidRequest('send {"reputation_floor": 0.5}: reputation_floor is the only '
+                             "rule set here", field="reputation_floor")
+    svc.market.set_reputation_floor(body["reputation_floor"], by=who.account_id)  # audited
     return {"object": "market_rules", **svc.market.market_rules()}

@@ -1,6 +1,7 @@
 """/v1/plugins: what the broker runs, with each plugin's input JSON Schema."""
-from flask import Blueprint
+from flask import Blueprint, request
 
+from broker.registry.service import matches_query
 from .common import services
 
 bp = Blueprint("plugins", __name__)
@@ -11,30 +12,28 @@ def list_plugins():
     """Every plugin jobs can run (built-in and published), latest version of each.
     ``q`` matches name and description, ``publisher`` the manifest's publisher or the
     registry's publisher account/key, ``output`` the output kind (images, text)."""
-    from flask import request
-
     svc = services()
     q = (request.args.get("q") or "").strip().lower()
     publisher, output = request.args.get("publisher"), request.args.get("output")
-    registry = getattr(svc, "registry", None)
+    registry = svc.registry
     out = []
     for m in svc.catalog.all():
-        item = m.to_public()
+        if not matches_query(q, m.name, m.description):
+            continue
+        if output and m.output != output:
+            continue
         rec = None
         if registry is not None and m.name not in registry.builtin:
-            rec = next((r for r in registry.repo.versions("plugin", m.name)
-                        if r.version == m.version), None)
+            rec = registry.repo.get("plugin", m.name, m.version)  # one read per listed plugin
+        if publisher and publisher not in (
+                m.publisher, *((rec.publisher_account, rec.document.get("publisher_key"))
+                               if rec is not None else ())):
+            continue
+        item = m.to_public()
         item["source"] = "registry" if rec is not None else "builtin"
         if rec is not None:
             item.update(publisher_account=rec.publisher_account,
                         publisher_key=rec.document.get("publisher_key"), digest=rec.digest)
-        if q and q not in m.name.lower() and q not in m.description.lower():
-            continue
-        if output and m.output != output:
-            continue
-        if publisher and publisher not in (m.publisher, item.get("publisher_account"),
-                                           item.get("publisher_key")):
-            continue
         out.append(item)
     return {"object": "list", "data": out}
 

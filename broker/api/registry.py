@@ -6,7 +6,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, request, send_file
 
 from broker.errors import InvalidRequest
-from .common import json_body, principal, services
+from .common import json_object, principal, services
 
 bp = Blueprint("registry", __name__)
 
@@ -18,13 +18,8 @@ def _registry():
 # ---- publishers ------------------------------------------------------------------------
 @bp.post("/v1/publishers")
 def register_publisher():
-    body = json_body()
-    if not isinstance(body, dict):
-        raise InvalidRequest('send {"public_key": "<hex>", "proof": "<hex>", "label": "..."}')
-    unknown = set(body) - {"public_key", "proof", "label"}
-    if unknown:
-        raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: public_key, "
-                             "proof, label", field=sorted(unknown)[0])
+    body = json_object(("public_key", "proof", "label"),
+                       '{"public_key": "<hex>", "proof": "<hex>", "label": "..."}')
     key, created = _registry().register_key(principal(), body.get("public_key"),
                                             body.get("proof"), body.get("label", ""))
     return {"object": "publisher_key", "account_id": key.account_id, **key.to_public()}, \
@@ -47,16 +42,14 @@ def put_blob(sha256):
     # werkzeug cannot tell a body of exactly the limit from a longer one; the registry's
     # own count refuses anything past max_blob_bytes.
     request.max_content_length = registry.max_blob_bytes + 1
-    out = registry.put_blob_stream(principal(), sha256, request.stream)
+    out = registry.put_blob_stream(principal(), sha256, request.stream, checked=True)
     return {"object": "blob", **out}, (201 if out["created"] else 200)
 
 
 # ---- packages --------------------------------------------------------------------------
 def _publish(kind: str):
-    body = json_body()
-    if not isinstance(body, dict) or set(body) - {"document", "signature"}:
-        raise InvalidRequest('send {"document": {...}, "signature": "<hex>"} (`sparecycles '
-                             'publish` does it)', field="document")
+    body = json_object(("document", "signature"), '{"document": {...}, "signature": "<hex>"} '
+                       "(`sparecycles publish` does it)")
     document = body.get("document")
     if isinstance(document, dict) and document.get("kind") != kind:
         raise InvalidRequest(f"this endpoint publishes {kind}s; the document's kind is "
@@ -80,12 +73,8 @@ def _search(kind: str):
 
 def _file(kind: str, name: str, version: str, path: str) -> Response:
     disk, entry = _registry().file_path(kind, name, version, path)
-    if disk is not None:  # streamed from disk, never read into memory
-        resp = send_file(disk, mimetype="application/octet-stream", etag=entry["sha256"],
-                         max_age=31536000)
-    else:
-        data, entry = _registry().file(kind, name, version, path)
-        resp = Response(data, mimetype="application/octet-stream")
+    resp = send_file(disk, mimetype="application/octet-stream", etag=entry["sha256"],
+                     max_age=31536000)  # streamed from disk, never read into memory
     resp.headers["X-Content-SHA256"] = entry["sha256"]
     resp.headers["X-Content-Type-Options"] = "nosniff"
     resp.headers["Cache-Control"] = "public, max-age=31536000, immutable"

@@ -8,9 +8,9 @@ import uuid
 
 from flask import Blueprint, request
 
-from broker.errors import Conflict, Forbidden, InvalidRequest
+from broker.errors import Conflict, InvalidRequest
 from broker.ledger.model import AccountKind
-from .common import json_body, principal, services
+from .common import json_body, require_role, services
 
 bp = Blueprint("stake", __name__)
 
@@ -26,22 +26,19 @@ def _amount() -> int:
 
 
 def _move(operation: str):
-    who = principal()
-    if who.role != "provider":
-        raise Forbidden(f"only provider accounts hold stake; this key is a {who.role} key")
+    who = require_role("provider", what="staking (only provider accounts hold stake)")
     amount = _amount()
     key = request.headers.get("Idempotency-Key") or str(uuid.uuid4())
-    ledger = services().ledger
-    verification = getattr(services(), "verification", None)
+    svc = services()
+    ledger, verification = svc.ledger, svc.verification
     if operation == "unstake" and verification is not None:
-        machines = [p.id for p in services().providers.all() if p.account_id == who.account_id]
+        machines = [p.id for p in svc.providers.all() if p.account_id == who.account_id]
         open_checks = verification.repo.open_for(machines)
         if open_checks:
             raise Conflict(f"{open_checks} of your jobs are being checked; the stake backs "
                            "them until their checks end: unstake after that")
     getattr(ledger, operation)(who.account_id, amount,
                                idempotency_key=f"{operation}:{who.account_id}:{key}")
-    verification = getattr(services(), "verification", None)
     if verification is not None:
         verification.stake_changed(who.account_id)  # dispatch sees the new stake at once
     balances = ledger.balances(who.account_id)

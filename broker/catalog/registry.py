@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from sdk.protocol.manifest import Manifest, ManifestError, load_manifest
+from sdk.protocol.manifest import Manifest, ManifestError, load_manifest, version_key
 from broker.errors import UnknownPlugin
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,10 @@ class PluginCatalog:
             raise UnknownPlugin(f"unknown plugin {name!r}; available: {self.names()}",
                                 field="plugin")
         if version is None:
-            return versions[max(versions, key=_semver_key)]
+            return versions[max(versions, key=version_key)]
         if version not in versions:
             raise UnknownPlugin(f"plugin {name!r} has no version {version!r}; versions: "
-                                f"{sorted(versions, key=_semver_key)}", field="version")
+                                f"{sorted(versions, key=version_key)}", field="version")
         return versions[version]
 
     def names(self) -> list[str]:
@@ -48,8 +48,3 @@ class PluginCatalog:
 
     def all(self) -> list[Manifest]:
         return [self.get(n) for n in self.names()]
-
-
-def _semver_key(v: str):
-    core = v.split("-")[0].split("+")[0]
-    return tuple(int(x) for x in core.split("."))

@@ -34,7 +34,6 @@ class CanaryService:
         # Verification (DESIGN §6) compares each canary's outputs with the answer known
         # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt).
         self.on_answer = lambda provider_id, plugin, version, inputs, receipt: None
-        self._sent: dict[str, tuple[str, dict]] = {}  # job id -> (version, inputs)
         self.seeds = 4  # canaries draw their seed from this many, each with a known answer
 
     def send_due(self, session) -> int:
@@ -66,8 +65,8 @@ class CanaryService:
                                      lease_timeout_s=self.lease_timeout_s,
                                      ttl_s=self.envelope_ttl_s, now=now)
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
-                                           manifest.work_units_for(inputs), now))
-            self._sent[job_id] = (manifest.version, inputs)
+                                           manifest.work_units_for(inputs), now,
+                                           version=manifest.version, inputs=inputs))
             session.active.add(job_id)
             data, signature = sign_envelope(self.signer, envelope)
             session.send_assignment(data, signature)
@@ -87,12 +86,14 @@ class CanaryService:
         canary = self.market.canary(str(rec.get("job_id")))
         if canary is None or canary.provider_id != session.provider_id:
             return None
-        self.market.canary_done(canary.job_id)
+        canary = self.market.canary_done(canary.job_id)
+        if canary is None:  # a duplicate receipt handled meanwhile
+            return str(rec.get("job_id"))
         session.active.discard(canary.job_id)
-        sent = self._sent.pop(canary.job_id, None)
-        if sent is not None:
+        if canary.version:
             try:
-                self.on_answer(session.provider_id, canary.plugin, sent[0], sent[1], rec)
+                self.on_answer(session.provider_id, canary.plugin, canary.version,
+                               canary.inputs, rec)
             except Exception:  # noqa: BLE001 - a check must never lose the measurement
                 log.exception("canary %s: comparing with the known answer failed", canary.job_id)
         sample = run_sample(rec, canary.work_units)
@@ -107,7 +108,6 @@ class CanaryService:
 
     def failed(self, session, job_id: str) -> None:
         canary = self.market.canary_done(job_id)
-        self._sent.pop(job_id, None)
         if canary is not None:
             session.active.discard(job_id)
             self.market.failed(session.provider_id, canary.plugin)

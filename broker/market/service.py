@@ -100,18 +100,24 @@ class Lease:
 
 @dataclass
 class Canary:
+    """A canary out on a provider; ``version`` and ``inputs`` are what it was sent with
+    (verification compares the outputs with the answer known for them)."""
     job_id: str
     provider_id: str
     plugin: str
     work_units: float
     sent_at: float
+    version: str = ""
+    inputs: dict = field(default_factory=dict)
 
 
 class MarketService:
     """``manifest_of(plugin, version)`` gives the catalog's manifest of a build (None when
     unknown): the source of weight pins and cold-start estimates. ``store`` keeps asks and
     admin-set rules across restarts (None: memory only). ``warm`` is a hook,
-    ``warm(provider_id, plugin) -> bool``; call :meth:`refresh` when its answer changes."""
+    ``warm(provider_id, plugin) -> bool``; call :meth:`refresh` when its answer changes.
+    ``on_rule_changed(rule, before, after, by)`` is called after an admin changed a rule
+    (the audit log hooks in here)."""
 
     def __init__(self, reserve_of: Callable[[str], int], settings: MarketSettings | None = None,
                  *, rng: random.Random | None = None, clock=time.time,
@@ -121,6 +127,8 @@ class MarketService:
         self.store = store
         self.manifest_of = manifest_of or (lambda plugin, version: None)
         self.warm: Callable[[str, str], bool] = lambda provider_id, plugin: True
+        self.on_rule_changed: Callable[[str, float, float, str], None] = (
+            lambda rule, before, after, by: None)
         floor = self.settings.reputation_floor
         self._stored_asks: dict[str, dict[str, int]] = {}
         if store is not None:
@@ -134,6 +142,7 @@ class MarketService:
         self.rng = rng or random.Random()
         self.clock = clock
         self._lock = threading.RLock()
+        self._save_lock = threading.Lock()  # orders ask writes to the store (see _save_ask)
         self._providers: dict[str, ProviderState] = {}
         self._canaries: dict[str, Canary] = {}
         self._last_canary: dict[tuple[str, str], float] = {}
@@ -146,13 +155,15 @@ class MarketService:
                 benchmarks: dict[str, float] | None = None,
                 asks: dict[str, int] | None = None) -> dict[str, Exception | None]:
         """A provider came online with ``plugins`` (name -> version) and, per plugin, the
-        weights digest it advertises (``digests``; "" or absent: none). Its asks from an
-        earlier connection, or from the store after a restart, stand until it posts new
-        ones. Returns, per ask posted with the connection, None when accepted or the error
-        that refused it (its previous valid ask then stands)."""
+        weights digest it advertises (``digests``; "" or absent: none). Its stored asks
+        (posted on an earlier connection, or loaded from the store at start) stand until it
+        posts new ones, also for a plugin it dropped and serves again. Returns, per ask
+        posted with the connection, None when accepted or the error that refused it (its
+        previous valid ask then stands)."""
+        results: dict[str, Exception | None] = {}
         with self._lock:
             old = self._providers.get(provider_id)
-            previous = old.asks if old else self._stored_asks.get(provider_id, {})
+            previous = self._stored_asks.get(provider_id, {})
             state = ProviderState(provider_id, operator_id, dict(plugins), vram_gb, free,
                                   asks={p: a for p, a in previous.items() if p in plugins},
                                   digests={p: d for p, d in (digests or {}).items()
@@ -167,14 +178,16 @@ class MarketService:
             for plugin, units in (benchmarks or {}).items():
                 self.report_benchmark(provider_id, plugin, units)
             self._repost(state)
-            results: dict[str, Exception | None] = {}
             for plugin, price in (asks or {}).items():
                 try:
-                    self.post_ask(provider_id, plugin, price)
+                    self._post_ask(provider_id, plugin, price)
                     results[plugin] = None
                 except (InvalidAsk, PluginNotServed) as exc:
                     results[plugin] = exc
-            return results
+        for plugin, error in results.items():
+            if error is None:
+                self._save_ask(provider_id, plugin)
+        return results
 
     def disconnect(self, provider_id: str) -> None:
         with self._lock:
@@ -245,22 +258,27 @@ class MarketService:
         broker. Raises :class:`InvalidAsk` or :class:`PluginNotServed`; the previous valid
         ask then stands."""
         with self._lock:
-            state = self._providers.get(provider_id)
-            if state is None or plugin not in state.plugins:
-                served = sorted(state.plugins) if state else []
-                raise PluginNotServed(
-                    f"ask for {plugin!r} refused: this agent serves {served}; post asks only "
-                    "for plugins listed in its capabilities")
-            asks = [self._ask(state, plugin, price_micro_per_unit, digest)
-                    for digest in self._digests_of(state, plugin)]
-            for ask in asks:
-                validate_ask(ask, self.rules)  # all of them before touching the book
-            for ask in asks:
-                self.book.post(ask)
-            state.asks[plugin] = price_micro_per_unit
-            self._stored_asks.setdefault(provider_id, {})[plugin] = price_micro_per_unit
-            self._save_ask(provider_id, plugin, price_micro_per_unit)
-            return price_micro_per_unit
+            self._post_ask(provider_id, plugin, price_micro_per_unit)
+        self._save_ask(provider_id, plugin)  # the store is written outside the clearing lock
+        return price_micro_per_unit
+
+    def _post_ask(self, provider_id: str, plugin: str, price_micro_per_unit: int) -> None:
+        """:meth:`post_ask`'s checks and memory update: the caller holds the lock, and calls
+        :meth:`_save_ask` once it released it."""
+        state = self._providers.get(provider_id)
+        if state is None or plugin not in state.plugins:
+            served = sorted(state.plugins) if state else []
+            raise PluginNotServed(
+                f"ask for {plugin!r} refused: this agent serves {served}; post asks only "
+                "for plugins listed in its capabilities")
+        asks = [self._ask(state, plugin, price_micro_per_unit, digest)
+                for digest in self._digests_of(state, plugin)]
+        for ask in asks:
+            validate_ask(ask, self.rules)  # all of them before touching the book
+        for ask in asks:
+            self.book.post(ask)
+        state.asks[plugin] = price_micro_per_unit
+        self._stored_asks.setdefault(provider_id, {})[plugin] = price_micro_per_unit
 
     def report_benchmark(self, provider_id: str, plugin: str, units_per_s: float,
                          cold_start_s: float | None = None) -> None:
@@ -452,11 +470,13 @@ class MarketService:
         Raises :class:`InvalidMarketRule` unless it is a number from 0 to 1."""
         value = _floor(floor)
         with self._lock:
+            before = self.rules.reputation_floor
             self.rules = replace(self.rules, reputation_floor=value)
             self.book.set_rules(self.rules)
             if self.store is not None:
                 self.store.save_rule("reputation_floor", value, by, self.clock())
-            return value
+        self.on_rule_changed("reputation_floor", before, value, by)
+        return value
 
     def market_rules(self) -> dict:
         with self._lock:
@@ -601,11 +621,18 @@ class MarketService:
         self.book.withdraw(state.provider_id)
         self.book.post_many(asks)
 
-    def _save_ask(self, provider_id: str, plugin: str, price: int) -> None:
+    def _save_ask(self, provider_id: str, plugin: str) -> None:
+        """Write the provider's current ask for ``plugin`` to the store. Called without the
+        clearing lock; saves are serialised and each writes the price standing when it
+        runs, so the store ends with the last price posted whatever the threads' order."""
         if self.store is None:
             return
         try:
-            self.store.save_ask(provider_id, plugin, price, self.clock())
+            with self._save_lock:
+                with self._lock:
+                    price = self._stored_asks.get(provider_id, {}).get(plugin)
+                if price is not None:
+                    self.store.save_ask(provider_id, plugin, price, self.clock())
         except Exception:  # noqa: BLE001 - the ask stands in memory; the agent re-posts it
             log.exception("could not store the ask of %s for %s; it stands until the broker "
                           "restarts", provider_id, plugin)

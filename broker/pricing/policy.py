@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from broker.cache import TtlCache
 from broker.ledger.model import MAX_AMOUNT_MICRO
 from broker.pricing.errors import InvalidPrice
 
@@ -40,24 +41,22 @@ class PolicyService:
     def __init__(self, repo: PolicyRepository, clock=time.time):
         self.repo = repo
         self.clock = clock
-        self._cache: dict[str, tuple[float, PluginPolicy]] = {}
+        self._cache: TtlCache[str, PluginPolicy] = TtlCache(self.CACHE_S)
 
-    def policy(self, plugin: str) -> PluginPolicy:
-        now = time.monotonic()
-        hit = self._cache.get(plugin)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        found = self.repo.get(plugin) or PluginPolicy(plugin)
-        self._cache[plugin] = (now + self.CACHE_S, found)
-        return found
+    def policy(self, plugin: str, *, fresh: bool = False) -> PluginPolicy:
+        """The plugin's policy (cached up to CACHE_S; ``fresh``: read from the store)."""
+        return self._cache.get(plugin, lambda p: self.repo.get(p) or PluginPolicy(p),
+                               fresh=fresh)
 
     def set_policy(self, plugin: str, changes: dict[str, Any], *, by: str) -> PluginPolicy:
+        """Set some or all fields; the others keep their stored value (read fresh, never a
+        cached one another replica may have changed since)."""
         self.check(changes)
-        current = self.policy(plugin)
+        current = self.policy(plugin, fresh=True)
         new = PluginPolicy(plugin, **{n: changes.get(n, getattr(current, n)) for n in POLICY_FIELDS},
                            updated_at=self.clock(), updated_by=by)
         self.repo.put(new)
-        self._cache.pop(plugin, None)
+        self._cache.invalidate(plugin)
         return new
 
     @staticmethod

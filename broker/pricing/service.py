@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from broker.cache import TtlCache
 from broker.pricing.errors import InvalidPrice
 from broker.pricing.model import BPS, DEFAULT_PRICES, FALLBACK, PluginPrice, Quote
 from broker.ledger.model import MAX_AMOUNT_MICRO
@@ -33,17 +34,12 @@ class PricingService:
         self.clock = clock
         # Called after every change with (before, after, by): the audit log hooks in here.
         self.on_changed = lambda before, after, by: None
-        self._cache: dict[str, tuple[float, PluginPrice | None]] = {}
+        self._cache: TtlCache[str, PluginPrice | None] = TtlCache(self.CACHE_S)
 
-    def price(self, plugin: str) -> PluginPrice:
-        """The admin's price of ``plugin``, else its built-in default, else the fallback."""
-        now = time.monotonic()
-        hit = self._cache.get(plugin)
-        if hit is not None and hit[0] > now:
-            found = hit[1]
-        else:
-            found = self.repo.get(plugin)
-            self._cache[plugin] = (now + self.CACHE_S, found)
+    def price(self, plugin: str, *, fresh: bool = False) -> PluginPrice:
+        """The admin's price of ``plugin``, else its built-in default, else the fallback
+        (cached up to CACHE_S; ``fresh``: read from the store)."""
+        found = self._cache.get(plugin, self.repo.get, fresh=fresh)
         if found is not None:
             return found
         default = DEFAULT_PRICES.get(plugin)
@@ -78,11 +74,11 @@ class PricingService:
                 raise InvalidPrice(f"{name} is {value!r}; it must be an integer from {low:,} to "
                                    f"{high:,}" + (" (micro-credits)" if "micro" in name else ""),
                                    field=name)
-        current = self.price(plugin)
+        current = self.price(plugin, fresh=True)  # merge onto the stored price, not a cached one
         values = {name: changes.get(name, getattr(current, name)) for name in _FIELDS}
         new = PluginPrice(plugin, **values, updated_at=self.clock(), updated_by=by)
         self.repo.put(new)
-        self._cache.clear()
+        self._cache.invalidate(plugin)
         self.on_changed(current, new, by)
         return new
 

@@ -5,6 +5,7 @@ import time
 import uuid
 
 from broker.auth.service import Principal
+from broker.cache import TtlCache
 from broker.errors import Forbidden
 from .model import Provider
 
@@ -19,18 +20,16 @@ class ProviderService:
         self.repo = repo
         self.clock = clock
         self.on_connected = lambda provider: None  # opens the provider's ledger accounts
-        self._facts: dict[str, tuple[float, str, bool]] = {}  # id -> (until, account, sandboxed)
+        # id -> (account, sandboxed); an unknown id is asked again next time
+        self._facts: TtlCache[str, tuple[str, bool] | None] = TtlCache(self.CACHE_S,
+                                                                       cache_none=False)
 
     def _fact(self, provider_id: str) -> tuple[str, bool] | None:
-        now = time.monotonic()
-        hit = self._facts.get(provider_id)
-        if hit is not None and hit[0] > now:
-            return hit[1], hit[2]
+        return self._facts.get(provider_id, self._load_fact)
+
+    def _load_fact(self, provider_id: str) -> tuple[str, bool] | None:
         p = self.repo.get(provider_id)
-        if p is None:
-            return None
-        self._facts[provider_id] = (now + self.CACHE_S, p.account_id, p.sandboxed)
-        return p.account_id, p.sandboxed
+        return (p.account_id, p.sandboxed) if p is not None else None
 
     def connect(self, who: Principal, public_key: str, name: str, *, sandboxed: bool,
                 hardware: dict, plugins: list[dict]) -> Provider:
@@ -55,7 +54,7 @@ class ProviderService:
                          plugins=plugins, last_seen_at=now)
         p.name, p.sandboxed, p.hardware, p.plugins, p.last_seen_at = (name, sandboxed, hardware,
                                                                       plugins, now)
-        self._facts.pop(p.id, None)
+        self._facts.invalidate(p.id)
         self.on_connected(p)
         return p
 

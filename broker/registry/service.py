@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from sdk.protocol.canonical import canonical_bytes, is_sha256_hex
-from sdk.protocol.manifest import parse_manifest
+from sdk.protocol.manifest import parse_manifest, version_key as semver_key
 from sdk.protocol.package import (Package, PackageError, adapter_names, check_adapter_files,
                                   document_digest, verify_document)
 from sdk.protocol.signing import SignatureError, verify
@@ -76,7 +76,9 @@ class PackageRecord:
     royalty_micro: int
     description: str
     published_at: float
-    files: tuple[dict, ...] = field(default=())   # {path, sha256, size, blob_key}
+    # {path, sha256, size, blob_key}: given to the repository at publish (it keeps one row
+    # per file); records read back leave it empty: readers use document["files"].
+    files: tuple[dict, ...] = field(default=())
 
     @property
     def ref(self) -> str:
@@ -111,6 +113,23 @@ class Royalty:
     royalty_micro: int
 
 
+@dataclass(frozen=True)
+class RoyaltyBreakdown:
+    """What a job pays in royalties: ``royalties`` (every published adapter it names, in
+    order), ``publisher_account`` (the one paid: the publisher of the first paid adapter;
+    None when nothing is paid) and ``micro`` (the sum charged)."""
+    royalties: tuple[Royalty, ...]
+    publisher_account: str | None
+    micro: int
+
+    def charged(self, r: Royalty) -> bool:
+        return r.royalty_micro > 0 and r.publisher_account == self.publisher_account
+
+    @property
+    def waived(self) -> list[Royalty]:
+        return [r for r in self.royalties if r.royalty_micro > 0 and not self.charged(r)]
+
+
 class RegistryRepository(Protocol):
     def add_key(self, key: PublisherKey) -> None: ...
     def key_by_public(self, public_key: str) -> PublisherKey | None: ...
@@ -122,21 +141,23 @@ class RegistryRepository(Protocol):
 
 
 class BlobStore(Protocol):
-    def put(self, data: bytes) -> str: ...
+    """What the registry needs of its blob store (broker.blobs.LocalBlobStore)."""
+    def tmp_dir(self) -> Path: ...
     def put_file(self, src: Path, key: str) -> bool: ...
+    def path(self, key: str) -> Path: ...
     def get(self, key: str) -> bytes: ...
     def size(self, key: str) -> int: ...
     def exists(self, key: str) -> bool: ...
 
 
-def semver_key(v: str):
-    core, _, pre = v.partition("+")[0].partition("-")
-    nums = tuple(int(x) for x in core.split("."))
-    return nums + ((1,) if not pre else (0, pre))
+def matches_query(needle: str, name: str, description: str) -> bool:
+    """The ``q`` of a search: ``needle`` (already stripped and lower-cased; "" matches
+    everything) in the name or the description, case-insensitive."""
+    return not needle or needle in name.lower() or needle in description.lower()
 
 
 class RegistryService:
-    def __init__(self, repo: RegistryRepository, blobs, catalog, *, clock=time.time,
+    def __init__(self, repo: RegistryRepository, blobs: BlobStore, catalog, *, clock=time.time,
                  on_publisher: Callable[[str], None] = lambda account_id: None,
                  builtin_plugins: Iterable[str] | None = None,
                  max_blob_bytes: int = MAX_BLOB_BYTES):
@@ -167,7 +188,9 @@ class RegistryService:
     # ---- publisher keys ----------------------------------------------------------------
     @staticmethod
     def key_proof_document(account_id: str, public_key: str) -> dict:
-        return {"account_id": account_id, "public_key": public_key}
+        from sdk.protocol.package import publisher_proof_document  # the SDK signs the same
+
+        return publisher_proof_document(account_id, public_key)
 
     def register_key(self, who, public_key: Any, proof: Any, label: Any = "") -> tuple[PublisherKey, bool]:
         """Register ``public_key`` for the caller's account; (key, created). Idempotent for
@@ -237,25 +260,15 @@ class RegistryService:
                             "damaged or the wrong file was sent", field="sha256",
                             code_override="sha256_mismatch")
 
-    def put_blob(self, who, sha256: str, data: bytes) -> dict:
-        """Store one package file under its sha256 (checked)."""
-        self.check_upload(who, sha256)
-        if len(data) > self.max_blob_bytes:
-            raise self._too_large()
-        got = hashlib.sha256(data).hexdigest()
-        if got != sha256:
-            raise self._mismatch(got, sha256)
-        existed = self.blobs.exists(sha256)
-        self.blobs.put(data)
-        return {"sha256": sha256, "size": len(data), "created": not existed}
-
-    def put_blob_stream(self, who, sha256: str, stream, *, chunk: int = UPLOAD_CHUNK) -> dict:
+    def put_blob_stream(self, who, sha256: str, stream, *, chunk: int = UPLOAD_CHUNK,
+                        checked: bool = False) -> dict:
         """Store one package file read from ``stream`` (``read(n) -> bytes``): checked
-        before reading, written to a temporary file in chunks while hashing (never held in
-        memory), refused past ``max_blob_bytes``, then moved into the blob store."""
-        self.check_upload(who, sha256)
-        tmp_dir = self.blobs.tmp_dir() if hasattr(self.blobs, "tmp_dir") else None
-        fd, tmp = tempfile.mkstemp(dir=tmp_dir, prefix=".upload-")
+        before reading (``checked``: the caller ran :meth:`check_upload` already), written
+        to a temporary file in chunks while hashing (never held in memory), refused past
+        ``max_blob_bytes``, then moved into the blob store."""
+        if not checked:
+            self.check_upload(who, sha256)
+        fd, tmp = tempfile.mkstemp(dir=self.blobs.tmp_dir(), prefix=".upload-")
         try:
             h, n = hashlib.sha256(), 0
             with os.fdopen(fd, "wb") as out:
@@ -283,13 +296,10 @@ class RegistryService:
         entry = self._file_entry(kind, name, version, path)
         return self.blobs.get(entry["sha256"]), entry
 
-    def file_path(self, kind: str, name: str, version: str,
-                  path: str) -> tuple[Path | None, dict]:
-        """The file on disk a download can stream, when the blob store keeps files (None:
-        read it with :meth:`file`), and its entry in the document."""
+    def file_path(self, kind: str, name: str, version: str, path: str) -> tuple[Path, dict]:
+        """The file on disk a download streams, and its entry in the document."""
         entry = self._file_entry(kind, name, version, path)
-        locate = getattr(self.blobs, "path", None)
-        return (locate(entry["sha256"]) if callable(locate) else None), entry
+        return self.blobs.path(entry["sha256"]), entry
 
     # ---- publishing --------------------------------------------------------------------
     def publish(self, who, document: Any, signature: Any) -> tuple[PackageRecord, bool]:
@@ -450,7 +460,7 @@ class RegistryService:
         needle = (q or "").strip().lower()
         for name in sorted(latest):
             rec = latest[name]
-            if needle and needle not in name.lower() and needle not in rec.description.lower():
+            if not matches_query(needle, name, rec.description):
                 continue
             if base and rec.base_plugin != base:
                 continue
@@ -476,26 +486,32 @@ class RegistryService:
             out.append(Royalty(rec.name, rec.version, rec.publisher_account, rec.royalty_micro))
         return out
 
+    def royalty_breakdown(self, plugin: str, inputs: dict | None,
+                          as_of: float | None = None) -> RoyaltyBreakdown:
+        """Every royalty a job of ``plugin`` with ``inputs`` names, who is paid and how
+        much. A ledger post has one royalty leg, so when a job's paid adapters come from
+        several publishers, the publisher of the first paid adapter named gets its own
+        adapters' royalties and the others are waived, never charged."""
+        royalties = tuple(self.royalties_for(plugin, inputs, as_of))
+        first = next((r.publisher_account for r in royalties if r.royalty_micro > 0), None)
+        return RoyaltyBreakdown(royalties, first,
+                                sum(r.royalty_micro for r in royalties
+                                    if r.royalty_micro > 0 and r.publisher_account == first))
+
     def royalty_split(self, plugin: str, inputs: dict | None,
                       as_of: float | None = None) -> tuple[str | None, int]:
         """(publisher account, micro-credits) a job pays in royalties — the hook JobBilling
-        calls. A ledger post has one royalty leg, so when a job's paid adapters come from
-        several publishers, the publisher of the first paid adapter named gets its own
-        adapters' royalties and the others are waived (logged), never charged."""
-        paid = [r for r in self.royalties_for(plugin, inputs, as_of) if r.royalty_micro > 0]
-        if not paid:
-            return None, 0
-        first = paid[0].publisher_account
-        waived = [r for r in paid if r.publisher_account != first]
-        if waived:
+        calls (see :meth:`royalty_breakdown`; waived royalties are logged)."""
+        b = self.royalty_breakdown(plugin, inputs, as_of)
+        if b.waived:
             log.warning("job of %s: royalties of %s waived (one royalty publisher per job)",
-                        plugin, [f"{r.adapter}@{r.version}" for r in waived])
-        return first, sum(r.royalty_micro for r in paid if r.publisher_account == first)
+                        plugin, [f"{r.adapter}@{r.version}" for r in b.waived])
+        return b.publisher_account, b.micro
 
 
 def canonical_text(document: dict) -> str:
     return canonical_bytes(document).decode("utf-8")
 
 
-__all__ = ["RegistryService", "PublisherKey", "PackageRecord", "Royalty", "semver_key",
-           "canonical_text"]
+__all__ = ["RegistryService", "PublisherKey", "PackageRecord", "Royalty", "RoyaltyBreakdown",
+           "semver_key", "matches_query", "canonical_text"]

@@ -5,11 +5,16 @@ model loaded; ``Capabilities.adapters``, field 30: the registry adapters install
 and again whenever it changes (``AgentMessage.inventory``, field 30). The gateway feeds
 :meth:`WarmIndex.update`; a disconnect calls :meth:`forget`.
 
-**What reads it**: the market's cold-start term. broker/services.py sets the
-``market.warm(provider_id, plugin)`` hook to ``holdings(provider_id).plugins`` — whether
-the provider's plugin host has the model loaded (a provider with no report counts as
-warm). The installed adapters are recorded but no placement reads them yet. Nothing here
-changes prices.
+**What reads it** (both wired in broker/services.py):
+
+* the market's cold-start term: the ``market.warm(provider_id, plugin)`` hook is
+  :meth:`WarmIndex.is_warm` — whether the provider's plugin host has the model loaded (a
+  provider with no report, or a plugin it did not report, counts as warm);
+* the dispatcher's placement: ``dispatcher.needs_download`` is :meth:`needs_download`,
+  which reads the installed adapters, so providers that hold a job's adapters are
+  preferred.
+
+Nothing here changes prices.
 """
 from __future__ import annotations
 
@@ -45,6 +50,14 @@ class WarmIndex:
     def holdings(self, provider_id: str) -> Holdings | None:
         with self._lock:
             return self._by_provider.get(provider_id)
+
+    def is_warm(self, provider_id: str, plugin: str) -> bool:
+        """Whether the provider's plugin host has ``plugin``'s model loaded; a provider
+        that reported nothing, or nothing about ``plugin``, counts as warm. One look under
+        the lock, so a concurrent :meth:`forget` cannot fail it."""
+        with self._lock:
+            h = self._by_provider.get(provider_id)
+            return h is None or h.plugins.get(plugin, True)
 
     def needs_download(self, provider_id: str, job) -> bool:
         """Whether ``provider_id`` lacks an adapter ``job`` names that it reported none of

@@ -51,14 +51,11 @@ class SqlRegistryRepository:
 
     # ---- packages ----------------------------------------------------------------------
     def get(self, kind: str, name: str, version: str) -> PackageRecord | None:
+        """One version (its files are read from the signed document; the file rows written
+        at publish are not loaded)."""
         with self.sessions() as s:
             row = s.get(RegistryPackageRow, (kind, name, version))
-            if row is None:
-                return None
-            files = list(s.scalars(select(RegistryFileRow).where(
-                RegistryFileRow.kind == kind, RegistryFileRow.name == name,
-                RegistryFileRow.version == version).order_by(RegistryFileRow.path)))
-            return _record(row, files)
+            return _record(row) if row is not None else None
 
     def versions(self, kind: str, name: str) -> list[PackageRecord]:
         with self.sessions() as s:

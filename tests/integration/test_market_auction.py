@@ -146,3 +146,6 @@ def test_admins_set_the_reputation_floor_and_providers_see_only_their_asks(live_
     assert live_broker.services.market.rules.reputation_floor == 0.7
     # Stored and audited.
     assert live_broker.services.market.store.load_rules() == {"reputation_floor": 0.7}
+    [entry] = live_broker.services.audit.search(subject="market:reputation_floor",
+                                                action="market.set")
+    assert entry.data == {"before": 0.5, "after": 0.7} and entry.actor.startswith("admin:")

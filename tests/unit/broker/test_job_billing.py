@@ -186,6 +186,12 @@ def test_quote_and_prices_over_rest(world):
     bad = app.post("/v1/quotes", json={"plugin": "echo", "inputs": {"sleep_ms": -1}},
                    headers={"Authorization": f"Bearer {ckey}"})
     assert bad.status_code == 422
+    for body, field in (({"plugin": "echo", "zeta": 1, "alpha": 2}, "alpha"), ([1], None)):
+        r = app.post("/v1/quotes", json=body, headers={"Authorization": f"Bearer {ckey}"})
+        assert r.status_code == 400 and r.json.get("field") == field, r.json
+    r = app.post("/v1/admin/grants", json={"account_id": client.account_id, "credits": 1},
+                 headers={"Authorization": f"Bearer {ckey}"})
+    assert r.status_code == 403 and "admin key; yours is a client key" in r.json["detail"]
     assert app.put("/v1/admin/prices/echo", json={"fee_bps": 500},
                    headers={"Authorization": f"Bearer {ckey}"}).status_code == 403
     put = app.put("/v1/admin/prices/echo", json={"fee_bps": 500},

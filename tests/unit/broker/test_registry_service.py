@@ -1,5 +1,6 @@
 """RegistryService on SQLite: publisher keys, signed immutable versions, files in the blob
 store, names, adapter bases, search and royalties."""
+import io
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from broker.settings import BUILTIN_PLUGINS
 from broker.storage.base import make_engine
 from broker.storage.migrate import upgrade
 from broker.storage.registry_sql import SqlRegistryRepository
-from sdk.protocol.package import build_document, sign_document
+from sdk.protocol.package import build_document, publisher_proof_document, sign_document
 from sdk.protocol.signing import KeyPair
 
 from tests.marketplace_helpers import adapter_folder, plugin_folder, publish, register
@@ -48,13 +49,13 @@ def test_publisher_keys_need_a_proof_and_a_publisher_role(reg):
     with pytest.raises(BrokerError) as e:
         reg.register_key(CLIENT, keys.public_key_hex, "00", "")
     assert _code(e) == "not_a_publisher"
-    forged = keys.sign("publisher", {"account_id": "someone-else", "public_key": keys.public_key_hex})
+    forged = keys.sign("publisher", publisher_proof_document("someone-else", keys.public_key_hex))
     with pytest.raises(BrokerError) as e:
         reg.register_key(ALICE, keys.public_key_hex, forged, "")
     assert _code(e) == "bad_signature" and e.value.field == "proof"
     register(reg, ALICE, keys)
     again, created = reg.register_key(ALICE, keys.public_key_hex, keys.sign(
-        "publisher", {"account_id": ALICE.account_id, "public_key": keys.public_key_hex}))
+        "publisher", publisher_proof_document(ALICE.account_id, keys.public_key_hex)))
     assert not created and again.account_id == ALICE.account_id
     assert reg.opened == [ALICE.account_id]  # royalties account opened once
     with pytest.raises(BrokerError) as e:
@@ -125,7 +126,7 @@ def test_files_must_be_uploaded_with_their_size(reg, tmp_path):
         reg.publish(ALICE, doc, sign_document(keys, doc))
     assert _code(e) == "missing_file" and "PUT it to /v1/blobs/" in str(e.value)
     with pytest.raises(BrokerError) as e:
-        reg.put_blob(ALICE, "0" * 64, b"not that")
+        reg.put_blob_stream(ALICE, "0" * 64, io.BytesIO(b"not that"))
     assert _code(e) == "sha256_mismatch"
 
 
@@ -262,3 +263,55 @@ def test_the_warm_index_says_who_would_first_download_an_adapter():
     assert warm.needs_download("b", job)
     assert not warm.needs_download("unknown", job)  # no report: nothing assumed
     assert not warm.needs_download("b", SimpleNamespace(plugin="sd15", inputs={}))
+
+
+def test_the_registry_and_the_job_catalog_pick_the_same_latest_version(reg, tmp_path):
+    from sdk.protocol.manifest import version_key
+
+    keys = register(reg, ALICE)
+    publish(reg, ALICE, keys, plugin_folder(tmp_path, name="reverse", version="1.0.0"))
+    publish(reg, ALICE, keys, plugin_folder(tmp_path, name="reverse", version="1.0.0-rc.1"))
+    # a release ranks above its pre-releases (semver), in both places
+    assert reg.get("plugin", "reverse").version == "1.0.0"
+    assert reg.catalog.get("reverse").version == "1.0.0"
+    assert [r.version for r in reg.versions("plugin", "reverse")] == ["1.0.0", "1.0.0-rc.1"]
+    ordered = ["1.0.0-alpha", "1.0.0-alpha.1", "1.0.0-alpha.beta", "1.0.0-beta.2",
+               "1.0.0-beta.11", "1.0.0-rc.1", "1.0.0", "1.2.0", "1.10.0"]
+    assert sorted(reversed(ordered), key=version_key) == ordered
+    assert version_key("1.0.0+build.5") == version_key("1.0.0")  # build metadata ignored
+
+
+def test_a_quote_and_settlement_share_one_royalty_breakdown(reg, tmp_path):
+    a, b = register(reg, ALICE), register(reg, BOB)
+    publish(reg, ALICE, a, adapter_folder(tmp_path, name="ink", royalty=500))
+    publish(reg, ALICE, a, adapter_folder(tmp_path, name="film", royalty=0))
+    publish(reg, BOB, b, adapter_folder(tmp_path, name="neon", royalty=300))
+    out = reg.royalty_breakdown("sd15", {"adapters": "film,neon,ink"})
+    assert [r.adapter for r in out.royalties] == ["film", "neon", "ink"]
+    assert out.publisher_account == BOB.account_id and out.micro == 300
+    assert [out.charged(r) for r in out.royalties] == [False, True, False]
+    assert [r.adapter for r in out.waived] == ["ink"]
+    assert reg.royalty_split("sd15", {"adapters": "film,neon,ink"}) == (BOB.account_id, 300)
+    none = reg.royalty_breakdown("sd15", {})
+    assert (none.royalties, none.publisher_account, none.micro) == ((), None, 0)
+
+
+def test_is_warm_reads_one_report_and_counts_the_unreported_as_warm():
+    from broker.registry.warm import WarmIndex
+
+    warm = WarmIndex()
+    assert warm.is_warm("nobody", "sd15")
+    warm.update("p", [{"name": "sd15", "warm": False}, {"name": "llama", "warm": True}], [])
+    assert not warm.is_warm("p", "sd15") and warm.is_warm("p", "llama")
+    assert warm.is_warm("p", "echo")  # not reported: warm
+    warm.forget("p")
+    assert warm.is_warm("p", "sd15")
+
+
+def test_a_read_record_does_not_load_the_file_rows(reg, tmp_path):
+    keys = register(reg, ALICE)
+    rec, _ = publish(reg, ALICE, keys, adapter_folder(tmp_path, name="ink"))
+    assert rec.files  # given to the repository at publish
+    again = reg.repo.get("adapter", "ink", "1.0.0")
+    assert again.files == () and again.detail()["files"] == [
+        {k: f[k] for k in ("path", "sha256", "size")} for f in rec.files]

@@ -97,3 +97,48 @@ def test_a_receipt_without_a_run_time_measures_nothing():
     assert run_sample({"timings_ms": {"run": "fast"}}, 1.0) is None     # not a number
     assert run_sample({"timings_ms": {"run": 0}, "work_units": "x"}, 3.0) == (3.0, 0.0)
     assert run_sample({"timings_ms": {"total": 40}, "work_units": "2.5"}, 1.0) == (2.5, 40.0)
+
+
+def test_an_ask_outlives_a_plugin_dropped_and_served_again():
+    from broker.market.store import InMemoryAskStore
+
+    store = InMemoryAskStore()
+    m = MarketService(lambda plugin: RESERVE, MarketSettings(), rng=random.Random(1),
+                      clock=lambda: 1_000.0, store=store)
+    m.connect("p1", "op", {"echo": "1.0.0", "sd15": "1.0.0"}, asks={"echo": 300, "sd15": 700})
+    assert store.load_asks() == {"p1": {"echo": 300, "sd15": 700}}
+    m.connect("p1", "op", {"echo": "1.0.0"})                    # sd15 dropped
+    assert {r["plugin"] for r in m.asks({"p1"})} == {"echo"}
+    m.connect("p1", "op", {"echo": "1.0.0", "sd15": "1.0.0"})   # and served again
+    rows = {r["plugin"]: r for r in m.asks({"p1"})}
+    assert rows["sd15"]["price_micro_per_unit"] == 700 and not rows["sd15"]["at_reserve"]
+    m.post_ask("p1", "echo", 250)
+    assert store.load_asks()["p1"]["echo"] == 250
+
+
+def test_the_ask_store_is_written_outside_the_clearing_lock():
+    from broker.market.store import InMemoryAskStore
+
+    m = MarketService(lambda plugin: RESERVE, MarketSettings(), rng=random.Random(1),
+                      clock=lambda: 1_000.0, store=InMemoryAskStore())
+    held = []
+    real = m.store.save_ask
+
+    def save_ask(*args, **kwargs):
+        held.append(m._lock._is_owned())  # RLock: whether this thread holds it
+        return real(*args, **kwargs)
+
+    m.store.save_ask = save_ask
+    m.connect("p1", "op", {"echo": "1.0.0"}, asks={"echo": 300})
+    m.post_ask("p1", "echo", 400)
+    assert held == [False, False]
+
+
+def test_a_changed_reputation_floor_is_reported_with_before_and_after():
+    m = market()
+    seen = []
+    m.on_rule_changed = lambda *args: seen.append(args)
+    m.set_reputation_floor(0.7, by="admin-1")
+    m.set_reputation_floor(0.2, by="admin-2")
+    assert seen == [("reputation_floor", 0.5, 0.7, "admin-1"),
+                    ("reputation_floor", 0.7, 0.2, "admin-2")]

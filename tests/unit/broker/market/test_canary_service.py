@@ -1,0 +1,64 @@
+"""CanaryService: what a canary was sent with lives on the market's Canary, so a canary
+that expires or is answered leaves nothing behind."""
+import random
+from types import SimpleNamespace
+
+from sdk.protocol.canonical import canonical_bytes, loads
+from sdk.protocol.envelope import make_receipt
+from sdk.protocol.signing import KeyPair
+
+from broker.catalog.registry import PluginCatalog
+from broker.market import MarketService, MarketSettings
+from broker.market.canary import CanaryService
+from broker.settings import BUILTIN_PLUGINS
+
+
+def _world():
+    now = [1_000.0]
+    market = MarketService(lambda plugin: 1_000, MarketSettings(canary_timeout_s=60.0,
+                                                                canary_interval_s=0),
+                           rng=random.Random(1), clock=lambda: now[0])
+    canaries = CanaryService(market, PluginCatalog.from_folders([BUILTIN_PLUGINS]),
+                             KeyPair.generate())
+    answers = []
+    canaries.on_answer = lambda *args: answers.append(args)
+    agent = KeyPair.generate()
+    sent = []
+    session = SimpleNamespace(provider_id="p", plugins=["echo@1.0.0"], free=1,
+                              public_key=agent.public_key_hex, active=set(),
+                              send_assignment=lambda data, sig: sent.append(data))
+    market.connect("p", "op", {"echo": "1.0.0"}, benchmarks={"echo": 5.0})
+    return SimpleNamespace(now=now, market=market, canaries=canaries, answers=answers,
+                           agent=agent, sent=sent, session=session)
+
+
+def _receipt(w, data: bytes) -> tuple[bytes, str]:
+    env = loads(data)
+    rec = make_receipt(envelope=env, envelope_bytes=data, provider_key=w.agent.public_key_hex,
+                       outputs=[], work_units=1.0, timings_ms={"run": 100})
+    return canonical_bytes(rec), w.agent.sign("receipt", rec)
+
+
+def test_a_canary_carries_its_version_and_inputs_to_the_answer_check():
+    w = _world()
+    assert w.canaries.send_due(w.session) == 1
+    job_id = loads(w.sent[0])["job_id"]
+    canary = w.market.canary(job_id)
+    assert canary.version == "1.0.0" and canary.inputs["text"] == "benchmark"
+    assert w.canaries.receipt(w.session, *_receipt(w, w.sent[0])) == job_id
+    [(pid, plugin, version, inputs, rec)] = w.answers
+    assert (pid, plugin, version, inputs) == ("p", "echo", "1.0.0", canary.inputs)
+    assert w.market.canary(job_id) is None and job_id not in w.session.active
+    assert w.market.theta("p", "echo")[1]  # measured
+
+
+def test_an_expired_canary_leaves_nothing_and_its_late_receipt_is_not_checked():
+    w = _world()
+    w.canaries.send_due(w.session)
+    job_id = loads(w.sent[0])["job_id"]
+    w.now[0] += 61.0
+    w.canaries.send_due(w.session)  # the dispatcher's next call expires it
+    assert w.market.canary(job_id) is None and job_id not in w.session.active
+    assert not vars(w.canaries).get("_sent")  # no side table to leak
+    assert w.canaries.receipt(w.session, *_receipt(w, w.sent[0])) is None
+    assert w.answers == []
