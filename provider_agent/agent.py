@@ -52,6 +52,8 @@ class RunningJob:
     envelope: dict
     envelope_bytes: bytes
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Installer keys of the registry adapters the job uses: kept from eviction while it runs.
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -80,10 +82,9 @@ class Agent:
             cheat.announce()
         if sandboxed and launcher is None:
             # Never claim a sandbox to the broker while running plain subprocesses.
-            from .launch import host_launcher
+            from .launch import host_launcher, sandbox_ro_paths
             launcher = host_launcher(sandboxed=True, home=home, cfg=cfg,
-                                     plugin_dirs=[*plugin_dirs.values(),
-                                                  *(cheat.extra_ro_paths() if cheat else [])])
+                                     plugin_dirs=sandbox_ro_paths(plugin_dirs, installer, cheat))
         self.plugins: dict[str, ServedPlugin] = {}
         for name, folder in plugin_dirs.items():
             manifest = load_manifest(folder)
@@ -110,7 +111,6 @@ class Agent:
         self.draining = False
         self._signals = 0
         self.provider_id = ""
-        self.completed = 0
         self._summary = _DoneSummary()
         self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
         self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
@@ -221,6 +221,11 @@ class Agent:
         finally:
             for served in self.plugins.values():
                 served.host.stop()
+            if self.installer is not None:
+                try:
+                    self.installer.flush()  # the packages' last-use times
+                except OSError as exc:
+                    log.warning("could not save the package cache's last-use times: %s", exc)
         return 0
 
     def _session(self) -> None:
@@ -288,9 +293,7 @@ class Agent:
             if served.host.ready.get("hardware", {}).get("device") == "cuda" or not hw:
                 hw = served.host.ready.get("hardware", {})
         return pb.Capabilities(
-            plugins=[pb.PluginCapability(name=s.manifest.name, version=s.manifest.version,
-                                         weights_digest=s.weights_digest, warm=s.host.alive())
-                     for s in self.plugins.values()],
+            plugins=self._plugin_capabilities(),
             hardware=pb.Hardware(device=hw.get("device", "cpu"), gpu_name=hw.get("gpu_name", ""),
                                  vram_gb=float(hw.get("vram_gb", 0.0)),
                                  cpu_count=int(hw.get("cpu_count", os.cpu_count() or 1)),
@@ -302,6 +305,11 @@ class Agent:
             asks=[pb.StandingAsk(plugin=p, price_micro_per_unit=int(v))
                   for p, v in self.cfg.asks.items()],
             adapters=self._installed_adapters())
+
+    def _plugin_capabilities(self) -> list:
+        return [pb.PluginCapability(name=s.manifest.name, version=s.manifest.version,
+                                    weights_digest=s.weights_digest, warm=s.host.alive())
+                for s in self.plugins.values()]
 
     def _cold_start_s(self, plugin: str) -> float:
         """How long the plugin's host took from start to Ready (the model load): what a job
@@ -398,15 +406,15 @@ class Agent:
 
     def send_inventory(self) -> bool:
         """Tell the broker what this agent holds now (after an install or an eviction)."""
-        caps = self._capabilities()
-        return self._send(pb.AgentMessage(inventory=pb.Inventory(plugins=caps.plugins,
-                                                                 adapters=caps.adapters)))
+        return self._send(pb.AgentMessage(inventory=pb.Inventory(
+            plugins=self._plugin_capabilities(), adapters=self._installed_adapters())))
 
     def _prepare_job(self, job_id: str, rj: RunningJob) -> bool:
         """Install the registry adapters a job names that this agent lacks (signature and
         sha256 checked by the installer) before it runs. An install that fails fails the
         job (retryable: another provider may have it) and nothing else: the agent goes on
-        serving. Adapters the registry does not know are left to the plugin to judge."""
+        serving. Adapters the registry does not know are left to the plugin to judge. The
+        job's registry adapters are held (``rj.held``) against eviction until it ends."""
         if self.installer is None:
             return True
         from sdk.protocol.package import adapter_names
@@ -419,15 +427,21 @@ class Agent:
         if served is None or not names or served.host.weights_dir is None:
             return True
         root = served.host.weights_dir / "adapters"
-        before = self.installer.installed_adapters()
+        changes = self.installer.changes
         try:
             for name in names:
-                if (root / name).is_dir():  # installed earlier, or the operator's own folder
-                    if (root / name).is_symlink():
-                        self.installer.touch_path((root / name).resolve())
+                link = root / name
+                if link.is_symlink():  # linked earlier: held while its entry is there
+                    key = self.installer.touch_path(link.resolve(), hold=True)
+                    if key is not None:
+                        rj.held.append(key)
+                        continue
+                if link.is_dir():  # the operator's own folder (or link)
                     continue
                 try:
-                    installed = self.installer.install_adapter(name, base=env["plugin"])
+                    installed = self.installer.install_adapter(name, base=env["plugin"],
+                                                               hold=True)
+                    rj.held.append(installed.key)
                     self.installer.link_adapter(installed, root)
                 except InstallError as exc:
                     if exc.code == "not_found":
@@ -438,7 +452,7 @@ class Agent:
                         message=str(exc), retryable=True)))
                     return False
         finally:  # an install, or an eviction to make room (even for one that then failed)
-            if self.installer.installed_adapters() != before:
+            if self.installer.changes != changes:
                 self.send_inventory()
         return True
 
@@ -472,6 +486,8 @@ class Agent:
                 with self._lock:
                     self.running.pop(job_id, None)
                     self.latest_checkpoint.pop(job_id, None)
+                if rj.held:
+                    self.installer.release(rj.held)
 
     def _run_job(self, job_id: str, rj: RunningJob) -> None:
         env = rj.envelope
@@ -563,7 +579,6 @@ class Agent:
             if not self._send(m):
                 log.info("job %s done while disconnected; the receipt goes out on reconnect", job_id)
                 break
-        self.completed += 1
         log.debug("job %s done in %d ms", job_id, result.run_ms)
         line = self._summary.add(result.run_ms)
         if line is not None:

@@ -98,7 +98,7 @@ def cmd_run(args) -> int:
     from .cheats import from_env as cheat_from_env
     from .config import load_config, load_identity
     from .errors import AgentError
-    from .launch import host_launcher
+    from .launch import host_launcher, sandbox_ro_paths
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -120,15 +120,11 @@ def cmd_run(args) -> int:
         plugin_dirs = resolve_plugins(cfg, installer, builtin=builtin_plugin_dir)
         if not plugin_dirs:
             raise AgentError("no plugin to serve (see the errors above)")
-        # The registry cache (installed plugins, adapters the weights folders link to) is
-        # bound read-only into the sandbox.
-        extra_ro = [*plugin_dirs.values(), installer.root] if installer is not None else []
         # SPARECYCLES_CHEAT: the verification harness's deliberately dishonest agent
         # (provider_agent.cheats); unset, this is None and the agent is honest.
         cheat = cheat_from_env()
         launcher = host_launcher(sandboxed=not args.no_sandbox, home=args.home, cfg=cfg,
-                                 plugin_dirs=[*extra_ro, *(cheat.extra_ro_paths() if cheat
-                                                           else [])] or None)
+                                 plugin_dirs=sandbox_ro_paths(plugin_dirs, installer, cheat))
         agent = Agent(cfg, load_identity(args.home), plugin_dirs=plugin_dirs,
                       sandboxed=not args.no_sandbox, launcher=launcher, home=args.home,
                       cheat=cheat, installer=installer)

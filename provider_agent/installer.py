@@ -17,7 +17,12 @@ Every install:
    temporary folder: nothing half-installed is ever visible under the cache's names.
 
 The cache is size-capped (``max_bytes``): before an install, the least recently used
-packages (not ``in_use``) are evicted until the new one fits. Layout::
+packages (not ``in_use``, not held by a running job) are evicted until the new one fits,
+counting the downloads in progress. The lock guards the index and pins only: the document
+fetch, the downloads and the re-hashing run without it, so one slot's long download never
+stalls another's job; two installs of the same package take turns (the second finds the
+first's). Last-use times are kept in memory and written with the next install or eviction,
+at most every SAVE_EVERY_S otherwise, and by ``flush()``. Layout::
 
     <cache>/plugins/<name>@<version>/          the plugin's files (plugin.toml, code, weights/)
     <cache>/adapters/<base>/<name>@<version>/  the adapter's files
@@ -56,6 +61,7 @@ log = logging.getLogger("agent.installer")
 INDEX = "index.json"
 PACKAGE_JSON = ".package.json"
 DEFAULT_MAX_BYTES = 20 * 1024**3
+SAVE_EVERY_S = 60.0  # a change of last-use times alone is written at most this often
 
 
 class InstallError(AgentError):
@@ -74,6 +80,8 @@ class Installed:
     version: str
     path: Path
     package: Package
+    # Downloaded by this call (every file was hashed on the way in), not found in the cache.
+    fresh: bool = False
 
     @property
     def key(self) -> str:
@@ -98,7 +106,16 @@ class Installer:
         self.trusted_keys = set(trusted_keys or ())
         self.clock = clock
         self.in_use: set[str] = set()     # entry keys that must not be evicted
+        # The index, the pins and the counts below; never held over the network or a hash.
         self._lock = threading.RLock()
+        self._held: dict[str, int] = {}   # entry keys running jobs use -> how many jobs
+        self._gates: dict[str, threading.Lock] = {}  # one download per package at a time
+        self._reserved = 0                # bytes of the downloads in progress
+        # Bumped by every install and eviction: compared before and after, it tells whether
+        # the inventory changed.
+        self.changes = 0
+        self._dirty = False               # last-use times not yet written
+        self._saved_at = time.monotonic()
         if http is None and broker_url:
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
             http = httpx.Client(base_url=broker_url.rstrip("/"), headers=headers,
@@ -126,6 +143,14 @@ class Installer:
         with os.fdopen(fd, "w") as f:
             json.dump(self._index, f, indent=1, sort_keys=True)
         os.replace(tmp, self.root / INDEX)
+        self._dirty = False
+        self._saved_at = time.monotonic()
+
+    def flush(self) -> None:
+        """Write last-use times still only in memory (at the agent's stop)."""
+        with self._lock:
+            if self._dirty:
+                self._save_index()
 
     def _drop_strays(self) -> None:
         """Index entries whose folder is gone are forgotten; folders the index does not
@@ -151,39 +176,65 @@ class Installer:
             return sum(int(e["size"]) for e in self._index["entries"].values())
 
     def touch(self, key: str) -> None:
+        """Mark ``key`` as just used (LRU): in memory; written later (see SAVE_EVERY_S)."""
         with self._lock:
             e = self._index["entries"].get(key)
             if e is not None:
-                e["last_used"] = self.clock()
-                self._save_index()
+                self._touch(e)
 
-    def touch_path(self, folder: Path) -> None:
-        """Mark the package installed at ``folder`` as just used (LRU)."""
-        folder = Path(folder).resolve()
+    def _touch(self, e: dict) -> None:
+        e["last_used"] = self.clock()
+        self._dirty = True
+        if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+            self._save_index()
+
+    def touch_path(self, folder: Path, *, hold: bool = False) -> str | None:
+        """Mark the package installed at ``folder`` as just used (LRU); with ``hold``, also
+        keep it from eviction until ``release``. Its key, or None when none is there."""
+        folder = str(Path(folder).resolve())
         with self._lock:
             for key, e in self._index["entries"].items():
-                if Path(e["path"]) == folder:
-                    self.touch(key)
-                    return
+                if e["path"] == folder:
+                    self._touch(e)
+                    if hold:
+                        self._hold(key)
+                    return key
+        return None
+
+    def _hold(self, key: str) -> None:
+        self._held[key] = self._held.get(key, 0) + 1
+
+    def release(self, keys) -> None:
+        """Let packages a job held (``touch_path``/``install_adapter`` with ``hold``) be
+        evicted again, once no other job holds them."""
+        with self._lock:
+            for key in keys:
+                n = self._held.get(key, 0) - 1
+                if n > 0:
+                    self._held[key] = n
+                else:
+                    self._held.pop(key, None)
 
     def installed_adapters(self) -> list[dict]:
         """[{plugin, name, version, digest}] for the capabilities/inventory messages."""
-        out = []
-        for e in self.entries().values():
-            if e["kind"] == "adapter":
-                out.append({"plugin": e["base"], "name": e["name"], "version": e["version"],
-                            "digest": e["digest"]})
+        with self._lock:
+            out = [{"plugin": e["base"], "name": e["name"], "version": e["version"],
+                    "digest": e["digest"]}
+                   for e in self._index["entries"].values() if e["kind"] == "adapter"]
         return sorted(out, key=lambda a: (a["plugin"], a["name"], a["version"]))
 
     # ---- installing --------------------------------------------------------------------
     def install_plugin(self, name: str, version: str = "latest") -> Installed:
         return self._install("plugin", name, version)
 
-    def install_adapter(self, name: str, version: str = "latest", *, base: str) -> Installed:
-        """Install an adapter for plugin ``base``; an adapter for another base is refused."""
-        return self._install("adapter", name, version, base=base)
+    def install_adapter(self, name: str, version: str = "latest", *, base: str,
+                        hold: bool = False) -> Installed:
+        """Install an adapter for plugin ``base``; an adapter for another base is refused.
+        With ``hold`` it is kept from eviction until ``release([installed.key])``."""
+        return self._install("adapter", name, version, base=base, hold=hold)
 
-    def _install(self, kind: str, name: str, version: str, base: str | None = None) -> Installed:
+    def _install(self, kind: str, name: str, version: str, base: str | None = None,
+                 hold: bool = False) -> Installed:
         """Install, surfacing every failure as InstallError: an unexpected one (a full disk,
         a path that is both a file and a folder, a registry answer of the wrong shape) is
         ``invalid_package``; either way nothing half-installed is left behind."""
@@ -191,7 +242,7 @@ class Installer:
             raise InstallError("no_registry", f"cannot install {kind} {name}: no registry "
                                "configured (set registry_url in agent.toml)")
         try:
-            return self._install_locked(kind, name, version, base)
+            return self._install_one(kind, name, version, base, hold)
         except InstallError:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad package must not stop the agent
@@ -200,52 +251,83 @@ class Installer:
             raise InstallError("invalid_package", f"cannot install {kind} {name}@{version}: "
                                f"{type(exc).__name__}: {exc}") from exc
 
-    def _install_locked(self, kind: str, name: str, version: str,
-                        base: str | None) -> Installed:
+    def _install_one(self, kind: str, name: str, version: str, base: str | None,
+                     hold: bool) -> Installed:
+        detail = self._get_json(f"/v1/{kind}s/{name}/{version}", f"{kind} {name}@{version}")
         with self._lock:
-            detail = self._get_json(f"/v1/{kind}s/{name}/{version}", f"{kind} {name}@{version}")
             package = self._verify(kind, name, version, base, detail)
             key = _entry_key(kind, package.name, package.version, package.base)
-            entry = self._index["entries"].get(key)
-            if entry is not None and entry["digest"] == package.digest and \
-                    Path(entry["path"]).is_dir():
-                self.touch(key)
-                return Installed(kind, package.name, package.version, Path(entry["path"]), package)
-            final = self._final_path(package)
-            self._make_room(package.size, keep={key})
-            tmp = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix=f"{package.name}-"))
+            got = self._cached(kind, package, key, hold)
+            if got is not None:
+                return got
+            gate = self._gates.setdefault(key, threading.Lock())
+        with gate:  # the same package installing in another thread: wait, then use it
+            with self._lock:
+                got = self._cached(kind, package, key, hold)
+                if got is not None:
+                    return got
+                self._make_room(package.size, keep={key})
+                self._reserved += package.size
             try:
-                for f in package.files:
-                    self._download(kind, package, f, tmp)
-                self._check_contents(package, tmp)
-                (tmp / PACKAGE_JSON).write_text(json.dumps(
-                    {"document": package.document, "signature": detail["signature"]},
-                    sort_keys=True))
-                self._move_into_place(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            pin = f"{kind}:{package.name}"
-            old_pin = self._index["pins"].get(pin)
-            try:
-                self._index["pins"][pin] = package.publisher_key
-                self._index["entries"][key] = {
-                    "kind": kind, "name": package.name, "version": package.version,
-                    "base": package.base, "path": str(final), "size": package.size,
-                    "digest": package.digest, "publisher_key": package.publisher_key,
-                    "installed_at": self.clock(), "last_used": self.clock()}
-                self._save_index()
-            except BaseException:  # e.g. a full disk: the folder must not outlive its entry
-                self._index["entries"].pop(key, None)
-                if old_pin is None:
-                    self._index["pins"].pop(pin, None)
-                else:
-                    self._index["pins"][pin] = old_pin
-                shutil.rmtree(final, ignore_errors=True)
-                raise
-            log.info("installed %s %s (%d files, %d bytes, publisher %s…)", kind, package.ref,
-                     len(package.files), package.size, package.publisher_key[:16])
-            return Installed(kind, package.name, package.version, final, package)
+                tmp = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix=f"{package.name}-"))
+                try:
+                    for f in package.files:
+                        self._download(kind, package, f, tmp)
+                    self._check_contents(package, tmp)
+                    (tmp / PACKAGE_JSON).write_text(json.dumps(
+                        {"document": package.document, "signature": detail["signature"]},
+                        sort_keys=True))
+                    with self._lock:
+                        final = self._commit(kind, package, key, tmp, hold)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+            finally:
+                with self._lock:
+                    self._reserved -= package.size
+        log.info("installed %s %s (%d files, %d bytes, publisher %s…)", kind, package.ref,
+                 len(package.files), package.size, package.publisher_key[:16])
+        return Installed(kind, package.name, package.version, final, package, fresh=True)
+
+    def _cached(self, kind: str, package: Package, key: str, hold: bool) -> Installed | None:
+        """The installed copy of ``package`` (marked used), or None. Under the lock."""
+        entry = self._index["entries"].get(key)
+        if entry is None or entry["digest"] != package.digest or \
+                not Path(entry["path"]).is_dir():
+            return None
+        self._touch(entry)
+        if hold:
+            self._hold(key)
+        return Installed(kind, package.name, package.version, Path(entry["path"]), package)
+
+    def _commit(self, kind: str, package: Package, key: str, tmp: Path, hold: bool) -> Path:
+        """Move the checked download into place and record it; a failure to record removes
+        it again. Under the lock."""
+        self._check_pin(kind, package)  # another version may have pinned a key meanwhile
+        final = self._final_path(package)
+        self._move_into_place(tmp, final)
+        pin = f"{kind}:{package.name}"
+        old_pin = self._index["pins"].get(pin)
+        try:
+            self._index["pins"][pin] = package.publisher_key
+            self._index["entries"][key] = {
+                "kind": kind, "name": package.name, "version": package.version,
+                "base": package.base, "path": str(final), "size": package.size,
+                "digest": package.digest, "publisher_key": package.publisher_key,
+                "installed_at": self.clock(), "last_used": self.clock()}
+            self._save_index()
+        except BaseException:  # e.g. a full disk: the folder must not outlive its entry
+            self._index["entries"].pop(key, None)
+            if old_pin is None:
+                self._index["pins"].pop(pin, None)
+            else:
+                self._index["pins"][pin] = old_pin
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+        self.changes += 1
+        if hold:
+            self._hold(key)
+        return final
 
     def _get_json(self, path: str, what: str) -> dict:
         try:
@@ -277,11 +359,7 @@ class Installer:
                 (version != "latest" and package.version != version):
             raise InstallError("wrong_package", f"asked for {kind} {name}@{version}, the "
                                f"registry sent {package.kind} {package.ref}")
-        pinned = self._index["pins"].get(f"{kind}:{name}")
-        if pinned is not None and pinned != package.publisher_key:
-            raise InstallError("publisher_changed", f"refusing {kind} {package.ref}: signed by "
-                               f"key {package.publisher_key[:16]}…, but earlier versions were "
-                               f"signed by {pinned[:16]}… (pinned at first install)")
+        self._check_pin(kind, package)
         if self.trusted_keys and package.publisher_key not in self.trusted_keys:
             raise InstallError("untrusted_publisher", f"refusing {kind} {package.ref}: its "
                                f"publisher key {package.publisher_key[:16]}… is not in "
@@ -293,6 +371,13 @@ class Installer:
             raise InstallError("too_large", f"{kind} {package.ref} is {package.size} bytes; "
                                f"the cache holds at most {self.max_bytes}")
         return package
+
+    def _check_pin(self, kind: str, package: Package) -> None:
+        pinned = self._index["pins"].get(f"{kind}:{package.name}")
+        if pinned is not None and pinned != package.publisher_key:
+            raise InstallError("publisher_changed", f"refusing {kind} {package.ref}: signed by "
+                               f"key {package.publisher_key[:16]}…, but earlier versions were "
+                               f"signed by {pinned[:16]}… (pinned at first install)")
 
     def _final_path(self, package: Package) -> Path:
         if package.kind == "plugin":
@@ -358,25 +443,29 @@ class Installer:
 
     # ---- the cap -----------------------------------------------------------------------
     def _make_room(self, size: int, keep: set[str]) -> None:
-        """Evict least recently used packages until ``size`` more bytes fit."""
+        """Evict least recently used packages until ``size`` more bytes fit beside the
+        installed ones and the downloads in progress. Under the lock."""
         entries = self._index["entries"]
-        used = sum(int(e["size"]) for e in entries.values())
+        used = sum(int(e["size"]) for e in entries.values()) + self._reserved
         for key in sorted(entries, key=lambda k: entries[k]["last_used"]):
             if used + size <= self.max_bytes:
                 break
-            if key in keep or key in self.in_use:
+            if key in keep or key in self.in_use or key in self._held:
                 continue
             used -= int(entries[key]["size"])
             self.evict(key)
         if used + size > self.max_bytes:
             raise InstallError("cache_full", f"cannot fit {size} bytes in the cache "
-                               f"({used} of {self.max_bytes} bytes held by packages in use)")
+                               f"({used} of {self.max_bytes} bytes held by packages in use "
+                               "or downloading)")
 
-    def evict(self, key: str) -> None:
+    def evict(self, key: str) -> bool:
+        """Remove an installed package; False when it was not installed."""
         with self._lock:
             e = self._index["entries"].pop(key, None)
             if e is None:
-                return
+                return False
+            self.changes += 1
             trash = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix="evict-"))
             try:
                 os.replace(e["path"], trash / "old")
@@ -385,30 +474,41 @@ class Installer:
             shutil.rmtree(trash, ignore_errors=True)
             self._save_index()
             log.info("evicted %s (%d bytes) from the package cache", key, e["size"])
+            return True
 
     # ---- use -----------------------------------------------------------------------------
     def verify_installed(self, key: str) -> Installed:
         """Re-check an installed package before use: its signed document and every file's
-        sha256 on disk. A damaged package is evicted and InstallError raised."""
+        sha256 on disk. A damaged package is evicted and InstallError raised. The files are
+        hashed without the lock (the package is held meanwhile, and not reinstalled)."""
         with self._lock:
-            e = self._index["entries"].get(key)
-            if e is None:
-                raise InstallError("not_installed", f"{key} is not installed")
-            folder = Path(e["path"])
+            gate = self._gates.setdefault(key, threading.Lock())
+        with gate:
+            with self._lock:
+                e = self._index["entries"].get(key)
+                if e is None:
+                    raise InstallError("not_installed", f"{key} is not installed")
+                e = dict(e)
+                self._hold(key)
             try:
-                saved = json.loads((folder / PACKAGE_JSON).read_text())
-                package = verify_document(saved["document"], saved["signature"],
-                                          expected_key=e["publisher_key"])
-                if document_digest(package.document) != e["digest"]:
-                    raise PackageError("document changed on disk", code="tampered")
-                for f in package.files:
-                    p = folder / f.path
-                    if not p.is_file() or p.stat().st_size != f.size or file_sha256(p) != f.sha256:
-                        raise PackageError(f"{f.path} changed on disk", code="tampered")
-            except (OSError, ValueError, KeyError, PackageError) as exc:
-                self.evict(key)
-                raise InstallError(getattr(exc, "code", "tampered"), f"{key} failed "
-                                   f"verification and was removed: {exc}") from None
+                folder = Path(e["path"])
+                try:
+                    saved = json.loads((folder / PACKAGE_JSON).read_text())
+                    package = verify_document(saved["document"], saved["signature"],
+                                              expected_key=e["publisher_key"])
+                    if document_digest(package.document) != e["digest"]:
+                        raise PackageError("document changed on disk", code="tampered")
+                    for f in package.files:
+                        p = folder / f.path
+                        if not p.is_file() or p.stat().st_size != f.size or \
+                                file_sha256(p) != f.sha256:
+                            raise PackageError(f"{f.path} changed on disk", code="tampered")
+                except (OSError, ValueError, KeyError, PackageError) as exc:
+                    self.evict(key)  # (being held keeps a package from _make_room only)
+                    raise InstallError(getattr(exc, "code", "tampered"), f"{key} failed "
+                                       f"verification and was removed: {exc}") from None
+            finally:
+                self.release([key])
             return Installed(e["kind"], e["name"], e["version"], folder, package)
 
     @staticmethod
@@ -430,6 +530,7 @@ class Installer:
         return link
 
     def close(self) -> None:
+        self.flush()
         if self.http is not None:
             self.http.close()
 
@@ -447,8 +548,8 @@ def make_installer(cfg) -> Installer | None:
 def resolve_plugins(cfg, installer: Installer | None, builtin=None) -> dict[str, Path]:
     """The folder of each plugin in ``cfg.plugins`` (``name`` or ``name@version``): a
     built-in one, else installed from the registry (verified; a cached copy is re-hashed
-    before use). A plugin that cannot be had is logged and left out — the agent serves the
-    others. Then installs ``cfg.adapters`` and links them where the plugin hosts look.
+    before use, a fresh download is not: it was hashed on the way in). A plugin that
+    cannot be had is logged and left out — the agent serves the others. Then installs ``cfg.adapters`` and links them where the plugin hosts look.
     Leaves ``cfg.plugins`` naming the plugins served; points ``cfg.weights`` of a registry
     plugin that carries its weights at them."""
     if builtin is None:
@@ -468,7 +569,8 @@ def resolve_plugins(cfg, installer: Installer | None, builtin=None) -> dict[str,
                 raise InstallError("no_registry", f"plugin {spec} is not built in and no "
                                    "registry_url is configured")
             inst = installer.install_plugin(name, version or "latest")
-            inst = installer.verify_installed(inst.key)
+            if not inst.fresh:  # a fresh install was hashed while it downloaded
+                inst = installer.verify_installed(inst.key)
             installer.in_use.add(inst.key)
             dirs[name] = inst.path
             if name not in cfg.weights and (inst.path / "weights").is_dir():
@@ -487,7 +589,8 @@ def resolve_plugins(cfg, installer: Installer | None, builtin=None) -> dict[str,
                         raise InstallError("no_weights", f"plugin {plugin} is not served here "
                                            "with a weights folder")
                     inst = installer.install_adapter(name, base=plugin)
-                    inst = installer.verify_installed(inst.key)
+                    if not inst.fresh:
+                        inst = installer.verify_installed(inst.key)
                     installer.link_adapter(inst, weights / "adapters")
                 except InstallError as exc:
                     log.error("adapter %s for %s not installed: %s", name, plugin, exc)

@@ -291,16 +291,11 @@ def _parse_messages(raw: str) -> list[dict[str, str]]:
     return chat
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float,
-            generator: torch.Generator, banned: list[int] = ()) -> int:
-    """One token id from float32 CPU logits: greedy at temperature 0, else nucleus
-    sampling; ``banned`` ids (end-of-text under ignore_eos) are never picked."""
-    return _sample_dist(logits, temperature, top_p, generator, banned)[0]
-
-
 def _sample_dist(logits: torch.Tensor, temperature: float, top_p: float,
                  generator: torch.Generator, banned: list[int] = ()):
-    """``_sample`` that also returns what it sampled from, for ``_score``:
+    """One token id from float32 CPU logits: greedy at temperature 0, else nucleus
+    sampling; ``banned`` ids (end-of-text under ignore_eos) are never picked. Returns what
+    it sampled from too, for ``_score``:
     ``(token, dist)`` with ``dist`` None for greedy, else ``(probs, sorted_probs, head,
     order)``: the softmax at ``temperature`` (banned ids at 0) before top_p, the same in
     descending order, that order after top_p (the dropped tail zeroed, not renormalised)

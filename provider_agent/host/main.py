@@ -281,9 +281,10 @@ class StrayReaper:
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self.proc = proc
         self._dir = os.fspath(proc)
-        self.keep = {(pid, start) for pid, (state, start) in self._live().items()}
+        self._kept_pids: set[int] = set()  # none yet: the first scan sees every process
+        self.keep = {(pid, start) for pid, _state, start in self._live()}
         self.keep.add((os.getpid(), self._stat(os.getpid())[1]))
-        self._kept_pids = {os.getpid()}
+        self._kept_pids.add(os.getpid())
         if proc == Path("/proc") and any(pid == 1 for pid, _ in self.keep):
             self._kept_pids.add(1)
 
@@ -298,29 +299,22 @@ class StrayReaper:
         fields = raw[raw.rindex(b")") + 2:].split()
         return fields[0].decode(), int(fields[19])   # state, starttime (clock ticks)
 
-    def _live(self) -> dict[int, tuple[str, int]]:
-        out = {}
-        for name in os.listdir(self.proc):
-            if name.isdigit():
-                try:
-                    out[int(name)] = self._stat(int(name))
-                except (OSError, ValueError, IndexError):
-                    continue  # gone meanwhile
-        return out
-
-    def _strays(self) -> list[int]:
-        strays = []
+    def _live(self) -> list[tuple[int, str, int]]:
+        """(pid, state, start time) of every process but those kept by pid alone."""
+        out = []
         for name in os.listdir(self._dir):
             if not name.isdigit() or int(name) in self._kept_pids:
                 continue
             pid = int(name)
             try:
-                state, start = self._stat(pid)
+                out.append((pid, *self._stat(pid)))
             except (OSError, ValueError, IndexError):
                 continue  # gone meanwhile
-            if state not in ("Z", "X") and (pid, start) not in self.keep:
-                strays.append(pid)
-        return strays
+        return out
+
+    def _strays(self) -> list[int]:
+        return [pid for pid, state, start in self._live()
+                if state not in ("Z", "X") and (pid, start) not in self.keep]
 
     def reap(self, rounds: int = 200) -> list[int]:
         """Kill every process not kept; return their pids (empty when there were none)."""

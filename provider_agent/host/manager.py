@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from provider_agent.errors import AgentError, HostError
-from .protocol import FrameReader, FrameWriter
+from .protocol import FrameReader, FrameWriter, ProtocolError
 
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -137,30 +137,34 @@ class PluginHost:
 
     # ---- jobs --------------------------------------------------------------------------
     def _next(self, timeout_s: float, job_id: str) -> tuple[dict, bytes]:
+        """The host's next frame; TimeoutError when none came within ``timeout_s``, HostError
+        when the host is gone (its pipe closed, broke, or carried garbage)."""
         try:
             frame = self._reader.next(max(0.0, timeout_s))
-        except Exception as exc:  # noqa: BLE001 - EOF or garbage: the host is gone
-            frame = ({"type": "_dead", "message": str(exc)}, b"")
+        except (EOFError, OSError, ValueError, ProtocolError) as exc:
+            # EOF, a broken or closed pipe, a header that is not JSON, a broken frame
+            raise self._died(job_id, str(exc)) from None
         if frame is None:
             raise TimeoutError
-        header, body = frame
-        if header["type"] == "_dead":
-            try:
-                code = self.proc.wait(2) if self.proc else None
-            except subprocess.TimeoutExpired:
-                code = "unknown: it closed its pipe"
-            breached = self.limit_breached()
-            why = f" ({header['message']})" if header.get("message") else ""
-            if breached == "memory":  # the kernel (or the watchdog) killed it for this
-                raise HostError("memory_limit", f"plugin host {self.name} broke its memory "
-                                f"limit during job {job_id or 'load'} and was killed",
-                                retryable=True)
-            # Hitting the pids limit only makes fork fail; it is a clue, never the killer.
-            clue = f" (it had hit its {breached} limit)" if breached else ""
-            raise HostError("host_died", f"plugin host {self.name} exited (code {code}) "
-                                         f"during job {job_id or 'load'}{clue}{why}",
-                            retryable=True)
-        return header, body
+        return frame
+
+    def _died(self, job_id: str, why: str) -> HostError:
+        """The error for a host found dead during job ``job_id`` ("" while loading)."""
+        try:
+            code = self.proc.wait(2) if self.proc else None
+        except subprocess.TimeoutExpired:
+            code = "unknown: it closed its pipe"
+        breached = self.limit_breached()
+        if breached == "memory":  # the kernel (or the watchdog) killed it for this
+            return HostError("memory_limit", f"plugin host {self.name} broke its memory "
+                             f"limit during job {job_id or 'load'} and was killed",
+                             retryable=True)
+        # Hitting the pids limit only makes fork fail; it is a clue, never the killer.
+        clue = f" (it had hit its {breached} limit)" if breached else ""
+        why = f" ({why})" if why else ""
+        return HostError("host_died", f"plugin host {self.name} exited (code {code}) "
+                                      f"during job {job_id or 'load'}{clue}{why}",
+                         retryable=True)
 
     def cancel(self, job_id: str) -> None:
         if self.alive():

@@ -129,27 +129,3 @@ class FrameReader:
             raise ProtocolError("frame header must be an object with a type")
         return header, body
 
-
-def _read_exact(stream: BinaryIO, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = stream.read(n)
-        if not chunk:
-            raise EOFError("pipe closed")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_frame(stream: BinaryIO) -> tuple[dict, bytes]:
-    (hlen,) = _LEN.unpack(_read_exact(stream, 4))
-    if hlen > MAX_HEADER:
-        raise ProtocolError(f"header of {hlen} bytes is too large")
-    header = json.loads(_read_exact(stream, hlen))
-    (blen,) = _LEN.unpack(_read_exact(stream, 4))
-    if blen > MAX_BODY:
-        raise ProtocolError(f"body of {blen} bytes is too large")
-    body = _read_exact(stream, blen) if blen else b""
-    if not isinstance(header, dict) or "type" not in header:
-        raise ProtocolError("frame header must be an object with a type")
-    return header, body

@@ -67,6 +67,51 @@ def test_a_host_that_died_between_jobs_is_restarted_for_the_next_job():
         host.stop()
 
 
+def test_a_host_that_writes_a_broken_frame_is_host_died():
+    host = PluginHost(ECHO, None, device="cpu", launcher=_python(
+        "import sys; sys.stdout.buffer.write(b'\\xff' * 8); sys.stdout.flush()"))
+    with pytest.raises(HostError) as exc:
+        host.start()
+    assert exc.value.code == "host_died" and "too large" in str(exc.value)
+    assert not host.alive()
+
+
+def test_a_bug_in_the_agent_is_not_disguised_as_a_dead_host(monkeypatch):
+    from provider_agent.host import manager
+
+    def bug(self, timeout_s=None):
+        raise KeyError("a coding bug")
+    monkeypatch.setattr(manager.FrameReader, "next", bug)
+    host = PluginHost(ECHO, None, device="cpu", launcher=_python("import time; time.sleep(30)"))
+    try:
+        with pytest.raises(KeyError):
+            host.start()
+    finally:
+        host.kill()
+
+
+def test_the_sandbox_read_only_paths_are_the_same_for_the_cli_and_the_agent(tmp_path,
+                                                                          monkeypatch):
+    from types import SimpleNamespace
+
+    from provider_agent import launch
+    from provider_agent.agent import Agent
+    from provider_agent.config import AgentConfig
+    from sdk.protocol.signing import KeyPair
+
+    installer = SimpleNamespace(root=tmp_path / "cache")
+    cheat = SimpleNamespace(extra_ro_paths=lambda: [tmp_path / "other-weights"],
+                            announce=lambda: None, weights_for=lambda output, honest: honest)
+    want = [ECHO, tmp_path / "cache", tmp_path / "other-weights"]
+    assert launch.sandbox_ro_paths({"echo": ECHO}, installer, cheat) == want
+    assert launch.sandbox_ro_paths([ECHO]) == [ECHO]
+    asked = []
+    monkeypatch.setattr(launch, "host_launcher", lambda **kw: asked.append(kw["plugin_dirs"]))
+    Agent(AgentConfig(api_key="k", plugins=["echo"], device="cpu"), KeyPair.generate(),
+          plugin_dirs={"echo": ECHO}, sandboxed=True, installer=installer, cheat=cheat)
+    assert asked == [want]  # the agent's own launcher (none given) binds the cache too
+
+
 def test_gpu_nodes_follow_the_device(tmp_path, monkeypatch):
     from provider_agent.launch import gpu_indices_for
 

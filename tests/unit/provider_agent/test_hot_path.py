@@ -16,8 +16,7 @@ from provider_agent.agent import _DoneSummary
 from provider_agent.errors import HostError
 from provider_agent.host.main import Context, Inbox
 from provider_agent.host.manager import PluginHost
-from provider_agent.host.protocol import (FrameReader, FrameWriter, ProtocolError, encode_frame,
-                                          read_frame)
+from provider_agent.host.protocol import FrameReader, FrameWriter, ProtocolError, encode_frame
 from sdk.protocol.envelope import EnvelopeError, ReplayGuard
 
 
@@ -133,8 +132,11 @@ def test_a_large_body_arrives_whole(pipe):
 
 def test_the_frame_format_is_unchanged(pipe):
     rf, wf = pipe
-    FrameWriter(wf).send({"type": "run", "inputs": {"text": "é"}}, b"ck")
-    assert read_frame(rf) == ({"type": "run", "inputs": {"text": "é"}}, b"ck")
+    # u32 header length | compact JSON header (ASCII) | u32 body length | body
+    frame = b'\x00\x00\x00\x29{"type":"run","inputs":{"text":"\\u00e9"}}\x00\x00\x00\x02ck'
+    assert encode_frame({"type": "run", "inputs": {"text": "é"}}, b"ck") == frame
+    os.write(wf.fileno(), frame)
+    assert FrameReader(rf).next(1) == ({"type": "run", "inputs": {"text": "é"}}, b"ck")
 
 
 def test_eof_and_broken_frames_are_errors(pipe):
@@ -148,7 +150,6 @@ def test_eof_and_broken_frames_are_errors(pipe):
         os.write(wf2.fileno(), (2**31).to_bytes(4, "big"))
         with pytest.raises(ProtocolError):
             FrameReader(rf2).next(1)
-        os.write(wf2.fileno(), encode_frame({"no": "type"}))
     r, w = os.pipe()
     with os.fdopen(r, "rb") as rf3, os.fdopen(w, "wb") as wf3:
         FrameWriter(wf3).send({"no": "type"})

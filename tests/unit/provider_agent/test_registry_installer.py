@@ -18,12 +18,16 @@ from tests.marketplace_helpers import adapter_folder, plugin_folder, publish, re
 
 
 class Tamper(httpx.BaseTransport):
-    """Passes requests to the broker app; ``edit(path, json)`` may rewrite JSON answers."""
+    """Passes requests to the broker app; ``edit(path, json)`` may rewrite JSON answers.
+    ``downloads`` lists the file paths requested (``…/files/…``)."""
 
     def __init__(self, inner, edit=None):
         self.inner, self.edit = inner, edit
+        self.downloads: list[str] = []
 
     def handle_request(self, request):
+        if "/files/" in request.url.path:
+            self.downloads.append(request.url.path)
         resp = self.inner.handle_request(request)
         if self.edit is None or "/files/" in request.url.path or resp.status_code != 200:
             return resp
@@ -45,11 +49,16 @@ def world(tmp_path):
     w.wsgi = httpx.WSGITransport(app=app)
 
     def installer(edit=None, **kw):
-        http = httpx.Client(transport=Tamper(w.wsgi, edit), base_url="http://broker",
+        tamper = Tamper(w.wsgi, edit)
+        http = httpx.Client(transport=tamper, base_url="http://broker",
                             headers={"Authorization": f"Bearer {provider_key}"})
-        return Installer(None, None, tmp_path / "cache", http=http, **kw)
+        inst = Installer(None, None, tmp_path / "cache", http=http, **kw)
+        inst.tamper = tamper  # the test's handle on what it was asked
+        return inst
 
     w.installer = installer
+    w.downloads = lambda inst: inst.tamper.downloads
+
     w.publish = lambda folder, **kw: publish(services.registry, pub, keys, folder, **kw)
     yield w
     services.close()
@@ -99,20 +108,24 @@ def test_unsigned_and_wrongly_signed_packages_are_refused_before_download(world)
     unsigned = world.installer(edit=lambda path, body: {**body, "signature": ""})
     with pytest.raises(InstallError) as e:
         unsigned.install_adapter("ink", base="sd15")
-    assert e.value.code == "unsigned"
+    assert e.value.code == "unsigned" and world.downloads(unsigned) == []
     _clean(unsigned.root)
     other = KeyPair.generate()
     forged = world.installer(edit=lambda path, body: {
         **body, "signature": other.sign("adapter", body["document"])})
     with pytest.raises(InstallError) as e:
         forged.install_adapter("ink", base="sd15")
-    assert e.value.code == "bad_signature"
+    assert e.value.code == "bad_signature" and world.downloads(forged) == []
     raised = world.installer(edit=lambda path, body: {
         **body, "document": {**body["document"], "royalty_micro": 1}})
     with pytest.raises(InstallError) as e:  # the document was changed after signing
         raised.install_adapter("ink", base="sd15")
-    assert e.value.code == "bad_signature"
+    assert e.value.code == "bad_signature" and world.downloads(raised) == []
     _clean(raised.root)
+    honest = world.installer()  # the recording sees a download when there is one
+    honest.install_adapter("ink", base="sd15")
+    assert world.downloads(honest) and all("/v1/adapters/ink/1.0.0/files/" in p
+                                           for p in world.downloads(honest))
 
 
 def test_an_adapter_for_another_base_is_refused(world):
@@ -212,12 +225,18 @@ def test_the_agent_fetches_a_jobs_missing_adapter_before_running_it(world):
     agent._outq = queue.Queue()
     env = {"job_id": "j1", "attempt": 1, "plugin": "sd15",
            "inputs": {"prompt": "x", "adapters": "ink:0.5,someones-own"}}
-    assert agent._prepare_job("j1", RunningJob(env, b"")) is True
+    rj = RunningJob(env, b"")
+    assert agent._prepare_job("j1", rj) is True
     assert (weights / "adapters" / "ink" / "adapter.json").is_file()
+    assert rj.held == ["adapter:sd15/ink@1.0.0"]  # kept from eviction while it runs
     sent = agent._outq.get_nowait()
     assert sent.WhichOneof("body") == "inventory"
     assert [(a.plugin, a.name) for a in sent.inventory.adapters] == [("sd15", "ink")]
     assert [a.name for a in agent._capabilities().adapters] == ["ink"]
+    # the next job finds it linked: held too, and no inventory (nothing changed)
+    again = RunningJob({**env, "job_id": "j3"}, b"")
+    assert agent._prepare_job("j3", again) is True and again.held == rj.held
+    assert agent._outq.empty()
     # an adapter for another base fails only this job (retryable), with a clear code
     env2 = {**env, "job_id": "j2", "inputs": {"prompt": "x", "adapters": "xl"}}
     assert agent._prepare_job("j2", RunningJob(env2, b"")) is False
@@ -275,6 +294,7 @@ def test_the_agent_serves_its_other_plugins_when_one_fails_unexpectedly(world, m
     world.publish(plugin_folder(world.tmp, name="reverse"))
     world.publish(adapter_folder(world.tmp, name="ink"))
     inst = world.installer()
+    inst.install_plugin("reverse")  # cached: resolve_plugins re-verifies it
     weights = world.tmp / "weights"
     (weights / "sd15").mkdir(parents=True)
     real_verify = inst.verify_installed
@@ -321,3 +341,144 @@ def test_an_eviction_is_reported_even_when_the_install_then_fails(world):
     sent = agent._outq.get_nowait()  # a1 was evicted to make room: the broker hears of it
     assert sent.WhichOneof("body") == "inventory" and list(sent.inventory.adapters) == []
     assert inst.entries() == {}
+
+
+# ---- the lock, the index writes, held adapters, re-hashing (installer review) -------------
+def test_a_slow_download_stalls_neither_the_index_nor_a_second_install_of_it(world,
+                                                                           monkeypatch):
+    import threading
+    import time
+
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    world.publish(adapter_folder(world.tmp, name="other"))
+    inst = world.installer()
+    other = inst.install_adapter("other", base="sd15")
+    started, go = threading.Event(), threading.Event()
+    real = inst._download
+
+    def slow(*args):
+        started.set()
+        assert go.wait(10)
+        real(*args)
+    monkeypatch.setattr(inst, "_download", slow)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(inst.install_adapter("ink",
+                                                                            base="sd15")))
+               for _ in range(2)]
+    threads[0].start()
+    assert started.wait(10)
+    threads[1].start()
+    t0 = time.monotonic()  # while ink downloads, another slot's job gets its answers at once
+    assert sorted(inst.entries()) == [other.key]
+    assert [a["name"] for a in inst.installed_adapters()] == ["other"]
+    assert inst.touch_path(other.path, hold=True) == other.key
+    inst.release([other.key])
+    assert time.monotonic() - t0 < 2
+    go.set()
+    for t in threads:
+        t.join(10)
+    assert len(got) == 2 and got[0].path == got[1].path and got[0].path.is_dir()
+    assert sorted(g.fresh for g in got) == [False, True]  # downloaded once, then found
+    ink_files = [p for p in world.downloads(inst) if "/adapters/ink/" in p]
+    assert len(ink_files) == len(got[0].package.files)
+    assert sorted(inst.entries()) == sorted([other.key, got[0].key])
+    assert list((inst.root / ".tmp").iterdir()) == []
+
+
+def test_last_use_is_kept_in_memory_and_written_on_install_eviction_and_flush(world,
+                                                                            monkeypatch):
+    import provider_agent.installer as installer_mod
+
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    world.publish(adapter_folder(world.tmp, name="other"))
+    inst = world.installer(clock=iter(range(100, 200)).__next__)
+    got = inst.install_adapter("ink", base="sd15")
+    assert got.fresh and inst.changes == 1
+
+    def on_disk():
+        return json.loads((inst.root / "index.json").read_text())["entries"][got.key][
+            "last_used"]
+    written = on_disk()
+    assert inst.touch_path(got.path) == got.key
+    assert inst.install_adapter("ink", base="sd15").fresh is False
+    assert inst.changes == 1                            # a cache hit changes nothing
+    assert inst.entries()[got.key]["last_used"] > written and on_disk() == written
+    inst.install_adapter("other", base="sd15")           # an install writes the index
+    assert on_disk() == inst.entries()[got.key]["last_used"] and inst.changes == 2
+    inst.touch(got.key)
+    inst.flush()                                         # (the agent's stop)
+    assert on_disk() == inst.entries()[got.key]["last_used"]
+    monkeypatch.setattr(installer_mod, "SAVE_EVERY_S", 0.0)
+    inst.touch(got.key)                                  # the periodic write
+    assert on_disk() == inst.entries()[got.key]["last_used"]
+    assert inst.evict(got.key) is True and inst.changes == 3
+    assert inst.evict(got.key) is False and inst.changes == 3
+
+
+def test_an_adapter_a_running_job_holds_is_not_evicted(world, monkeypatch):
+    import queue
+    import threading
+    import time
+
+    from plugins import builtin_plugin_dir
+    from provider_agent.agent import Agent, RunningJob
+
+    for name in ("a1", "a2"):
+        world.publish(adapter_folder(world.tmp, name=name, payload=b"x" * 4000 + name.encode()))
+    one = sum(f["size"] for f in world.services.registry.get("adapter", "a1").document["files"])
+    inst = world.installer(max_bytes=one + 10)
+    weights = world.tmp / "w" / "sd15"
+    weights.mkdir(parents=True)
+    cfg = AgentConfig(api_key="k", plugins=["sd15"], weights={"sd15": str(weights)}, device="cpu")
+    agent = Agent(cfg, KeyPair.generate(), plugin_dirs={"sd15": builtin_plugin_dir("sd15")},
+                  sandboxed=False, installer=inst)
+    agent._outq = queue.Queue()
+    seen = []
+
+    def run(job_id, rj):
+        seen.append(list(rj.held))
+        try:  # another slot's job needs a2 meanwhile: a1 must stay
+            inst.install_adapter("a2", base="sd15")
+        except InstallError as exc:
+            seen.append(exc.code)
+    monkeypatch.setattr(agent, "_run_job", run)
+    worker = threading.Thread(target=agent._worker, daemon=True)
+    worker.start()
+    env = {"job_id": "j1", "attempt": 1, "plugin": "sd15", "inputs": {"adapters": "a1"}}
+    with agent._lock:
+        agent.running["j1"] = RunningJob(env, b"")
+    agent.jobs.put("j1")
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    agent._stop.set()
+    agent.jobs.put(None)
+    worker.join(5)
+    assert seen == [["adapter:sd15/a1@1.0.0"], "cache_full"]
+    assert (weights / "adapters" / "a1" / "adapter.json").is_file()
+    # the job is over: a1 may go now
+    inst.install_adapter("a2", base="sd15")
+    assert sorted(inst.entries()) == ["adapter:sd15/a2@1.0.0"]
+
+
+def test_a_fresh_install_is_not_hashed_again_at_start_but_a_cached_one_is(world, monkeypatch):
+    world.publish(plugin_folder(world.tmp, name="reverse"))
+    world.publish(adapter_folder(world.tmp, name="ink"))
+    inst = world.installer()
+    weights = world.tmp / "weights"
+    (weights / "sd15").mkdir(parents=True)
+    verified = []
+    real_verify = inst.verify_installed
+
+    def verify(key):
+        verified.append(key)
+        return real_verify(key)
+    monkeypatch.setattr(inst, "verify_installed", verify)
+
+    def cfg():
+        return AgentConfig(api_key="k", plugins=["reverse", "sd15"], weights_dir=str(weights),
+                           adapters={"sd15": ["ink"]})
+    assert sorted(resolve_plugins(cfg(), inst)) == ["reverse", "sd15"]
+    assert verified == []                       # just downloaded and hashed on the way in
+    assert sorted(resolve_plugins(cfg(), inst)) == ["reverse", "sd15"]
+    assert verified == ["plugin:reverse@1.0.0", "adapter:sd15/ink@1.0.0"]
