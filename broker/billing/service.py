@@ -174,7 +174,9 @@ class JobBilling:
                                              getattr(job, "created_at", None))
         if publisher is None or royalty <= 0:
             return None, 0, fee
-        hold_amount = self.ledger.get_hold(job.hold_id).amount_micro
+        # Every submit path (single, split batch, check) stores the held amount as the
+        # job's max price (``hold`` returns it); a row from before that falls back to the hold.
+        hold_amount = job.max_price_micro or self.ledger.get_hold(job.hold_id).amount_micro
         room = max(0, hold_amount - provider_micro)
         royalty = min(royalty, room)
         fee = min(fee, room - royalty)

@@ -261,8 +261,14 @@ class JobService:
             if hold_id is not None:
                 self.billing.release_hold(hold_id, check_id, "check job was not created")
             raise
-        self.hub.notify(job.id)
-        self.on_queued(job)
+        # The check exists (row and hold) from here on: waking the dispatcher is a hint
+        # only (it re-reads the queue from the database every 0.5 s), so a failure to wake
+        # it must not read as a failed submit to the caller.
+        try:
+            self.hub.notify(job.id)
+            self.on_queued(job)
+        except Exception:  # noqa: BLE001 - logged; the dispatcher's next pass finds the job
+            log.exception("check job %s: waking the dispatcher failed", job.id)
         return job
 
     def batch(self, who: Principal, batch_id: str) -> list[Job]:

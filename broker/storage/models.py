@@ -45,6 +45,7 @@ class JobRow(Base):
     __table_args__ = (
         UniqueConstraint("account_id", "idempotency_key", name="uq_jobs_account_idem"),
         Index("ix_jobs_state_created", "state", "created_at"),
+        Index("ix_jobs_state_finished", "state", "finished_at"),  # the verification sweep
         Index("ix_jobs_state_lease", "state", "lease_expires_at"),
         Index("ix_jobs_provider_state", "provider_id", "state"),
     )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import JSON, Float, Index, Integer, String, func, select, update
+from sqlalchemy import (JSON, Float, Index, Integer, String, and_, case, func, or_, select,
+                        update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
+from broker.jobs.model import TERMINAL, Job, JobState
 from broker.verification.records import (OPEN_STATUSES, CheckStatus, StandingRecord,
                                          Verification)
 from .base import Base
@@ -115,13 +117,15 @@ class SqlVerificationRepository:
             return _to_v(row) if row else None
 
     def update(self, job_id: str, expect: set[CheckStatus], *, expect_tiebreak: str | None = None,
-               **fields) -> Verification | None:
+               expect_unjudged: bool = False, **fields) -> Verification | None:
         if "status" in fields:
             fields["status"] = CheckStatus(fields["status"]).value
         where = [VerificationRow.job_id == job_id,
                  VerificationRow.status.in_([e.value for e in expect])]
         if expect_tiebreak is not None:  # compare-and-set on the current third run
             where.append(VerificationRow.tiebreak_job_id == expect_tiebreak)
+        if expect_unjudged:  # no judgement stored yet (``outcome["applied"]`` unset)
+            where.append(VerificationRow.outcome["applied"].as_boolean().is_(None))
         with self.sessions.begin() as s:
             result = s.execute(update(VerificationRow).where(*where)
                                .values(updated_at=self.clock(), **fields))
@@ -135,11 +139,22 @@ class SqlVerificationRepository:
             return _to_s(row) if row else StandingRecord(provider_id, plugin, hardware_class)
 
     def record_check(self, provider_id: str, plugin: str, hardware_class: str, *, valid: bool,
-                     quota_factor: float | None = None) -> StandingRecord:
+                     quota_factor: float | None = None,
+                     once: tuple[str, str] | None = None) -> StandingRecord:
         key = (provider_id, plugin, hardware_class)
         for _ in range(5):
             try:
                 with self.sessions.begin() as s:
+                    if once is not None:  # counted at most once per (record, step)
+                        v = s.get(VerificationRow, once[0], with_for_update=True)
+                        outcome = dict((v.outcome if v is not None else None) or {})
+                        done = list(outcome.get("done") or [])
+                        if once[1] in done or outcome.get("applied") is True:
+                            row = s.get(StandingRow, key)
+                            return _to_s(row) if row else StandingRecord(*key)
+                        if v is not None:
+                            v.outcome = {**outcome, "done": [*done, once[1]]}
+                            v.updated_at = self.clock()
                     row = s.get(StandingRow, key, with_for_update=True)
                     if row is None:
                         row = StandingRow(provider_id=provider_id, plugin=plugin,
@@ -175,26 +190,44 @@ class SqlVerificationRepository:
                            .where(StandingRow.provider_id == provider_id))
             return 1.0 if low is None else float(low)
 
-    def undecided(self, since: float, until: float, limit: int = 100) -> list[str]:
+    def undecided(self, since: float, until: float, limit: int = 100) -> list[Job]:
         """Client jobs settled between ``since`` and ``until`` with no verification record
-        (the broker stopped between a settlement and its sampling draw)."""
+        (the broker stopped between a settlement and its sampling draw), read whole.
+        ``ix_jobs_state_finished`` serves the range."""
+        from .jobs_sql import _to_job
         from .models import JobRow
 
         with self.sessions() as s:
-            rows = s.execute(
-                select(JobRow.id).outerjoin(VerificationRow, VerificationRow.job_id == JobRow.id)
-                .where(JobRow.state == "settled", JobRow.check_of.is_(None),
+            rows = s.scalars(
+                select(JobRow).outerjoin(VerificationRow, VerificationRow.job_id == JobRow.id)
+                .where(JobRow.state == JobState.SETTLED.value, JobRow.check_of.is_(None),
                        JobRow.finished_at >= since, JobRow.finished_at < until,
                        VerificationRow.job_id.is_(None))
                 .order_by(JobRow.finished_at).limit(limit))
-            return [r[0] for r in rows]
+            return [_to_job(r) for r in rows]
 
-    def open_since(self, before: float, limit: int = 100) -> list[Verification]:
-        """Checks still open (checking or disputed) last changed before ``before``."""
+    def open_since(self, before: float, limit: int = 100, *,
+                   queued_before: float | None = None) -> list[Verification]:
+        """Checks still open (checking or disputed) last changed before ``before`` that
+        the sweep may have to act on: those whose current run (the third run when disputed,
+        else the check) is missing or has ended, or (with ``queued_before``) is still queued
+        since before then. A run in progress, or queued since later, is left out, so that
+        the oldest records of this window cannot keep the others out of it."""
+        from .models import JobRow
+
+        current = case((VerificationRow.status == CheckStatus.DISPUTED.value,
+                        VerificationRow.tiebreak_job_id), else_=VerificationRow.checker_job_id)
+        actionable = [JobRow.id.is_(None), JobRow.state.in_([t.value for t in TERMINAL])]
+        if queued_before is not None:
+            actionable.append(and_(JobRow.state == JobState.QUEUED.value,
+                                   JobRow.created_at < queued_before))
+        else:
+            actionable.append(JobRow.state == JobState.QUEUED.value)
         with self.sessions() as s:
-            rows = s.scalars(select(VerificationRow).where(
-                VerificationRow.status.in_([s.value for s in OPEN_STATUSES]),
-                VerificationRow.updated_at < before)
+            rows = s.scalars(
+                select(VerificationRow).outerjoin(JobRow, JobRow.id == current).where(
+                    VerificationRow.status.in_([s.value for s in OPEN_STATUSES]),
+                    VerificationRow.updated_at < before, or_(*actionable))
                 .order_by(VerificationRow.updated_at).limit(limit))
             return [_to_v(r) for r in rows]
 

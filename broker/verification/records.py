@@ -60,9 +60,10 @@ class VerificationRepository(Protocol):
     def by_check_job(self, check_job_id: str) -> Verification | None: ...
 
     def update(self, job_id: str, expect: set[CheckStatus], *, expect_tiebreak: str | None = None,
-               **fields) -> Verification | None:
+               expect_unjudged: bool = False, **fields) -> Verification | None:
         """Change a record whose status is in ``expect`` (and whose third run is
-        ``expect_tiebreak``, when given); None when it moved meanwhile."""
+        ``expect_tiebreak``, when given; and that holds no stored judgement yet, i.e. no
+        ``outcome["applied"]``, with ``expect_unjudged``); None when it moved meanwhile."""
 
     def touch(self, job_id: str) -> None: ...
 
@@ -71,9 +72,13 @@ class VerificationRepository(Protocol):
     def standing(self, provider_id: str, plugin: str, hardware_class: str) -> StandingRecord: ...
 
     def record_check(self, provider_id: str, plugin: str, hardware_class: str, *, valid: bool,
-                     quota_factor: float | None = None) -> StandingRecord:
+                     quota_factor: float | None = None,
+                     once: tuple[str, str] | None = None) -> StandingRecord:
         """Count one judged check: CV + 1 when valid, else CV = 0 (and the quota factor
-        multiplied by ``quota_factor``), atomically."""
+        multiplied by ``quota_factor``), atomically. With ``once=(job_id, step)`` only when
+        ``step`` is not yet in that record's ``outcome["done"]`` (nor its effects all
+        applied), adding it there in the same transaction (re-applying an outcome never
+        counts a check twice)."""
 
     def standings(self, provider_id: str) -> list[StandingRecord]: ...
 
@@ -81,9 +86,13 @@ class VerificationRepository(Protocol):
 
     def recent(self, limit: int = 100, status: CheckStatus | None = None) -> list[Verification]: ...
 
-    def undecided(self, since: float, until: float, limit: int = 100) -> list[str]: ...
+    def undecided(self, since: float, until: float, limit: int = 100) -> list[Any]:
+        """Settled client jobs (``Job``) with no record yet."""
 
-    def open_since(self, before: float, limit: int = 100) -> list[Verification]: ...
+    def open_since(self, before: float, limit: int = 100, *,
+                   queued_before: float | None = None) -> list[Verification]:
+        """Open records the sweep may act on (their current run is missing, ended, or
+        queued since before ``queued_before``), oldest change first."""
 
     def answers(self, key: str) -> dict[str, list[str]]: ...
 

@@ -31,7 +31,9 @@ from typing import Any, Callable
 
 from sdk.protocol.canonical import canonical_bytes, sha256_hex
 
+from broker.billing.errors import InsufficientCredits
 from broker.jobs.model import Job, JobOutput, JobState
+from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, FundingSource
 from broker.verification.comparators import THRESHOLDS_PATH
 from broker.verification.comparators import Verdict
@@ -39,7 +41,8 @@ from broker.verification.judging import (Judgement, Run, RunOutput, StoredJudgem
                                          repro_of)
 from broker.verification.outcomes import (Outcome, Party, PenaltyPolicy, Role, Status,
                                           resolve_pair, resolve_three)
-from broker.verification.records import (CheckStatus, Verification, VerificationRepository)
+from broker.verification.records import (OPEN_STATUSES, CheckStatus, Verification,
+                                         VerificationRepository)
 from broker.verification.sampling import SamplingPolicy, Standing, decide_check
 
 log = logging.getLogger(__name__)
@@ -159,34 +162,28 @@ class VerificationService:
             self._event(v.job_id, CheckStatus.DISPUTED, note)
 
     def sweep(self, *, settle_grace_s: float = 30.0, lookback_s: float = 86_400.0) -> int:
-        """Finish what a stopped broker left half done (run by the maintenance thread):
-        sample settled jobs that have no draw yet, judge checks whose run settled without
-        a judgement, and give up checks whose run failed. Idempotent; returns how many
-        records it moved."""
+        """Finish what a stopped broker (or a failed step) left half done (run by the
+        maintenance thread): sample settled jobs that have no draw yet, queue a check or
+        third run that was drawn but never queued, judge checks whose run settled without
+        a judgement, finish applying a judgement whose effects were not all applied (its
+        record stays open until they are), and give up checks whose run failed or waited
+        too long. Idempotent; returns how many records it moved."""
         now = self.clock()
         moved = 0
-        for job_id in self.repo.undecided(now - lookback_s, now - settle_grace_s):
-            job = self.jobs.repo.get(job_id)
-            if job is not None and job.receipt is not None:
+        for job in self.repo.undecided(now - lookback_s, now - settle_grace_s):
+            if job.receipt is not None:
                 self.settled(job, job.receipt)
                 moved += 1
-        for v in self.repo.open_since(now - settle_grace_s):
+        # (runs in progress, or queued for less than the check timeout, are not listed)
+        for v in self.repo.open_since(now - settle_grace_s,
+                                      queued_before=now - self.settings.check_timeout_s):
             if (v.outcome or {}).get("stalled"):
                 self.repo.touch(v.job_id)  # waits for an admin; let the others come first
                 continue
             current = v.tiebreak_job_id if v.status is CheckStatus.DISPUTED else v.checker_job_id
             check = self.jobs.repo.get(current) if current else None
             if check is None:
-                primary = self.jobs.repo.get(v.job_id)
-                if v.status is CheckStatus.CHECKING and primary is not None:
-                    # the check was drawn but never queued (the broker stopped, or its hold
-                    # failed): queue it now
-                    owner = self.providers.owner_of(primary.provider_id) or ""
-                    self._spawn(v, primary, Role.CHECKER, {owner} - {""},
-                                client_pays=primary.verify == "always")
-                    moved += 1
-                else:
-                    self.repo.touch(v.job_id)
+                moved += self._queue_missing(v)
                 continue
             if (check.state is JobState.QUEUED
                     and now - check.created_at > self.settings.check_timeout_s):
@@ -195,7 +192,7 @@ class VerificationService:
                                   f"no provider of another operator ran this within "
                                   f"{self.settings.check_timeout_s:g}s")
                 moved += 1
-            elif check.state is JobState.SETTLED:
+            elif check.state is JobState.SETTLED:  # to judge, or its judgement to apply
                 self.settled(check, check.receipt or {})
                 if (self.repo.get(v.job_id) or v).status is v.status:
                     self.repo.touch(v.job_id)  # could not be judged now: not ahead of others
@@ -203,7 +200,40 @@ class VerificationService:
             elif check.state.terminal:
                 self.ended(check)
                 moved += 1
+            else:
+                self.repo.touch(v.job_id)  # moved on since it was listed: look again later
         return moved
+
+    def _queue_missing(self, v: Verification) -> int:
+        """Queue the run an open record lacks: the check drawn but never queued, or the
+        third run of a dispute whose queueing failed (the broker stopped, a hold or the
+        dispatcher failed). Returns 1 when one was queued."""
+        with self._lock:  # not alongside a judgement of this record queueing it too
+            v = self.repo.get(v.job_id) or v
+            current = (v.tiebreak_job_id if v.status is CheckStatus.DISPUTED
+                       else v.checker_job_id)
+            if current and self.jobs.repo.get(current) is not None:
+                return 0  # queued meanwhile
+            primary = self.jobs.repo.get(v.job_id)
+            checker = (self.jobs.repo.get(v.checker_job_id)
+                       if v.status is CheckStatus.DISPUTED and v.checker_job_id else None)
+            try:
+                if v.status is CheckStatus.CHECKING and primary is not None:
+                    owner = self.providers.owner_of(primary.provider_id) or ""
+                    self._spawn(v, primary, Role.CHECKER, {owner} - {""},
+                                client_pays=primary.verify == "always")
+                    return 1
+                if (v.status is CheckStatus.DISPUTED and primary is not None
+                        and checker is not None):
+                    self._spawn(v, primary, Role.TIEBREAKER,
+                                {self.providers.owner_of(primary.provider_id) or "",
+                                 self.providers.owner_of(checker.provider_id) or ""} - {""},
+                                client_pays=False)
+                    return 1
+            except Exception:  # noqa: BLE001 - logged; tried again after the others
+                log.exception("verification of job %s: queueing its run failed", v.job_id)
+            self.repo.touch(v.job_id)
+            return 0
 
     # ---- admins ---------------------------------------------------------------------
     def admin_resolved(self, dispute) -> None:
@@ -212,6 +242,10 @@ class VerificationService:
         provider is reversed; a stalled dispute (no majority) also refunds the client when
         its job's run lost. Refunds already made stay made (the ledger corrects only by
         reversal, and a refund is final): the audit log says so."""
+        with self._lock:  # not while a judgement's effects are being applied to the record
+            self._admin_resolved(dispute)
+
+    def _admin_resolved(self, dispute) -> None:
         v = self.repo.get(dispute.job_id)
         winner = (dispute.resolution or {}).get("winner_provider_id")
         primary = self.jobs.repo.get(dispute.job_id)
@@ -345,14 +379,14 @@ class VerificationService:
             hardware_class=hw, status=CheckStatus.CHECKING if check else CheckStatus.UNCHECKED,
             p=1.0 if job.verify == "always" else decision.p, reason=reason,
             draw=decision.draw, created_at=self.clock()))
+        if not created:
+            return  # another thread or replica drew for this job first: its entry stands
         self._audit("verification.sampled", job.id,
                     {"provider": job.provider_id, "hardware_class": hw, "check": check,
                      "p": decision.p, "reason": reason, "draw": round(decision.draw, 6),
                      "economic_floor": decision.economic_floor,
                      "cv": standing.consecutive_valid, "gain_micro": gain,
                      "receipt": job.receipt})
-        if not created:
-            return  # another thread or replica drew for this job first
         if check:
             self._spawn(v, job, Role.CHECKER, {owner}, client_pays=job.verify == "always")
         self._event(job.id, v.status, "a second provider will re-run this job" if check
@@ -371,13 +405,11 @@ class VerificationService:
     def _spawn(self, v: Verification, primary: Job, role: Role, exclude_operators: set[str],
                client_pays: bool) -> Job | None:
         """Queue a check (or tiebreak) run of ``primary`` on another operator's provider."""
-        # The operators' machines known now, and the operators themselves ("operator:<id>",
-        # which the dispatcher matches against each session's account: a machine the
-        # operator connects later is excluded too).
-        excluded = sorted({p.id for p in self.providers.all()
-                           if p.account_id in exclude_operators}
-                          | {primary.provider_id or ""}
-                          | {f"operator:{o}" for o in exclude_operators} - {"", "operator:"})
+        # The operators ("operator:<id>", which the dispatcher matches against each
+        # session's account, so every machine of theirs is excluded, one they connect later
+        # too) and the machine that ran the job.
+        excluded = sorted(({primary.provider_id or ""}
+                           | {f"operator:{o}" for o in exclude_operators}) - {"", "operator:"})
         delay = self.rng.uniform(*self.settings.check_delay_s)
         check_id = str(uuid.uuid4())  # fresh and unlinkable to the job it checks
         account = primary.account_id if client_pays else CHECK_ACCOUNT
@@ -392,7 +424,7 @@ class VerificationService:
                                                    pinned_inputs(primary), excluded,
                                                    not_before=self.clock() + delay,
                                                    fund=self._fund)
-        except Exception as exc:  # noqa: BLE001 - e.g. the client's balance ran short
+        except InsufficientCredits as exc:  # the client's balance ran short (nothing held)
             if not client_pays:
                 raise
             log.warning("job %s: the client's check could not be held (%s); the platform "
@@ -416,7 +448,7 @@ class VerificationService:
         it lacks for the check's hold (what earlier checks left unspent is used first)."""
         try:
             have = self.ledger.balance(AccountId(AccountKind.CLIENT_AVAILABLE, CHECK_ACCOUNT))
-        except Exception:  # noqa: BLE001 - no account yet: it holds nothing
+        except lerr.UnknownAccount:  # no account yet: it holds nothing (other errors raise)
             have = 0
         short = amount_micro - max(0, have)
         if short > 0:
@@ -432,10 +464,16 @@ class VerificationService:
             if v is None:
                 log.warning("check job %s has no verification record", check.id)
                 return
+            if (v.outcome or {}).get("applied") is False:
+                self._apply(v)  # judged already; its effects were not all applied
+                return
             primary = self.jobs.repo.get(v.job_id)
             kind = self._output_kind(primary)
+            # Each run's outputs are read once, before judging and outside it: a read that
+            # fails is the broker's trouble, not a provider's wrong answer, so it raises
+            # (the record stays open and the sweep judges it later).
             if check.id == v.checker_job_id and v.status is CheckStatus.CHECKING:
-                cmp = _judge(kind, lambda: self._run(primary), lambda: self._run(check))
+                cmp = _judge(kind, self._load(primary), self._load(check))
                 outcome = resolve_pair(self._party(primary, Role.PRIMARY),
                                        self._party(check, Role.CHECKER), cmp)
                 self._audit("verification.compared", primary.id,
@@ -449,6 +487,7 @@ class VerificationService:
                                              outcome={"note": outcome.note})
                     if moved is not None:
                         self._event(primary.id, CheckStatus.DISPUTED, outcome.note)
+                        # should this fail, the sweep queues the third run
                         self._spawn(moved, primary, Role.TIEBREAKER,
                                     {self.providers.owner_of(primary.provider_id) or "",
                                      self.providers.owner_of(check.provider_id) or ""},
@@ -458,91 +497,164 @@ class VerificationService:
                              CheckStatus.CHECKING)
             elif check.id == v.tiebreak_job_id and v.status is CheckStatus.DISPUTED:
                 checker = self.jobs.repo.get(v.checker_job_id)
+                runs = {role: self._load(job) for role, job in
+                        ((Role.PRIMARY, primary), (Role.CHECKER, checker),
+                         (Role.TIEBREAKER, check))}
                 outcome = resolve_three(
                     self._party(primary, Role.PRIMARY), self._party(checker, Role.CHECKER),
                     self._party(check, Role.TIEBREAKER),
                     primary_checker=StoredJudgement.of(v.comparisons["primary~checker"]),
-                    primary_tiebreaker=_judge(kind, lambda: self._run(primary),
-                                              lambda: self._run(check)),
-                    checker_tiebreaker=_judge(kind, lambda: self._run(checker),
-                                              lambda: self._run(check)),
+                    primary_tiebreaker=_judge(kind, runs[Role.PRIMARY], runs[Role.TIEBREAKER]),
+                    checker_tiebreaker=_judge(kind, runs[Role.CHECKER], runs[Role.TIEBREAKER]),
                     policy=self.settings.penalty)
                 self._finish(v, outcome, {Role.PRIMARY: primary, Role.CHECKER: checker,
                                           Role.TIEBREAKER: check}, CheckStatus.DISPUTED)
 
     def _finish(self, v: Verification, outcome: Outcome, jobs: dict[Role, Job],
                 expect: CheckStatus) -> None:
+        """Store the judgement (everything its effects need, marked not applied yet) in one
+        conditional update that only one judge wins, then apply the effects (``_apply``),
+        which sets the status last: whatever fails meanwhile, the record stays open and
+        the sweep applies the rest."""
         status = {Status.VERIFIED: CheckStatus.VERIFIED, Status.OVERTURNED: CheckStatus.OVERTURNED,
                   Status.NONDETERMINISTIC: CheckStatus.NONDETERMINISTIC}[outcome.status]
-        primary = jobs[Role.PRIMARY]
         losers = {p.provider_id for p in outcome.penalties}
         record = {"status": status.value, "note": outcome.note,
                   "credits": [c.provider_id for c in outcome.credits],
                   "penalties": [{"provider_id": p.provider_id, "role": p.role.value,
                                  "forfeit_micro": p.forfeit_micro,
-                                 "slash_micro": p.slash_micro} for p in outcome.penalties]}
-        moved = self.repo.update(v.job_id, {expect}, status=status,
+                                 "slash_micro": p.slash_micro,
+                                 "quota_factor": p.quota_factor} for p in outcome.penalties],
+                  "runs": {role.value: j.id for role, j in jobs.items()},
+                  "deliver_from": outcome.deliver_from,
+                  "applied": False, "done": []}
+        if Role.TIEBREAKER in jobs and self.disputes is not None:
+            # each run's own first output, read before an overturn replaces any
+            record["sides"] = self._sides(jobs, lambda job: "minority"
+                                          if job.provider_id in losers else "majority")
+        moved = self.repo.update(v.job_id, {expect}, expect_unjudged=True,
                                  comparisons=outcome.comparisons, outcome=record)
         if moved is None:
             return  # judged by another thread or replica
+        self._apply(moved, jobs)
+
+    def _apply(self, v: Verification, jobs: dict[Role, Job] | None = None) -> None:
+        """Apply a judged record's effects: each run's standing and quota, the losers'
+        refunds and slashes, the refund of a nondeterministic job, the majority's outputs
+        for an overturned one, the audit entry, the dispute, then the status (so that a
+        client who sees it sees its effects) and the client's event. Each step is done
+        once: the steps done are listed in ``outcome["done"]`` (a standing is counted in
+        the same transaction that lists it), ledger calls carry idempotency keys, and a
+        slash's amount is fixed before it is taken. Run under ``self._lock``; an error
+        leaves the record open with ``applied`` false, for the sweep to come back to."""
+        record = dict(v.outcome or {})
+        if record.get("applied", True):
+            return
+        if jobs is None:
+            jobs = {}
+            for role, job_id in (record.get("runs") or {}).items():
+                job = self.jobs.repo.get(job_id)
+                if job is None:
+                    raise LookupError(f"verification of job {v.job_id}: run {job_id} is gone")
+                jobs[Role(role)] = job
+        primary = jobs[Role.PRIMARY]
         by_provider = {j.provider_id: j for j in jobs.values()}
-        for credit in outcome.credits:
-            job = by_provider[credit.provider_id]
-            self.repo.record_check(credit.provider_id, job.plugin,
-                                   repro_of(job.receipt).hardware_class, valid=True)
-        for idx, penalty in enumerate(outcome.penalties):
-            job = by_provider[penalty.provider_id]
-            standing = self.repo.record_check(penalty.provider_id, job.plugin,
-                                              repro_of(job.receipt).hardware_class,
-                                              valid=False, quota_factor=penalty.quota_factor)
-            self.on_quota(penalty.provider_id, self.repo.quota_factor(penalty.provider_id))
-            self._refund(job, f"verification: outvoted on job {v.job_id}")
-            owner = self.providers.owner_of(penalty.provider_id)
-            slashed, slash_txn = 0, None
-            if penalty.slash_micro > 0 and owner:
+        done: set[str] = set(record.get("done") or [])
+
+        def save() -> None:
+            record["done"] = sorted(done)
+            self.repo.update(v.job_id, set(OPEN_STATUSES), outcome=record)
+
+        def count(provider_id: str, step: str, **kw):
+            job = by_provider[provider_id]
+            hw = repro_of(job.receipt).hardware_class
+            if step in done:
+                return self.repo.standing(provider_id, job.plugin, hw)
+            standing = self.repo.record_check(provider_id, job.plugin, hw,
+                                              once=(v.job_id, step), **kw)
+            done.add(step)
+            return standing
+
+        for provider_id in record.get("credits") or []:
+            count(provider_id, f"credit:{provider_id}", valid=True)
+        for entry in record.get("penalties") or []:
+            provider_id = entry["provider_id"]
+            job = by_provider[provider_id]
+            standing = count(provider_id, f"penalty:{provider_id}", valid=False,
+                             quota_factor=entry.get("quota_factor",
+                                                    self.settings.penalty.quota_factor))
+            self.on_quota(provider_id, self.repo.quota_factor(provider_id))
+            if f"refund:{job.id}" not in done:
+                self._refund(job, f"verification: outvoted on job {v.job_id}", strict=True)
+                done.add(f"refund:{job.id}")
+            if f"slash:{provider_id}" in done:
+                continue
+            owner = self.providers.owner_of(provider_id)
+            plan = record.setdefault("slash_plan", {})
+            if provider_id not in plan:
                 # what is at stake now (unstaking is refused while checks are open, but a
-                # stake can only be slashed down to zero)
-                amount = min(penalty.slash_micro, max(0, self.ledger.balances(owner).get(
-                    AccountKind.PROVIDER_STAKE, 0)))
+                # stake can only be slashed down to zero), fixed before it is taken so that
+                # a retry asks the ledger for the same amount under the same key
+                want = int(entry.get("slash_micro") or 0)
+                plan[provider_id] = min(want, max(0, self.ledger.balances(owner).get(
+                    AccountKind.PROVIDER_STAKE, 0))) if want > 0 and owner else 0
+                if plan[provider_id] > 0:
+                    save()
+            amount, slashed, slash_txn = plan[provider_id], 0, None
+            if amount > 0:
                 try:
-                    if amount > 0:
-                        slash_txn = self.ledger.slash(
-                            owner, amount, reason=f"lost the check of job {v.job_id}",
-                            idempotency_key=f"verify:{v.job_id}:slash:{penalty.provider_id}").id
-                        slashed = amount
-                    self._stake_cache.pop(owner, None)
-                except Exception:  # noqa: BLE001 - recorded; an admin reconciles
+                    slash_txn = self.ledger.slash(
+                        owner, amount, reason=f"lost the check of job {v.job_id}",
+                        idempotency_key=f"verify:{v.job_id}:slash:{provider_id}").id
+                    slashed = amount
+                except lerr.LedgerBusy:
+                    raise  # nothing written: the sweep retries
+                except lerr.LedgerError:  # recorded; an admin reconciles
                     log.exception("slashing %s for job %s failed", owner, v.job_id)
-            record["penalties"][idx]["slash_micro"] = slashed  # what was really taken
+                self._stake_cache.pop(owner, None)
+            entry["slash_micro"] = slashed  # what was really taken
             if slash_txn:
-                record.setdefault("slash_transactions", {})[penalty.provider_id] = slash_txn
+                record.setdefault("slash_transactions", {})[provider_id] = slash_txn
             self._audit("verification.penalty", v.job_id,
-                        {"provider": penalty.provider_id, "role": penalty.role.value,
-                         "forfeit_micro": penalty.forfeit_micro,
+                        {"provider": provider_id, "role": entry["role"],
+                         "forfeit_micro": entry["forfeit_micro"],
                          "slash_micro": slashed, "slash_transaction": slash_txn,
                          "cv": standing.consecutive_valid, "quota_factor": standing.quota_factor})
-        # each run's own first output, read before an overturn replaces any
-        sides = (self._sides(jobs, lambda job: "minority" if job.provider_id in losers
-                             else "majority")
-                 if Role.TIEBREAKER in jobs and self.disputes is not None else [])
-        if outcome.penalties:
-            self.repo.update(v.job_id, {status}, outcome=record)
-        if status is CheckStatus.NONDETERMINISTIC:
-            self._refund(primary, "verification: no two runs agree (nondeterministic job)")
-        if status is CheckStatus.OVERTURNED and outcome.deliver_from:
-            winner = by_provider.get(outcome.deliver_from)
-            if winner is not None:
-                self.jobs.repo.replace_outputs(
-                    primary.id, [JobOutput(primary.id, o.index, o.sha256, o.media_type, o.size)
-                                 for o in self.jobs.repo.outputs(winner.id)],
-                    ("overturned", {"outputs_from": winner.id}))
-        self._audit("verification.outcome", v.job_id,
-                    {**record, "figures": outcome.comparisons,
-                     "receipts": {role.value: j.receipt for role, j in jobs.items()}})
-        if sides:
-            self.disputes.open(v.job_id, primary.plugin, sides, outcome.comparisons,
-                               f"{status.value}: {outcome.note}")
-        self._event(primary.id, status, outcome.note)
+            done.add(f"slash:{provider_id}")
+            save()
+        status = CheckStatus(record["status"])
+        if status is CheckStatus.NONDETERMINISTIC and f"refund:{primary.id}" not in done:
+            self._refund(primary, "verification: no two runs agree (nondeterministic job)",
+                         strict=True)
+            done.add(f"refund:{primary.id}")
+        winner = by_provider.get(record.get("deliver_from") or "")
+        if status is CheckStatus.OVERTURNED and winner is not None and "outputs" not in done:
+            self.jobs.repo.replace_outputs(
+                primary.id, [JobOutput(primary.id, o.index, o.sha256, o.media_type, o.size)
+                             for o in self.jobs.repo.outputs(winner.id)],
+                ("overturned", {"outputs_from": winner.id}))
+            done.add("outputs")
+            save()
+        if "audit" not in done:
+            self._audit("verification.outcome", v.job_id,
+                        {**{k: val for k, val in record.items()
+                            if k not in _PENDING and k != "applied"},
+                         "figures": v.comparisons,
+                         "receipts": {role.value: j.receipt for role, j in jobs.items()}})
+            done.add("audit")
+            save()
+        sides = record.get("sides") or []
+        if sides and self.disputes is not None and "dispute" not in done:
+            self.disputes.open(v.job_id, primary.plugin, sides, v.comparisons,
+                               f"{status.value}: {record.get('note', '')}")
+            done.add("dispute")
+            save()
+        for key in _PENDING:
+            record.pop(key, None)
+        record["applied"] = True
+        if self.repo.update(v.job_id, set(OPEN_STATUSES), status=status,
+                            outcome=record) is not None:
+            self._event(primary.id, status, record.get("note", ""))
 
     def _sides(self, jobs: dict[Role, Job], verdict) -> list[dict]:
         """A dispute's sides: each run's provider, role, first output and ``verdict(job)``."""
@@ -555,13 +667,19 @@ class VerificationService:
                           "verdict": verdict(j)})
         return sides
 
-    def _refund(self, job: Job, reason: str) -> None:
+    def _refund(self, job: Job, reason: str, *, strict: bool = False) -> None:
+        """Refund ``job``'s hold (once: the key is the job's). What the ledger refuses (its
+        share vested already) is recorded for an admin; with ``strict`` anything else (the
+        ledger busy, the database down) raises, for the caller to retry."""
         if job.hold_id is None:
             return
         try:
             self.ledger.refund(job.hold_id, idempotency_key=f"verify:{job.id}:refund",
                                reason=reason)
         except Exception as exc:  # noqa: BLE001 - vested already: recorded for an admin
+            if strict and (isinstance(exc, lerr.LedgerBusy)
+                           or not isinstance(exc, lerr.LedgerError)):
+                raise
             log.warning("job %s: refund after verification failed: %s", job.id, exc)
             self._audit("verification.refund_failed", job.check_of or job.id,
                         {"job": job.id, "error": f"{type(exc).__name__}: {exc}"})
@@ -573,13 +691,18 @@ class VerificationService:
         except Exception:  # noqa: BLE001 - a retired version: judge bytes
             return "exact"
 
-    def _run(self, job: Job) -> Run:
-        metas = {int(o.get("index", i)): dict(o.get("meta") or {})
-                 for i, o in enumerate((job.receipt or {}).get("outputs", []))}
-        outs = tuple(RunOutput(self.jobs.blobs.get(o.sha256), o.media_type,
-                               metas.get(o.index, {}))
-                     for o in self.jobs.repo.outputs(job.id))
-        return Run(outs, repro_of(job.receipt))
+    def _load(self, job: Job) -> Callable[[], Run]:
+        """Read ``job``'s outputs now (a failed read raises: the broker's trouble, never a
+        provider's answer); what is returned builds the run from them and from the
+        provider's receipt (its meta and reproducibility class), which ``_judge`` guards."""
+        data = [(o, self.jobs.blobs.get(o.sha256)) for o in self.jobs.repo.outputs(job.id)]
+
+        def run() -> Run:
+            metas = {int(o.get("index", i)): dict(o.get("meta") or {})
+                     for i, o in enumerate((job.receipt or {}).get("outputs", []))}
+            return Run(tuple(RunOutput(blob, o.media_type, metas.get(o.index, {}))
+                             for o, blob in data), repro_of(job.receipt))
+        return run
 
     def _party(self, job: Job, role: Role) -> Party:
         owner = self.providers.owner_of(job.provider_id) or job.provider_id or ""
@@ -604,16 +727,20 @@ class VerificationService:
             self.audit.record("verification", action, f"job:{job_id}", data)
 
 
-def _judge(kind: str, claimed, check) -> Judgement:
-    """``judge`` on two runs loaded lazily; outputs that cannot even be read or compared
-    (not an image, malformed token ids) are a mismatch, never an error that would leave
-    the check open for ever."""
+def _judge(kind: str, claimed: Callable[[], Run], check: Callable[[], Run]) -> Judgement:
+    """``judge`` on two runs whose outputs were read already (``_load``); what the providers
+    supplied that cannot be parsed or compared (not an image, malformed token ids, a bad
+    receipt meta) is a mismatch, never an error that would leave the check open for ever."""
     try:
         return judge(kind, claimed(), check())
     except Exception as exc:  # noqa: BLE001 - provider-supplied bytes and meta
         return Judgement(Verdict.MISMATCH, "unreadable",
                          reasons=(f"the outputs could not be compared: "
                                   f"{type(exc).__name__}: {exc}"[:300],))
+
+
+#: Keys of a judged record's ``outcome`` that only serve applying its effects (``_apply``).
+_PENDING = ("done", "sides", "slash_plan")
 
 
 def pinned_inputs(job: Job) -> dict[str, Any]:

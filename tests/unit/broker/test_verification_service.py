@@ -1,0 +1,355 @@
+"""VerificationService against real storage (SQLite and PostgreSQL), with runs settled by
+hand (no agents): what a failed step leaves behind and how the sweep finishes it, and the
+sweep's queries (DESIGN §6)."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from broker.billing.errors import InsufficientCredits
+from broker.jobs.model import Job, JobOutput, JobState
+from broker.ledger import errors as lerr
+from broker.ledger.model import AccountKind
+from broker.ledger.seeding import seed_earned
+from broker.services import build_services
+from broker.settings import Settings
+from broker.verification.outcomes import Role
+from broker.verification.records import CheckStatus
+from broker.verification.service import CHECK_ACCOUNT
+from sdk.protocol.signing import KeyPair
+
+HW = "cpu:x86_64:threads=1"
+GOOD, BAD = b'{"text": "the truth"}', b'{"text": "made up"}'
+
+
+class World:
+    def __init__(self, tmp_path, db_url: str = ""):
+        self.services = build_services(Settings(data_dir=tmp_path, db_url=db_url,
+                                                maintenance_interval_s=0,
+                                                check_delay_max_s=0.0))
+        self.v = self.services.verification
+        self.jobs = self.services.jobs
+        _, client = self.services.auth.create_account_with_key("client")
+        self.client = client.account_id
+        self.operators: dict[str, str] = {}
+        self.machines: dict[str, str] = {}
+        for name in "abc":
+            self.machine(name)
+
+    def machine(self, name: str, operator: str | None = None) -> str:
+        if operator is None:
+            _, who = self.services.auth.create_account_with_key("provider")
+            self.operators[name] = who.account_id
+        else:
+            from broker.auth.service import Principal
+            who = Principal(self.operators[operator], "provider", "k")
+        pid = self.services.providers.connect(who, KeyPair.generate().public_key_hex, name,
+                                              sandboxed=True, hardware={}, plugins=[]).id
+        self.machines[name] = pid
+        return pid
+
+    def settle(self, job: Job, machine: str, data: bytes) -> Job:
+        """``job`` (queued, or new) settled by ``machine`` with the one output ``data``."""
+        sha = self.jobs.blobs.put(data)
+        receipt = {"outputs": [{"index": 0, "sha256": sha, "media_type": "application/json",
+                                "size": len(data), "meta": {}}],
+                   "repro": {"hardware_class": HW, "dtype": "float32",
+                             "plugin_build": "echo@1.0.0"}}
+        return self.jobs.repo.transition(
+            job.id, [job.state], JobState.SETTLED, provider_id=self.machines[machine],
+            receipt=receipt, finished_at=time.time(),
+            outputs=[JobOutput(job.id, 0, sha, "application/json", len(data))])
+
+    def primary(self, machine: str = "a", data: bytes = GOOD) -> Job:
+        now = time.time()
+        job, _ = self.jobs.repo.create(
+            Job(id=str(uuid.uuid4()), account_id=self.client, plugin="echo",
+                plugin_version="1.0.0", inputs={"text": "the truth"}, state=JobState.QUEUED,
+                work_units=1.0, created_at=now, updated_at=now),
+            ("queued", {}))
+        return self.settle(job, machine, data)
+
+    def checked(self, machine: str = "a", data: bytes = GOOD) -> Job:
+        """A settled job of ``machine``, drawn for a check (new providers always are)."""
+        job = self.primary(machine, data)
+        self.v.settled(job, job.receipt)
+        assert self.v.status(job.id).status is CheckStatus.CHECKING
+        return job
+
+    def check_of(self, job: Job, role: Role = Role.CHECKER) -> Job:
+        rec = self.v.status(job.id)
+        return self.jobs.repo.get(rec.checker_job_id if role is Role.CHECKER
+                                  else rec.tiebreak_job_id)
+
+    def actions(self, job_id: str) -> list[str]:
+        return [e.action for e in self.services.audit.search(subject=f"job:{job_id}",
+                                                             limit=500)]
+
+    def sweep(self) -> int:
+        time.sleep(0.01)  # the records' last change lies before the sweep's "now"
+        return self.v.sweep(settle_grace_s=0.0)
+
+
+@pytest.fixture
+def world(tmp_path, db_url):
+    """On SQLite and on PostgreSQL (the sweep's queries differ by dialect)."""
+    w = World(tmp_path, db_url)
+    yield w
+    w.services.engine.dispose()
+
+
+def _disputed(world: World) -> tuple[Job, Job]:
+    """a's wrong answer checked by b: disputed; returns (primary, checker)."""
+    job = world.checked("a", BAD)
+    checker = world.settle(world.check_of(job), "b", GOOD)
+    world.v.settled(checker, checker.receipt)
+    assert world.v.status(job.id).status is CheckStatus.DISPUTED
+    return job, checker
+
+
+def test_an_outcome_whose_effects_failed_midway_is_finished_by_the_sweep_once(world,
+                                                                               monkeypatch):
+    owner = world.operators["a"]
+    seed_earned(world.services.ledger, owner, 4_000_000)
+    job, checker = _disputed(world)
+    tiebreak = world.settle(world.check_of(job, Role.TIEBREAKER), "c", GOOD)
+    # The slash fails for a reason of the broker's (not the ledger refusing it): the
+    # standings were counted, the rest is not done.
+    real_slash = world.services.ledger.slash
+    monkeypatch.setattr(world.services.ledger, "slash",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down")))
+    world.v.settled(tiebreak, tiebreak.receipt)
+    rec = world.v.status(job.id)
+    # judged (overturned), not applied: the record stays open, its status unchanged
+    assert rec.outcome["status"] == "overturned" and rec.outcome["applied"] is False
+    assert rec.status is CheckStatus.DISPUTED
+    assert world.v.repo.open_for([world.machines["a"]]) == 1  # its stake stays put
+    assert world.services.ledger.balances(owner)[AccountKind.PROVIDER_STAKE] == 4_000_000
+    assert world.jobs.repo.outputs(job.id)[0].sha256 == job.receipt["outputs"][0]["sha256"]
+    assert world.services.disputes.repo.list() == []
+    # ... and a second failure, in the dispute, after the slash and the outputs
+    monkeypatch.setattr(world.services.ledger, "slash", real_slash)
+    real_open = world.services.disputes.open
+    monkeypatch.setattr(world.services.disputes, "open",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down")))
+    world.sweep()
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.DISPUTED and rec.outcome["applied"] is False
+    assert world.services.ledger.balances(owner)[AccountKind.PROVIDER_STAKE] == 2_000_000
+    monkeypatch.setattr(world.services.disputes, "open", real_open)
+    assert world.sweep() == 1
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.OVERTURNED
+    assert rec.outcome["applied"] is True and "done" not in rec.outcome
+    assert rec.outcome["penalties"][0]["slash_micro"] == 2_000_000
+    assert rec.outcome["slash_transactions"][world.machines["a"]]
+    # every effect once: standings, slash, outputs, audit, dispute, event
+    cheat = world.v.repo.standing(world.machines["a"], "echo", HW)
+    assert (cheat.checks, cheat.failures, cheat.quota_factor) == (1, 1, 0.5)
+    for honest in "bc":
+        s = world.v.repo.standing(world.machines[honest], "echo", HW)
+        assert (s.checks, s.consecutive_valid) == (1, 1)
+    assert world.services.ledger.balances(owner)[AccountKind.PROVIDER_STAKE] == 2_000_000
+    assert world.jobs.blobs.get(world.jobs.repo.outputs(job.id)[0].sha256) == GOOD
+    events = [e for e in world.jobs.repo.events_after(job.id, 0)]
+    assert [e.kind for e in events].count("overturned") == 1
+    assert [e.data.get("status") for e in events if e.kind == "verification"].count(
+        "overturned") == 1
+    assert len(world.services.disputes.repo.list()) == 1
+    actions = world.actions(job.id)
+    assert actions.count("verification.outcome") == 1
+    assert actions.count("verification.penalty") == 1
+    assert world.sweep() == 0  # nothing left half done
+
+
+def test_a_failed_standing_write_is_not_counted_twice_when_reapplied(world, monkeypatch):
+    job = world.checked("a")
+    checker = world.settle(world.check_of(job), "b", GOOD)
+    calls = []
+    real = world.v.repo.record_check
+
+    def flaky(*a, **k):
+        calls.append(a[0])
+        if len(calls) == 2:
+            raise RuntimeError("db down")
+        return real(*a, **k)
+    monkeypatch.setattr(world.v.repo, "record_check", flaky)
+    world.v.settled(checker, checker.receipt)
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.CHECKING and rec.outcome["applied"] is False
+    assert world.sweep() == 1
+    assert world.v.status(job.id).status is CheckStatus.VERIFIED
+    for name in "ab":
+        s = world.v.repo.standing(world.machines[name], "echo", HW)
+        assert (s.checks, s.consecutive_valid) == (1, 1)
+    # counting is guarded in storage too: a step listed as done is not counted again
+    again = real(world.machines["a"], "echo", HW, valid=True,
+                 once=(job.id, f"credit:{world.machines['a']}"))
+    assert again.checks == 1
+
+
+def test_a_dispute_whose_third_run_was_not_queued_gets_one_from_the_sweep(world,
+                                                                          monkeypatch):
+    job = world.checked("a", BAD)
+    checker = world.settle(world.check_of(job), "b", GOOD)
+    real = world.jobs.submit_check
+    monkeypatch.setattr(world.jobs, "submit_check",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down")))
+    world.v.settled(checker, checker.receipt)
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.DISPUTED and rec.tiebreak_job_id is None
+    monkeypatch.setattr(world.jobs, "submit_check", real)
+    assert world.sweep() == 1
+    tiebreak = world.check_of(job, Role.TIEBREAKER)
+    assert tiebreak is not None and tiebreak.state is JobState.QUEUED
+    assert tiebreak.excluded_providers == sorted(
+        [world.machines["a"], f"operator:{world.operators['a']}",
+         f"operator:{world.operators['b']}"])
+    assert world.sweep() == 0  # queued now: nothing to do until it runs or times out
+
+
+def test_a_broker_side_read_error_leaves_the_check_open_not_a_mismatch(world, monkeypatch):
+    job = world.checked("a")
+    checker = world.settle(world.check_of(job), "b", GOOD)
+    real = world.jobs.blobs.get
+    monkeypatch.setattr(world.jobs.blobs, "get",
+                        lambda key: (_ for _ in ()).throw(OSError("disk gone")))
+    world.v.settled(checker, checker.receipt)
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.CHECKING and not rec.comparisons
+    assert world.v.repo.standing(world.machines["a"], "echo", HW).failures == 0
+    reads = []
+    monkeypatch.setattr(world.jobs.blobs, "get", lambda key: reads.append(key) or real(key))
+    assert world.sweep() == 1
+    assert world.v.status(job.id).status is CheckStatus.VERIFIED
+    assert len(reads) == 2  # each run's output once
+
+
+def test_a_third_run_reads_each_runs_outputs_once(world, monkeypatch):
+    job, _ = _disputed(world)
+    tiebreak = world.settle(world.check_of(job, Role.TIEBREAKER), "c", GOOD)
+    real = world.jobs.blobs.get
+    reads = []
+    monkeypatch.setattr(world.jobs.blobs, "get", lambda key: reads.append(key) or real(key))
+    world.v.settled(tiebreak, tiebreak.receipt)
+    assert world.v.status(job.id).status is CheckStatus.OVERTURNED
+    assert len(reads) == 3
+
+
+def test_unreadable_provider_meta_is_a_mismatch(world):
+    job = world.primary("a")
+    receipt = {**job.receipt, "outputs": [{**job.receipt["outputs"][0], "index": "x"}]}
+    job = world.jobs.repo.transition(job.id, [JobState.SETTLED], JobState.SETTLED,
+                                     receipt=receipt)
+    world.v.settled(job, job.receipt)
+    checker = world.settle(world.check_of(job), "b", GOOD)
+    world.v.settled(checker, checker.receipt)
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.DISPUTED
+    assert rec.comparisons["primary~checker"]["method"] == "unreadable"
+
+
+def test_a_check_excludes_operators_not_each_of_their_machines(world):
+    world.machine("a2", operator="a")
+    job = world.checked("a")
+    check = world.check_of(job)
+    assert check.excluded_providers == sorted([world.machines["a"],
+                                               f"operator:{world.operators['a']}"])
+
+
+def test_only_a_short_client_balance_moves_a_check_to_the_platform(world, monkeypatch):
+    job = world.primary("a")
+    job = world.jobs.repo.transition(job.id, [JobState.SETTLED], JobState.SETTLED,
+                                     verify="always")
+    real = world.jobs.submit_check
+    seen = []
+
+    def short_then_real(primary, check_id, account, *a, **k):
+        seen.append(account)
+        if account != CHECK_ACCOUNT:
+            raise InsufficientCredits(needed_micro=2, available_micro=1, how_to_fund="x")
+        return real(primary, check_id, account, *a, **k)
+    monkeypatch.setattr(world.jobs, "submit_check", short_then_real)
+    world.v.settled(job, job.receipt)
+    assert seen == [world.client, CHECK_ACCOUNT]
+    assert world.check_of(job).account_id == CHECK_ACCOUNT
+    # any other error is not the client being short: it is not moved to the platform
+    other = world.primary("a")
+    other = world.jobs.repo.transition(other.id, [JobState.SETTLED], JobState.SETTLED,
+                                       verify="always")
+    seen.clear()
+    monkeypatch.setattr(world.jobs, "submit_check",
+                        lambda primary, check_id, account, *a, **k:
+                        seen.append(account) or (_ for _ in ()).throw(RuntimeError("db")))
+    world.v.settled(other, other.receipt)
+    assert seen == [world.client]
+    assert world.v.status(other.id).checker_job_id is None
+
+
+def test_a_check_whose_dispatcher_wake_up_fails_is_still_submitted(world, monkeypatch):
+    job = world.primary("a")
+
+    def broken(job):
+        raise RuntimeError("dispatcher down")
+    monkeypatch.setattr(world.jobs, "on_queued", broken)
+    check = world.jobs.submit_check(job, str(uuid.uuid4()), CHECK_ACCOUNT, job.inputs,
+                                    [f"operator:{world.operators['a']}"],
+                                    not_before=time.time())
+    assert world.jobs.repo.get(check.id).state is JobState.QUEUED
+
+
+def test_the_sweep_lists_only_open_records_it_can_act_on(world):
+    repo, now = world.v.repo, time.time()
+    running = world.checked("a")  # the oldest: its check is running
+    world.jobs.repo.transition(world.check_of(running).id, [JobState.QUEUED],
+                               JobState.RUNNING, provider_id=world.machines["b"])
+    waiting = world.checked("a")  # queued, not for long
+    done = world.checked("a")  # its check settled, not judged yet
+    world.settle(world.check_of(done), "b", GOOD)
+    time.sleep(0.01)
+    listed = [v.job_id for v in repo.open_since(time.time(), limit=1,
+                                                queued_before=now - 3600)]
+    assert listed == [done.id]  # the in-progress ones do not keep it out of the window
+    listed = {v.job_id for v in repo.open_since(time.time(), queued_before=time.time())}
+    assert listed == {waiting.id, done.id}  # queued past the timeout: listed too
+
+
+def test_undecided_returns_the_jobs_themselves(world):
+    job = world.primary("a")
+    found = world.v.repo.undecided(time.time() - 60, time.time() + 1)
+    assert [j.id for j in found] == [job.id] and found[0].receipt == job.receipt
+
+
+def test_a_lost_sampling_race_writes_no_second_sampled_entry(world, monkeypatch):
+    job = world.primary("a")
+    world.v.settled(job, job.receipt)
+    monkeypatch.setattr(world.v.repo, "get", lambda job_id: None)  # as if it raced
+    world.v._decide(job, job.receipt)
+    assert world.actions(job.id).count("verification.sampled") == 1
+
+
+def test_funding_a_check_treats_only_an_unknown_account_as_empty(world, monkeypatch):
+    ledger = world.services.ledger
+    deposits = []
+    monkeypatch.setattr(ledger, "deposit", lambda *a, **k: deposits.append(a))
+    monkeypatch.setattr(ledger, "balance",
+                        lambda account: (_ for _ in ()).throw(lerr.LedgerBusy("busy")))
+    with pytest.raises(lerr.LedgerBusy):
+        world.v._fund("check-1", 500)
+    assert deposits == []
+    monkeypatch.setattr(ledger, "balance",
+                        lambda account: (_ for _ in ()).throw(lerr.UnknownAccount(account)))
+    world.v._fund("check-2", 500)
+    assert deposits == [(CHECK_ACCOUNT, 500)]
+
+
+def test_royalty_room_is_the_held_amount_stored_on_the_job(world, monkeypatch):
+    billing = world.services.billing
+    monkeypatch.setattr(billing, "royalty_of", lambda plugin, inputs, as_of: ("pub", 300))
+    monkeypatch.setattr(world.services.ledger, "get_hold",
+                        lambda hold_id: pytest.fail("the hold is not read back"))
+    job = Job(id="j", account_id=world.client, plugin="echo", plugin_version="1.0.0",
+              inputs={}, state=JobState.SETTLED, hold_id="h", max_price_micro=1_000)
+    assert billing.royalty_within_hold(job, 800, 100) == ("pub", 200, 0)
