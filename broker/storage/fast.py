@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from sqlalchemy import exc
 from sqlalchemy.engine import Connection
 
 
@@ -45,7 +46,7 @@ class Rows:
 
 class _Plan:
     __slots__ = ("compiled", "sql", "positional", "positions", "binds", "names", "results",
-                 "expanding", "fallback")
+                 "expanding", "fallback", "params", "expanded")
 
     def result_processors(self, dialect, description) -> list:
         """Each result column's processor, given the column types the driver reports (the
@@ -88,6 +89,12 @@ class Prepared:
         plan.binds = dict(compiled._bind_processors)
         plan.names = [rc.keyname for rc in compiled._result_columns or []]
         plan.results = None  # result processors: set from the first cursor description
+        # What construct_params does per bind parameter, decided once: where its value
+        # comes from (the caller's key, else its name), else its own value or an error.
+        plan.params = [(name, bp.key, bp.required, bp) for bp, name in compiled.bind_names.items()]
+        # Expanded IN lists by their lengths: (sql, positions, processors), or None where
+        # SQLAlchemy's expansion is not the plain name_1, name_2… this code reproduces.
+        plan.expanded = {}
         self._plans[cache_key] = plan
         return plan
 
@@ -95,17 +102,53 @@ class Prepared:
         """The SQL and the DBAPI parameters, as DefaultExecutionContext builds them: every
         bind parameter required (a missing one raises, never binds NULL), expanding IN
         lists rendered, each value through its processor, names escaped."""
-        compiled = plan.compiled
-        values = compiled.construct_params(params, escape_names=False)
+        values = {}
+        for name, key, required, bp in plan.params:
+            if key in params:
+                values[name] = params[key]
+            elif name in params:
+                values[name] = params[name]
+            elif required:
+                raise exc.InvalidRequestError(
+                    f"A value is required for bind parameter {key!r}", code="cd3x")
+            else:
+                values[name] = bp.effective_value if bp.callable else bp.value
         sql, order, procs = plan.sql, plan.positions, plan.binds
         if plan.expanding:
-            state = compiled._process_parameters_for_postcompile(values)
-            sql, order, procs = state.statement, state.positiontup, {**procs, **state.processors}
+            sql, order, procs, values = self._expand(plan, values)
         if plan.positional:
             return sql, [procs[k](values[k]) if k in procs else values[k] for k in order]
-        escaped = compiled.escaped_bind_names or {}
+        escaped = plan.compiled.escaped_bind_names or {}
         return sql, {escaped.get(k, k): (procs[k](v) if k in procs else v)
                      for k, v in values.items()}
+
+    @staticmethod
+    def _expand(plan: _Plan, values: dict):
+        """IN lists rendered for the lengths of these values: SQLAlchemy renders them the
+        first time for each set of lengths; later calls reuse its SQL and only spread the
+        values (``w_ids`` → ``w_ids_1``, ``w_ids_2``…)."""
+        compiled = plan.compiled
+        names = compiled.post_compile_params
+        lengths = tuple(len(values[bp.key]) if isinstance(values.get(bp.key), (list, tuple))
+                        else -1 for bp in names)
+        cached = plan.expanded.get(lengths)
+        if cached is not None:
+            sql, order, procs = cached
+            spread = {k: v for k, v in values.items()}
+            for bp in names:
+                key = bp.key
+                for i, v in enumerate(spread.pop(key), 1):
+                    spread[f"{key}_{i}"] = v
+            return sql, order, procs, spread
+        state = compiled._process_parameters_for_postcompile(values)
+        procs = {**plan.binds, **state.processors}
+        spread = dict(values)
+        for bp in names:
+            for i, v in enumerate(spread.pop(bp.key, None) or (), 1):
+                spread[f"{bp.key}_{i}"] = v
+        if -1 not in lengths and spread == dict(state.parameters):
+            plan.expanded[lengths] = (state.statement, state.positiontup, procs)
+        return state.statement, state.positiontup, procs, dict(state.parameters)
 
     def run(self, conn: Connection, params: dict | Iterable[dict] | None = None) -> Rows:
         many = isinstance(params, list)

@@ -78,3 +78,15 @@ def test_a_constraint_violation_is_sqlalchemys_integrity_error(engine):
             INSERT.run(c, {"id": 1, "name": "again", "doc": None, "at": AT})
     with engine.begin() as c:  # the failed transaction rolled back; the engine goes on
         assert c.execute(select(T.c.name)).scalars().all() == ["A"]
+
+
+def test_in_lists_of_each_length_are_rendered_once_and_reused(engine):
+    with engine.begin() as c:
+        INSERT.run(c, [{"id": i, "name": f"n{i}", "doc": None, "at": AT} for i in range(4)])
+    with engine.begin() as c:
+        for names in (["n1", "n2"], ["n0", "n3"], ["n2"], ["n3", "n1", "n0"], []):
+            got = BY_NAMES.run(c, {"w_names": names})
+            expected = c.execute(BY_NAMES.stmt, {"w_names": names}).all()
+            assert got.rows == [tuple(r) for r in expected]
+    plans = list(BY_NAMES._plans.values())
+    assert {n for p in plans for n in p.expanded} >= {(2,), (1,), (3,)}
