@@ -8,11 +8,11 @@ then measures
 Prints a table and the ratio against the direct call. Targets (issue #2, 2-core machine):
 >= 300 jobs/s and <= 15 ms p50 added latency.
 
-Measured here (2 cores, otherwise quiet, --jobs 400, 1/2/4 agents): about 40–46 jobs/s and
-13–17 ms p50 added, with the broker spending about 16 ms of CPU per job (about 19 jobs/s,
-38–44 ms and 42 ms of CPU before the per-job storage path was rebuilt on prebuilt
-statements). The broker is one GIL-bound Python process: 16 ms of CPU per job caps it
-near 60 jobs/s however many cores there are.
+Measured here (2 cores, otherwise quiet, --jobs 400, 1/2/4 agents): about 77–90 jobs/s and
+11–13 ms p50 added, with the broker spending 11–13 ms of CPU per job (19 jobs/s and 42 ms
+of CPU before the per-job storage path was rebuilt on prebuilt statements). The broker is
+one GIL-bound Python process: 12 ms of CPU per job caps it near 85 jobs/s however many
+cores there are (docs/architecture.md, "Dispatch throughput", says where it goes).
 
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
 """

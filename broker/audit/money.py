@@ -2,8 +2,10 @@
 transaction appends an audit entry whose ``ref`` is the transaction id, so an idempotent
 replay (same key, same transaction) is audited once.
 
-The ledger commits first and the entry follows (a crash between the two leaves a ledger
-transaction without its entry; the ledger page lists transactions, so it is visible).
+The entry is written in the ledger operation's own database transaction (the call runs in
+the audit repository's ``transaction()``, which the ledger's unit of work joins), so a
+ledger transaction and its entry commit together or not at all; a caller's enclosing
+``atomic`` block (a job's submit, a settlement) makes that one transaction for all three.
 """
 from __future__ import annotations
 
@@ -33,15 +35,17 @@ class AuditedLedger:
         target = getattr(self._ledger, name)
         if name in _MOVES:
             def audited(*args, **kwargs):
-                result = target(*args, **kwargs)
-                self._record(name, result)
+                with self._audit.repo.transaction():
+                    result = target(*args, **kwargs)
+                    self._record(name, result)
                 return result
             return audited
         if name == "expire_due":
             def expire_due(*args, **kwargs):
-                results = target(*args, **kwargs)
-                for txn in results:
-                    self._record("expire", txn)
+                with self._audit.repo.transaction():
+                    results = target(*args, **kwargs)
+                    for txn in results:
+                        self._record("expire", txn)
                 return results
             return expire_due
         return target
@@ -51,11 +55,11 @@ class AuditedLedger:
             return
         if hasattr(result, "entries"):  # a Transaction
             subject = f"hold:{result.hold_id}" if result.hold_id else f"transaction:{result.id}"
-            self._audit.safe_record("ledger", f"ledger.{operation}", subject, _txn_data(result),
-                                    ref=f"txn:{result.id}")
+            self._audit.record("ledger", f"ledger.{operation}", subject, _txn_data(result),
+                               ref=f"txn:{result.id}")
         elif hasattr(result, "hold_transaction_id"):  # a Hold
-            self._audit.safe_record("ledger", "ledger.hold", f"job:{result.job_id}",
-                                    {"hold": result.id, "client": result.client,
-                                     "amount_micro": result.amount_micro,
-                                     "transaction": result.hold_transaction_id},
-                                    ref=f"txn:{result.hold_transaction_id}")
+            self._audit.record("ledger", "ledger.hold", f"job:{result.job_id}",
+                               {"hold": result.id, "client": result.client,
+                                "amount_micro": result.amount_micro,
+                                "transaction": result.hold_transaction_id},
+                               ref=f"txn:{result.hold_transaction_id}")

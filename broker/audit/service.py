@@ -1,14 +1,17 @@
 """AuditLog: appends hash-chained entries and verifies the chain.
 
-Appends are serialised: in-process by a lock, across broker replicas by the unique
-``seq`` (a writer that lost the race gets :class:`SeqTaken` from the repository and
-retries on the new head).
+An entry is written in the transaction of what it records: ``record`` inside an
+``atomic`` block (a job's hold, a settlement's ledger post) defers the entry to the end of
+that block's transaction, so the entry commits with the money movement or not at all, and
+costs one INSERT in a COMMIT that happens anyway. Outside such a block it opens a
+transaction of its own.
 
-An append costs one INSERT: the log keeps the head it last wrote in memory (nothing else
-in this process appends behind the lock), and a stale head — another replica appended —
-shows up as :class:`SeqTaken` on the next append, which then re-reads the head and retries.
-An idempotent replay (an entry with the same ``ref`` exists) also shows up as
-:class:`SeqTaken`, from the unique ``ref``; only then is the ref looked up.
+Appends are serialised: in-process by a lock, taken just before COMMIT and held until it
+is done (the log keeps the head it last wrote in memory, and only a committed entry
+becomes the head); across broker replicas by the unique ``seq``. An insert that finds its
+seq taken (another replica appended: the head is stale) or its ``ref`` taken (an
+idempotent replay of a movement already recorded) writes nothing; the log then re-reads
+the head in the same transaction and appends after it, or skips the replay.
 """
 from __future__ import annotations
 
@@ -16,22 +19,23 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Iterator, Protocol
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, ContextManager, Iterator, Protocol
 
 from broker.audit.model import GENESIS, AuditEntry, ChainReport
 
 log = logging.getLogger(__name__)
 
 
-class SeqTaken(Exception):
-    """Another writer appended entry ``seq`` first."""
-
-
 class AuditRepository(Protocol):
-    def head(self) -> AuditEntry | None: ...
-    def add(self, entry: AuditEntry) -> None:
-        """Insert ``entry``; raise :class:`SeqTaken` when its seq exists, or its ref."""
-    def has_ref(self, ref: str) -> bool: ...
+    def transaction(self) -> ContextManager[Any]:
+        """The caller's open transaction (``broker.storage.base.atomic``), else a new one:
+        an object with ``conn``, ``defer``, ``after_commit`` and ``after_rollback``."""
+    def head(self, conn=None) -> AuditEntry | None: ...
+    def append(self, conn, entry: AuditEntry) -> bool:
+        """Insert ``entry``; False, writing nothing, when its seq or its ref exists."""
+    def has_ref(self, ref: str, conn=None) -> bool: ...
     def scan(self, batch: int = 1000) -> Iterator[AuditEntry]:
         """Every entry in seq order."""
     def search(self, *, subject: str | None = None, action: str | None = None,
@@ -44,49 +48,82 @@ def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(data, default=str, allow_nan=False))
 
 
+class _Pending:
+    __slots__ = ("actor", "action", "subject", "data", "ref", "at_ms", "entry")
+
+    def __init__(self, actor, action, subject, data, ref, at_ms):
+        self.actor, self.action, self.subject = actor, action, subject
+        self.data, self.ref, self.at_ms = data, ref, at_ms
+        self.entry: AuditEntry | None = None
+
+
 class AuditLog:
     def __init__(self, repo: AuditRepository, clock=time.time):
         self.repo = repo
         self.clock = clock
         self._lock = threading.Lock()
-        # The last entry this process appended (or read as the head); None: read it first.
+        # The last entry this process committed (or read as the head); None: read it first.
         self._head: AuditEntry | None = None
         self._head_known = False
 
     def record(self, actor: str, action: str, subject: str, data: dict[str, Any] | None = None,
                *, ref: str | None = None) -> AuditEntry | None:
         """Append an entry; with ``ref``, nothing when an entry with that ref exists (an
-        idempotent replay of the same money movement). Returns the entry written."""
-        body = _jsonable(data or {})
-        with self._lock:
-            for _ in range(20):
-                if not self._head_known:
-                    self._head, self._head_known = self.repo.head(), True
-                head = self._head
-                entry = AuditEntry(seq=(head.seq + 1) if head else 1,
-                                   at_ms=int(self.clock() * 1000), actor=actor, action=action,
-                                   subject=subject, data=body, ref=ref,
-                                   prev_hash=head.hash if head else GENESIS)
-                entry = AuditEntry(**{**entry.__dict__, "hash": entry.compute_hash()})
-                try:
-                    self.repo.add(entry)
-                except SeqTaken:
+        idempotent replay of the same money movement). Returns the entry written; None for
+        a replay, and inside an ``atomic`` block, whose commit writes it."""
+        item = _Pending(actor, action, subject, _jsonable(data or {}), ref,
+                        int(self.clock() * 1000))
+        with self.repo.transaction() as tx:
+            tx.defer(self, item)
+        return item.entry
+
+    def before_commit(self, tx, items: list[_Pending]) -> None:
+        """Append ``items`` in ``tx``, just before its COMMIT; the lock is held until the
+        commit is done, and the head moves only if it succeeds."""
+        self._lock.acquire()
+        try:
+            head, known = self._head, self._head_known
+            for item in items:
+                for _ in range(20):
+                    if not known:
+                        head, known = self.repo.head(tx.conn), True
+                    entry = AuditEntry(seq=(head.seq + 1) if head else 1, at_ms=item.at_ms,
+                                       actor=item.actor, action=item.action,
+                                       subject=item.subject, data=item.data, ref=item.ref,
+                                       prev_hash=head.hash if head else GENESIS)
+                    entry = replace(entry, hash=entry.compute_hash())
+                    if self.repo.append(tx.conn, entry):
+                        head, item.entry = entry, entry
+                        break
                     # Another replica appended (our head is stale), or this ref is already
                     # in the log (an idempotent replay: nothing to write).
-                    self._head_known = False
-                    if ref is not None and self.repo.has_ref(ref):
-                        return None
-                    continue
-                except BaseException:
-                    self._head_known = False  # the insert may or may not have landed
-                    raise
-                self._head = entry
-                return entry
-        raise RuntimeError("could not append to the audit log: 20 collisions in a row")
+                    known = False
+                    if item.ref is not None and self.repo.has_ref(item.ref, tx.conn):
+                        break
+                else:
+                    raise RuntimeError("could not append to the audit log: 20 collisions "
+                                       "in a row")
+        except BaseException:
+            self._head_known = False
+            self._lock.release()
+            raise
+
+        def committed():
+            self._head, self._head_known = head, known
+            self._lock.release()
+
+        def rolled_back():
+            self._head_known = False
+            for item in items:
+                item.entry = None
+            self._lock.release()
+        tx.after_commit(committed)
+        tx.after_rollback(rolled_back)
 
     def safe_record(self, *args, **kwargs) -> AuditEntry | None:
-        """:meth:`record` for hooks after an effect already committed: a failure is logged,
-        never raised into the money path."""
+        """:meth:`record` for what must not fail because the audit log did (a console
+        login): a failure is logged, never raised. Inside an ``atomic`` block the entry is
+        written at its commit, and a failure there fails the whole transaction."""
         try:
             return self.record(*args, **kwargs)
         except Exception:  # noqa: BLE001
@@ -119,21 +156,49 @@ class AuditLog:
         return self.repo.search(**kwargs)
 
 
+class _MemoryTx:
+    """What ``atomic`` gives, for the in-memory repository: deferred work runs at exit."""
+
+    conn = None
+
+    def __init__(self):
+        self._deferred, self._after_commit, self._after_rollback = [], [], []
+
+    def defer(self, owner, item):
+        self._deferred.append((owner, item))
+
+    def after_commit(self, fn):
+        self._after_commit.append(fn)
+
+    def after_rollback(self, fn):
+        self._after_rollback.append(fn)
+
+
 class InMemoryAuditRepository:
     def __init__(self):
         self.entries: list[AuditEntry] = []
 
-    def head(self):
+    @contextmanager
+    def transaction(self):
+        tx = _MemoryTx()
+        yield tx
+        for owner, item in tx._deferred:
+            owner.before_commit(tx, [item])
+        for fn in tx._after_commit:
+            fn()
+
+    def head(self, conn=None):
         return self.entries[-1] if self.entries else None
 
-    def add(self, entry):
+    def append(self, conn, entry):
         # Like the SQL table: seq and ref are unique.
         if any(e.seq == entry.seq or (entry.ref is not None and e.ref == entry.ref)
                for e in self.entries):
-            raise SeqTaken(entry.seq)
+            return False
         self.entries.append(entry)
+        return True
 
-    def has_ref(self, ref):
+    def has_ref(self, ref, conn=None):
         return any(e.ref == ref for e in self.entries)
 
     def scan(self, batch=1000):

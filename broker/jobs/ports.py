@@ -1,12 +1,17 @@
 """What the job service needs from storage and from the blob store (implemented elsewhere)."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Iterable, Protocol
 
 from .model import Job, JobEvent, JobOutput, JobState
 
 
 class JobRepository(Protocol):
+    def atomic(self) -> AbstractContextManager:
+        """A block whose writes here, in the ledger and in the audit log commit as one
+        transaction (a job with its hold, a settlement with its post)."""
+
     def create(self, job: Job, first_event: tuple[str, dict]) -> tuple[Job, bool]:
         """Insert ``job`` with its first event. When (account, idempotency key) already
         exists, return the existing job and False instead."""

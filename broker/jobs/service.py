@@ -143,29 +143,26 @@ class JobService:
             return self._submit_batch(who, manifest, inputs, work_units, terms, job_id,
                                       idempotency_key, request_hash, now, verify, weights)
         cap = terms["max_price_micro"]
-        hold_id, max_price = None, 0
-        if self.billing is not None:
-            if verify == "always":  # two runs: refused up front unless both can be paid
-                self.billing.require(who.account_id, manifest.name, work_units, cap_micro=cap,
-                                     runs=2, inputs=inputs)
-            hold_id, max_price = self.billing.hold(job_id, who.account_id, manifest.name,
-                                                   work_units, cap_micro=cap, inputs=inputs)
-        elif cap is not None:
-            max_price = cap
-        job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
-                  plugin_version=manifest.version, inputs=inputs, state=JobState.QUEUED,
-                  max_attempts=self.settings.max_attempts,
-                  work_units=work_units, idempotency_key=idempotency_key,
-                  request_hash=request_hash, created_at=now, updated_at=now,
-                  hold_id=hold_id, max_price_micro=max_price, priority=terms["priority"],
-                  deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights)
-        try:
+        # The hold and the job (with its first event and the hold's audit entry) commit as
+        # one transaction: no job without its hold, no hold without its job.
+        with self.repo.atomic():
+            hold_id, max_price = None, 0
+            if self.billing is not None:
+                if verify == "always":  # two runs: refused up front unless both can be paid
+                    self.billing.require(who.account_id, manifest.name, work_units,
+                                         cap_micro=cap, runs=2, inputs=inputs)
+                hold_id, max_price = self.billing.hold(job_id, who.account_id, manifest.name,
+                                                       work_units, cap_micro=cap, inputs=inputs)
+            elif cap is not None:
+                max_price = cap
+            job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
+                      plugin_version=manifest.version, inputs=inputs, state=JobState.QUEUED,
+                      max_attempts=self.settings.max_attempts,
+                      work_units=work_units, idempotency_key=idempotency_key,
+                      request_hash=request_hash, created_at=now, updated_at=now,
+                      hold_id=hold_id, max_price_micro=max_price, priority=terms["priority"],
+                      deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights)
             job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
-        except BaseException:
-            # No job without its hold, and no hold without its job.
-            if hold_id is not None and self.repo.get(job_id) is None:
-                self.billing.release_hold(hold_id, job_id, "job was not created")
-            raise
         if not created:
             return _replayed(job, request_hash, idempotency_key), False
         self.hub.notify(job.id)
@@ -187,7 +184,7 @@ class JobService:
         if existing is not None:
             return _replayed(existing, request_hash, idempotency_key), False
         created: list[Job] = []
-        try:
+        with self.repo.atomic():  # all siblings with their holds, or none
             for i in range(n):
                 job_id = str(uuid.uuid5(_JOB_IDS, f"{batch_id}:{i}"))
                 sib_inputs = dict(inputs)
@@ -210,19 +207,10 @@ class JobService:
                           priority=terms["priority"], deadline_s=terms["deadline_s"],
                           batch_id=batch_id, batch_index=i, verify=verify,
                           weights_digest=weights)
-                try:
-                    job, _ = self.repo.create(job, ("queued", {"plugin": manifest.ref,
-                                                               "batch_id": batch_id,
-                                                               "batch_index": i}))
-                except BaseException:
-                    if hold_id is not None:
-                        self.billing.release_hold(hold_id, job_id, "job was not created")
-                    raise
+                job, _ = self.repo.create(job, ("queued", {"plugin": manifest.ref,
+                                                           "batch_id": batch_id,
+                                                           "batch_index": i}))
                 created.append(job)
-        except BaseException:
-            for job in created:  # all siblings or none
-                self._fail(job, "batch_not_created", "a sibling of this batch was not created")
-            raise
         for job in created:
             self.hub.notify(job.id)
         # One wake-up once every sibling exists, so that they clear together.
@@ -237,30 +225,26 @@ class JobService:
         credits that account when the platform pays), never offered to ``excluded``
         providers, and not before ``not_before``."""
         now = self.clock()
-        hold_id, max_price = None, primary.max_price_micro
-        if self.billing is not None and primary.hold_id is not None:
-            amount = self.billing.max_price(primary.plugin, primary.work_units,
-                                            cap_micro=primary.max_price_micro or None)
-            if fund is not None:
-                fund(check_id, amount)
-            hold_id, max_price = self.billing.hold(check_id, account_id, primary.plugin,
-                                                   primary.work_units, cap_micro=amount)
-        job = Job(id=check_id, account_id=account_id, plugin=primary.plugin,
-                  plugin_version=primary.plugin_version, inputs=inputs, state=JobState.QUEUED,
-                  max_attempts=self.settings.max_attempts, work_units=primary.work_units,
-                  created_at=now, updated_at=now, hold_id=hold_id, max_price_micro=max_price,
-                  priority=primary.priority, deadline_s=primary.deadline_s,
-                  excluded_providers=list(excluded), check_of=primary.id,
-                  not_before=not_before,
-                  weights_digest=((primary.envelope or {}).get("weights_digest")
-                                  or primary.weights_digest))
-        try:
+        with self.repo.atomic():  # its funding, hold and row commit together
+            hold_id, max_price = None, primary.max_price_micro
+            if self.billing is not None and primary.hold_id is not None:
+                amount = self.billing.max_price(primary.plugin, primary.work_units,
+                                                cap_micro=primary.max_price_micro or None)
+                if fund is not None:
+                    fund(check_id, amount)
+                hold_id, max_price = self.billing.hold(check_id, account_id, primary.plugin,
+                                                       primary.work_units, cap_micro=amount)
+            job = Job(id=check_id, account_id=account_id, plugin=primary.plugin,
+                      plugin_version=primary.plugin_version, inputs=inputs,
+                      state=JobState.QUEUED, max_attempts=self.settings.max_attempts,
+                      work_units=primary.work_units, created_at=now, updated_at=now,
+                      hold_id=hold_id, max_price_micro=max_price, priority=primary.priority,
+                      deadline_s=primary.deadline_s, excluded_providers=list(excluded),
+                      check_of=primary.id, not_before=not_before,
+                      weights_digest=((primary.envelope or {}).get("weights_digest")
+                                      or primary.weights_digest))
             job, _ = self.repo.create(job, ("queued", {"plugin": f"{job.plugin}@"
                                                        f"{job.plugin_version}"}))
-        except BaseException:
-            if hold_id is not None:
-                self.billing.release_hold(hold_id, check_id, "check job was not created")
-            raise
         # The check exists (row and hold) from here on: waking the dispatcher is a hint
         # only (it re-reads the queue from the database every 0.5 s), so a failure to wake
         # it must not read as a failed submit to the caller.
@@ -459,17 +443,23 @@ class JobService:
         now = self.clock()
         # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
         # receipt settles at once, in one transaction with its outputs and both events.
-        settled = self.repo.transition(
-            job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
-            expect_provider=provider_id, outputs=outputs,
-            events=[("submitted", {"attempt": attempt}),
-                    ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
-                                           "media_type": o.media_type, "size": o.size}
-                                          for o in outputs]})],
-            receipt=rec, receipt_signature=signature, lease_expires_at=None, finished_at=now)
-        if settled is None:
-            raise ReceiptRefused("not_your_job", f"job {job_id} moved before the receipt arrived")
-        self._charge(settled, rec)
+        # The settlement and its ledger post (with the post's audit entry) commit as one
+        # transaction; a post that fails rolls back alone (a savepoint), and the
+        # settlement stands with a ledger_error event (see _money).
+        with self.repo.atomic():
+            settled = self.repo.transition(
+                job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
+                expect_provider=provider_id, outputs=outputs,
+                events=[("submitted", {"attempt": attempt}),
+                        ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
+                                               "media_type": o.media_type, "size": o.size}
+                                              for o in outputs]})],
+                receipt=rec, receipt_signature=signature, lease_expires_at=None,
+                finished_at=now)
+            if settled is None:
+                raise ReceiptRefused("not_your_job",
+                                     f"job {job_id} moved before the receipt arrived")
+            self._charge(settled, rec)
         try:
             self.on_receipt(settled, rec)
         except Exception:  # noqa: BLE001 - a measurement must never undo a settlement

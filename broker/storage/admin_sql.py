@@ -9,15 +9,15 @@ from typing import Iterator
 
 from sqlalchemy import (JSON, BigInteger, Float, Index, Integer, String, Text, bindparam, insert,
                         select, update)
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from broker.admin.disputes import Dispute
 from broker.audit.model import AuditEntry
-from broker.audit.service import SeqTaken
 from broker.jobs.model import JobState
 from broker.pricing.policy import PluginPolicy
-from .base import Base, read_only
+from .base import Base, atomic, read_only
 from .fast import Prepared
 from .ledger_sql import LedgerAccountRow, LedgerHoldRow, LedgerIdempotencyRow, LedgerTransactionRow
 from .models import AccountRow, JobRow
@@ -77,7 +77,10 @@ def _entry(r: AuditRow) -> AuditEntry:
 AUDIT = AuditRow.__table__
 # Built once (see broker/storage/jobs_sql.py): the append path runs on every money movement.
 _AUDIT_HEAD = select(AUDIT).order_by(AUDIT.c.seq.desc()).limit(1)
-_AUDIT_INSERT = Prepared(insert(AUDIT))
+# An append that finds its seq or its ref taken writes nothing (no error, so the
+# transaction it is part of goes on): the log then re-reads the head or skips the replay.
+_AUDIT_APPEND = {"sqlite": Prepared(sqlite_insert(AUDIT).on_conflict_do_nothing()),
+                 "postgresql": Prepared(pg_insert(AUDIT).on_conflict_do_nothing())}
 _AUDIT_HAS_REF = select(AUDIT.c.seq).where(AUDIT.c.ref == bindparam("w_ref"))
 
 
@@ -86,24 +89,28 @@ class SqlAuditRepository:
         self.sessions = sessions
         self.engine = sessions.kw["bind"]
 
-    def head(self) -> AuditEntry | None:
+    def transaction(self):
+        return atomic(self.engine)
+
+    def head(self, conn=None) -> AuditEntry | None:
+        if conn is not None:
+            r = conn.execute(_AUDIT_HEAD).first()
+            return _entry(r) if r else None
         with read_only(self.engine) as c:
             r = c.execute(_AUDIT_HEAD).first()
             return _entry(r) if r else None
 
-    def add(self, e: AuditEntry) -> None:
-        """Insert ``e``; :class:`SeqTaken` when its seq or its ref exists (unique columns)."""
+    def append(self, conn, e: AuditEntry) -> bool:
+        """Insert ``e`` in ``conn``'s transaction; False when its seq or ref exists."""
         from sdk.protocol.canonical import canonical_bytes
-        try:
-            with self.engine.begin() as c:
-                _AUDIT_INSERT.run(c, {
-                    "seq": e.seq, "at_ms": e.at_ms, "actor": e.actor, "action": e.action,
-                    "subject": e.subject, "data": canonical_bytes(e.data).decode("utf-8"),
-                    "ref": e.ref, "prev_hash": e.prev_hash, "hash": e.hash})
-        except IntegrityError as exc:
-            raise SeqTaken(e.seq) from exc
+        return _AUDIT_APPEND[conn.dialect.name].run(conn, {
+            "seq": e.seq, "at_ms": e.at_ms, "actor": e.actor, "action": e.action,
+            "subject": e.subject, "data": canonical_bytes(e.data).decode("utf-8"),
+            "ref": e.ref, "prev_hash": e.prev_hash, "hash": e.hash}).rowcount == 1
 
-    def has_ref(self, ref: str) -> bool:
+    def has_ref(self, ref: str, conn=None) -> bool:
+        if conn is not None:
+            return conn.execute(_AUDIT_HAS_REF, {"w_ref": ref}).first() is not None
         with read_only(self.engine) as c:
             return c.execute(_AUDIT_HAS_REF, {"w_ref": ref}).first() is not None
 

@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker.jobs.model import Job, JobEvent, JobOutput, JobState, LEASED
-from .base import read_only
+from .base import atomic, begin, read_only
 from .fast import Prepared
 from .models import JobEventRow, JobOutputRow, JobRow
 
@@ -114,9 +114,14 @@ class SqlJobRepository:
         self.clock = clock
         self._returning = bool(self.engine.dialect.update_returning)
 
+    def atomic(self):
+        """One transaction for the block's writes here and in the ledger and audit log
+        (same database): see ``broker.storage.base.atomic``."""
+        return atomic(self.engine)
+
     def create(self, job: Job, first_event: tuple[str, dict]) -> tuple[Job, bool]:
         try:
-            with self.engine.begin() as c:
+            with begin(self.engine) as c:
                 _INSERT_JOB.run(c, _row_values(job))
                 _INSERT_EVENT.run(c, {"job_id": job.id, "kind": first_event[0],
                                       "data": first_event[1], "created_at": job.created_at})
@@ -177,7 +182,7 @@ class SqlJobRepository:
             params["w_provider"] = expect_provider
         stmt = _TRANSITIONS[(expect_attempt is not None, expect_provider is not None,
                              self._returning)]
-        with self.engine.begin() as c:
+        with begin(self.engine) as c:
             result = stmt.run(c, params)
             if self._returning:
                 row = result.first()
@@ -199,7 +204,7 @@ class SqlJobRepository:
     def add_event(self, job_id: str, kind: str, data: dict, **fields) -> int:
         now = self.clock()
         _check_fields(fields)
-        with self.engine.begin() as c:
+        with begin(self.engine) as c:
             if fields:
                 c.execute(_UPDATE_JOB, {"updated_at": now, **fields, "w_id": job_id})
             result = c.execute(_INSERT_EVENT_STMT, {"job_id": job_id, "kind": kind,
@@ -222,7 +227,7 @@ class SqlJobRepository:
     def extend_leases(self, provider_id: str, job_ids: list[str], until: float) -> int:
         if not job_ids:
             return 0
-        with self.engine.begin() as c:
+        with begin(self.engine) as c:
             result = c.execute(_EXTEND_LEASES, {"lease_expires_at": until,
                                                 "w_provider": provider_id, "w_ids": list(job_ids)})
             return result.rowcount
@@ -239,7 +244,7 @@ class SqlJobRepository:
                         event: tuple[str, dict]) -> None:
         """Point a settled job at other outputs (verification overturned it: the majority's
         outputs replace the wrong ones), with its event, in one transaction."""
-        with self.engine.begin() as c:
+        with begin(self.engine) as c:
             c.execute(delete(OUTPUTS).where(OUTPUTS.c.job_id == job_id))
             if outputs:
                 _INSERT_OUTPUT.run(c, [{"job_id": job_id, "index": o.index,

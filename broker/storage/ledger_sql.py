@@ -33,7 +33,7 @@ from broker.ledger.model import (
     Transaction, TransactionKind,
 )
 from broker.ledger.ports import RetryableConflict
-from broker.storage.base import Base
+from broker.storage.base import Base, begin
 from broker.storage.fast import Prepared
 
 # BIGINT everywhere for money; SQLite only auto-numbers an INTEGER PRIMARY KEY.
@@ -208,7 +208,7 @@ class SqlLedgerRepository:
     @contextmanager
     def unit_of_work(self) -> Iterator["_SqlUnitOfWork"]:
         try:
-            with self.engine.begin() as conn:
+            with begin(self.engine) as conn:
                 yield _SqlUnitOfWork(conn, self._lock_rows)
         except IntegrityError as exc:
             # Two writers inserted the same idempotency key or reversal at once: the loser

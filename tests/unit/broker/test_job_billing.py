@@ -149,17 +149,55 @@ def test_idempotent_resubmit_holds_once(world):
     assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 250_000
 
 
-def test_job_insert_failure_voids_the_hold(world, monkeypatch):
+def test_job_insert_failure_takes_the_hold_and_its_audit_entry_with_it(world, monkeypatch):
     services, client, *_ = world
     services.payments.grant(client.account_id, MICRO, by="test")
+    entries = len(services.audit.search(limit=100))
+    real_create = services.jobs.repo.create
 
     def broken(job, first_event):
+        real_create(job, first_event)  # written, then the transaction fails
         raise RuntimeError("database went away")
     monkeypatch.setattr(services.jobs.repo, "create", broken)
     with pytest.raises(RuntimeError):
         services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    # The hold, the job row and the hold's audit entry were one transaction: all gone.
     assert _bal(services, client.account_id, C) == MICRO
     assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 0
+    assert services.jobs.repo.counts_by_state() == {}
+    assert len(services.audit.search(limit=100)) == entries
+    monkeypatch.undo()
+    job, created = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    assert created and _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 250_000
+    assert [e.action for e in services.audit.search(limit=1)] == ["ledger.hold"]
+    assert services.audit.verify().ok and services.ledger.verify().ok
+
+
+def test_a_post_that_fails_midway_rolls_back_alone_and_the_settlement_stands(world, monkeypatch):
+    services, client, prov, session, key = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    from broker.storage import ledger_sql
+
+    def broken(self, record):  # after the post's transaction and entries were written
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(ledger_sql._SqlUnitOfWork, "add_idempotency", broken)
+    settled = _run(services, job, session, key, work_units=1)
+    assert settled.state.value == "settled"
+    kinds = [e.kind for e in services.jobs.repo.events_after(job.id, 0)]
+    assert kinds[-1] == "ledger_error"
+    # Nothing of the post stands: the hold is still pending, nobody was paid.
+    assert services.ledger.get_hold(job.hold_id).state is HoldState.PENDING
+    assert _bal(services, prov.account_id, P) == 0
+    assert "ledger.post" not in [e.action for e in services.audit.search(limit=10)]
+    monkeypatch.undo()
+    # The agent re-sends its receipt (as after a reconnect): the post completes once.
+    settled = services.jobs.repo.get(job.id)
+    services.jobs.receipt(session.provider_id, key.public_key_hex,
+                          canonical_bytes(settled.receipt), settled.receipt_signature)
+    assert services.ledger.get_hold(job.hold_id).state is HoldState.POSTED
+    assert _bal(services, prov.account_id, P) == 225_000
+    assert services.audit.verify().ok and services.ledger.verify().ok
 
 
 def test_vesting_after_the_window_via_maintenance(world):

@@ -1,0 +1,110 @@
+"""One transaction across repositories (broker.storage.base.atomic), on SQLite and
+PostgreSQL: a step inside that fails undoes only itself (a savepoint), a block that fails
+undoes everything including its audit entries, and the audit chain's head moves only
+with a commit."""
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import sessionmaker
+
+from broker.audit.service import AuditLog
+from broker.storage.admin_sql import SqlAuditRepository
+from broker.storage.base import atomic, begin, make_engine
+from broker.storage.migrate import upgrade
+
+
+@pytest.fixture
+def engine(db_url):
+    engine = make_engine(db_url)
+    upgrade(engine)
+    with engine.begin() as c:
+        c.execute(text("CREATE TABLE t (a INTEGER)"))
+    yield engine
+    engine.dispose()
+
+
+def _rows(engine) -> list[int]:
+    with engine.connect() as c:
+        return [r[0] for r in c.execute(text("SELECT a FROM t ORDER BY a"))]
+
+
+def _insert(conn, a: int) -> None:
+    conn.execute(text("INSERT INTO t (a) VALUES (:a)"), {"a": a})
+
+
+def test_steps_commit_together(engine):
+    with atomic(engine):
+        for a in (1, 2):
+            with begin(engine) as c:
+                _insert(c, a)
+        assert _rows(engine) == []  # nothing is visible before the block commits
+    assert _rows(engine) == [1, 2]
+
+
+def test_a_failed_step_undoes_only_itself(engine):
+    with atomic(engine):
+        with begin(engine) as c:
+            _insert(c, 1)
+        with pytest.raises(RuntimeError):
+            with begin(engine) as c:
+                _insert(c, 2)
+                raise RuntimeError("refused after writing")
+        with begin(engine) as c:  # the transaction goes on (on PostgreSQL too)
+            _insert(c, 3)
+    assert _rows(engine) == [1, 3]
+    engine.dispose()
+
+
+def test_a_failed_block_undoes_everything_and_runs_its_rollback_hooks(engine):
+    ran = []
+    with pytest.raises(RuntimeError):
+        with atomic(engine) as tx:
+            tx.after_commit(lambda: ran.append("commit"))
+            tx.after_rollback(lambda: ran.append("rollback"))
+            with begin(engine) as c:
+                _insert(c, 1)
+            raise RuntimeError("boom")
+    assert _rows(engine) == [] and ran == ["rollback"]
+    with atomic(engine) as tx:
+        tx.after_commit(lambda: ran.append("commit"))
+    assert ran == ["rollback", "commit"]
+
+
+def test_audit_entries_commit_with_their_block_and_the_chain_stays_whole(engine):
+    log = AuditLog(SqlAuditRepository(sessionmaker(engine)))
+    assert log.record("system", "a", "s") is not None
+    with pytest.raises(RuntimeError):
+        with atomic(engine):
+            with begin(engine) as c:
+                _insert(c, 1)
+            assert log.record("ledger", "ledger.hold", "job:x", ref="txn:1") is None  # deferred
+            raise RuntimeError("the job insert failed")
+    assert [e.action for e in log.search(limit=10)] == ["a"]  # the entry went with its block
+    with atomic(engine):
+        log.record("ledger", "ledger.hold", "job:y", ref="txn:2")
+        with pytest.raises(RuntimeError):
+            with begin(engine):
+                log.record("ledger", "ledger.post", "job:y", ref="txn:3")
+                raise RuntimeError("the post failed: its entry is dropped with it")
+    entries = sorted(log.search(limit=10), key=lambda e: e.seq)
+    assert [(e.seq, e.action) for e in entries] == [(1, "a"), (2, "ledger.hold")]
+    assert log.record("system", "b", "s").seq == 3
+    assert log.verify().ok
+
+
+def test_on_sqlite_another_connection_inside_a_block_reads_but_cannot_write(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'w.db'}")  # the writer lock is SQLite's
+    with engine.begin() as c:
+        c.execute(text("CREATE TABLE t (a INTEGER)"))
+        _insert(c, 1)
+    with atomic(engine):
+        with engine.begin() as other:  # would wait forever on the writer lock
+            assert other.execute(text("SELECT count(*) FROM t")).scalar() == 1
+            with pytest.raises(OperationalError, match="readonly"):
+                _insert(other, 2)
+    with engine.begin() as c:  # the connection went back to the pool writable
+        _insert(c, 3)
+    assert _rows(engine) == [1, 3]
+    engine.dispose()
