@@ -8,8 +8,8 @@ then measures
 Prints a table and the ratio against the direct call. Targets (issue #2, 2-core machine):
 >= 300 jobs/s and <= 15 ms p50 added latency.
 
-Measured here (2 cores, otherwise quiet, --jobs 400, 1/2/4 agents): about 77–90 jobs/s and
-11–13 ms p50 added, with the broker spending 11–13 ms of CPU per job (19 jobs/s and 42 ms
+Measured here (2 cores, otherwise quiet, --jobs 400, 1/2/4 agents): about 77–100 jobs/s
+and 10–13 ms p50 added, with the broker spending 10–13 ms of CPU per job (19 jobs/s and 42 ms
 of CPU before the per-job storage path was rebuilt on prebuilt statements). The broker is
 one GIL-bound Python process: 12 ms of CPU per job caps it near 85 jobs/s however many
 cores there are (docs/architecture.md, "Dispatch throughput", says where it goes).
