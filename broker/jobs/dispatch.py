@@ -113,6 +113,7 @@ class Dispatcher:
         if self.market is not None:
             self.market.mark_online(session.provider_id)
             self._lease_resumed(session)
+        session.resumed = {}  # read once, here: not kept for the whole connection
         self._sync(session)
         self.kick()
 
@@ -188,16 +189,17 @@ class Dispatcher:
             except Exception:  # noqa: BLE001 - a dead stream must not stop a cancel
                 log.exception("could not send cancel for %s", job.id)
 
-    def _queued(self, job: Job) -> None:
+    def _queued(self, job: Job, siblings: list[Job] | None = None) -> None:
         """A job was queued: hand it out at once from the caller's thread when nothing is
-        waiting ahead of it (saves a thread hop and a queue scan); else wake the loop."""
+        waiting ahead of it (saves a thread hop and a queue scan); else wake the loop.
+        ``siblings``: a split request's jobs, queued together (they clear together)."""
         if job.not_before is not None and job.not_before > time.time():
             return  # a delayed check: the loop offers it once its time comes
         if not self._backlog and not job.batch_id:
             if self._place(job):
                 return
-        jobs = [job]
-        if job.batch_id:  # one wake-up for a whole split: its queued siblings clear together
+        jobs = siblings or [job]
+        if job.batch_id and not siblings:  # a requeued sibling: with its queued siblings
             try:
                 jobs = [j for j in self.jobs.repo.batch(job.batch_id)
                         if j.state is JobState.QUEUED] or [job]

@@ -58,7 +58,8 @@ class JobService:
         self.hub = hub or EventHub()
         self.settings = settings or JobSettings()
         self.clock = clock
-        self.on_queued = lambda job: None        # set by the dispatcher
+        # set by the dispatcher; ``siblings``: a split's jobs, all just queued
+        self.on_queued = lambda job, siblings=None: None
         self.on_released = lambda provider_id, job_id: None
         self.cancel_hook = lambda job: None      # pushes Cancel to the agent holding a job
         self.checkpoints = None   # broker.jobs.checkpoints.CheckpointService (resume, shares)
@@ -214,7 +215,7 @@ class JobService:
         for job in created:
             self.hub.notify(job.id)
         # One wake-up once every sibling exists, so that they clear together.
-        self.on_queued(created[0])
+        self.on_queued(created[0], siblings=created)
         return created[0], True
 
     def submit_check(self, primary: Job, check_id: str, account_id: str, inputs: dict,
@@ -225,7 +226,7 @@ class JobService:
         credits that account when the platform pays), never offered to ``excluded``
         providers, and not before ``not_before``."""
         now = self.clock()
-        with self.repo.atomic():  # its funding, hold and row commit together
+        with self.repo.atomic() as tx:  # its funding, hold and row commit together
             hold_id, max_price = None, primary.max_price_micro
             if self.billing is not None and primary.hold_id is not None:
                 amount = self.billing.max_price(primary.plugin, primary.work_units,
@@ -245,14 +246,11 @@ class JobService:
                                       or primary.weights_digest))
             job, _ = self.repo.create(job, ("queued", {"plugin": f"{job.plugin}@"
                                                        f"{job.plugin_version}"}))
-        # The check exists (row and hold) from here on: waking the dispatcher is a hint
-        # only (it re-reads the queue from the database every 0.5 s), so a failure to wake
-        # it must not read as a failed submit to the caller.
-        try:
-            self.hub.notify(job.id)
-            self.on_queued(job)
-        except Exception:  # noqa: BLE001 - logged; the dispatcher's next pass finds the job
-            log.exception("check job %s: waking the dispatcher failed", job.id)
+            # The dispatcher hears of the check once it exists: after the commit of the
+            # caller's block, when there is one (verification records the check with it).
+            # Waking it is a hint only (it re-reads the queue every 0.5 s); ``atomic`` logs
+            # a failure, which never reads as a failed submit.
+            tx.after_commit(lambda: (self.hub.notify(job.id), self.on_queued(job)))
         return job
 
     def batch(self, who: Principal, batch_id: str) -> list[Job]:
@@ -273,8 +271,10 @@ class JobService:
         caller's fresh copy, e.g. just submitted)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         version = self.hub.version(job_id)
-        fresh = job is None
-        if job is None:
+        # A caller's copy is from before the version was read: a fast job may have ended in
+        # between, and no later notification would come to say so.
+        fresh = job is None or self.hub.ended(job_id)
+        if fresh:
             job = self.get(who, job_id)
         while not job.state.terminal:
             left = deadline - time.monotonic()
@@ -308,21 +308,23 @@ class JobService:
     def cancel(self, who: Principal, job_id: str, reason: str = "cancelled by client") -> Job:
         job = self.get(who, job_id)
         while not job.state.terminal:
-            moved = self.repo.transition(
-                job.id, [job.state], JobState.CANCELLED, expect_attempt=job.attempt,
-                event=("cancelled", {"reason": reason}), finished_at=self.clock(),
-                error_code="cancelled", error_message=reason)
+            with self.repo.atomic():  # the cancellation with its payment or release
+                moved = self.repo.transition(
+                    job.id, [job.state], JobState.CANCELLED, expect_attempt=job.attempt,
+                    event=("cancelled", {"reason": reason}), finished_at=self.clock(),
+                    error_code="cancelled", error_message=reason)
+                if moved is not None:
+                    parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
+                    if parts:  # resumed: earlier providers keep their shares
+                        resumed = self.checkpoints.base_fraction(job)
+                        self._money("cancel", job, lambda: cancel_shared(
+                            self.billing, job, parts, resumed, reason))
+                    else:
+                        self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
             if moved is not None:
                 if job.state in LEASED and job.provider_id:
                     self.cancel_hook(job)
                     self.on_released(job.provider_id, job.id)
-                parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
-                if parts:  # resumed: earlier providers keep their shares
-                    resumed = self.checkpoints.base_fraction(job)
-                    self._money("cancel", job, lambda: cancel_shared(self.billing, job, parts,
-                                                                     resumed, reason))
-                else:
-                    self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
                 self.hub.notify(job.id, ended=True)
                 self.on_ended(moved)
                 return moved
@@ -545,13 +547,16 @@ class JobService:
         return self._fail(job, code, message)
 
     def _fail(self, job: Job, code: str, message: str) -> Job | None:
-        moved = self.repo.transition(job.id, [job.state], JobState.FAILED,
-                                     expect_attempt=job.attempt,
-                                     event=("failed", {"code": code, "message": message}),
-                                     error_code=code, error_message=message,
-                                     finished_at=self.clock(), lease_expires_at=None)
+        with self.repo.atomic():  # the failure with its hold's release
+            moved = self.repo.transition(job.id, [job.state], JobState.FAILED,
+                                         expect_attempt=job.attempt,
+                                         event=("failed", {"code": code, "message": message}),
+                                         error_code=code, error_message=message,
+                                         finished_at=self.clock(), lease_expires_at=None)
+            if moved is not None:
+                self._money("release", moved,
+                            lambda: self.billing.failed(moved, f"{code}: {message}"))
         if moved is not None:
-            self._money("release", moved, lambda: self.billing.failed(moved, f"{code}: {message}"))
             self.hub.notify(job.id, ended=True)
             self.on_ended(moved)
         return moved
@@ -568,8 +573,10 @@ class JobService:
         self._money("settle", job, lambda: self.billing.settle(job, units))
 
     def _money(self, what: str, job: Job, action) -> None:
-        """Run a billing step after the job's state change. The state change stands even if
-        the ledger fails (the hold then expires back to the client after its TTL); the
+        """Run a billing step after the job's state change, in its ``atomic`` block (the two
+        commit together). The state change stands even if the ledger fails: the ledger's
+        writes are a savepoint that rolls back alone (the hold then expires back to the
+        client after its TTL); the
         failure is logged and recorded as a ``ledger_error`` event on the job, with its
         cause, so an admin sees it on the job page and can reconcile it (every ledger call
         is keyed by the job id: re-running it is safe)."""

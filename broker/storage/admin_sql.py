@@ -17,7 +17,7 @@ from broker.admin.disputes import Dispute
 from broker.audit.model import AuditEntry
 from broker.jobs.model import JobState
 from broker.pricing.policy import PluginPolicy
-from .base import Base, atomic, read_only
+from .base import Base, atomic, begin, read_only
 from .fast import Prepared
 from .ledger_sql import LedgerAccountRow, LedgerHoldRow, LedgerIdempotencyRow, LedgerTransactionRow
 from .models import AccountRow, JobRow
@@ -150,10 +150,13 @@ class SqlDisputeRepository:
         self.sessions = sessions
 
     def add(self, d: Dispute) -> None:
-        with self.sessions.begin() as s:
-            s.add(DisputeRow(id=d.id, job_id=d.job_id, plugin=d.plugin, state=d.state,
-                             opened_at=d.opened_at, outcome=d.outcome, sides=d.sides,
-                             comparisons=d.comparisons, resolution=d.resolution))
+        # Core on begin(): verification opens a dispute in one transaction with the mark
+        # that says it did (broker/verification/service.py, _apply).
+        with begin(self.sessions.kw["bind"]) as c:
+            c.execute(insert(DisputeRow.__table__).values(
+                id=d.id, job_id=d.job_id, plugin=d.plugin, state=d.state,
+                opened_at=d.opened_at, outcome=d.outcome, sides=d.sides,
+                comparisons=d.comparisons, resolution=d.resolution))
 
     def get(self, dispute_id: str) -> Dispute | None:
         with self.sessions() as s:

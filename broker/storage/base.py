@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import sqlite3
 import threading
 from contextlib import contextmanager
@@ -10,6 +11,8 @@ from typing import Any, Callable, Iterator
 from sqlalchemy import MetaData, create_engine, event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase
+
+log = logging.getLogger(__name__)
 
 # Stable constraint names, so Alembic migrations are identical on SQLite and PostgreSQL.
 NAMING = {
@@ -150,8 +153,13 @@ def atomic(engine: Engine) -> Iterator[Tx]:
                 _ambient.tx = None
         committed = True
     finally:
+        # Each hook runs even if one before it failed, and none undoes the outcome: a
+        # failure is logged (after a commit, the block's writes stand).
         for fn in (tx._after_commit if committed else tx._after_rollback) if tx else ():
-            fn()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                log.exception("a hook after %s failed", "COMMIT" if committed else "ROLLBACK")
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 from broker.jobs.model import TERMINAL, Job, JobState
 from broker.verification.records import (OPEN_STATUSES, CheckStatus, StandingRecord,
                                          Verification)
-from .base import Base
+from .base import Base, begin
 
 MIN_QUOTA_FACTOR = 0.125
 
@@ -126,12 +126,14 @@ class SqlVerificationRepository:
             where.append(VerificationRow.tiebreak_job_id == expect_tiebreak)
         if expect_unjudged:  # no judgement stored yet (``outcome["applied"]`` unset)
             where.append(VerificationRow.outcome["applied"].as_boolean().is_(None))
-        with self.sessions.begin() as s:
-            result = s.execute(update(VerificationRow).where(*where)
-                               .values(updated_at=self.clock(), **fields))
-            if result.rowcount != 1:
+        # Core on begin(): inside an ``atomic`` block (a check queued with its record) this
+        # is part of the block's transaction, and the row is read back in it.
+        with begin(self.sessions.kw["bind"]) as c:
+            if c.execute(update(VerificationRow).where(*where)
+                         .values(updated_at=self.clock(), **fields)).rowcount != 1:
                 return None
-        return self.get(job_id)
+            return _to_v(c.execute(select(VerificationRow.__table__)
+                                   .where(VerificationRow.job_id == job_id)).one())
 
     def standing(self, provider_id: str, plugin: str, hardware_class: str) -> StandingRecord:
         with self.sessions() as s:

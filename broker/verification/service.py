@@ -32,6 +32,7 @@ from typing import Any, Callable
 from sdk.protocol.canonical import canonical_bytes, sha256_hex
 
 from broker.billing.errors import InsufficientCredits
+from broker.cache import TtlCache
 from broker.jobs.model import Job, JobOutput, JobState
 from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, FundingSource
@@ -74,6 +75,10 @@ class VerificationSettings:
     catch_probability: dict[str, float] = field(default_factory=load_catch_probabilities)
 
 
+class _RecordMoved(Exception):
+    """The verification record moved before the run queued for it was recorded."""
+
+
 class VerificationService:
     def __init__(self, repo: VerificationRepository, jobs, catalog, ledger, providers,
                  policies, *, disputes=None, audit=None, rng: random.Random | None = None,
@@ -93,7 +98,7 @@ class VerificationService:
         self.on_quota = lambda provider_id, factor: None  # the dispatcher scales slots
         self._lock = threading.Lock()
         self._fund_lock = threading.Lock()
-        self._stake_cache: dict[str, tuple[float, int]] = {}
+        self._stakes: TtlCache[str, int] = TtlCache(5.0)  # owner -> stake held
 
     # ---- hooks from the job service ----------------------------------------------------
     def settled(self, job: Job, receipt: dict) -> None:
@@ -140,15 +145,19 @@ class VerificationService:
         if primary is None or checker is None:
             return
         if tries < self.settings.tiebreak_tries:
-            moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
-                                     expect_tiebreak=tiebreak.id,  # once per failed run
-                                     outcome={**(v.outcome or {}), "tiebreak_tries": tries + 1})
-            if moved is not None:
-                self._spawn(moved, primary, Role.TIEBREAKER,
-                            {self.providers.owner_of(primary.provider_id) or "",
-                             self.providers.owner_of(checker.provider_id) or "",
-                             self.providers.owner_of(tiebreak.provider_id) or ""} - {""},
-                            client_pays=False)
+            # The try is counted with the run it queues: a queueing that fails counts none
+            # (the sweep finds the failed run again and retries).
+            with self.jobs.repo.atomic():
+                moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
+                                         expect_tiebreak=tiebreak.id,  # once per failed run
+                                         outcome={**(v.outcome or {}),
+                                                  "tiebreak_tries": tries + 1})
+                if moved is not None:
+                    self._spawn(moved, primary, Role.TIEBREAKER,
+                                {self.providers.owner_of(primary.provider_id) or "",
+                                 self.providers.owner_of(checker.provider_id) or "",
+                                 self.providers.owner_of(tiebreak.provider_id) or ""} - {""},
+                                client_pays=False)
             return
         note = (f"no third provider could run the tiebreak ({tries} tries, last: "
                 f"{tiebreak.error_code}); an admin decides")
@@ -338,16 +347,11 @@ class VerificationService:
         return owner is not None and self._stake(owner) >= need
 
     def stake_changed(self, owner: str) -> None:
-        self._stake_cache.pop(owner, None)
+        self._stakes.invalidate(owner)
 
-    def _stake(self, owner: str, max_age_s: float = 5.0) -> int:
-        hit = self._stake_cache.get(owner)
-        now = time.monotonic()
-        if hit is not None and now - hit[0] < max_age_s:
-            return hit[1]
-        value = self.ledger.balances(owner).get(AccountKind.PROVIDER_STAKE, 0)
-        self._stake_cache[owner] = (now, value)
-        return value
+    def _stake(self, owner: str) -> int:
+        return self._stakes.get(
+            owner, lambda o: self.ledger.balances(o).get(AccountKind.PROVIDER_STAKE, 0))
 
     # ---- sampling -------------------------------------------------------------------
     def _decide(self, job: Job, receipt: dict) -> None:
@@ -412,36 +416,39 @@ class VerificationService:
                            | {f"operator:{o}" for o in exclude_operators}) - {"", "operator:"})
         delay = self.rng.uniform(*self.settings.check_delay_s)
         check_id = str(uuid.uuid4())  # fresh and unlinkable to the job it checks
-        account = primary.account_id if client_pays else CHECK_ACCOUNT
-        try:
-            if client_pays:
-                check = self.jobs.submit_check(primary, check_id, account,
-                                               pinned_inputs(primary), excluded,
-                                               not_before=self.clock() + delay)
-            else:
-                with self._fund_lock:  # fund the shortfall, then hold: one at a time
-                    check = self.jobs.submit_check(primary, check_id, account,
-                                                   pinned_inputs(primary), excluded,
-                                                   not_before=self.clock() + delay,
-                                                   fund=self._fund)
-        except InsufficientCredits as exc:  # the client's balance ran short (nothing held)
-            if not client_pays:
-                raise
-            log.warning("job %s: the client's check could not be held (%s); the platform "
-                        "pays for it", primary.id, exc)
-            account = CHECK_ACCOUNT
-            with self._fund_lock:
-                check = self.jobs.submit_check(primary, check_id, account,
-                                               pinned_inputs(primary), excluded,
-                                               not_before=self.clock() + delay,
-                                               fund=self._fund)
         column = "checker_job_id" if role is Role.CHECKER else "tiebreak_job_id"
         expect = CheckStatus.CHECKING if role is Role.CHECKER else CheckStatus.DISPUTED
-        self.repo.update(v.job_id, {expect}, **{column: check.id})
-        self._audit(f"verification.{role.value}_queued", v.job_id,
-                    {"check_job": check.id, "excluded_providers": excluded,
-                     "paid_by": account, "delay_s": round(delay, 3)})
+        try:
+            # The run (its funding, hold and row) and the record naming it commit together:
+            # a failure in between leaves neither, so a retry never queues a second run.
+            with self.jobs.repo.atomic():
+                account, check = self._submit_run(primary, check_id, excluded, delay,
+                                                  client_pays)
+                if self.repo.update(v.job_id, {expect}, **{column: check.id}) is None:
+                    raise _RecordMoved
+                self._audit(f"verification.{role.value}_queued", v.job_id,
+                            {"check_job": check.id, "excluded_providers": excluded,
+                             "paid_by": account, "delay_s": round(delay, 3)})
+        except _RecordMoved:  # judged, given up or queued by another thread meanwhile
+            return None
         return check
+
+    def _submit_run(self, primary: Job, check_id: str, excluded: list[str], delay: float,
+                    client_pays: bool) -> tuple[str, Job]:
+        """(who pays, the run) for :meth:`_spawn`: the client when it asked for every job to
+        be checked and can pay, else the platform."""
+        if client_pays:
+            try:
+                return primary.account_id, self.jobs.submit_check(
+                    primary, check_id, primary.account_id, pinned_inputs(primary), excluded,
+                    not_before=self.clock() + delay)
+            except InsufficientCredits as exc:  # the client's balance ran short (nothing held)
+                log.warning("job %s: the client's check could not be held (%s); the "
+                            "platform pays for it", primary.id, exc)
+        with self._fund_lock:  # fund the shortfall, then hold: one at a time
+            return CHECK_ACCOUNT, self.jobs.submit_check(
+                primary, check_id, CHECK_ACCOUNT, pinned_inputs(primary), excluded,
+                not_before=self.clock() + delay, fund=self._fund)
 
     def _fund(self, check_id: str, amount_micro: int) -> None:
         """The platform pays for a check it sampled: credit the checks account with what
@@ -611,7 +618,7 @@ class VerificationService:
                     raise  # nothing written: the sweep retries
                 except lerr.LedgerError:  # recorded; an admin reconciles
                     log.exception("slashing %s for job %s failed", owner, v.job_id)
-                self._stake_cache.pop(owner, None)
+                self._stakes.invalidate(owner)
             entry["slash_micro"] = slashed  # what was really taken
             if slash_txn:
                 record.setdefault("slash_transactions", {})[provider_id] = slash_txn
@@ -627,28 +634,33 @@ class VerificationService:
             self._refund(primary, "verification: no two runs agree (nondeterministic job)",
                          strict=True)
             done.add(f"refund:{primary.id}")
+        def once(step: str, effect) -> None:
+            """``effect`` and the mark that it is done, in one transaction: a retry never
+            repeats an effect that is not idempotent by itself (an event, an entry, a
+            dispute)."""
+            if step in done:
+                return
+            with self.jobs.repo.atomic():
+                effect()
+                done.add(step)
+                save()
+
         winner = by_provider.get(record.get("deliver_from") or "")
-        if status is CheckStatus.OVERTURNED and winner is not None and "outputs" not in done:
-            self.jobs.repo.replace_outputs(
+        if status is CheckStatus.OVERTURNED and winner is not None:
+            once("outputs", lambda: self.jobs.repo.replace_outputs(
                 primary.id, [JobOutput(primary.id, o.index, o.sha256, o.media_type, o.size)
                              for o in self.jobs.repo.outputs(winner.id)],
-                ("overturned", {"outputs_from": winner.id}))
-            done.add("outputs")
-            save()
-        if "audit" not in done:
-            self._audit("verification.outcome", v.job_id,
-                        {**{k: val for k, val in record.items()
-                            if k not in _PENDING and k != "applied"},
-                         "figures": v.comparisons,
-                         "receipts": {role.value: j.receipt for role, j in jobs.items()}})
-            done.add("audit")
-            save()
+                ("overturned", {"outputs_from": winner.id})))
+        once("audit", lambda: self._audit(
+            "verification.outcome", v.job_id,
+            {**{k: val for k, val in record.items() if k not in _PENDING and k != "applied"},
+             "figures": v.comparisons,
+             "receipts": {role.value: j.receipt for role, j in jobs.items()}}))
         sides = record.get("sides") or []
-        if sides and self.disputes is not None and "dispute" not in done:
-            self.disputes.open(v.job_id, primary.plugin, sides, v.comparisons,
-                               f"{status.value}: {record.get('note', '')}")
-            done.add("dispute")
-            save()
+        if sides and self.disputes is not None:
+            once("dispute", lambda: self.disputes.open(
+                v.job_id, primary.plugin, sides, v.comparisons,
+                f"{status.value}: {record.get('note', '')}"))
         for key in _PENDING:
             record.pop(key, None)
         record["applied"] = True

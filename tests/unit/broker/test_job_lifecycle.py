@@ -107,6 +107,24 @@ def test_wait_returns_the_job_when_it_ends_or_as_it_is_at_the_deadline(world):
     assert got["end"].state == JobState.SETTLED and time.monotonic() - started < 5
 
 
+def test_wait_on_a_copy_from_before_the_job_ended_returns_the_end_at_once(world):
+    """POST /v1/jobs with Prefer: wait hands ``wait`` its copy from submit; a fast job can
+    end before ``wait`` starts, and no later notification comes to say so."""
+    import time
+
+    jobs, _, client, _ = world
+    s, key, d = _provider(jobs)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    d.match_once()
+    jobs.accepted(s.provider_id, job.id, 0)
+    _, blob, sig = _finish(jobs, job, s, key)
+    jobs.receipt(s.provider_id, key.public_key_hex, blob, sig)
+    started = time.monotonic()
+    got = jobs.wait(client, job.id, 30, job=job)  # ``job`` still says queued
+    assert got.state == JobState.SETTLED
+    assert time.monotonic() - started < 4  # not a 5 s quiet slice, then a re-read
+
+
 def test_forged_receipt_is_refused_and_moves_nothing(world):
     jobs, _, client, _ = world
     job, s, key, _ = _matched(world)

@@ -164,6 +164,26 @@ def test_an_outcome_whose_effects_failed_midway_is_finished_by_the_sweep_once(wo
     assert world.sweep() == 0  # nothing left half done
 
 
+def test_a_dispute_whose_done_mark_was_not_saved_is_not_opened_twice(world, monkeypatch):
+    job, _ = _disputed(world)
+    tiebreak = world.settle(world.check_of(job, Role.TIEBREAKER), "c", GOOD)
+    real = world.v.repo.update
+
+    def broken(job_id, expect, **fields):
+        if "dispute" in ((fields.get("outcome") or {}).get("done") or []):
+            raise RuntimeError("db down")  # the dispute was written; its mark is not
+        return real(job_id, expect, **fields)
+    monkeypatch.setattr(world.v.repo, "update", broken)
+    world.v.settled(tiebreak, tiebreak.receipt)
+    assert world.services.disputes.repo.list() == []  # rolled back with its mark
+    assert "dispute.open" not in world.actions(job.id)
+    monkeypatch.undo()
+    assert world.sweep() == 1
+    assert len(world.services.disputes.repo.list()) == 1
+    assert world.actions(job.id).count("dispute.open") == 1
+    assert world.v.status(job.id).outcome["applied"] is True
+
+
 def test_a_failed_standing_write_is_not_counted_twice_when_reapplied(world, monkeypatch):
     job = world.checked("a")
     checker = world.settle(world.check_of(job), "b", GOOD)
@@ -208,6 +228,45 @@ def test_a_dispute_whose_third_run_was_not_queued_gets_one_from_the_sweep(world,
         [world.machines["a"], f"operator:{world.operators['a']}",
          f"operator:{world.operators['b']}"])
     assert world.sweep() == 0  # queued now: nothing to do until it runs or times out
+
+
+def test_a_run_and_the_record_naming_it_commit_together(world, monkeypatch):
+    job = world.primary("a")
+    real = world.v.repo.update
+
+    def broken(job_id, expect, **fields):
+        if "checker_job_id" in fields:
+            raise RuntimeError("db down")
+        return real(job_id, expect, **fields)
+    monkeypatch.setattr(world.v.repo, "update", broken)
+    world.v.settled(job, job.receipt)
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.CHECKING and rec.checker_job_id is None
+    # the run (row and hold) went with the failed record update: nothing to orphan
+    assert world.jobs.repo.checks_of(job.id) == []
+    assert world.services.ledger.balances(CHECK_ACCOUNT).get(AccountKind.CLIENT_HELD, 0) == 0
+    monkeypatch.undo()
+    assert world.sweep() == 1
+    assert len(world.jobs.repo.checks_of(job.id)) == 1
+    assert world.check_of(job).id == world.jobs.repo.checks_of(job.id)[0].id
+
+
+def test_a_third_run_that_fails_to_queue_uses_up_no_try(world, monkeypatch):
+    job, _ = _disputed(world)
+    first = world.check_of(job, Role.TIEBREAKER)
+    real = world.jobs.submit_check
+    monkeypatch.setattr(world.jobs, "submit_check",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down")))
+    world.jobs.give_up(first, "check_timeout", "nobody took it")  # the third run failed
+    rec = world.v.status(job.id)
+    assert rec.tiebreak_job_id == first.id and "tiebreak_tries" not in (rec.outcome or {})
+    world.sweep()  # the same failure again: still no try counted
+    assert "tiebreak_tries" not in (world.v.status(job.id).outcome or {})
+    monkeypatch.setattr(world.jobs, "submit_check", real)
+    assert world.sweep() == 1
+    rec = world.v.status(job.id)
+    assert rec.outcome["tiebreak_tries"] == 2 and rec.tiebreak_job_id != first.id
+    assert world.check_of(job, Role.TIEBREAKER).state is JobState.QUEUED
 
 
 def test_a_broker_side_read_error_leaves_the_check_open_not_a_mismatch(world, monkeypatch):
