@@ -133,20 +133,10 @@ class Prepared:
                         else -1 for bp in names)
         cached = plan.expanded.get(lengths)
         if cached is not None:
-            sql, order, procs = cached
-            spread = {k: v for k, v in values.items()}
-            for bp in names:
-                key = bp.key
-                for i, v in enumerate(spread.pop(key), 1):
-                    spread[f"{key}_{i}"] = v
-            return sql, order, procs, spread
+            return (*cached, _spread(values, names))
         state = compiled._process_parameters_for_postcompile(values)
         procs = {**plan.binds, **state.processors}
-        spread = dict(values)
-        for bp in names:
-            for i, v in enumerate(spread.pop(bp.key, None) or (), 1):
-                spread[f"{bp.key}_{i}"] = v
-        if -1 not in lengths and spread == dict(state.parameters):
+        if -1 not in lengths and _spread(values, names) == dict(state.parameters):
             plan.expanded[lengths] = (state.statement, state.positiontup, procs)
         return state.statement, state.positiontup, procs, dict(state.parameters)
 
@@ -185,3 +175,13 @@ class Prepared:
         if rows and any(procs):
             rows = [tuple(v if p is None else p(v) for p, v in zip(procs, r)) for r in rows]
         return Rows(rows, plan.names, rowcount)
+
+
+def _spread(values: dict, expanding) -> dict:
+    """``values`` with each expanding list spread over ``name_1``, ``name_2``… as
+    SQLAlchemy names the parameters of a rendered IN list."""
+    spread = dict(values)
+    for bp in expanding:
+        for i, v in enumerate(spread.pop(bp.key, None) or (), 1):
+            spread[f"{bp.key}_{i}"] = v
+    return spread

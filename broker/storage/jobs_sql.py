@@ -41,7 +41,6 @@ _LEASE = Prepared(select(JOBS.c.state, JOBS.c.provider_id, JOBS.c.attempt)
                   .where(JOBS.c.id == bindparam("w_id")))
 _INSERT_JOB = Prepared(insert(JOBS))
 _INSERT_EVENT = Prepared(insert(EVENTS))
-_INSERT_EVENT_STMT = _INSERT_EVENT.stmt
 _INSERT_OUTPUT = Prepared(insert(OUTPUTS))
 _UPDATE_JOB = update(JOBS).where(JOBS.c.id == bindparam("w_id"))
 _QUEUED = Prepared(_SELECT.where(JOBS.c.state == JobState.QUEUED.value,
@@ -51,10 +50,9 @@ _EVENTS_AFTER = (select(EVENTS.c.id, EVENTS.c.job_id, EVENTS.c.kind, EVENTS.c.da
                         EVENTS.c.created_at)
                  .where(EVENTS.c.job_id == bindparam("w_id"), EVENTS.c.id > bindparam("w_after"))
                  .order_by(EVENTS.c.id).limit(bindparam("w_limit")))
-_OUTPUTS_OF = (select(OUTPUTS.c.job_id, OUTPUTS.c.index, OUTPUTS.c.sha256, OUTPUTS.c.media_type,
-                      OUTPUTS.c.size)
-               .where(OUTPUTS.c.job_id == bindparam("w_id")).order_by(OUTPUTS.c.index))
-_OUTPUTS_OF = Prepared(_OUTPUTS_OF)
+_OUTPUTS_OF = Prepared(select(OUTPUTS.c.job_id, OUTPUTS.c.index, OUTPUTS.c.sha256,
+                              OUTPUTS.c.media_type, OUTPUTS.c.size)
+                       .where(OUTPUTS.c.job_id == bindparam("w_id")).order_by(OUTPUTS.c.index))
 _EXTEND_LEASES = (update(JOBS).where(JOBS.c.provider_id == bindparam("w_provider"),
                                      JOBS.c.id.in_(bindparam("w_ids", expanding=True)),
                                      JOBS.c.state.in_(_LEASED_STATES)))
@@ -207,7 +205,7 @@ class SqlJobRepository:
         with begin(self.engine) as c:
             if fields:
                 c.execute(_UPDATE_JOB, {"updated_at": now, **fields, "w_id": job_id})
-            result = c.execute(_INSERT_EVENT_STMT, {"job_id": job_id, "kind": kind,
+            result = c.execute(_INSERT_EVENT.stmt, {"job_id": job_id, "kind": kind,
                                                     "data": data, "created_at": now})
             return int(result.inserted_primary_key[0])
 

@@ -16,15 +16,14 @@ def _key(row: PublisherKeyRow) -> PublisherKey:
                         row.revoked_at)
 
 
-def _record(row: RegistryPackageRow, files: list[RegistryFileRow] | None = None) -> PackageRecord:
+def _record(row: RegistryPackageRow) -> PackageRecord:
+    """A stored package; its ``files`` stay empty (readers use ``document["files"]``)."""
     return PackageRecord(
         kind=row.kind, name=row.name, version=row.version,
         publisher_account=row.publisher_account, key_id=row.key_id,
         document=json.loads(row.document), signature=row.signature, digest=row.digest,
         base_plugin=row.base_plugin, royalty_micro=row.royalty_micro,
-        description=row.description, published_at=row.published_at,
-        files=tuple({"path": f.path, "sha256": f.sha256, "size": f.size, "blob_key": f.blob_key}
-                    for f in files or ()))
+        description=row.description, published_at=row.published_at)
 
 
 class SqlRegistryRepository:

@@ -54,7 +54,6 @@ def test_a_failed_step_undoes_only_itself(engine):
         with begin(engine) as c:  # the transaction goes on (on PostgreSQL too)
             _insert(c, 3)
     assert _rows(engine) == [1, 3]
-    engine.dispose()
 
 
 def test_a_failed_block_undoes_everything_and_runs_its_rollback_hooks(engine):

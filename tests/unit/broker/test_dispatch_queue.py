@@ -9,7 +9,7 @@ from broker_fixtures import RecordingSession, make_world
 
 @pytest.fixture
 def world(tmp_path):
-    engine, auth, jobs, clock = make_world(f"sqlite:///{tmp_path / 'b.db'}", tmp_path)
+    engine, auth, jobs, _ = make_world(f"sqlite:///{tmp_path / 'b.db'}", tmp_path)
     _, client = auth.create_account_with_key("client")
     yield jobs, client
     engine.dispose()
