@@ -48,8 +48,7 @@ class BrokerServer:
             jobs=svc.jobs, providers=svc.providers, auth=svc.auth, dispatcher=svc.dispatcher,
             signer=svc.signer, heartbeat_interval_s=settings.heartbeat_interval_s,
             lease_timeout_s=settings.lease_timeout_s, market=svc.market,
-            canaries=svc.canaries,
-            warm=svc.registry.warm if svc.registry is not None else None), self.grpc_server)
+            canaries=svc.canaries, warm=svc.registry.warm), self.grpc_server)
         self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:
             raise SystemExit(f"cannot listen for agents on {settings.grpc}: address in use?")

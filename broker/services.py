@@ -61,13 +61,13 @@ class Services:
     billing: JobBilling
     payments: PaymentService
     maintenance: Maintenance
-    market: MarketService | None = None
-    canaries: CanaryService | None = None
+    market: MarketService
+    canaries: CanaryService
+    registry: RegistryService               # the marketplace: publishers, packages, warm facts
     audit: AuditLog | None = None           # hash-chained audit log (broker/audit)
     disputes: object | None = None          # broker.admin.disputes.DisputeService
     admin: object | None = None             # broker.admin.service.AdminService
     admin_sessions: object | None = None    # broker.admin.session.AdminSessions
-    registry: RegistryService | None = None  # the marketplace: publishers, packages, warm facts
     verification: object | None = None      # broker.verification.service.VerificationService
 
     def close(self) -> None:

@@ -45,9 +45,10 @@ class AdminService:
                          if k in PRICE_FIELDS and v != getattr(price, k)}
         policy_changes = {k: v for k, v in values.items()
                           if k in POLICY_FIELDS and v != getattr(policy, k)}
-        unknown = set(values) - set(PRICE_FIELDS) - set(POLICY_FIELDS)
+        unknown = sorted(set(values) - set(PRICE_FIELDS) - set(POLICY_FIELDS))
         if unknown:
-            raise InvalidInput(f"unknown price field {sorted(unknown)[0]!r}")
+            raise InvalidInput(f"unknown price field {unknown[0]!r}; allowed: "
+                               f"{', '.join(PRICE_FIELDS + POLICY_FIELDS)}", field=unknown[0])
         self.policies.check(policy_changes)
         if price_changes:
             self.pricing.set_price(plugin, price_changes, by=by)  # audited by the pricing hook

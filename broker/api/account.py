@@ -2,13 +2,12 @@
 on every response (``X-Sparecycles-Funding: dev`` when credits are granted, not sold)."""
 from __future__ import annotations
 
-from flask import Blueprint, current_app, request
+from flask import Blueprint
 
 from broker.errors import InvalidInput, InvalidRequest
 from broker.ledger.model import AccountId, AccountKind
-from broker.registry.service import RoyaltyBreakdown
 from sdk.protocol.schema import InputError
-from .common import json_object, principal, services
+from .common import int_arg, json_object, principal, services
 
 bp = Blueprint("account", __name__)
 
@@ -17,9 +16,7 @@ FUNDING_HEADER = "X-Sparecycles-Funding"
 
 @bp.after_app_request
 def funding_header(response):
-    svc = current_app.extensions.get("sparecycles")
-    if svc is not None:
-        response.headers[FUNDING_HEADER] = svc.payments.funding_mode
+    response.headers[FUNDING_HEADER] = services().payments.funding_mode
     return response
 
 
@@ -54,13 +51,7 @@ def get_account():
 @bp.get("/v1/account/transactions")
 def list_transactions():
     who = principal()
-    raw = request.args.get("limit", "100")
-    try:
-        limit = int(raw)
-    except ValueError:
-        raise InvalidRequest(f"limit must be an integer, got {raw!r}", field="limit") from None
-    if not 1 <= limit <= 1000:
-        raise InvalidRequest("limit must be between 1 and 1000", field="limit")
+    limit = int_arg("limit", 100, 1, 1000)
     ledger = services().ledger
     owned = ledger.balances(who.account_id)
     lines = []
@@ -93,8 +84,7 @@ def create_quote():
     q = svc.pricing.quote(manifest.name, manifest.version, manifest.work_units_for(inputs))
     # Adapter royalties (issue #5) are added to the hold at submit and paid after the
     # provider's share and before the platform fee (broker/billing/service.py).
-    royalties = (svc.registry.royalty_breakdown(manifest.name, inputs)
-                 if svc.registry is not None else RoyaltyBreakdown((), None, 0))
+    royalties = svc.registry.royalty_breakdown(manifest.name, inputs)
     royalty = royalties.micro
     return {"object": "quote", "plugin": q.plugin, "version": q.version,
             "work_units": q.work_units, "min_micro": q.min_micro + royalty,

@@ -1,5 +1,5 @@
 """Helpers the blueprints share: the services of this app, the caller and its role, JSON
-bodies."""
+bodies, numeric query arguments."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -7,6 +7,8 @@ from collections.abc import Collection
 from flask import Response, current_app, g, request
 
 from broker.errors import Forbidden, InvalidRequest
+
+MAX_WAIT_S = 60.0  # the longest a request may wait for a job (?wait=, Prefer: wait)
 
 # Output media types served as themselves; anything else a provider names is a download.
 SAFE_OUTPUT_TYPES = {"image/png": "image/png", "image/jpeg": "image/jpeg",
@@ -36,19 +38,51 @@ def _a(word: str) -> str:
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
-def json_object(allowed: Collection[str] | None, example: str) -> dict:
-    """The request's JSON body, which must be an object with keys from ``allowed`` only
-    (None: any key): else a 400 showing ``example``, or naming the first unknown key as
-    its ``field``."""
+def json_object(allowed: Collection[str], example: str) -> dict:
+    """The request's JSON body, which must be an object with keys from ``allowed`` only:
+    else a 400 showing ``example``, or naming the first unknown key as its ``field``."""
     body = json_body()
     if not isinstance(body, dict):
         raise InvalidRequest(f"send a JSON object like {example}")
-    if allowed is not None:
-        unknown = sorted(set(body) - set(allowed))
-        if unknown:
-            raise InvalidRequest(f"unknown field {unknown[0]!r}; allowed: "
-                                 f"{', '.join(allowed)} (like {example})", field=unknown[0])
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise InvalidRequest(f"unknown field {unknown[0]!r}; allowed: "
+                             f"{', '.join(allowed)} (like {example})", field=unknown[0])
     return body
+
+
+def int_arg(name: str, default: int, lo: int, hi: int | None, *,
+            header: str | None = None) -> int:
+    """The integer query argument ``name`` (else the ``header``, else ``default``), from
+    ``lo`` to ``hi`` (None: no upper bound): else a 400 naming it and the range."""
+    raw = request.args.get(name)
+    if raw is None and header:
+        raw = request.headers.get(header)
+    if raw is None:
+        return default
+    return _number(raw, name, lo, hi, integer=True)
+
+
+def seconds_arg(raw: str | None, field: str, *, what: str | None = None) -> float | None:
+    """``raw`` (a query argument or header value as sent; None: None) as a wait of 0 to
+    MAX_WAIT_S seconds: else a 400 naming ``field`` (``what``: how the message names the
+    value, ``field`` by default) and the range."""
+    if raw is None:
+        return None
+    return _number(raw, field, 0, MAX_WAIT_S, integer=False, what=what)
+
+
+def _number(raw: str, field: str, lo: float, hi: float | None, *, integer: bool,
+            what: str | None = None):
+    kind = "an integer" if integer else "a number of seconds"
+    span = f"from {lo:g} to {hi:g}" if hi is not None else f"of {lo:g} or more"
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = None
+    if value is None or not (lo <= value and (hi is None or value <= hi)):  # NaN fails too
+        raise InvalidRequest(f"{what or field} must be {kind} {span}, got {raw!r}", field=field)
+    return value
 
 
 def json_body():

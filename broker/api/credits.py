@@ -7,7 +7,7 @@ from flask import Blueprint, request
 from broker.errors import InvalidRequest
 from broker.payments.service import credits_to_micro, payout_to_json
 from broker.pricing.service import price_to_json
-from .common import json_object, require_role, services
+from .common import json_body, json_object, require_role, services
 
 bp = Blueprint("credits", __name__)
 
@@ -75,8 +75,8 @@ def set_price(plugin):
     who = require_role("admin")
     svc = services()
     svc.catalog.get(plugin)  # 404 for a plugin the broker does not know
-    changes = json_object(None, '{"reserve_micro_per_unit": 2000}')  # pricing names unknowns
-    return price_to_json(svc.pricing.set_price(plugin, changes, by=who.account_id))
+    # set_price refuses anything but an object of its fields, and names them.
+    return price_to_json(svc.pricing.set_price(plugin, json_body(), by=who.account_id))
 
 
 @bp.post("/v1/admin/grants")

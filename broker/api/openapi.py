@@ -102,9 +102,10 @@ def document() -> dict:
                          "parameters": [{"name": "Idempotency-Key", "in": "header",
                                          "schema": {"type": "string", "maxLength": 200}},
                                         {"name": "Prefer", "in": "header",
-                                         "description": "wait=N (RFC 7240): answer once the "
-                                                        "job ends or N seconds (at most 60) "
-                                                        "pass",
+                                         "description": "wait=N (RFC 7240), single jobs: "
+                                                        "answer once the job ends or N "
+                                                        "seconds (at most 60) pass; a split "
+                                                        "request (n > 1) answers at once",
                                          "schema": {"type": "string", "example": "wait=30"}}],
                          "requestBody": {"required": True, "content": {"application/json": {
                              "schema": {"$ref": "#/components/schemas/JobRequest"}}}},

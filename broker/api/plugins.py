@@ -16,18 +16,16 @@ def list_plugins():
     q = (request.args.get("q") or "").strip().lower()
     publisher, output = request.args.get("publisher"), request.args.get("output")
     registry = svc.registry
+    published = {(r.name, r.version): r for r in registry.repo.all("plugin")}  # one read
     out = []
     for m in svc.catalog.all():
         if not matches_query(q, m.name, m.description):
             continue
         if output and m.output != output:
             continue
-        rec = None
-        if registry is not None and m.name not in registry.builtin:
-            rec = registry.repo.get("plugin", m.name, m.version)  # one read per listed plugin
-        if publisher and publisher not in (
-                m.publisher, *((rec.publisher_account, rec.document.get("publisher_key"))
-                               if rec is not None else ())):
+        rec = None if m.name in registry.builtin else published.get((m.name, m.version))
+        if publisher and publisher != m.publisher and not (rec is not None
+                                                          and rec.published_by(publisher)):
             continue
         item = m.to_public()
         item["source"] = "registry" if rec is not None else "builtin"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, request, send_file
 
 from broker.errors import InvalidRequest
-from .common import json_object, principal, services
+from .common import int_arg, json_object, principal, services
 
 bp = Blueprint("registry", __name__)
 
@@ -60,14 +60,9 @@ def _publish(kind: str):
 
 def _search(kind: str):
     args = request.args
-    try:
-        limit = int(args.get("limit", "100"))
-    except ValueError:
-        raise InvalidRequest("limit must be an integer", field="limit") from None
-    if not 1 <= limit <= 1000:
-        raise InvalidRequest("limit must be between 1 and 1000", field="limit")
     rows = _registry().search(kind, q=args.get("q"), base=args.get("base"),
-                              publisher=args.get("publisher"), limit=limit)
+                              publisher=args.get("publisher"),
+                              limit=int_arg("limit", 100, 1, 1000))
     return {"object": "list", "data": [r.summary() for r in rows]}
 
 

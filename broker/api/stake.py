@@ -10,14 +10,13 @@ from flask import Blueprint, request
 
 from broker.errors import Conflict, InvalidRequest
 from broker.ledger.model import AccountKind
-from .common import json_body, require_role, services
+from .common import json_object, require_role, services
 
 bp = Blueprint("stake", __name__)
 
 
 def _amount() -> int:
-    body = json_body()
-    amount = body.get("amount_micro") if isinstance(body, dict) else None
+    amount = json_object(("amount_micro",), '{"amount_micro": 1000000}').get("amount_micro")
     if type(amount) is not int or amount <= 0:
         raise InvalidRequest(f"amount_micro is {amount!r}; it must be a positive integer "
                              "number of micro-credits (1 credit = 1,000,000)",

@@ -469,12 +469,13 @@ class MarketService:
         """Change the reputation floor at run time (stored: it outlives the broker).
         Raises :class:`InvalidMarketRule` unless it is a number from 0 to 1."""
         value = _floor(floor)
+        # Stored first, outside the clearing lock: a failed write changes nothing.
+        if self.store is not None:
+            self.store.save_rule("reputation_floor", value, by, self.clock())
         with self._lock:
             before = self.rules.reputation_floor
             self.rules = replace(self.rules, reputation_floor=value)
             self.book.set_rules(self.rules)
-            if self.store is not None:
-                self.store.save_rule("reputation_floor", value, by, self.clock())
         self.on_rule_changed("reputation_floor", before, value, by)
         return value
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Protocol
 from sdk.protocol.canonical import canonical_bytes, is_sha256_hex
 from sdk.protocol.manifest import parse_manifest, version_key as semver_key
 from sdk.protocol.package import (Package, PackageError, adapter_names, check_adapter_files,
-                                  document_digest, verify_document)
+                                  document_digest, publisher_proof_document, verify_document)
 from sdk.protocol.signing import SignatureError, verify
 
 from broker.errors import (Conflict, Forbidden, InvalidInput, InvalidRequest, NotFound,
@@ -84,6 +84,10 @@ class PackageRecord:
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
 
+    def published_by(self, publisher: str) -> bool:
+        """Whether ``publisher`` (an account id or a publisher key, hex) published it."""
+        return publisher in (self.publisher_account, self.document.get("publisher_key"))
+
     def summary(self) -> dict:
         out = {"kind": self.kind, "name": self.name, "version": self.version,
                "publisher_account": self.publisher_account,
@@ -120,10 +124,13 @@ class RoyaltyBreakdown:
     None when nothing is paid) and ``micro`` (the sum charged)."""
     royalties: tuple[Royalty, ...]
     publisher_account: str | None
-    micro: int
 
     def charged(self, r: Royalty) -> bool:
         return r.royalty_micro > 0 and r.publisher_account == self.publisher_account
+
+    @property
+    def micro(self) -> int:
+        return sum(r.royalty_micro for r in self.royalties if self.charged(r))
 
     @property
     def waived(self) -> list[Royalty]:
@@ -188,9 +195,7 @@ class RegistryService:
     # ---- publisher keys ----------------------------------------------------------------
     @staticmethod
     def key_proof_document(account_id: str, public_key: str) -> dict:
-        from sdk.protocol.package import publisher_proof_document  # the SDK signs the same
-
-        return publisher_proof_document(account_id, public_key)
+        return publisher_proof_document(account_id, public_key)  # the SDK signs the same
 
     def register_key(self, who, public_key: Any, proof: Any, label: Any = "") -> tuple[PublisherKey, bool]:
         """Register ``public_key`` for the caller's account; (key, created). Idempotent for
@@ -291,10 +296,6 @@ class RegistryService:
         if entry is None:
             raise NotFound(f"{kind} {rec.ref} has no file {path!r}", field="path")
         return entry
-
-    def file(self, kind: str, name: str, version: str, path: str) -> tuple[bytes, dict]:
-        entry = self._file_entry(kind, name, version, path)
-        return self.blobs.get(entry["sha256"]), entry
 
     def file_path(self, kind: str, name: str, version: str, path: str) -> tuple[Path, dict]:
         """The file on disk a download streams, and its entry in the document."""
@@ -464,8 +465,7 @@ class RegistryService:
                 continue
             if base and rec.base_plugin != base:
                 continue
-            if publisher and publisher not in (rec.publisher_account,
-                                               rec.document.get("publisher_key")):
+            if publisher and not rec.published_by(publisher):
                 continue
             out.append(rec)
         return out[:limit]
@@ -494,9 +494,7 @@ class RegistryService:
         adapters' royalties and the others are waived, never charged."""
         royalties = tuple(self.royalties_for(plugin, inputs, as_of))
         first = next((r.publisher_account for r in royalties if r.royalty_micro > 0), None)
-        return RoyaltyBreakdown(royalties, first,
-                                sum(r.royalty_micro for r in royalties
-                                    if r.royalty_micro > 0 and r.publisher_account == first))
+        return RoyaltyBreakdown(royalties, first)
 
     def royalty_split(self, plugin: str, inputs: dict | None,
                       as_of: float | None = None) -> tuple[str | None, int]:

@@ -96,7 +96,7 @@ def agent_starter(broker: LiveBroker):
 
 
 @pytest.fixture
-def start_agent(live_broker, tmp_path):
+def start_agent(live_broker):
     """Start an in-process agent serving echo (plain subprocess host) on the live broker."""
     start, stop_all = agent_starter(live_broker)
     yield start

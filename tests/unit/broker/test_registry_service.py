@@ -76,8 +76,8 @@ def test_publish_adapter_then_identical_is_idempotent_and_changed_is_409(reg, tm
         publish(reg, ALICE, keys, other)
     assert _code(e) == "version_exists" and e.value.http_status == 409
     assert "immutable" in str(e.value)
-    data, entry = reg.file("adapter", "ink", "1.0.0", "pytorch_lora_weights.safetensors")
-    assert data == (folder / "pytorch_lora_weights.safetensors").read_bytes()
+    disk, _ = reg.file_path("adapter", "ink", "1.0.0", "pytorch_lora_weights.safetensors")
+    assert disk.read_bytes() == (folder / "pytorch_lora_weights.safetensors").read_bytes()
 
 
 def test_unsigned_wrongly_signed_and_tampered_documents_are_refused(reg, tmp_path):

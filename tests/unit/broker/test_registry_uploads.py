@@ -17,7 +17,6 @@ from broker.storage.base import make_engine
 from broker.storage.migrate import upgrade
 from broker.storage.registry_sql import SqlRegistryRepository
 from sdk.protocol.package import build_document, publisher_proof_document, sign_document
-from sdk.protocol.signing import KeyPair
 
 from tests.marketplace_helpers import adapter_folder, register
 
