@@ -56,7 +56,11 @@ class AdapterRequest:
 
 
 def parse_adapters(text: str | None) -> list[AdapterRequest]:
-    """The ``adapters`` input as a list of (name, scale); empty for "" or None."""
+    """The ``adapters`` input as a list of (name, scale) in name order; empty for "" or None.
+
+    Name order, not the order given: the LoRA deltas are summed in list order and float
+    sums depend on order, so "ink,film" and "film,ink" must reach the model the same way
+    to give the same bytes (newer peft no longer sorts them itself)."""
     try:
         pairs = adapter_pairs(text)
     except json.JSONDecodeError as exc:
@@ -77,7 +81,7 @@ def parse_adapters(text: str | None) -> list[AdapterRequest]:
     if len(requests) > MAX_ADAPTERS_PER_JOB:
         raise BadInput(f"adapters: {len(requests)} adapters given; at most "
                        f"{MAX_ADAPTERS_PER_JOB} per job")
-    return requests
+    return sorted(requests, key=lambda r: r.name)
 
 
 def _scale(name: str, raw) -> float:

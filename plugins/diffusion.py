@@ -223,11 +223,8 @@ class DiffusersImagePlugin(Plugin):
             return
         self.adapters.prepare(adapters)
         self.pipe.enable_lora()
-        # In name order: the LoRA deltas are summed in the order given, and float sums
-        # depend on order, so "ink,film" and "film,ink" must reach peft the same way to
-        # give the same bytes (newer peft no longer sorts them itself).
-        ordered = sorted(adapters, key=lambda a: a.name)
-        self.pipe.set_adapters([a.name for a in ordered], [a.scale for a in ordered])
+        # (in name order, as parse_adapters gives them: the order of the sum is fixed)
+        self.pipe.set_adapters([a.name for a in adapters], [a.scale for a in adapters])
 
     def _load_adapter(self, name: str, folder: Path) -> None:
         files = sorted(folder.glob("*.safetensors"))

@@ -97,7 +97,6 @@ class Agent:
         self.replay = ReplayGuard()
         # SimpleQueue (C) rather than Queue (Python locks and conditions): cheaper hand-offs.
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._my_key = identity.public_key_hex  # the identity never changes
         self.running: dict[str, RunningJob] = {}
         self.undelivered: dict[str, list[pb.AgentMessage]] = {}
         # Checkpoints: the latest of each running job (re-sent after a reconnect) and the
@@ -222,10 +221,7 @@ class Agent:
             for served in self.plugins.values():
                 served.host.stop()
             if self.installer is not None:
-                try:
-                    self.installer.flush()  # the packages' last-use times
-                except OSError as exc:
-                    log.warning("could not save the package cache's last-use times: %s", exc)
+                self.installer.close()  # the packages' last-use times, the registry client
         return 0
 
     def _session(self) -> None:
@@ -243,7 +239,7 @@ class Agent:
         call = stub.Connect(requests(), metadata=[("authorization", f"Bearer {self.cfg.api_key}")])
         hb_stop = threading.Event()
         try:
-            me = self._my_key
+            me = self.identity.public_key_hex
             outq.put(pb.AgentMessage(hello=pb.Hello(public_key=me, agent_version=VERSION,
                                                     name=self.cfg.name)))
             challenge = next(call).challenge
@@ -371,7 +367,7 @@ class Agent:
     def _on_assignment(self, a: pb.Assignment) -> None:
         try:
             env = open_envelope(a.envelope, a.signature, broker_key=self.cfg.broker_public_key,
-                                my_key=self._my_key, replay=self.replay)
+                                my_key=self.identity.public_key_hex, replay=self.replay)
         except EnvelopeError as exc:
             log.error("refused a job envelope (%s): %s", exc.code, exc)
             return
@@ -566,7 +562,7 @@ class Agent:
                 job_id=job_id, attempt=attempt, index=out.index, media_type=out.media_type,
                 data=out.data, sha256=sha)))
         receipt = make_receipt(envelope=env, envelope_bytes=rj.envelope_bytes,
-                               provider_key=self._my_key, outputs=outputs,
+                               provider_key=self.identity.public_key_hex, outputs=outputs,
                                work_units=result.work_units,
                                timings_ms={"run": run_ms,
                                            "total": int((time.perf_counter() - t0) * 1000)},

@@ -21,14 +21,16 @@ packages (not ``in_use``, not held by a running job) are evicted until the new o
 counting the downloads in progress. The lock guards the index and pins only: the document
 fetch, the downloads and the re-hashing run without it, so one slot's long download never
 stalls another's job; two installs of the same package take turns (the second finds the
-first's). Last-use times are kept in memory and written with the next install or eviction,
+first's). An eviction renames the package's folder aside under the lock and deletes it
+after. Last-use times are kept in memory and written with the next install or eviction,
 at most every SAVE_EVERY_S otherwise, and by ``flush()``. Layout::
 
     <cache>/plugins/<name>@<version>/          the plugin's files (plugin.toml, code, weights/)
     <cache>/adapters/<base>/<name>@<version>/  the adapter's files
     <cache>/<each package>/.package.json       the signed document, for re-verification
     <cache>/index.json                         sizes, last use, pinned publisher keys
-    <cache>/.tmp/                              downloads in progress (cleared at start)
+    <cache>/.tmp/                              downloads in progress, evicted packages
+                                               being deleted (cleared at start)
 
 A plugin host finds adapters under ``<weights_dir>/adapters/<name>/`` (plugins.adapters);
 :meth:`Installer.link_adapter` points that name at the installed folder with a symlink
@@ -46,6 +48,7 @@ import tempfile
 import threading
 import time
 import tomllib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +99,19 @@ def _entry_key(kind: str, name: str, version: str, base: str | None = None) -> s
     return f"plugin:{name}@{version}" if kind == "plugin" else f"adapter:{base}/{name}@{version}"
 
 
+class _Gate:
+    """One package's turn-taking lock, and how many threads hold or wait for it."""
+    __slots__ = ("lock", "users")
+
+    def __init__(self):
+        self.lock, self.users = threading.Lock(), 0
+
+
+def _remove(trash: list[Path]) -> None:
+    for folder in trash:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class Installer:
     def __init__(self, broker_url: str | None, api_key: str | None, cache_dir: Path | str, *,
                  max_bytes: int = DEFAULT_MAX_BYTES, http: httpx.Client | None = None,
@@ -109,7 +125,8 @@ class Installer:
         # The index, the pins and the counts below; never held over the network or a hash.
         self._lock = threading.RLock()
         self._held: dict[str, int] = {}   # entry keys running jobs use -> how many jobs
-        self._gates: dict[str, threading.Lock] = {}  # one download per package at a time
+        # One download or re-hash per package at a time; a key is dropped when unused.
+        self._gates: dict[str, _Gate] = {}
         self._reserved = 0                # bytes of the downloads in progress
         # Bumped by every install and eviction: compared before and after, it tells whether
         # the inventory changed.
@@ -260,14 +277,17 @@ class Installer:
             got = self._cached(kind, package, key, hold)
             if got is not None:
                 return got
-            gate = self._gates.setdefault(key, threading.Lock())
-        with gate:  # the same package installing in another thread: wait, then use it
-            with self._lock:
-                got = self._cached(kind, package, key, hold)
-                if got is not None:
-                    return got
-                self._make_room(package.size, keep={key})
-                self._reserved += package.size
+        with self._gate(key):  # the same package installing in another thread: wait, use it
+            trash: list[Path] = []  # evicted to make room: deleted without the lock
+            try:
+                with self._lock:
+                    got = self._cached(kind, package, key, hold)
+                    if got is not None:
+                        return got
+                    self._make_room(package.size, keep={key}, trash=trash)
+                    self._reserved += package.size
+            finally:
+                _remove(trash)
             try:
                 tmp = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix=f"{package.name}-"))
                 try:
@@ -441,10 +461,30 @@ class Installer:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
 
+    @contextmanager
+    def _gate(self, key: str):
+        """Wait for, then hold, ``key``'s turn (an install or re-hash of it in another
+        thread goes first). Not under the lock; the gate is dropped when no one holds or
+        waits for it, so ``_gates`` holds only the packages in use."""
+        with self._lock:
+            gate = self._gates.get(key)
+            if gate is None:
+                gate = self._gates[key] = _Gate()
+            gate.users += 1
+        try:
+            with gate.lock:
+                yield
+        finally:
+            with self._lock:
+                gate.users -= 1
+                if not gate.users:
+                    del self._gates[key]
+
     # ---- the cap -----------------------------------------------------------------------
-    def _make_room(self, size: int, keep: set[str]) -> None:
+    def _make_room(self, size: int, keep: set[str], trash: list[Path]) -> None:
         """Evict least recently used packages until ``size`` more bytes fit beside the
-        installed ones and the downloads in progress. Under the lock."""
+        installed ones and the downloads in progress. Under the lock; the evicted folders
+        are added to ``trash`` for the caller to delete after leaving it."""
         entries = self._index["entries"]
         used = sum(int(e["size"]) for e in entries.values()) + self._reserved
         for key in sorted(entries, key=lambda k: entries[k]["last_used"]):
@@ -453,37 +493,46 @@ class Installer:
             if key in keep or key in self.in_use or key in self._held:
                 continue
             used -= int(entries[key]["size"])
-            self.evict(key)
+            trash.append(self._evict(key))
         if used + size > self.max_bytes:
             raise InstallError("cache_full", f"cannot fit {size} bytes in the cache "
                                f"({used} of {self.max_bytes} bytes held by packages in use "
                                "or downloading)")
 
     def evict(self, key: str) -> bool:
-        """Remove an installed package; False when it was not installed."""
+        """Remove an installed package; False when it was not installed. Its files are
+        deleted after the lock is let go."""
         with self._lock:
-            e = self._index["entries"].pop(key, None)
-            if e is None:
+            if key not in self._index["entries"]:
                 return False
-            self.changes += 1
-            trash = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix="evict-"))
-            try:
-                os.replace(e["path"], trash / "old")
-            except FileNotFoundError:
-                pass
-            shutil.rmtree(trash, ignore_errors=True)
+            trash = self._evict(key)
+        _remove([trash])
+        return True
+
+    def _evict(self, key: str) -> Path:
+        """Forget installed ``key`` and move its folder into a trash folder under ``.tmp``,
+        returned for the caller to delete without the lock. Under the lock."""
+        e = self._index["entries"].pop(key)
+        self.changes += 1
+        trash = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix="evict-"))
+        try:
+            os.replace(e["path"], trash / "old")
+        except FileNotFoundError:
+            pass
+        try:
             self._save_index()
-            log.info("evicted %s (%d bytes) from the package cache", key, e["size"])
-            return True
+        except BaseException:  # e.g. a full disk: the files go all the same
+            shutil.rmtree(trash, ignore_errors=True)
+            raise
+        log.info("evicted %s (%d bytes) from the package cache", key, e["size"])
+        return trash
 
     # ---- use -----------------------------------------------------------------------------
     def verify_installed(self, key: str) -> Installed:
         """Re-check an installed package before use: its signed document and every file's
         sha256 on disk. A damaged package is evicted and InstallError raised. The files are
         hashed without the lock (the package is held meanwhile, and not reinstalled)."""
-        with self._lock:
-            gate = self._gates.setdefault(key, threading.Lock())
-        with gate:
+        with self._gate(key):
             with self._lock:
                 e = self._index["entries"].get(key)
                 if e is None:
@@ -530,9 +579,15 @@ class Installer:
         return link
 
     def close(self) -> None:
-        self.flush()
-        if self.http is not None:
-            self.http.close()
+        """At the agent's stop: write the last-use times (a failure is logged) and close
+        the registry connection."""
+        try:
+            self.flush()
+        except OSError as exc:
+            log.warning("could not save the package cache's last-use times: %s", exc)
+        finally:
+            if self.http is not None:
+                self.http.close()
 
 
 # ---- the agent's start -------------------------------------------------------------------

@@ -44,14 +44,13 @@ def gpu_indices_for(device: str, dev_root: Path = Path("/dev")) -> list[int]:
     return [0] if (dev_root / "nvidia0").exists() else []
 
 
-def sandbox_ro_paths(plugin_dirs, installer=None, cheat=None) -> list[Path]:
+def sandbox_ro_paths(plugin_dirs: dict, installer=None, cheat=None) -> list[Path]:
     """The folders a sandboxed plugin host gets read-only beside the source tree and the
     weights (``host_launcher(plugin_dirs=...)``): the served plugins' folders
-    (``plugin_dirs``: name -> folder, or the folders), the registry cache when there is an
-    installer (installed plugins, and the adapters the weights folders link to), and what
-    a verification-harness cheat needs (provider_agent.cheats)."""
-    folders = plugin_dirs.values() if isinstance(plugin_dirs, dict) else plugin_dirs
-    return [*(Path(d) for d in folders),
+    (``plugin_dirs``: name -> folder), the registry cache when there is an installer
+    (installed plugins, and the adapters the weights folders link to), and what a
+    verification-harness cheat needs (provider_agent.cheats)."""
+    return [*(Path(d) for d in plugin_dirs.values()),
             *([installer.root] if installer is not None else []),
             *(cheat.extra_ro_paths() if cheat is not None else [])]
 

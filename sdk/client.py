@@ -31,6 +31,12 @@ MAX_PREFER_WAIT_S = 60  # the longest ``Prefer: wait`` the broker accepts
 USER_AGENT = "sparecycles-python/0.1"
 
 
+def _held_timeout(wait_s: float) -> float:
+    """The read timeout of a request the broker may hold for ``wait_s`` seconds: the wait
+    and 30 s more."""
+    return wait_s + 30.0
+
+
 @dataclass
 class Event:
     id: int
@@ -327,7 +333,7 @@ class Jobs:
         headers = timeout = None
         if wait is not None:
             wait_s = min(MAX_PREFER_WAIT_S, max(1, int(wait)))
-            headers, timeout = {"Prefer": f"wait={wait_s}"}, wait_s + 30.0
+            headers, timeout = {"Prefer": f"wait={wait_s}"}, _held_timeout(wait_s)
         return self._c.request("POST", "/v1/jobs", json_body=body,
                                idempotency_key=idempotency_key or str(uuid.uuid4()),
                                headers=headers, timeout=timeout).json()
@@ -384,7 +390,7 @@ class Job:
     def refresh(self, wait_s: float | None = None) -> "Job":
         params = {"wait": f"{wait_s:.3f}"} if wait_s else None
         self.data = self._c.request("GET", f"/v1/jobs/{self.id}", params=params,
-                                    timeout=(wait_s or 0) + 30).json()
+                                    timeout=_held_timeout(wait_s or 0)).json()
         return self
 
     def cancel(self) -> "Job":

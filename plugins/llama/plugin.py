@@ -195,7 +195,8 @@ class Llama(Plugin):
         self.adapters.prepare(adapters)
         lora = self.peft_model.base_model
         lora.enable_adapter_layers()
-        lora.set_adapter(sorted(a.name for a in adapters))  # order-free sums (see sd15)
+        # in name order (plugins.adapters.parse_adapters): the order of the sum is fixed
+        lora.set_adapter([a.name for a in adapters])
         for module in self.model.modules():
             if isinstance(module, LoraLayer):
                 for a in adapters:

@@ -81,15 +81,16 @@ class PluginHost:
             self._writer.send({"type": "init", "plugin_dir": str(self.plugin_dir),
                                "weights_dir": str(self.weights_dir) if self.weights_dir else None,
                                "device": self.device, "scratch_dir": "/tmp"})
-            header, _ = self._next(self.start_timeout_s, job_id="")
-        except TimeoutError:  # (an OSError: caught first)
-            self.kill()
-            raise HostError("start_timeout", f"plugin {self.name} did not load within "
-                            f"{self.start_timeout_s:g}s", retryable=True) from None
-        except (OSError, ValueError):  # the pipe broke: the host died at once
+        except (OSError, ValueError):  # the pipe broke (or was closed): the host died at once
             self.kill()
             raise HostError("host_died", f"plugin host {self.name} exited while starting",
                             retryable=True) from None
+        try:
+            header, _ = self._next(self.start_timeout_s, job_id="")
+        except TimeoutError:  # (_next turns a dead host into HostError)
+            self.kill()
+            raise HostError("start_timeout", f"plugin {self.name} did not load within "
+                            f"{self.start_timeout_s:g}s", retryable=True) from None
         except HostError:
             self.kill()  # also removes its sandbox (cgroup)
             raise

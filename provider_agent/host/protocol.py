@@ -40,22 +40,33 @@ class FrameWriter:
         self._write(encode_frame(header, body))
 
     def send_many(self, frames: list[tuple[dict, bytes]]) -> None:
-        """Several frames in one write (e.g. a job's outputs and its result)."""
-        self._write(b"".join(encode_frame(h, b) for h, b in frames))
+        """Several frames in one write (e.g. a job's outputs and its result); each body is
+        copied once, into the joined bytes."""
+        parts: list[bytes] = []
+        for h, b in frames:
+            parts += _frame_parts(h, b)
+        self._write(b"".join(parts))
 
     def _write(self, data: bytes) -> None:
         with self.lock:
             written = self.stream.write(data)
-            # A raw (unbuffered) stream may take part of it (e.g. interrupted by a signal).
-            while written is not None and written < len(data):
-                data = data[written:]
-                written = self.stream.write(data)
+            # A raw (unbuffered) stream may take part of it (e.g. interrupted by a signal):
+            # the rest goes from a view, without copying it.
+            if written is not None and written < len(data):
+                view = memoryview(data)
+                while written is not None and written < len(view):
+                    view = view[written:]
+                    written = self.stream.write(view)
             self.stream.flush()
 
 
 def encode_frame(header: dict, body: bytes = b"") -> bytes:
+    return b"".join(_frame_parts(header, body))
+
+
+def _frame_parts(header: dict, body: bytes) -> tuple[bytes, bytes, bytes, bytes]:
     h = _encode(header).encode()
-    return b"".join((_LEN.pack(len(h)), h, _LEN.pack(len(body)), body))
+    return _LEN.pack(len(h)), h, _LEN.pack(len(body)), body
 
 
 class FrameReader:

@@ -7,6 +7,7 @@ so a signature made for one purpose (a job envelope) can never be replayed as an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 import os
 
@@ -41,7 +42,9 @@ class KeyPair:
     def from_seed_hex(cls, seed_hex: str) -> "KeyPair":
         return cls(SigningKey(bytes.fromhex(seed_hex.strip())))
 
-    @property
+    # Computed once: a frozen dataclass without slots keeps it in the instance __dict__
+    # (it is no field: equality, hash and repr ignore it).
+    @cached_property
     def public_key_hex(self) -> str:
         return self.signing_key.verify_key.encode().hex()
 

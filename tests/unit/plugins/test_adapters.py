@@ -24,10 +24,17 @@ LLAMA_FAST = {"prompt": "Once upon a time", "max_new_tokens": 6, "temperature": 
 def test_parse_adapters_accepts_pairs_bare_names_and_json():
     assert parse_adapters("") == []
     assert parse_adapters("ink") == [AdapterRequest("ink", 1.0)]
-    assert parse_adapters(" ink:0.8 , film-2:-0.5") == [AdapterRequest("ink", 0.8),
-                                                        AdapterRequest("film-2", -0.5)]
-    assert parse_adapters('{"ink": 0.8, "film": 1}') == [AdapterRequest("ink", 0.8),
-                                                         AdapterRequest("film", 1.0)]
+    assert parse_adapters(" ink:0.8 , film-2:-0.5") == [AdapterRequest("film-2", -0.5),
+                                                        AdapterRequest("ink", 0.8)]
+    assert parse_adapters('{"ink": 0.8, "film": 1}') == [AdapterRequest("film", 1.0),
+                                                         AdapterRequest("ink", 0.8)]
+
+
+def test_adapters_come_in_name_order_whatever_order_they_are_given():
+    want = [AdapterRequest("film", 0.5), AdapterRequest("ink", 0.8)]
+    assert parse_adapters("ink:0.8,film:0.5") == want
+    assert parse_adapters("film:0.5, ink:0.8") == want
+    assert parse_adapters('{"ink": 0.8, "film": 0.5}') == want
 
 
 @pytest.mark.parametrize("text, says", [

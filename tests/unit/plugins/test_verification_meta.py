@@ -42,7 +42,6 @@ def sd15_run(sd15, make_ctx):
 def test_sd15_latent_hash_same_seed_same_hash_other_seed_other(sd15_run):
     import io
 
-    import numpy as np
     from PIL import Image
 
     a, b = sd15_run(seed=7, n=2)

@@ -104,7 +104,7 @@ def test_the_sandbox_read_only_paths_are_the_same_for_the_cli_and_the_agent(tmp_
                             announce=lambda: None, weights_for=lambda output, honest: honest)
     want = [ECHO, tmp_path / "cache", tmp_path / "other-weights"]
     assert launch.sandbox_ro_paths({"echo": ECHO}, installer, cheat) == want
-    assert launch.sandbox_ro_paths([ECHO]) == [ECHO]
+    assert launch.sandbox_ro_paths({"echo": ECHO}) == [ECHO]
     asked = []
     monkeypatch.setattr(launch, "host_launcher", lambda **kw: asked.append(kw["plugin_dirs"]))
     Agent(AgentConfig(api_key="k", plugins=["echo"], device="cpu"), KeyPair.generate(),
