@@ -61,17 +61,20 @@ def direct_call_ms(n: int = 2000) -> list[float]:
     return out
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one live process (Linux /proc)."""
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """(own, reaped children's) user + system CPU seconds of one live process (Linux
+    /proc); zeros when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        return ((int(fields[11]) + int(fields[12])) / tick,
+                (int(fields[13]) + int(fields[14])) / tick)
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return 0.0, 0.0
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its live descendants (an agent's sandboxed plugin hosts)."""
+def _children() -> dict[int, list[int]]:
+    """Every live process's children, from one pass over /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -79,6 +82,11 @@ def _tree(pid: int) -> list[int]:
             children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
+    return children
+
+
+def _tree(pid: int, children: dict[int, list[int]]) -> list[int]:
+    """``pid`` and its live descendants (an agent's sandboxed plugin hosts)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -88,12 +96,21 @@ def _tree(pid: int) -> list[int]:
 
 
 def cpu_split(net, client_pid: int) -> dict[str, float]:
-    """CPU seconds used so far by the broker, the agents (their plugin hosts apart) and
-    this process (the clients): where the machine's cores go."""
-    hosts = sum(_cpu_s(p) for a in net.agents for p in _tree(a.proc.pid)[1:])
-    return {"broker": _cpu_s(net.broker.pid),
-            "agents": sum(_cpu_s(a.proc.pid) for a in net.agents),
-            "hosts": hosts, "clients": _cpu_s(client_pid)}
+    """CPU seconds used so far by the broker, the agents, their plugin hosts (live ones,
+    and those that exited and were reaped) and this process (the clients): where the
+    machine's cores go."""
+    children = _children()
+    agents = hosts = 0.0
+    for a in net.agents:
+        for i, pid in enumerate(_tree(a.proc.pid, children)):
+            own, reaped = _cpu_s(pid)
+            if i == 0:
+                agents += own
+            else:
+                hosts += own
+            hosts += reaped
+    return {"broker": _cpu_s(net.broker.pid)[0], "agents": agents, "hosts": hosts,
+            "clients": _cpu_s(client_pid)[0]}
 
 
 def pct(values: list[float], p: float) -> float:
