@@ -73,15 +73,24 @@ class _SerialSQLiteConnection(sqlite3.Connection):
 _READ_ONLY = "sparecycles_read_only"
 
 
-def read_only(engine: Engine) -> Connection:
+@contextmanager
+def read_only(engine: Engine) -> Iterator[Connection]:
     """A connection for a single SELECT (``with read_only(engine) as c: c.execute(...)``).
 
     On SQLite it takes neither the in-process writer lock nor ``BEGIN IMMEDIATE``: one
     statement is atomic by itself and, in WAL mode, reads the last committed state without
     waiting for a writer, so reads stop queueing behind writes. Reads that need several
     statements to agree, and anything that writes, use ``engine.begin()``. On PostgreSQL
-    it is an ordinary connection."""
-    return engine.connect().execution_options(**{_READ_ONLY: True})
+    it is an ordinary connection. Inside this thread's :func:`atomic` block it is that
+    block's own connection: the read sees what the block wrote so far, and the block never
+    waits for a second connection from the pool (which threads queued behind its writer
+    lock could be holding)."""
+    tx = current(engine)
+    if tx is not None:
+        yield tx.conn
+        return
+    with engine.connect().execution_options(**{_READ_ONLY: True}) as conn:
+        yield conn
 
 
 # ---- one transaction across repositories -----------------------------------------------
@@ -203,8 +212,13 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
     are serialised in-process (see _SerialSQLiteConnection); single reads through
     :func:`read_only` skip both."""
     if url.startswith("sqlite"):
+        # No cap on connections: a capped pool can deadlock, every connection held by a
+        # thread queued on the writer lock while the lock's holder waits for one more.
+        # (SQLite connections are a file handle each; the threads that use them are the
+        # server's bounded pools.)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30,
-                                                  "factory": _SerialSQLiteConnection})
+                                                  "factory": _SerialSQLiteConnection},
+                               pool_size=pool_size, max_overflow=-1)
         writer_lock = threading.Lock()
 
         @event.listens_for(engine, "connect")

@@ -107,3 +107,52 @@ def test_on_sqlite_another_connection_inside_a_block_reads_but_cannot_write(tmp_
         _insert(c, 3)
     assert _rows(engine) == [1, 3]
     engine.dispose()
+
+
+def test_a_read_inside_a_block_uses_the_block_connection(engine):
+    """read_only() inside an atomic block sees what the block wrote so far and takes no
+    second connection from the pool."""
+    from broker.storage.base import read_only
+
+    with atomic(engine) as tx:
+        with begin(engine) as c:
+            _insert(c, 7)
+        with read_only(engine) as r:
+            assert r is tx.conn
+            assert [row[0] for row in r.execute(text("SELECT a FROM t"))] == [7]
+    with read_only(engine) as r:  # outside a block: a connection of its own, then returned
+        assert r.execute(text("SELECT count(*) FROM t")).scalar() == 1
+    assert _rows(engine) == [7]
+
+
+def test_on_sqlite_threads_queued_on_the_writer_never_starve_its_holder(tmp_path):
+    """More threads wait for the writer lock, each holding a pooled connection, than a
+    capped pool has: the holder still gets the connection it needs for a read (it used to
+    wait out the pool's 30 s timeout and fail)."""
+    import threading
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'p.db'}")
+    with engine.begin() as c:
+        c.execute(text("CREATE TABLE t (a INTEGER)"))
+    waiters = 24  # SQLAlchemy's default cap is 5 + 10 overflow
+    holding, done = threading.Event(), []
+
+    def writer(a):
+        holding.wait()
+        with engine.begin() as c:  # a connection from the pool, then the writer lock
+            _insert(c, a)
+        done.append(a)
+
+    threads = [threading.Thread(target=writer, args=(a,)) for a in range(waiters)]
+    for t in threads:
+        t.start()
+    with atomic(engine):
+        holding.set()
+        import time
+        time.sleep(0.5)  # the writers take their connections and queue on the lock
+        with engine.connect() as other:  # the holder's own read on a fresh connection
+            assert other.execute(text("SELECT count(*) FROM t")).scalar() == 0
+    for t in threads:
+        t.join(30)
+    assert sorted(done) == list(range(waiters))
+    engine.dispose()
