@@ -1,9 +1,11 @@
 """The provider agent: connects to the broker, keeps warm plugin hosts, runs jobs.
 
 Threads: the connection loop (one gRPC stream at a time, reconnecting with capped jittered
-backoff), a heartbeat thread per connection, and one worker per slot. A finished job's
-outputs and signed receipt stay in ``undelivered`` until the broker acknowledges them, so a
-dropped connection never throws work away: they are re-sent after reconnecting.
+backoff), a heartbeat thread per connection, one worker per slot, and one that reports the
+start of jobs still running after ``START_REPORT_DELAY_S`` (a job that ends sooner is
+reported once, by its receipt or failure). A finished job's outputs and signed receipt stay
+in ``undelivered`` until the broker acknowledges them, so a dropped connection never throws
+work away: they are re-sent after reconnecting.
 """
 from __future__ import annotations
 
@@ -41,6 +43,14 @@ VERSION = "0.1.0"
 # Finished jobs are logged one by one at DEBUG only (an INFO line each costs CPU on every
 # job); at INFO a summary line comes at most this often, and with the first job.
 SUMMARY_EVERY_S = 60.0
+# A job's start (JobAccepted: the broker marks it running) is reported only once it has
+# run this long: a job that ends sooner is told by its receipt alone, which saves the broker
+# a message and a write transaction per short job (what Celery's task_track_started=False
+# does). Leases do not depend on it: heartbeats extend them.
+START_REPORT_DELAY_S = 0.05
+# Outputs up to this size in all travel inside the receipt's message (one message, and one
+# lease check at the broker, per job); larger ones go ahead of it one message each.
+INLINE_OUTPUTS_BYTES = 1 << 20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 20_000),
@@ -105,6 +115,9 @@ class Agent:
         self._checkpoint_waiters: dict[str, queue.SimpleQueue] = {}
         self.checkpoint_fetch_timeout_s = 30.0
         self._lock = threading.Lock()
+        # Jobs whose start is not reported yet: job id -> (when it is due, attempt).
+        self._unreported: dict[str, tuple[float, int]] = {}
+        self._report_due = threading.Condition(self._lock)
         self._outq: queue.SimpleQueue | None = None
         self._stop = threading.Event()
         self.draining = False
@@ -157,6 +170,7 @@ class Agent:
         self._stop.set()
         with self._lock:
             q = self._outq
+            self._report_due.notify_all()
         if q is not None:
             q.put(None)
         for _ in range(self.cfg.slots):
@@ -191,6 +205,7 @@ class Agent:
         self.start_hosts()
         workers = [threading.Thread(target=self._worker, name=f"slot-{i}", daemon=True)
                    for i in range(self.cfg.slots)]
+        workers.append(threading.Thread(target=self._report_starts, name="starts", daemon=True))
         for w in workers:
             w.start()
         backoff = 0.5
@@ -388,9 +403,32 @@ class Agent:
             return
         with self._lock:
             self.running[env["job_id"]] = RunningJob(env, bytes(a.envelope))
-        self._send(pb.AgentMessage(accepted=pb.JobAccepted(job_id=env["job_id"],
-                                                           attempt=env["attempt"])))
+            self._unreported[env["job_id"]] = (time.monotonic() + START_REPORT_DELAY_S,
+                                               env["attempt"])
+            if len(self._unreported) == 1:  # later entries are due later: no wake-up needed
+                self._report_due.notify()
         self.jobs.put(env["job_id"])
+
+    def _report_starts(self) -> None:
+        """Send JobAccepted for each job still running ``START_REPORT_DELAY_S`` after it
+        arrived (entries are due in arrival order); a job that ended first was removed."""
+        while not self._stop.is_set():
+            with self._lock:
+                now = time.monotonic()
+                due = []
+                for job_id, (when, attempt) in self._unreported.items():
+                    if when > now:
+                        break
+                    due.append((job_id, attempt))
+                for job_id, _ in due:
+                    del self._unreported[job_id]
+                if not due:
+                    first = next(iter(self._unreported.values()), None)
+                    self._report_due.wait(1.0 if first is None else first[0] - now)
+                    continue
+            for job_id, attempt in due:
+                self._send(pb.AgentMessage(accepted=pb.JobAccepted(job_id=job_id,
+                                                                   attempt=attempt)))
 
     # ---- the marketplace: registry adapters ------------------------------------------------
     def _installed_adapters(self) -> list:
@@ -481,6 +519,7 @@ class Agent:
             finally:
                 with self._lock:
                     self.running.pop(job_id, None)
+                    self._unreported.pop(job_id, None)
                     self.latest_checkpoint.pop(job_id, None)
                 if rj.held:
                     self.installer.release(rj.held)
@@ -553,23 +592,28 @@ class Agent:
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
                                               float(result.work_units or 0)))
-        messages, outputs = [], []
+        messages, outputs, chunks = [], [], []
         for out in result.outputs:
             sha = sha256_hex(out.data)
             outputs.append({"index": out.index, "sha256": sha, "media_type": out.media_type,
                             "size": len(out.data), "meta": json_safe(out.meta or {})})
-            messages.append(pb.AgentMessage(output=pb.OutputChunk(
-                job_id=job_id, attempt=attempt, index=out.index, media_type=out.media_type,
-                data=out.data, sha256=sha)))
+            chunks.append(pb.OutputChunk(job_id=job_id, attempt=attempt, index=out.index,
+                                         media_type=out.media_type, data=out.data, sha256=sha))
+        inline = sum(o["size"] for o in outputs) <= INLINE_OUTPUTS_BYTES
+        if not inline:
+            messages = [pb.AgentMessage(output=c) for c in chunks]
         receipt = make_receipt(envelope=env, envelope_bytes=rj.envelope_bytes,
                                provider_key=self.identity.public_key_hex, outputs=outputs,
                                work_units=result.work_units,
                                timings_ms={"run": run_ms,
                                            "total": int((time.perf_counter() - t0) * 1000)},
                                extra={"repro": repro_class(served, outputs)})
+        data = canonical_bytes(receipt)
         messages.append(pb.AgentMessage(receipt=pb.Receipt(
-            receipt=canonical_bytes(receipt), signature=self.identity.sign("receipt", receipt))))
+            receipt=data, signature=self.identity.sign_canonical("receipt", data),
+            outputs=chunks if inline else [])))
         with self._lock:
+            self._unreported.pop(job_id, None)  # the receipt says it ran
             self.undelivered[job_id] = messages
         for m in messages:
             if not self._send(m):

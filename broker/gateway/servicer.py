@@ -17,7 +17,7 @@ import grpc
 
 from sdk.protocol import agent_pb2 as pb
 from sdk.protocol import agent_pb2_grpc as pb_grpc
-from sdk.protocol.envelope import challenge_document
+from sdk.protocol.envelope import challenge_document, receipt_job_id
 from sdk.protocol.signing import KeyPair, SignatureError, verify
 
 from broker.auth.service import ApiKeyService
@@ -234,6 +234,9 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                                                  "failed", "give_back"):
             return False
         if kind == "receipt":
+            # Opened (decoded, signature checked) once, by the service whose job it is.
+            if not self.canaries.owns(receipt_job_id(msg.receipt.receipt) or ""):
+                return False
             job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature)
             if job_id is None:
                 return False
@@ -273,8 +276,9 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             o = msg.output
             self.jobs.store_output(pid, o.job_id, o.attempt, o.data, o.sha256)
         elif kind == "receipt":
-            job = self.jobs.receipt(pid, session.public_key, msg.receipt.receipt,
-                                    msg.receipt.signature)
+            r = msg.receipt
+            job = self.jobs.receipt(pid, session.public_key, r.receipt, r.signature,
+                                    uploads=[(o.data, o.sha256) for o in r.outputs])
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job.id, what="receipt")))
         elif kind == "failed":
             f = msg.failed

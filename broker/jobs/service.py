@@ -406,17 +406,24 @@ class JobService:
 
     def store_output(self, provider_id: str, job_id: str, attempt: int, data: bytes,
                      sha256: str) -> str:
-        # Only the lease is needed, not the whole row (an upload per output of every job).
+        """An output sent ahead of its receipt (a large one)."""
+        # Only the lease is needed, not the whole row.
         _check_lease(job_id, provider_id, attempt,
                      self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
+        return self._put_output(job_id, data, sha256)
+
+    def _put_output(self, job_id: str, data: bytes, sha256: str) -> str:
         actual = sha256_hex(data)
         if sha256 and actual != sha256:
             raise ReceiptRefused("output_hash_mismatch",
                                  f"output of job {job_id} hashes to {actual}, not {sha256}")
         return self.blobs.put(data)
 
-    def receipt(self, provider_id: str, provider_key: str, data: bytes, signature: str) -> Job:
-        """Verify a signed receipt and settle the job; idempotent for the same receipt."""
+    def receipt(self, provider_id: str, provider_key: str, data: bytes, signature: str,
+                uploads: list[tuple[bytes, str]] = ()) -> Job:
+        """Verify a signed receipt and settle the job; idempotent for the same receipt.
+        ``uploads``: (data, sha256) of outputs that came with the receipt, stored once it
+        verifies and the job's lease is the sender's (each must be one the receipt names)."""
         try:
             rec = open_receipt(data, signature, provider_key=provider_key)
         except EnvelopeError as exc:
@@ -435,6 +442,14 @@ class JobService:
         if rec["envelope_sha256"] != sha256_hex(canonical_bytes(job.envelope)):
             raise ReceiptRefused("envelope_mismatch", "receipt does not cover this job's envelope")
         check_receipt_shape(rec)
+        named = {out["sha256"] for out in rec["outputs"]}
+        stray = next((sha for _, sha in uploads if sha not in named), None)
+        if stray is not None:
+            raise ReceiptRefused("output_not_in_receipt",
+                                 f"an output sent with the receipt ({stray[:12]}…) is not one "
+                                 "the receipt names")
+        for blob, sha in uploads:
+            self._put_output(job.id, blob, sha)
         outputs = []
         for i, out in enumerate(rec["outputs"]):
             sha = out["sha256"]

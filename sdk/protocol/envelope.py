@@ -7,13 +7,14 @@ and the work done to that envelope.
 from __future__ import annotations
 
 import heapq
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .canonical import CanonicalEncodingError, canonical_bytes, loads, sha256_hex
-from .signing import KeyPair, SignatureError, verify
+from .signing import KeyPair, SignatureError, verify_canonical
 
 ENVELOPE_VERSION = 1
 
@@ -49,7 +50,8 @@ def make_envelope(*, job_id: str, attempt: int, plugin: str, version: str, input
 
 
 def sign_envelope(broker: KeyPair, envelope: dict) -> tuple[bytes, str]:
-    return canonical_bytes(envelope), broker.sign("envelope", envelope)
+    data = canonical_bytes(envelope)
+    return data, broker.sign_canonical("envelope", data)
 
 
 @dataclass
@@ -84,7 +86,7 @@ def open_envelope(data: bytes, signature: str, *, broker_key: str, my_key: str,
     if not isinstance(env, dict) or env.get("v") != ENVELOPE_VERSION:
         raise EnvelopeError("malformed_envelope", "envelope is not a v1 job envelope")
     try:
-        verify(broker_key, "envelope", env, signature)
+        verify_canonical(broker_key, "envelope", data, signature)
     except SignatureError as exc:
         raise EnvelopeError("bad_signature", str(exc)) from None
     if env.get("provider") != my_key:
@@ -127,13 +129,24 @@ def open_receipt(data: bytes, signature: str, *, provider_key: str) -> dict:
     if rec.get("provider") != provider_key:
         raise EnvelopeError("wrong_provider", "receipt names another provider's key")
     try:
-        verify(provider_key, "receipt", rec, signature)
+        verify_canonical(provider_key, "receipt", data, signature)
     except SignatureError as exc:
         raise EnvelopeError("bad_signature", str(exc)) from None
     for key in ("job_id", "attempt", "outputs", "work_units", "envelope_sha256"):
         if key not in rec:
             raise EnvelopeError("malformed_receipt", f"receipt lacks {key!r}")
     return rec
+
+
+def receipt_job_id(data: bytes) -> str | None:
+    """The job id a receipt names, neither verified nor checked for canonical form: for
+    routing a receipt to the service that owns its job (which then opens it properly)."""
+    try:
+        rec = json.loads(data)
+    except ValueError:
+        return None
+    job_id = rec.get("job_id") if isinstance(rec, dict) else None
+    return job_id if isinstance(job_id, str) else None
 
 
 def challenge_document(nonce: str, agent_key: str, broker_key: str) -> dict[str, Any]:

@@ -24,10 +24,11 @@ class SignatureError(ValueError):
     """A signature is missing, malformed or does not verify."""
 
 
-def _message(purpose: str, document) -> bytes:
+def _framed(purpose: str, data: bytes) -> bytes:
+    """What a signature covers: the purpose, then ``data`` (canonical bytes)."""
     if purpose not in PURPOSES:
         raise ValueError(f"unknown signature purpose {purpose!r}; one of {sorted(PURPOSES)}")
-    return b"sparecycles/v1/" + purpose.encode() + b"\0" + canonical_bytes(document)
+    return b"sparecycles/v1/" + purpose.encode() + b"\0" + data
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,12 @@ class KeyPair:
 
     def sign(self, purpose: str, document) -> str:
         """Sign ``document`` for ``purpose``; returns the signature as hex."""
-        return self.signing_key.sign(_message(purpose, document)).signature.hex()
+        return self.sign_canonical(purpose, canonical_bytes(document))
+
+    def sign_canonical(self, purpose: str, data: bytes) -> str:
+        """Sign a document already encoded with ``canonical_bytes`` (the bytes that travel
+        with the signature: encoded once, not once to send and again to sign)."""
+        return self.signing_key.sign(_framed(purpose, data)).signature.hex()
 
     def save(self, path: Path) -> None:
         """Write the private seed to ``path`` readable by the owner only (0600)."""
@@ -83,16 +89,24 @@ def verify(public_key_hex: str, purpose: str, document, signature_hex: str) -> N
     if not signature_hex:
         raise SignatureError(f"the {purpose} is unsigned")
     try:
+        data = canonical_bytes(document)
+    except CanonicalEncodingError as exc:  # NaN, infinities…: nothing was signed over it
+        raise SignatureError(f"the signed {purpose} has no canonical encoding: {exc}") from None
+    verify_canonical(public_key_hex, purpose, data, signature_hex)
+
+
+def verify_canonical(public_key_hex: str, purpose: str, data: bytes, signature_hex: str) -> None:
+    """:func:`verify` for a document received as canonical bytes (``canonical.loads``
+    checked them): the signature is checked over those bytes, not over a re-encoding."""
+    if not signature_hex:
+        raise SignatureError(f"the {purpose} is unsigned")
+    try:
         key = VerifyKey(bytes.fromhex(public_key_hex))
         sig = bytes.fromhex(signature_hex)
     except (ValueError, TypeError) as exc:
         raise SignatureError(f"malformed key or signature for {purpose}: {exc}") from None
     try:
-        message = _message(purpose, document)
-    except CanonicalEncodingError as exc:  # NaN, infinities…: nothing was signed over it
-        raise SignatureError(f"the signed {purpose} has no canonical encoding: {exc}") from None
-    try:
-        key.verify(message, sig)
+        key.verify(_framed(purpose, data), sig)
     except BadSignatureError:
         raise SignatureError(f"the {purpose} signature does not verify against key "
                              f"{public_key_hex[:16]}…") from None

@@ -274,3 +274,33 @@ def test_a_provider_that_needs_no_download_is_preferred_then_any_other(world):
     second, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "ink"}})
     d.match_once()
     assert jobs.repo.get(second.id).provider_id == "cold"  # the warm one is busy
+
+
+def test_outputs_sent_with_the_receipt_are_stored_once_it_verifies(world):
+    """Small outputs travel in the receipt's message: stored only after the signature and
+    the lease check, and only ones the receipt names; a refused receipt stores nothing."""
+    jobs, _, client, _ = world
+    job, s, key, _ = _matched(world)
+    env_bytes, _ = s.sent[-1]
+    env = loads(env_bytes)
+    data = b'{"inline":true}'
+    sha = sha256_hex(data)
+    rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
+                       outputs=[{"index": 0, "sha256": sha, "media_type": "application/json",
+                                 "size": len(data)}], work_units=1.0, timings_ms={"run": 1})
+    blob = canonical_bytes(rec)
+    stray = b"not named by the receipt"
+    with pytest.raises(ReceiptRefused) as exc:
+        jobs.receipt(s.provider_id, key.public_key_hex, blob, key.sign("receipt", rec),
+                     uploads=[(data, sha), (stray, sha256_hex(stray))])
+    assert exc.value.code == "output_not_in_receipt"
+    with pytest.raises(ReceiptRefused) as exc:  # forged: nothing is stored
+        jobs.receipt(s.provider_id, key.public_key_hex, blob,
+                     KeyPair.generate().sign("receipt", rec), uploads=[(data, sha)])
+    assert exc.value.code == "bad_signature"
+    assert not jobs.blobs.exists(sha256_hex(stray)) and not jobs.blobs.exists(sha)
+    assert jobs.repo.get(job.id).state == JobState.MATCHED
+    settled = jobs.receipt(s.provider_id, key.public_key_hex, blob, key.sign("receipt", rec),
+                           uploads=[(data, sha)])
+    assert settled.state == JobState.SETTLED
+    assert jobs.output(client, job.id, 0)[1] == data

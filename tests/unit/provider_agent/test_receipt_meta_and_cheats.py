@@ -52,8 +52,9 @@ def run_job(agent: Agent, plugin: str, inputs: dict) -> tuple[dict, dict[int, by
     rec = open_receipt(receipt.receipt, receipt.signature,
                        provider_key=agent.identity.public_key_hex)
     assert rec["envelope_sha256"] == sha256_hex(canonical_bytes(env))
-    outputs = {m.output.index: bytes(m.output.data) for m in msgs
-               if m.WhichOneof("body") == "output"}
+    # Small outputs travel inside the receipt's message, large ones ahead of it.
+    chunks = [m.output for m in msgs if m.WhichOneof("body") == "output"] + list(receipt.outputs)
+    outputs = {c.index: bytes(c.data) for c in chunks}
     assert [o["sha256"] for o in rec["outputs"]] == [sha256_hex(outputs[o["index"]])
                                                       for o in rec["outputs"]]
     return rec, outputs, msgs
