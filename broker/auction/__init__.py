@@ -47,7 +47,7 @@ second-price rule can discipline.
 
 Public API::
 
-    OrderBook(rules=None)            .post(ask) .update_provider(pid, **changes)
+    OrderBook(rules=None)            .post(ask) .update_provider(pid, **changes) .repost(pid, asks)
                                      .withdraw(pid, plugin=None, ...) .get(pid, build_key)
     clear(job, book, rng, now_s) -> ClearingResult   (raises NoEligibleProvider / CannotMeetTerms)
     reference_clear(job, book, rng, now_s)           (full-scan oracle, same result)

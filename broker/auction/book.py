@@ -10,8 +10,9 @@ two lists: it reads both in order, scores what it meets, and stops as soon as
 ``W·u_next + v_next`` (a lower bound on every unread ask) exceeds the best losing score. A
 job thus touches tens to a few hundred asks instead of all of them, and nothing is sorted
 per job. Adding, changing or withdrawing an ask costs a bisection and a list insert per
-view. Views are built on first use and the least recently used beyond
-``rules.max_cached_views`` are dropped.
+view, and only in the lists whose part of the score it moved (taking or freeing a slot of
+an ask that stays active moves neither). Views are built on first use and the least
+recently used beyond ``rules.max_cached_views`` are dropped.
 
 Not thread-safe: the broker owns one book per process and serialises writes and clearing
 (one lock, or one task), which is what clearing against standing asks needs anyway.
@@ -26,7 +27,7 @@ from dataclasses import replace
 from .errors import UnknownAsk
 from .model import Ask, AuctionRules
 from .scoring import effective_throughput, is_active, score_parts
-from .validation import validate_ask
+from .validation import same_checks, validate_ask, validate_fields
 
 BuildKey = tuple[str, str, str]
 
@@ -43,20 +44,35 @@ class _View:
         self.by_v: list[tuple[float, str]] = []
         self.parts: dict[str, tuple[float, float, float]] = {}  # pid -> (u, v, λ/θ)
 
-    def add(self, ask: Ask, theta: float) -> None:
+    def put(self, ask: Ask, theta: float) -> None:
+        """Index ``ask`` (new, or replacing the provider's entry). A list is only touched
+        when the ask's key in it moved: most changes move one part of the score (a queue
+        moves v, a new θ mostly u) or neither (a slot taken or freed)."""
         u, v = score_parts(ask, self.lam, self.penalty, theta)
         pid = ask.provider_id
+        old = self.parts.get(pid)
         self.parts[pid] = (u, v, self.lam / theta)
-        bisect.insort(self.by_u, (u, pid))
-        bisect.insort(self.by_v, (v, pid))
+        if old is None:
+            bisect.insort(self.by_u, (u, pid))
+            bisect.insort(self.by_v, (v, pid))
+            return
+        if old[0] != u:
+            _move(self.by_u, (old[0], pid), (u, pid))
+        if old[1] != v:
+            _move(self.by_v, (old[1], pid), (v, pid))
 
     def discard(self, pid: str) -> None:
         parts = self.parts.pop(pid, None)
         if parts is None:
             return
         for lst, key in ((self.by_u, (parts[0], pid)), (self.by_v, (parts[1], pid))):
-            i = bisect.bisect_left(lst, key)
-            del lst[i]
+            del lst[bisect.bisect_left(lst, key)]
+
+
+def _move(lst: list[tuple[float, str]], old: tuple[float, str], new: tuple[float, str]) -> None:
+    """Replace ``old`` by ``new`` in the sorted ``lst``."""
+    del lst[bisect.bisect_left(lst, old)]
+    bisect.insort(lst, new)
 
 
 class Bucket:
@@ -71,12 +87,18 @@ class Bucket:
         self._rules = rules
 
     def _put(self, ask: Ask) -> None:
-        self._remove(ask.provider_id)
-        self.asks[ask.provider_id] = ask
+        """Add or replace the provider's ask. A replaced ask goes last in ``asks`` as a new
+        one does (refusals count reasons in book order)."""
+        pid = ask.provider_id
+        self.asks.pop(pid, None)
+        self.asks[pid] = ask
         if is_active(ask, self._rules):
             theta = effective_throughput(ask, self._rules)
             for view in self._views.values():
-                view.add(ask, theta)
+                view.put(ask, theta)
+        else:
+            for view in self._views.values():
+                view.discard(pid)
 
     def _remove(self, pid: str) -> Ask | None:
         old = self.asks.pop(pid, None)
@@ -129,12 +151,16 @@ class OrderBook:
         self.rules = rules or AuctionRules()
         self._buckets: dict[BuildKey, Bucket] = {}
         self._by_provider: dict[str, set[BuildKey]] = {}
+        # Whether every standing ask passed validation under the current rules (see
+        # update_provider); rules with other bounds leave asks posted before them unchecked.
+        self._valid = True
 
     # -- writes ---------------------------------------------------------------------------
     def set_rules(self, rules: AuctionRules) -> None:
         """Change the market's rules (an admin moved the reputation floor, say). Standing
         asks stay; the sorted views are rebuilt on their next use, since the rules decide
         which asks are active and how a claimed throughput counts."""
+        self._valid = self._valid and same_checks(self.rules, rules)
         self.rules = rules
         for bucket in self._buckets.values():
             bucket._rules = rules
@@ -160,11 +186,42 @@ class OrderBook:
         changes or none does. Returns how many asks changed."""
         keys = self._by_provider.get(provider_id, ())
         new = [replace(self._buckets[k].asks[provider_id], **changes) for k in keys]
-        for ask in new:
-            validate_ask(ask, self.rules)
+        if new and self._valid:
+            # The asks are valid and get the same new values: checking the changed fields
+            # of one of them is the full check of all of them.
+            validate_fields(new[0], changes, self.rules)
+        else:
+            for ask in new:
+                validate_ask(ask, self.rules)
         for ask in new:
             self._buckets[ask.build_key]._put(ask)
         return len(new)
+
+    def repost(self, provider_id: str, asks: list[Ask]) -> None:
+        """Replace all the provider's asks with ``asks``: ``withdraw(provider_id)`` then
+        ``post_many(asks)``, all validated first (on :class:`InvalidAsk` nothing changes),
+        leaving the book in the same order, but keeping the sorted views of the buckets
+        the provider stays in rather than dropping and rebuilding them."""
+        for ask in asks:
+            validate_ask(ask, self.rules)
+        old = self._by_provider.pop(provider_id, set())
+        new = {ask.build_key for ask in asks}
+        for k in old - new:
+            self._drop(k, provider_id)
+        # Where the provider was alone, withdraw would have deleted the bucket and the post
+        # created it again, last in the book: move it there, with its views.
+        alone = {k for k in old & new if len(self._buckets[k].asks) == 1}
+        for ask in asks:
+            k = ask.build_key
+            if k in alone:
+                alone.discard(k)
+                self._buckets[k] = self._buckets.pop(k)
+            bucket = self._buckets.get(k)
+            if bucket is None:
+                bucket = self._buckets[k] = Bucket(k, self.rules)
+            bucket._put(ask)
+        if new:
+            self._by_provider[provider_id] = new
 
     def occupy(self, provider_id: str, n: int = 1) -> None:
         """Take ``n`` of the provider's free slots (slots are per machine, shared by all its
@@ -191,14 +248,18 @@ class OrderBook:
                 and (plugin_version is None or k[1] == plugin_version)
                 and (weights_digest is None or k[2] == weights_digest)]
         for k in gone:
-            bucket = self._buckets[k]
-            bucket._remove(provider_id)
+            self._drop(k, provider_id)
             keys.discard(k)
-            if not bucket.asks:
-                del self._buckets[k]
         if not keys:
             del self._by_provider[provider_id]
         return len(gone)
+
+    def _drop(self, key: BuildKey, provider_id: str) -> None:
+        """Remove the provider's ask from a bucket, and the bucket once it is empty."""
+        bucket = self._buckets[key]
+        bucket._remove(provider_id)
+        if not bucket.asks:
+            del self._buckets[key]
 
     # -- reads ----------------------------------------------------------------------------
     def get(self, provider_id: str, build_key: BuildKey) -> Ask:

@@ -12,6 +12,7 @@ monotone in the ask.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from fractions import Fraction
@@ -66,10 +67,19 @@ def effective_reserve(job: JobSpec) -> int:
     if job.max_price_micro is None:
         return job.reserve_micro_per_unit
     # Exact arithmetic on the decimal form of W: 2,200 micro over 2.2 units is 1,000 per
-    # unit, not the 999 that float division (999.9999…) floors to.
-    units = Fraction(repr(float(job.work_units)))
-    per_unit = math.floor(Fraction(job.max_price_micro) / (job.n_slots * units))
+    # unit, not the 999 that float division (999.9999…) floors to. W = num/den exactly, so
+    # floor(max / (n·W)) is the integer division below.
+    num, den = _decimal_ratio(float(job.work_units))
+    per_unit = job.max_price_micro * den // (job.n_slots * num)
     return min(job.reserve_micro_per_unit, per_unit)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decimal_ratio(units: float) -> tuple[int, int]:
+    """The fraction the shortest decimal text of ``units`` names (``2.2`` is 11/5), as
+    (numerator, denominator): parsed once per distinct value, as jobs repeat a few sizes."""
+    exact = Fraction(repr(units))
+    return exact.numerator, exact.denominator
 
 
 def reputation_floor(job: JobSpec, rules: AuctionRules) -> float:

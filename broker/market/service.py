@@ -110,6 +110,11 @@ class Canary:
     version: str = ""
     inputs: dict = field(default_factory=dict)
 
+    @property
+    def since(self) -> float:
+        """When it started, as for a :class:`Lease` (the queue counts both alike)."""
+        return self.sent_at
+
 
 class MarketService:
     """``manifest_of(plugin, version)`` gives the catalog's manifest of a build (None when
@@ -214,12 +219,18 @@ class MarketService:
             state = self._providers.get(provider_id)
             if state is None:
                 return
-            if state.free != max(0, free):
-                state.free = max(0, free)
-                if state.online:
-                    self.book.update_provider(provider_id, slots_free=min(state.free,
-                                                                          self.rules.max_slots))
-            self._refresh_queue(state)
+            changes: dict[str, int | float] = {}
+            free = max(0, free)
+            if state.free != free:
+                state.free = free
+                changes["slots_free"] = min(free, self.rules.max_slots)
+            queue = self._queue_due(state, force=False)
+            if queue is not None:
+                changes["queue_s"] = queue
+            if changes and state.online:  # one update of the book for both facts
+                self.book.update_provider(provider_id, **changes)
+            if queue is not None:
+                state.queue_s = queue
 
     def lease(self, provider_id: str, job_id: str, plugin: str, work_units: float,
               since: float | None = None) -> None:
@@ -231,14 +242,14 @@ class MarketService:
                 return
             state.leases[job_id] = Lease(plugin, float(work_units),
                                          self.clock() if since is None else since)
-            self._refresh_queue(state, force=True)
+            self._refresh_queue(state)
 
     def release(self, provider_id: str, job_id: str) -> None:
         """The job left the provider (settled, failed, requeued, cancelled)."""
         with self._lock:
             state = self._providers.get(provider_id)
             if state is not None and state.leases.pop(job_id, None) is not None:
-                self._refresh_queue(state, force=True)
+                self._refresh_queue(state)
 
     def holds(self, provider_id: str, job_id: str) -> bool:
         with self._lock:
@@ -569,31 +580,42 @@ class MarketService:
         its slots (the slots work at once). A plugin without any θ counts nothing."""
         now = self.clock()
         pid = state.provider_id
-        held = [(lease.plugin, lease.work_units, lease.since) for lease in state.leases.values()]
-        held += [(c.plugin, c.work_units, c.sent_at) for c in self._canaries.values()
-                 if c.provider_id == pid]
+        held: list[Lease | Canary] = list(state.leases.values())
+        held += [c for c in self._canaries.values() if c.provider_id == pid]
+        thetas: dict[str, float] = {}  # one look-up per plugin, not per job held
         backlog = 0.0
-        for plugin, units, since in held:
-            theta = self.tracker.theta(pid, plugin)[0]
+        for h in held:
+            theta = thetas.get(h.plugin)
+            if theta is None:
+                theta = thetas[h.plugin] = self.tracker.theta(pid, h.plugin)[0]
             if theta > 0:
-                backlog += max(0.0, units / theta - max(0.0, now - since))
+                left = h.work_units / theta - max(0.0, now - h.since)
+                if left > 0.0:  # (adding 0.0 would change nothing)
+                    backlog += left
         return min(backlog / max(1, state.slots), self.rules.max_queue_s)
 
-    def _refresh_queue(self, state: ProviderState, force: bool = False) -> None:
-        """Re-post the provider's queue when it changed (a job came or went: ``force``) or
-        drifted with the clock by ``QUEUE_RESOLUTION_S`` or more."""
+    def _queue_due(self, state: ProviderState, force: bool) -> float | None:
+        """The provider's queue when it is to be re-posted, else None: when it changed (a
+        job came or went: ``force``) or drifted with the clock by ``QUEUE_RESOLUTION_S``
+        or more. The caller posts it."""
         queue = self._queue_s(state)
         if queue == state.queue_s or (not force and queue > 0
                                       and abs(queue - state.queue_s) < QUEUE_RESOLUTION_S):
-            return
-        state.queue_s = queue
-        if state.online:
-            self.book.update_provider(state.provider_id, queue_s=queue)
+            return None
+        return queue
+
+    def _refresh_queue(self, state: ProviderState) -> None:
+        """Re-post the provider's queue: a job or canary came or went."""
+        queue = self._queue_due(state, force=True)
+        if queue is not None:
+            state.queue_s = queue
+            if state.online:
+                self.book.update_provider(state.provider_id, queue_s=queue)
 
     def _refresh_queue_of(self, provider_id: str) -> None:
         state = self._providers.get(provider_id)
         if state is not None:
-            self._refresh_queue(state, force=True)
+            self._refresh_queue(state)
 
     def _ask(self, state: ProviderState, plugin: str, price: int, digest: str) -> Ask:
         theta, measured = self.tracker.theta(state.provider_id, plugin)
@@ -617,10 +639,7 @@ class MarketService:
             if price is None:
                 price = min(self.reserve_of(plugin), self.rules.max_ask_micro_per_unit)
             asks += [self._ask(state, plugin, price, d) for d in self._digests_of(state, plugin)]
-        for ask in asks:
-            validate_ask(ask, self.rules)
-        self.book.withdraw(state.provider_id)
-        self.book.post_many(asks)
+        self.book.repost(state.provider_id, asks)
 
     def _save_ask(self, provider_id: str, plugin: str) -> None:
         """Write the provider's current ask for ``plugin`` to the store. Called without the
