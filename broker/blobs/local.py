@@ -27,7 +27,7 @@ class LocalBlobStore:
     def _path(self, key: str) -> Path:
         if not is_sha256_hex(key):
             raise NotFound(f"no blob {key!r}: blob keys are sha256 hex digests")
-        return self.root / key[:2] / key[2:4] / key
+        return self.root.joinpath(key[:2], key[2:4], key)
 
     def put(self, data: bytes) -> str:
         key = hashlib.sha256(data).hexdigest()
