@@ -15,15 +15,13 @@ the head in the same transaction and appends after it, or skips the replay.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any, ContextManager, Iterator, Protocol
 
-from broker.audit.model import GENESIS, AuditEntry, ChainReport
+from broker.audit.model import GENESIS, AuditEntry, ChainReport, entry_hash, plain_data
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +31,9 @@ class AuditRepository(Protocol):
         """The caller's open transaction (``broker.storage.base.atomic``), else a new one:
         an object with ``conn``, ``defer``, ``after_commit`` and ``after_rollback``."""
     def head(self, conn=None) -> AuditEntry | None: ...
-    def append(self, conn, entry: AuditEntry) -> bool:
-        """Insert ``entry``; False, writing nothing, when its seq or its ref exists."""
+    def append(self, conn, entry: AuditEntry, data_json: str) -> bool:
+        """Insert ``entry``, whose data is ``data_json`` as canonical JSON (as hashed);
+        False, writing nothing, when its seq or its ref exists."""
     def has_ref(self, ref: str, conn=None) -> bool: ...
     def scan(self, batch: int = 1000) -> Iterator[AuditEntry]:
         """Every entry in seq order."""
@@ -43,17 +42,14 @@ class AuditRepository(Protocol):
         """Newest first; ``subject`` matches exactly or as a prefix ending in '*'."""
 
 
-def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
-    """Data as canonical JSON can encode it (no floats that are not finite, str keys)."""
-    return json.loads(json.dumps(data, default=str, allow_nan=False))
-
-
 class _Pending:
-    __slots__ = ("actor", "action", "subject", "data", "ref", "at_ms", "entry")
+    __slots__ = ("actor", "action", "subject", "data", "data_json", "ref", "at_ms", "entry")
 
     def __init__(self, actor, action, subject, data, ref, at_ms):
         self.actor, self.action, self.subject = actor, action, subject
-        self.data, self.ref, self.at_ms = data, ref, at_ms
+        # Normalised and encoded once: the same text is hashed and stored.
+        self.data, self.data_json = plain_data(data)
+        self.ref, self.at_ms = ref, at_ms
         self.entry: AuditEntry | None = None
 
 
@@ -71,8 +67,7 @@ class AuditLog:
         """Append an entry; with ``ref``, nothing when an entry with that ref exists (an
         idempotent replay of the same money movement). Returns the entry written; None for
         a replay, and inside an ``atomic`` block, whose commit writes it."""
-        item = _Pending(actor, action, subject, _jsonable(data or {}), ref,
-                        int(self.clock() * 1000))
+        item = _Pending(actor, action, subject, data or {}, ref, int(self.clock() * 1000))
         with self.repo.transaction() as tx:
             tx.defer(self, item)
         return item.entry
@@ -87,12 +82,14 @@ class AuditLog:
                 for _ in range(20):
                     if not known:
                         head, known = self.repo.head(tx.conn), True
-                    entry = AuditEntry(seq=(head.seq + 1) if head else 1, at_ms=item.at_ms,
-                                       actor=item.actor, action=item.action,
-                                       subject=item.subject, data=item.data, ref=item.ref,
-                                       prev_hash=head.hash if head else GENESIS)
-                    entry = replace(entry, hash=entry.compute_hash())
-                    if self.repo.append(tx.conn, entry):
+                    seq, prev = (head.seq + 1, head.hash) if head else (1, GENESIS)
+                    entry = AuditEntry(
+                        seq=seq, at_ms=item.at_ms, actor=item.actor, action=item.action,
+                        subject=item.subject, data=item.data, ref=item.ref, prev_hash=prev,
+                        hash=entry_hash(prev, seq=seq, at_ms=item.at_ms, actor=item.actor,
+                                        action=item.action, subject=item.subject,
+                                        ref=item.ref, data_json=item.data_json))
+                    if self.repo.append(tx.conn, entry, item.data_json):
                         head, item.entry = entry, entry
                         break
                     # Another replica appended (our head is stale), or this ref is already
@@ -190,7 +187,7 @@ class InMemoryAuditRepository:
     def head(self, conn=None):
         return self.entries[-1] if self.entries else None
 
-    def append(self, conn, entry):
+    def append(self, conn, entry, data_json):
         # Like the SQL table: seq and ref are unique.
         if any(e.seq == entry.seq or (entry.ref is not None and e.ref == entry.ref)
                for e in self.entries):

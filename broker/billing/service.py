@@ -115,20 +115,21 @@ class JobBilling:
         a decimal string; never more than the hold."""
         if job.hold_id is None or job.provider_id is None:
             return None
+        # Work units as exact fractions, each parsed once (charge_micro takes a Fraction).
         try:
-            exact_units(work_units_used)
+            units = exact_units(work_units_used)
         except (TypeError, ValueError, ZeroDivisionError):
             log.warning("job %s: receipt reports work units %r; charging the manifest's %s",
                         job.id, work_units_used, job.work_units)
-            work_units_used = job.work_units
+            units = None
         price = self.pricing.price(job.plugin)
         # The manifest's formula bills the most a job can use: a receipt reporting more
         # work units than that is charged for the formula's (so an inflated report cannot
         # eat into the adapter royalty or the fee that the hold also carries).
-        if exact_units(work_units_used) > exact_units(job.work_units):
-            work_units_used = job.work_units
-        charge = price.charge_micro(self.rate_of(job), work_units_used,
-                                    cap_micro=job.max_price_micro)
+        most = exact_units(job.work_units)
+        if units is None or units > most:
+            units = most
+        charge = price.charge_micro(self.rate_of(job), units, cap_micro=job.max_price_micro)
         # A verification re-run is not a client's use of an adapter: no royalty on checks.
         return self._post(job, charge, price.fee_of(charge), price.vesting_window_s,
                           royalty=not getattr(job, "check_of", None))

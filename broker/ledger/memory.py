@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Iterable, Iterator, Sequence
 
 from broker.ledger.model import (
-    Account, AccountId, HistoryLine, Hold, HoldState, IdempotencyRecord, Transaction,
+    Account, AccountId, HistoryLine, Hold, HoldState, IdempotencyRecord, Splits, Transaction,
 )
 
 
@@ -133,6 +133,22 @@ class _MemoryUnitOfWork:
     def get_hold(self, hold_id: str, *, for_update: bool = False) -> Hold | None:
         return self._holds.get(hold_id) or self._s.holds.get(hold_id)
 
+    def post_hold(self, hold_id: str, *, now: datetime, transaction_id: str, splits: Splits,
+                  vests_at: datetime) -> Hold | None:
+        hold = self.get_hold(hold_id)
+        if (hold is None or hold.state is not HoldState.PENDING or now >= hold.expires_at
+                or splits.captured_micro > hold.amount_micro):
+            return None
+        posted = replace(
+            hold, state=HoldState.POSTED, resolved_at=now, resolve_transaction_id=transaction_id,
+            captured_micro=splits.captured_micro,
+            released_micro=hold.amount_micro - splits.captured_micro,
+            provider=splits.provider, provider_micro=splits.provider_micro,
+            publisher=splits.publisher, royalty_micro=splits.royalty_micro,
+            fee_micro=splits.fee_micro, vests_at=vests_at)
+        self._holds[hold_id] = posted
+        return posted
+
     def due_hold_ids(self, now: datetime, *, limit: int) -> list[str]:
         due = sorted((h.expires_at, h.id) for h in self._s.holds.values()
                      if h.state is HoldState.PENDING and h.expires_at <= now)
@@ -149,8 +165,11 @@ class _MemoryUnitOfWork:
     def get_idempotency(self, key: str) -> IdempotencyRecord | None:
         return self._idempotency.get(key) or self._s.idempotency.get(key)
 
-    def add_idempotency(self, record: IdempotencyRecord) -> None:
+    def add_idempotency(self, record: IdempotencyRecord) -> bool:
+        if self.get_idempotency(record.key) is not None:
+            return False
         self._idempotency[record.key] = record
+        return True
 
     # audit
     def audit(self) -> tuple[int, int, list[str]]:

@@ -6,12 +6,18 @@ Concurrency contract (what the service relies on):
 
 * ``lock_accounts`` and ``get_hold(for_update=True)`` / ``lock_vestable_holds`` lock the
   rows until the unit of work ends and return their latest committed state (PostgreSQL:
-  ``SELECT … FOR UPDATE``; SQLite: writers are already serialised by ``BEGIN IMMEDIATE``).
-  The service always locks holds before accounts, and accounts in sorted order.
+  ``SELECT … FOR UPDATE``; SQLite: writers are already serialised by ``BEGIN IMMEDIATE``);
+  ``post_hold`` locks the hold it writes and decides on its latest committed state (one
+  conditional ``UPDATE``). The service always locks holds before accounts, and accounts in
+  sorted order.
+* ``add_idempotency`` claims a key: it inserts the record unless one with its key exists
+  (committed, or written earlier in the same database transaction) and says which; on
+  PostgreSQL a claim of a key another transaction is inserting waits for that one to end.
+  The service claims the key before it locks anything else.
 * ``add_transaction`` appends the transaction and its entries and moves the accounts' cached
   balances by the entries' amounts in the same database transaction.
-* When the database reports a conflict that a retry resolves (a concurrent insert of the same
-  idempotency key, a serialisation failure, a deadlock), the repository raises
+* When the database reports a conflict that a retry resolves (a concurrent reversal of the
+  same transaction, a serialisation failure, a deadlock), the repository raises
   :class:`RetryableConflict`; the service then retries the whole unit of work.
 """
 from __future__ import annotations
@@ -21,7 +27,7 @@ from datetime import datetime
 from typing import Iterable, Protocol, Sequence
 
 from broker.ledger.model import (
-    Account, AccountId, HistoryLine, Hold, IdempotencyRecord, Transaction,
+    Account, AccountId, HistoryLine, Hold, IdempotencyRecord, Splits, Transaction,
 )
 
 
@@ -66,6 +72,13 @@ class LedgerUnitOfWork(Protocol):
 
     def get_hold(self, hold_id: str, *, for_update: bool = False) -> Hold | None: ...
 
+    def post_hold(self, hold_id: str, *, now: datetime, transaction_id: str, splits: Splits,
+                  vests_at: datetime) -> Hold | None:
+        """Resolve the hold as posted by ``transaction_id`` for ``splits`` (the rest of its
+        amount released) if it is pending, ``now`` is before its ``expires_at`` and its
+        amount covers the splits, locking it; return it as saved. Otherwise write nothing
+        and return None."""
+
     def due_hold_ids(self, now: datetime, *, limit: int) -> list[str]:
         """Ids of pending holds whose ``expires_at`` ≤ ``now``, oldest first."""
 
@@ -76,7 +89,8 @@ class LedgerUnitOfWork(Protocol):
     # idempotency
     def get_idempotency(self, key: str) -> IdempotencyRecord | None: ...
 
-    def add_idempotency(self, record: IdempotencyRecord) -> None: ...
+    def add_idempotency(self, record: IdempotencyRecord) -> bool:
+        """Insert ``record``; False, writing nothing, when its key already has one."""
 
     # audit
     def audit(self) -> tuple[int, int, list[str]]:

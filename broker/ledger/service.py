@@ -1,7 +1,7 @@
 """LedgerService: every movement of credits in Sparecycles (DESIGN §5).
 
 Each public operation runs in one unit of work of the repository: it validates its
-arguments before touching storage, checks the idempotency key, locks what it touches
+arguments before touching storage, claims the idempotency key, locks what it touches
 (holds first, then accounts in sorted order), refuses anything that would take an account
 below zero where its kind forbids it, and appends one transaction whose entries sum to zero.
 A refused operation writes nothing — not even its idempotency record, so the same request
@@ -13,6 +13,14 @@ the same hold as it is now) and writes nothing; the same key with anything else 
 :class:`IdempotencyConflict`. Keys share one namespace: callers should prefix them by origin
 (``"stripe:evt_…"``, ``"job:<id>:post"``). ``vest`` and ``expire`` are driven by the clock
 and are idempotent by nature.
+
+The key is claimed first: its record, naming the id the result will have, is inserted
+unless the key exists, in the unit of work that then does the work. A fresh key (nearly
+every call) so costs one statement instead of a lookup plus an insert, and a refused
+operation rolls its claim back with everything else. Only a taken key is read (a replay,
+or a conflict). A concurrent request with the same key waits at its claim until the first
+ends (PostgreSQL), then finds the record, instead of doing the work and failing on the
+duplicate key; the claim is the first lock an operation takes, before holds and accounts.
 """
 from __future__ import annotations
 
@@ -71,9 +79,14 @@ def _check_id(name: str, value: object, *, max_chars: int = MAX_ID_CHARS) -> str
     return value
 
 
+# ``json.dumps`` with options builds a JSONEncoder per call; this one is built once and
+# encodes exactly as ``json.dumps(…, sort_keys=True, separators=(",", ":"))`` did (stored
+# fingerprints must keep matching).
+_FINGERPRINT_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+
+
 def _fingerprint(operation: str, payload: dict[str, Any]) -> str:
-    body = json.dumps({"op": operation, **payload}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(body.encode()).hexdigest()
+    return hashlib.sha256(_FINGERPRINT_JSON({"op": operation, **payload}).encode()).hexdigest()
 
 
 def _new_id() -> str:
@@ -127,11 +140,11 @@ class LedgerService:
             raise InvalidArgument(f"source is {source!r}; it must be a FundingSource")
         payload = {"client": client, "amount_micro": amount_micro, "source": source.value, "memo": memo}
 
-        def work(uow: LedgerUnitOfWork) -> Transaction:
+        def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             return self._move(uow, TransactionKind.DEPOSIT, [
                 (source.account, -amount_micro),
                 (AccountId(AccountKind.CLIENT_AVAILABLE, client), amount_micro),
-            ], memo=memo, key=idempotency_key)
+            ], memo=memo, key=idempotency_key, txn_id=txn_id)
         return self._idempotent("deposit", idempotency_key, payload, work)
 
     # ------------------------------------------------------------------ holds
@@ -147,9 +160,8 @@ class LedgerService:
             raise InvalidArgument(f"ttl_s is {ttl_s!r}; it must be a positive int of seconds")
         payload = {"client": client, "amount_micro": amount_micro, "job_id": job_id, "ttl_s": ttl_s}
 
-        def work(uow: LedgerUnitOfWork) -> Hold:
+        def work(uow: LedgerUnitOfWork, hold_id: str) -> Hold:
             now = self.clock.now()
-            hold_id = _new_id()
             txn = self._move(uow, TransactionKind.HOLD, [
                 (AccountId(AccountKind.CLIENT_AVAILABLE, client), -amount_micro),
                 (AccountId(AccountKind.CLIENT_HELD, client), amount_micro),
@@ -159,7 +171,7 @@ class LedgerService:
                         expires_at=now + timedelta(seconds=ttl_s), hold_transaction_id=txn.id)
             uow.add_hold(hold)
             return hold
-        return self._idempotent("hold", idempotency_key, payload, work)
+        return self._idempotent("hold", idempotency_key, payload, work, result_type="hold")
 
     def post(self, hold_id: str, splits: Splits, *, idempotency_key: str,
              vesting_window_s: int | None = None) -> Transaction:
@@ -193,32 +205,36 @@ class LedgerService:
         if vesting_window_s is not None:
             payload["vesting_window_s"] = vesting_window_s
 
-        def work(uow: LedgerUnitOfWork) -> Transaction:
+        def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             now = self.clock.now()
-            hold = self._pending_hold(uow, hold_id, "post")
-            if now >= hold.expires_at:
-                raise HoldExpired(hold_id)
-            if splits.captured_micro > hold.amount_micro:
-                raise InvalidAmount("splits captured total", splits.captured_micro,
-                                    f"at most the hold's {hold.amount_micro:,}")
-            released = hold.amount_micro - splits.captured_micro
+            # The hold is resolved first, by one conditional write (it locks the hold, as
+            # _pending_hold would); when it is not pending, has expired or is too small,
+            # nothing is written, and reading it says which.
+            hold = uow.post_hold(hold_id, now=now, transaction_id=txn_id, splits=splits,
+                                 vests_at=now + timedelta(seconds=window_s))
+            if hold is None:
+                hold = self._pending_hold(uow, hold_id, "post")
+                if now >= hold.expires_at:
+                    raise HoldExpired(hold_id)
+                if splits.captured_micro > hold.amount_micro:
+                    raise InvalidAmount("splits captured total", splits.captured_micro,
+                                        f"at most the hold's {hold.amount_micro:,}")
+                # Postable now: committed by another transaction after post_hold looked.
+                raise RetryableConflict(f"hold {hold_id} changed while it was posted")
             legs = [(AccountId(AccountKind.CLIENT_HELD, hold.client), -hold.amount_micro),
                     (AccountId(AccountKind.PROVIDER_VESTING, splits.provider), splits.provider_micro),
-                    (AccountId.platform(AccountKind.PLATFORM_FEES), splits.fee_micro),
-                    (AccountId(AccountKind.CLIENT_AVAILABLE, hold.client), released)]
+                    (AccountId.platform(AccountKind.PLATFORM_FEES), splits.fee_micro)]
+            # The client's available account exists (the hold was taken from it): named only
+            # when something goes back, else _move would read it to check (a post of the
+            # whole hold, as a cold market charges, is common).
+            if hold.released_micro:
+                legs.append((AccountId(AccountKind.CLIENT_AVAILABLE, hold.client),
+                             hold.released_micro))
             if splits.publisher is not None:
                 legs.append((AccountId(AccountKind.PUBLISHER_ROYALTIES, splits.publisher),
                              splits.royalty_micro))
-            txn = self._move(uow, TransactionKind.POST, legs, memo=f"job {hold.job_id}",
-                             key=idempotency_key, hold_id=hold_id, now=now)
-            uow.save_hold(replace(
-                hold, state=HoldState.POSTED, resolved_at=now, resolve_transaction_id=txn.id,
-                captured_micro=splits.captured_micro, released_micro=released,
-                provider=splits.provider, provider_micro=splits.provider_micro,
-                publisher=splits.publisher, royalty_micro=splits.royalty_micro,
-                fee_micro=splits.fee_micro,
-                vests_at=now + timedelta(seconds=window_s)))
-            return txn
+            return self._move(uow, TransactionKind.POST, legs, memo=f"job {hold.job_id}",
+                              key=idempotency_key, hold_id=hold_id, now=now, txn_id=txn_id)
         return self._idempotent("post", idempotency_key, payload, work)
 
     def post_shared(self, hold_id: str, splits: Splits, earlier: list[Splits], *,
@@ -255,7 +271,7 @@ class LedgerService:
         if vesting_window_s is not None:
             payload["vesting_window_s"] = vesting_window_s
 
-        def work(uow: LedgerUnitOfWork) -> Transaction:
+        def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             now = self.clock.now()
             hold = self._pending_hold(uow, hold_id, "post")
             if now >= hold.expires_at:
@@ -267,7 +283,7 @@ class LedgerService:
             held = AccountId(AccountKind.CLIENT_HELD, hold.client)
             available = AccountId(AccountKind.CLIENT_AVAILABLE, hold.client)
             main = self._post_legs(uow, hold, splits, key=idempotency_key, now=now,
-                                   window_s=window_s)
+                                   window_s=window_s, txn_id=txn_id)
             for i, sp in enumerate(earlier):
                 part = Hold(id=_new_id(), client=hold.client, job_id=hold.job_id,
                             amount_micro=sp.captured_micro, state=HoldState.PENDING,
@@ -282,14 +298,14 @@ class LedgerService:
         return self._idempotent("post_shared", idempotency_key, payload, work)
 
     def _post_legs(self, uow: LedgerUnitOfWork, hold: Hold, splits: Splits, *, key: str | None,
-                   now: datetime, window_s: int) -> Transaction:
+                   now: datetime, window_s: int, txn_id: str | None = None) -> Transaction:
         released = hold.amount_micro - splits.captured_micro
         legs = [(AccountId(AccountKind.CLIENT_HELD, hold.client), -hold.amount_micro),
                 (AccountId(AccountKind.PROVIDER_VESTING, splits.provider), splits.provider_micro),
                 (AccountId.platform(AccountKind.PLATFORM_FEES), splits.fee_micro),
                 (AccountId(AccountKind.CLIENT_AVAILABLE, hold.client), released)]
         txn = self._move(uow, TransactionKind.POST, legs, memo=f"job {hold.job_id}", key=key,
-                         hold_id=hold.id, now=now)
+                         hold_id=hold.id, now=now, txn_id=txn_id)
         uow.save_hold(replace(
             hold, state=HoldState.POSTED, resolved_at=now, resolve_transaction_id=txn.id,
             captured_micro=splits.captured_micro, released_micro=released,
@@ -302,9 +318,9 @@ class LedgerService:
         before any work was earned)."""
         _check_id("hold_id", hold_id)
 
-        def work(uow: LedgerUnitOfWork) -> Transaction:
+        def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             return self._release(uow, hold_id, TransactionKind.VOID, HoldState.VOIDED,
-                                 memo=reason, key=idempotency_key)
+                                 memo=reason, key=idempotency_key, txn_id=txn_id)
         return self._idempotent("void", idempotency_key, {"hold_id": hold_id, "reason": reason}, work)
 
     def expire(self, hold_id: str) -> Transaction:
@@ -341,7 +357,7 @@ class LedgerService:
         cancelled job). Only before the provider's share has vested; at most once."""
         _check_id("hold_id", hold_id)
 
-        def work(uow: LedgerUnitOfWork) -> Transaction:
+        def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             hold = uow.get_hold(hold_id, for_update=True)
             if hold is None:
                 raise UnknownHold(hold_id)
@@ -363,7 +379,7 @@ class LedgerService:
                 legs.append((AccountId(AccountKind.PUBLISHER_ROYALTIES, hold.publisher),
                              -hold.royalty_micro))
             txn = self._move(uow, TransactionKind.REFUND, legs, memo=reason,
-                             key=idempotency_key, hold_id=hold_id)
+                             key=idempotency_key, hold_id=hold_id, txn_id=txn_id)
             uow.save_hold(replace(hold, refund_transaction_id=txn.id))
             return txn
         return self._idempotent("refund", idempotency_key, {"hold_id": hold_id, "reason": reason}, work)
@@ -403,11 +419,11 @@ class LedgerService:
         check_amount("amount_micro", amount_micro)
         payload = {"account": str(account), "amount_micro": amount_micro, "memo": memo}
 
-        def work(uow: LedgerUnitOfWork) -> Transaction:
+        def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             return self._move(uow, TransactionKind.PAYOUT, [
                 (account, -amount_micro),
                 (AccountId.platform(AccountKind.PLATFORM_PAYMENT_CLEARING), amount_micro),
-            ], memo=memo, key=idempotency_key)
+            ], memo=memo, key=idempotency_key, txn_id=txn_id)
         return self._idempotent("payout", idempotency_key, payload, work)
 
     def stake(self, provider: str, amount_micro: int, *, idempotency_key: str) -> Transaction:
@@ -438,9 +454,10 @@ class LedgerService:
                 else AccountId(destination, provider))
         payload = {"provider": provider, "amount_micro": amount_micro, "memo": memo}
 
-        def work(uow: LedgerUnitOfWork) -> Transaction:
+        def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             return self._move(uow, kind, [(AccountId(source, provider), -amount_micro),
-                                          (dest, amount_micro)], memo=memo, key=key)
+                                          (dest, amount_micro)], memo=memo, key=key,
+                              txn_id=txn_id)
         return self._idempotent(operation, key, payload, work)
 
     # ------------------------------------------------------------------ corrections
@@ -454,7 +471,7 @@ class LedgerService:
         if not isinstance(reason, str) or not reason.strip():
             raise InvalidArgument("reason is required: say why the transaction is reversed")
 
-        def work(uow: LedgerUnitOfWork) -> Transaction:
+        def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             original = self._transaction(uow, transaction_id)
             if original.kind not in REVERSIBLE_KINDS:
                 raise NotReversible(
@@ -467,7 +484,8 @@ class LedgerService:
                                     f"{already.id}")
             return self._move(uow, TransactionKind.REVERSAL,
                               [(e.account, -e.amount_micro) for e in original.entries],
-                              memo=reason, key=idempotency_key, reverses_id=transaction_id)
+                              memo=reason, key=idempotency_key, reverses_id=transaction_id,
+                              txn_id=txn_id)
         payload = {"transaction_id": transaction_id, "reason": reason}
         return self._idempotent("reverse", idempotency_key, payload, work)
 
@@ -521,8 +539,9 @@ class LedgerService:
     def _move(self, uow: LedgerUnitOfWork, kind: TransactionKind,
               legs: Iterable[tuple[AccountId, int]], *, memo: str, key: str | None,
               hold_id: str | None = None, reverses_id: str | None = None,
-              now: datetime | None = None) -> Transaction:
-        """Lock the legs' accounts, refuse a forbidden overdraft, append the transaction."""
+              now: datetime | None = None, txn_id: str | None = None) -> Transaction:
+        """Lock the legs' accounts, refuse a forbidden overdraft, append the transaction
+        (``txn_id``: the id an idempotency record already names, else a new one)."""
         net: dict[AccountId, int] = {}
         for account, amount in legs:
             net[account] = net.get(account, 0) + amount
@@ -531,18 +550,20 @@ class LedgerService:
         # Lock only what moves (a post without a fee leaves the hot platform row alone),
         # but every named account must exist: a zero royalty to an unknown publisher is a bug.
         locked = uow.lock_accounts(moved)
-        untouched = sorted(set(net) - set(moved))
-        known = {**locked, **(uow.get_accounts(untouched) if untouched else {})}
-        for account_id in sorted(net):
-            if account_id not in known:
-                raise UnknownAccount(account_id)
+        known = locked
+        if len(moved) < len(net):
+            known = {**locked, **uow.get_accounts(sorted(set(net) - set(moved)))}
+        if len(known) < len(net):  # some are missing: name the first, in sorted order
+            for account_id in sorted(net):
+                if account_id not in known:
+                    raise UnknownAccount(account_id)
         for entry in entries:
             account: Account = locked[entry.account]
             if (entry.amount_micro < 0 and not account.allows_negative
                     and account.balance_micro + entry.amount_micro < 0):
                 raise InsufficientCredits(entry.account, needed_micro=-entry.amount_micro,
                                           available_micro=account.balance_micro)
-        txn = Transaction(id=_new_id(), kind=kind, created_at=now or self.clock.now(),
+        txn = Transaction(id=txn_id or _new_id(), kind=kind, created_at=now or self.clock.now(),
                           entries=entries, memo=memo, idempotency_key=key, hold_id=hold_id,
                           reverses_id=reverses_id)
         uow.add_transaction(txn)
@@ -558,13 +579,13 @@ class LedgerService:
 
     def _release(self, uow: LedgerUnitOfWork, hold_id: str, kind: TransactionKind,
                  state: HoldState, *, memo: str, key: str | None,
-                 now: datetime | None = None) -> Transaction:
+                 now: datetime | None = None, txn_id: str | None = None) -> Transaction:
         now = now or self.clock.now()
         hold = self._pending_hold(uow, hold_id, "void" if state is HoldState.VOIDED else "expire")
         txn = self._move(uow, kind, [
             (AccountId(AccountKind.CLIENT_HELD, hold.client), -hold.amount_micro),
             (AccountId(AccountKind.CLIENT_AVAILABLE, hold.client), hold.amount_micro),
-        ], memo=memo, key=key, hold_id=hold_id, now=now)
+        ], memo=memo, key=key, hold_id=hold_id, now=now, txn_id=txn_id)
         uow.save_hold(replace(hold, state=state, resolved_at=now, resolve_transaction_id=txn.id,
                               released_micro=hold.amount_micro))
         return txn
@@ -577,26 +598,33 @@ class LedgerService:
         return txn
 
     def _idempotent(self, operation: str, key: str, payload: dict[str, Any],
-                    work: Callable[[LedgerUnitOfWork], T]) -> T:
+                    work: Callable[[LedgerUnitOfWork, str], T], *,
+                    result_type: str = "transaction") -> T:
+        """Run ``work(uow, result_id)`` once per key: it must return a result (a
+        ``result_type``, "transaction" or "hold") whose id is ``result_id``, which the key's
+        record names before the work runs (see the module's docstring)."""
         _check_id("idempotency_key", key, max_chars=MAX_KEY_CHARS)
         fingerprint = _fingerprint(operation, payload)
 
         def guarded(uow: LedgerUnitOfWork) -> T:
+            record = IdempotencyRecord(key=key, operation=operation, fingerprint=fingerprint,
+                                       result_type=result_type, result_id=_new_id(),
+                                       created_at=self.clock.now())
+            if uow.add_idempotency(record):
+                result = work(uow, record.result_id)
+                assert result.id == record.result_id, (  # type: ignore[attr-defined]
+                    f"{operation} returned {result.id}, not the id its key's record names")
+                return result
             record = uow.get_idempotency(key)
-            if record is not None:
-                if record.fingerprint != fingerprint:
-                    raise IdempotencyConflict(key, record.operation)
-                if record.result_type == "hold":
-                    hold = uow.get_hold(record.result_id)
-                    assert hold is not None, f"idempotency record {key} names a missing hold"
-                    return hold  # type: ignore[return-value]
-                return self._transaction(uow, record.result_id)  # type: ignore[return-value]
-            result = work(uow)
-            result_type = "hold" if isinstance(result, Hold) else "transaction"
-            uow.add_idempotency(IdempotencyRecord(
-                key=key, operation=operation, fingerprint=fingerprint, result_type=result_type,
-                result_id=result.id, created_at=self.clock.now()))  # type: ignore[attr-defined]
-            return result
+            if record is None:  # taken by a writer whose record this snapshot cannot see
+                raise RetryableConflict(f"idempotency key {key} is taken by another writer")
+            if record.fingerprint != fingerprint:
+                raise IdempotencyConflict(key, record.operation)
+            if record.result_type == "hold":
+                hold = uow.get_hold(record.result_id)
+                assert hold is not None, f"idempotency record {key} names a missing hold"
+                return hold  # type: ignore[return-value]
+            return self._transaction(uow, record.result_id)  # type: ignore[return-value]
         return self._retrying(guarded)
 
     def _retrying(self, work: Callable[[LedgerUnitOfWork], T]) -> T:

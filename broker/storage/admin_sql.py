@@ -100,12 +100,12 @@ class SqlAuditRepository:
             r = c.execute(_AUDIT_HEAD).first()
             return _entry(r) if r else None
 
-    def append(self, conn, e: AuditEntry) -> bool:
-        """Insert ``e`` in ``conn``'s transaction; False when its seq or ref exists."""
-        from sdk.protocol.canonical import canonical_bytes
+    def append(self, conn, e: AuditEntry, data_json: str) -> bool:
+        """Insert ``e`` in ``conn``'s transaction, its data as ``data_json`` (the canonical
+        JSON its hash covers); False when its seq or ref exists."""
         return _AUDIT_APPEND[conn.dialect.name].run(conn, {
             "seq": e.seq, "at_ms": e.at_ms, "actor": e.actor, "action": e.action,
-            "subject": e.subject, "data": canonical_bytes(e.data).decode("utf-8"),
+            "subject": e.subject, "data": data_json,
             "ref": e.ref, "prev_hash": e.prev_hash, "hash": e.hash}).rowcount == 1
 
     def has_ref(self, ref: str, conn=None) -> bool:

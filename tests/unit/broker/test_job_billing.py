@@ -179,9 +179,12 @@ def test_a_post_that_fails_midway_rolls_back_alone_and_the_settlement_stands(wor
     job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
     from broker.storage import ledger_sql
 
-    def broken(self, record):  # after the post's transaction and entries were written
+    written = ledger_sql._SqlUnitOfWork.add_transaction
+
+    def broken(self, txn):  # after the post's key, hold, transaction and entries were written
+        written(self, txn)
         raise RuntimeError("disk full")
-    monkeypatch.setattr(ledger_sql._SqlUnitOfWork, "add_idempotency", broken)
+    monkeypatch.setattr(ledger_sql._SqlUnitOfWork, "add_transaction", broken)
     settled = _run(services, job, session, key, work_units=1)
     assert settled.state.value == "settled"
     kinds = [e.kind for e in services.jobs.repo.events_after(job.id, 0)]
