@@ -8,11 +8,13 @@ then measures
 Prints a table and the ratio against the direct call. Targets (issue #2, 2-core machine):
 >= 300 jobs/s and <= 15 ms p50 added latency.
 
-Measured here (2 cores, otherwise quiet, --jobs 400, 1/2/4 agents): about 77–100 jobs/s
-and 10–13 ms p50 added, with the broker spending 10–13 ms of CPU per job (19 jobs/s and 42 ms
-of CPU before the per-job storage path was rebuilt on prebuilt statements). The broker is
-one GIL-bound Python process: 12 ms of CPU per job caps it near 85 jobs/s however many
-cores there are (docs/architecture.md, "Dispatch throughput", says where it goes).
+Measured here (2 cores, --jobs 400, 1/2/4 agents) on 2026-11-30, on a machine slower than
+on earlier days (the same code as before did 45 jobs/s where it had done 77–100): 54–58
+jobs/s against 45–46 for the previous code in the same session, the broker's CPU per job
+16–17 ms against 20–21 ms, the agents' 2.3–2.7 ms against 3.2–3.4 ms, and 17.8–18.5 ms
+added p50 (previous code: 19.2–21.8 ms). The broker is one GIL-bound Python process, so its
+CPU per job caps the rate however many cores there are (docs/architecture.md, "Dispatch
+throughput", says where it goes).
 
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
 """
