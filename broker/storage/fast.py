@@ -162,9 +162,10 @@ class Prepared:
             sql, args = self._args(plan, first)
             cursor.execute(sql, args)
             rows, procs = [], ()
-            if cursor.description is not None:
+            description = cursor.description  # psycopg builds it anew on every read
+            if description is not None:
                 rows = cursor.fetchall()
-                procs = plan.result_processors(conn.dialect, cursor.description)
+                procs = plan.result_processors(conn.dialect, description)
             rowcount = cursor.rowcount
         except Exception as error:  # noqa: BLE001 - handled as Connection.execute does
             # Wrapped (IntegrityError … with .orig), a lost connection invalidated, and the
