@@ -359,11 +359,9 @@ class _SqlUnitOfWork:
 
     # holds
     @staticmethod
-    def _hold_values(h: Hold) -> dict:
-        return {"id": h.id, "client_id": h.client, "job_id": h.job_id,
-                "amount_micro": h.amount_micro, "state": h.state.value,
-                "created_at": h.created_at, "expires_at": h.expires_at,
-                "hold_transaction_id": h.hold_transaction_id, "resolved_at": h.resolved_at,
+    def _hold_changes(h: Hold) -> dict:
+        """The columns that may change after ``add_hold`` (what ``save_hold`` writes)."""
+        return {"state": h.state.value, "resolved_at": h.resolved_at,
                 "resolve_transaction_id": h.resolve_transaction_id,
                 "captured_micro": h.captured_micro, "released_micro": h.released_micro,
                 "provider_id": h.provider, "provider_micro": h.provider_micro,
@@ -371,6 +369,13 @@ class _SqlUnitOfWork:
                 "fee_micro": h.fee_micro, "vests_at": h.vests_at,
                 "vest_transaction_id": h.vest_transaction_id,
                 "refund_transaction_id": h.refund_transaction_id}
+
+    @classmethod
+    def _hold_values(cls, h: Hold) -> dict:
+        return {"id": h.id, "client_id": h.client, "job_id": h.job_id,
+                "amount_micro": h.amount_micro, "created_at": h.created_at,
+                "expires_at": h.expires_at, "hold_transaction_id": h.hold_transaction_id,
+                **cls._hold_changes(h)}
 
     @staticmethod
     def _hold(r) -> Hold:
@@ -391,16 +396,7 @@ class _SqlUnitOfWork:
 
     def save_hold(self, hold: Hold) -> None:
         # Only what may change after add_hold (fewer values to convert and send).
-        h = hold
-        _UPDATE_HOLD.run(self.c, {
-            "w_id": h.id, "state": h.state.value, "resolved_at": h.resolved_at,
-            "resolve_transaction_id": h.resolve_transaction_id,
-            "captured_micro": h.captured_micro, "released_micro": h.released_micro,
-            "provider_id": h.provider, "provider_micro": h.provider_micro,
-            "publisher_id": h.publisher, "royalty_micro": h.royalty_micro,
-            "fee_micro": h.fee_micro, "vests_at": h.vests_at,
-            "vest_transaction_id": h.vest_transaction_id,
-            "refund_transaction_id": h.refund_transaction_id})
+        _UPDATE_HOLD.run(self.c, {"w_id": hold.id, **self._hold_changes(hold)})
 
     def get_hold(self, hold_id: str, *, for_update: bool = False) -> Hold | None:
         query = _HOLD_FOR_UPDATE if for_update and self._lock_rows else _HOLD
