@@ -5,6 +5,7 @@ import itertools
 import logging
 import sqlite3
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -36,6 +37,7 @@ class _SerialSQLiteConnection(sqlite3.Connection):
 
     writer_lock: threading.Lock
     holding = False
+    shared_writer = False  # the engine's one writer connection (see _Writer)
     query_only = False
 
     def begin_serial(self) -> None:
@@ -89,8 +91,118 @@ def read_only(engine: Engine) -> Iterator[Connection]:
     if tx is not None:
         yield tx.conn
         return
-    with engine.connect().execution_options(**{_READ_ONLY: True}) as conn:
+    own = _own(engine)
+    if own is None:
+        with engine.connect().execution_options(**{_READ_ONLY: True}) as conn:
+            yield conn
+        return
+    conn = own.reader
+    if conn is None or conn.closed or conn.invalidated:
+        conn = own.reader = _open_reader(engine, own)
+    own.reading += 1
+    try:
         yield conn
+    finally:
+        own.reading -= 1
+        if not own.reading and conn.in_transaction():
+            _end(conn)  # an SQLAlchemy-level "transaction" only: autocommit underneath
+
+
+class _Own:
+    """One thread's own read connection to one SQLite engine, kept open between uses:
+    taking a connection from the pool and giving it back (a Connection object, checkout,
+    reset, checkin, events) cost more Python than the statement it ran. Closed when the
+    thread ends or the engine is disposed. PostgreSQL keeps its capped pool (its connections are
+    server processes; the broker's threads outnumber them)."""
+
+    __slots__ = ("reader", "reading", "__weakref__")
+
+    def __init__(self):
+        self.reader: Connection | None = None
+        self.reading = 0
+
+    def close(self) -> None:
+        conn, self.reader = self.reader, None
+        if conn is not None and not conn.closed:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                log.debug("closing a thread's own connection failed", exc_info=True)
+
+    def __del__(self):  # the thread ended: give its connections back, not to the GC
+        self.close()
+
+
+def _own(engine: Engine) -> _Own | None:
+    """This thread's :class:`_Own` connections to ``engine`` (None: use the pool)."""
+    local = engine.__dict__.get("_sc_own")
+    if local is None:
+        return None
+    own = getattr(local, "own", None)
+    if own is None:
+        own = local.own = _Own()
+        engine._sc_owners.add(own)
+    return own
+
+
+def _open_reader(engine: Engine, own: _Own) -> Connection:
+    own.close()  # the broken one, if any
+    return engine.connect().execution_options(**{_READ_ONLY: True})
+
+
+def _end(conn: Connection) -> None:
+    try:
+        conn.rollback()
+    except Exception:  # noqa: BLE001 - the connection is broken: the next use reopens it
+        log.debug("ending a read failed", exc_info=True)
+        conn.invalidate()
+
+
+@contextmanager
+def _transaction(engine: Engine) -> Iterator[Connection]:
+    """``engine.begin()``; on SQLite, on the engine's one writer connection (see
+    :class:`_Writer`)."""
+    writer = engine.__dict__.get("_sc_writer")
+    if writer is None:
+        with engine.begin() as conn:
+            yield conn
+        return
+    with writer.lock:
+        conn = writer.connection()
+        with conn.begin():
+            yield conn
+
+
+class _Writer:
+    """SQLite's one writer connection, used under the in-process writer lock. SQLite
+    allows one writer at a time anyway; with one connection doing all the writing, its
+    page cache stays valid between transactions (in WAL mode a connection drops its
+    whole cache whenever another connection wrote since its last transaction, so every
+    write used to start by reading back the pages it was about to change)."""
+
+    def __init__(self, engine: Engine, lock: threading.Lock):
+        self.engine = engine
+        self.lock = lock  # the same lock every other SQLite transaction takes
+        self.conn: Connection | None = None
+
+    def connection(self) -> Connection:
+        """The connection (the caller holds the lock); a broken one is replaced."""
+        conn = self.conn
+        if conn is None or conn.closed or conn.invalidated:
+            if conn is not None and not conn.closed:
+                try:
+                    conn.close()
+                except Exception:  # noqa: BLE001
+                    log.debug("closing a broken writer connection failed", exc_info=True)
+            conn = self.conn = self.engine.connect()
+            conn.connection.dbapi_connection.shared_writer = True
+        return conn
+
+    def close(self) -> None:
+        with self.lock:
+            if self.conn is not None and not self.conn.closed:
+                self.conn.close()
+            self.conn = None
 
 
 # ---- one transaction across repositories -----------------------------------------------
@@ -152,7 +264,7 @@ def atomic(engine: Engine) -> Iterator[Tx]:
         return
     committed = False
     try:
-        with engine.begin() as conn:
+        with _transaction(engine) as conn:
             tx = Tx(engine, conn)
             _ambient.tx = tx
             try:
@@ -179,7 +291,7 @@ def begin(engine: Engine) -> Iterator[Connection]:
     and the caller may retry it or go on without it."""
     tx = current(engine)
     if tx is None:
-        with engine.begin() as conn:
+        with _transaction(engine) as conn:
             yield conn
         return
     name = f"sc_sp{next(_savepoints)}"
@@ -240,12 +352,25 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
             if current(engine) is not None:
                 dbapi_conn.begin_query_only()  # see atomic(): reads only, never a deadlock
                 return
-            dbapi_conn.begin_serial()
+            if not dbapi_conn.shared_writer:
+                dbapi_conn.begin_serial()  # the writer connection's users hold the lock
             try:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                _raw(dbapi_conn, "BEGIN IMMEDIATE")
             except BaseException:
                 dbapi_conn._release()
                 raise
+
+        # One writer connection (see _Writer); each thread keeps its own reader (see
+        # _Own); dispose() closes them all.
+        engine._sc_writer = writer = _Writer(engine, writer_lock)
+        engine._sc_own = threading.local()
+        engine._sc_owners = weakref.WeakSet()
+
+        @event.listens_for(engine, "engine_disposed")
+        def _on_dispose(_engine):
+            writer.close()
+            for own in list(engine._sc_owners):
+                own.close()
 
         return engine
     return create_engine(url, pool_size=pool_size, max_overflow=20, pool_pre_ping=True)

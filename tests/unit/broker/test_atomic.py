@@ -156,3 +156,59 @@ def test_on_sqlite_threads_queued_on_the_writer_never_starve_its_holder(tmp_path
         t.join(30)
     assert sorted(done) == list(range(waiters))
     engine.dispose()
+
+
+def test_on_sqlite_writes_share_one_connection_and_reads_keep_their_own(tmp_path):
+    """Every thread's writes run on the engine's one writer connection (its page cache
+    stays valid); each thread reuses its own reader; a broken one is replaced; dispose
+    closes them all."""
+    import threading
+
+    from broker.storage.base import read_only
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'w.db'}")
+    with engine.begin() as c:
+        c.execute(text("CREATE TABLE t (a INTEGER)"))
+    seen = {}
+
+    def work(name, a):
+        with begin(engine) as w:
+            _insert(w, a)
+        with atomic(engine) as tx:
+            with begin(engine) as w:
+                _insert(w, a + 100)
+        readers = []
+        for _ in range(2):
+            with read_only(engine) as r:
+                readers.append(r)
+                r.execute(text("SELECT count(*) FROM t")).scalar()
+        seen[name] = (w.connection.dbapi_connection, tx.conn.connection.dbapi_connection,
+                      readers)
+
+    threads = [threading.Thread(target=work, args=(i, i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    writers = {id(x) for v in seen.values() for x in v[:2]}
+    assert len(writers) == 1  # one writer connection for all threads and both paths
+    for _, _, readers in seen.values():
+        assert readers[0] is readers[1]  # kept between reads
+        assert readers[0].closed  # and closed when its thread ended
+    assert len({id(v[2][0]) for v in seen.values()}) == 3  # one reader per thread
+    assert _rows(engine) == [0, 1, 2, 100, 101, 102]
+
+    with read_only(engine) as r:
+        r.invalidate()  # a connection the driver lost
+    with read_only(engine) as r2:
+        assert r2 is not r and r2.execute(text("SELECT count(*) FROM t")).scalar() == 6
+    with pytest.raises(RuntimeError):
+        with begin(engine) as w:
+            w.invalidate()  # lost in the middle of a transaction
+            raise RuntimeError("the connection is gone")
+    with begin(engine) as w2:  # the writer is replaced too
+        assert w2 is not w
+        _insert(w2, 7)
+    assert 7 in _rows(engine)
+    engine.dispose()
+    assert r2.closed and w2.closed
