@@ -64,7 +64,7 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
 
 def _render(job: Job) -> dict:
     svc = services()
-    outputs = svc.jobs.repo.outputs(job.id) if job.state.value == "settled" else []
+    outputs = svc.jobs.outputs_of(job) if job.state.value == "settled" else []
     verification = (svc.verification.status(job.id)
                     if svc.verification is not None and job.state.value == "settled" else None)
     return job_to_json(job, outputs, sandboxed=svc.providers.sandboxed_of(job.provider_id),

@@ -275,7 +275,7 @@ class JobService:
         # between, and no later notification would come to say so.
         fresh = job is None or self.hub.ended(job_id)
         if fresh:
-            job = self.get(who, job_id)
+            job = self._ended_copy(who, job_id) or self.get(who, job_id)
         while not job.state.terminal:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -285,11 +285,29 @@ class JobService:
             # Every change here wakes the waiter (assigned, running, progress…); the hub
             # says whether it was the end. A quiet slice re-reads the row: the job may
             # have ended on another broker replica.
-            if self.hub.ended(job_id) or version == seen:
+            if self.hub.ended(job_id):
+                job, fresh = self._ended_copy(who, job_id) or self.get(who, job_id), True
+            elif version == seen:
                 job, fresh = self.get(who, job_id), True
             else:
                 fresh = False
         return job
+
+    def _ended_copy(self, who: Principal, job_id: str) -> Job | None:
+        """The job as its settlement wrote it, while nothing has happened to it since
+        (saves reading back what this process just wrote); None: read it."""
+        held = self.hub.copy(job_id)
+        if held is None or (held[0].account_id != who.account_id and who.role != "admin"):
+            return None
+        return held[0]
+
+    def outputs_of(self, job: Job) -> list[JobOutput]:
+        """A settled job's outputs: from its settlement's copy when ``job`` is that copy
+        and nothing has happened to it since, else read."""
+        held = self.hub.copy(job.id)
+        if held is not None and held[0] is job:
+            return list(held[1])
+        return self.repo.outputs(job.id)
 
     def events(self, who: Principal, job_id: str, after_id: int = 0) -> list[JobEvent]:
         self.get(who, job_id)
@@ -485,7 +503,7 @@ class JobService:
         # Verification draws whether to check the job once its receipt is signed and
         # settled, before the client is woken, so it never sees a status that changes back.
         self.on_settled(settled, rec)
-        self.hub.notify(job.id, ended=True)
+        self.hub.notify(job.id, ended=True, copy=(settled, tuple(outputs)))
         return settled
 
     def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
