@@ -49,7 +49,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/integration
 
 bench: $(STAMP)
-	$(BIN)/python bench/dispatch.py
+	$(BIN)/python bench/dispatch.py --svg out/bench-dispatch.svg
 
 clean:
 	rm -rf $(VENV) .sparecycles .sparecycles-demo out build *.egg-info

@@ -17,10 +17,15 @@ CPU per job caps the rate however many cores there are (docs/architecture.md, "D
 throughput", says where it goes).
 
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
+                             [--svg out/bench-dispatch.svg]
+
+With --svg it also draws the figures: jobs/s against the target, and where each job's CPU
+went against the budget the target leaves on this machine's cores.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -171,6 +176,81 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool) -
         shutil.rmtree(work, ignore_errors=True)
 
 
+TARGET_JOBS_PER_S = 300
+PARTS = [("broker", "#3b6ea5"), ("agents", "#e08a2e"), ("hosts", "#8cb369"),
+         ("clients", "#9b7bb8")]
+
+
+def _nice_step(raw: float) -> float:
+    """1, 2 or 5 times a power of ten, at least ``raw``: round axis ticks."""
+    power = 10 ** math.floor(math.log10(raw))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
+def write_svg(rows: list[dict], path: Path, cores: int) -> None:
+    """Two bar charts in one SVG (no plotting library needed): jobs/s per number of agents
+    with the target, and the CPU each job cost, by process, with the budget the target
+    leaves on ``cores`` cores (cores × 1000 ms ÷ target jobs/s)."""
+    budget = cores * 1000 / TARGET_JOBS_PER_S
+    w, h, top, bottom, left = 360, 270, 50, 40, 50
+    plot_h = h - top - bottom
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w}" height="{h + 30}" '
+           'font-family="sans-serif" font-size="12">',
+           f'<rect width="{2 * w}" height="{h + 30}" fill="white"/>']
+
+    def panel(x0: float, title: str, top_value: float, bars, line: float, line_label: str,
+              fmt: str) -> None:
+        step = _nice_step(top_value / 4)
+        top_value = step * math.ceil(top_value / step)
+        scale = plot_h / top_value
+        out.append(f'<text x="{x0 + left}" y="20" font-weight="bold">{title}</text>')
+        out.append(f'<line x1="{x0 + left}" y1="{top}" x2="{x0 + left}" y2="{top + plot_h}" '
+                   'stroke="#444"/>')
+        out.append(f'<line x1="{x0 + left}" y1="{top + plot_h}" x2="{x0 + w - 10}" '
+                   f'y2="{top + plot_h}" stroke="#444"/>')
+        for i in range(round(top_value / step) + 1):  # axis ticks
+            v = step * i
+            y = top + plot_h - v * scale
+            out.append(f'<text x="{x0 + left - 6}" y="{y + 4:.1f}" text-anchor="end" '
+                       f'fill="#444">{v:g}</text>')
+        slot = (w - left - 20) / max(len(bars), 1)
+        for i, (label, stack) in enumerate(bars):
+            x, y = x0 + left + i * slot + slot * 0.2, top + plot_h
+            for value, color in stack:
+                out.append(f'<rect x="{x:.1f}" y="{y - value * scale:.1f}" '
+                           f'width="{slot * 0.6:.1f}" height="{value * scale:.1f}" '
+                           f'fill="{color}"/>')
+                y -= value * scale
+            total = sum(v for v, _ in stack)
+            out.append(f'<text x="{x + slot * 0.3:.1f}" y="{y - 4:.1f}" '
+                       f'text-anchor="middle">{total:{fmt}}</text>')
+            out.append(f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" '
+                       f'text-anchor="middle">{label}</text>')
+        y = top + plot_h - line * scale
+        out.append(f'<line x1="{x0 + left}" y1="{y:.1f}" x2="{x0 + w - 10}" y2="{y:.1f}" '
+                   'stroke="#c0392b" stroke-dasharray="6 4"/>')
+        out.append(f'<text x="{x0 + left + 4}" y="{top - 6}" fill="#c0392b">'
+                   f'- - {line_label}</text>')
+        out.append(f'<text x="{x0 + left + (w - left) / 2}" y="{h - 4}" '
+                   'text-anchor="middle" fill="#444">agents</text>')
+
+    top_rate = max([TARGET_JOBS_PER_S] + [r["jobs_per_s"] for r in rows]) * 1.15
+    panel(0, "jobs/s (echo, sandbox, SQLite)", top_rate,
+          [(str(r["agents"]), [(r["jobs_per_s"], "#3b6ea5")]) for r in rows],
+          TARGET_JOBS_PER_S, f"target: {TARGET_JOBS_PER_S} jobs/s", ".0f")
+    top_cpu = max([budget] + [sum(r["cpu_ms"].values()) for r in rows]) * 1.2
+    panel(w, "CPU ms per job, by process", top_cpu,
+          [(str(r["agents"]), [(r["cpu_ms"][k], c) for k, c in PARTS]) for r in rows],
+          budget, f"budget at the target on {cores} cores: {budget:.1f} ms", ".1f")
+    for i, (name, color) in enumerate(PARTS):
+        x = w + left + i * 78
+        out.append(f'<rect x="{x}" y="{h + 8}" width="10" height="10" fill="{color}"/>')
+        out.append(f'<text x="{x + 14}" y="{h + 17}">{name}</text>')
+    out.append("</svg>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--agents", default="1,2,4")
@@ -178,6 +258,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--no-sandbox", action="store_true")
+    ap.add_argument("--svg", type=Path, help="also draw the figures into this SVG file")
     args = ap.parse_args()
     sandbox = not args.no_sandbox and shutil.which("bwrap") is not None
 
@@ -189,8 +270,10 @@ def main() -> int:
     print(f"{'agents':>6} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
           f"{'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
           "plugin hosts / clients")
+    rows = []
     for n in [int(x) for x in args.agents.split(",")]:
         r = run_one(n, args.jobs, args.clients, args.slots, sandbox)
+        rows.append(r)
         p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
         c = r["cpu_ms"]
         print(f"{n:>6} {r['jobs_per_s']:>8.0f} {p50:>8.2f} {p99:>8.2f} {p50 - d50:>10.2f} "
@@ -198,6 +281,9 @@ def main() -> int:
               f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}", flush=True)
     print("targets: >= 300 jobs/s, <= 15 ms added p50. The CPU columns say where the "
           "machine's cores went during the throughput run (all processes share them).")
+    if args.svg:
+        write_svg(rows, args.svg, os.cpu_count() or 1)
+        print(f"figures drawn in {args.svg}")
     return 0
 
 
