@@ -1,7 +1,6 @@
 """The declarative base every table derives from, and engine creation for both backends."""
 from __future__ import annotations
 
-import itertools
 import logging
 import sqlite3
 import threading
@@ -207,7 +206,6 @@ class _Writer:
 
 # ---- one transaction across repositories -----------------------------------------------
 _ambient = threading.local()
-_savepoints = itertools.count(1)
 
 
 class Tx:
@@ -218,10 +216,11 @@ class Tx:
     is extended by exactly the transactions that commit). Items deferred inside a savepoint
     that rolls back are dropped with it."""
 
-    __slots__ = ("engine", "conn", "_deferred", "_after_commit", "_after_rollback")
+    __slots__ = ("engine", "conn", "depth", "_deferred", "_after_commit", "_after_rollback")
 
     def __init__(self, engine: Engine, conn: Connection):
         self.engine, self.conn = engine, conn
+        self.depth = 0  # savepoints open (see begin)
         self._deferred: list[tuple[Any, Any]] = []
         self._after_commit: list[Callable[[], None]] = []
         self._after_rollback: list[Callable[[], None]] = []
@@ -294,18 +293,24 @@ def begin(engine: Engine) -> Iterator[Connection]:
         with _transaction(engine) as conn:
             yield conn
         return
-    name = f"sc_sp{next(_savepoints)}"
+    # Named by depth: a savepoint's name is free again once it is released, and the same
+    # few statements stay in the driver's statement cache instead of being parsed anew.
+    tx.depth += 1
+    name = f"sc_sp{tx.depth}"
     raw = tx.conn.connection.dbapi_connection
     mark = len(tx._deferred)
-    _raw(raw, f"SAVEPOINT {name}")
     try:
-        yield tx.conn
-    except BaseException:
-        _raw(raw, f"ROLLBACK TO SAVEPOINT {name}")
+        _raw(raw, f"SAVEPOINT {name}")
+        try:
+            yield tx.conn
+        except BaseException:
+            _raw(raw, f"ROLLBACK TO SAVEPOINT {name}")
+            _raw(raw, f"RELEASE SAVEPOINT {name}")
+            del tx._deferred[mark:]
+            raise
         _raw(raw, f"RELEASE SAVEPOINT {name}")
-        del tx._deferred[mark:]
-        raise
-    _raw(raw, f"RELEASE SAVEPOINT {name}")
+    finally:
+        tx.depth -= 1
 
 
 def _raw(dbapi_conn, sql: str) -> None:
