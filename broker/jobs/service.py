@@ -7,8 +7,10 @@ receipt, a duplicate message or a racing lease reaper can never move a job twice
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ from .model import LEASED, Job, JobEvent, JobOutput, JobState
 from .ports import BlobStore, JobRepository
 
 log = logging.getLogger(__name__)
+ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
 
 
 @dataclass
@@ -72,6 +75,10 @@ class JobService:
         # its money moved, and every job that ended without settling (failed, cancelled).
         self.on_settled = lambda job, receipt: None
         self.on_ended = lambda job: None
+        # Each lease as assign() wrote it (newest ASSIGNED_COPIES), so a receipt does not
+        # read back what this process just wrote (see receipt()).
+        self._assigned: OrderedDict[str, Job] = OrderedDict()
+        self._assigned_lock = threading.Lock()
 
     # ---- clients ---------------------------------------------------------------------
     def submit(self, who: Principal, body: Any, idempotency_key: str | None = None) -> tuple[Job, bool]:
@@ -123,13 +130,32 @@ class JobService:
             hashed["n"] = terms["n"]
         request_hash = sha256_hex(canonical_bytes(hashed))
         now = self.clock()
-        # With an idempotency key the job id is derived from it, so a resubmit finds the
-        # first job before holding, and a racing resubmit gets the same hold (same key).
+        # With an idempotency key the job id is derived from it: a resubmit's hold is the
+        # first one (the ledger's key derives from the job id) and its row conflicts with
+        # the first job's, so a replay writes nothing and needs no read before it; one that
+        # is refused (the terms or the balance are not what they were, say) is looked up.
         job_id = (str(uuid.uuid5(_JOB_IDS, f"{who.account_id}:{idempotency_key}"))
                   if idempotency_key is not None else str(uuid.uuid4()))
-        existing = self.repo.get(job_id) if idempotency_key is not None else None
-        if existing is not None:
+        try:
+            job = self._create(who, manifest, inputs, terms, job_id, idempotency_key,
+                               request_hash, now, verify, weights)
+        except _Taken as taken:
+            return _replayed(taken.job, request_hash, idempotency_key), False
+        except Exception:
+            existing = self.repo.get(job_id) if idempotency_key is not None else None
+            if existing is None:
+                raise
             return _replayed(existing, request_hash, idempotency_key), False
+        if not job.batch_id:
+            self.hub.notify(job.id)
+            self.on_queued(job)
+        return job, True
+
+    def _create(self, who: Principal, manifest, inputs: dict, terms: dict, job_id: str,
+                idempotency_key: str | None, request_hash: str, now: float, verify: str,
+                weights: str | None) -> Job:
+        """The job (or a split's first sibling) with its hold. Raises _Taken, having
+        written nothing, when an earlier request with the same idempotency key has it."""
         work_units = manifest.work_units_for(inputs)
         n = terms["n"]
         if self.check_terms is not None:
@@ -164,26 +190,25 @@ class JobService:
                       hold_id=hold_id, max_price_micro=max_price, priority=terms["priority"],
                       deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights)
             job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
-        if not created:
-            return _replayed(job, request_hash, idempotency_key), False
-        self.hub.notify(job.id)
-        self.on_queued(job)
-        return job, True
+            if not created:  # rolls back the block: the replayed hold's audit entry too
+                raise _Taken(job)
+            return job
 
     def _submit_batch(self, who: Principal, manifest, inputs: dict, work_units: float,
                       terms: dict, batch_id: str, idempotency_key: str | None,
                       request_hash: str, now: float, verify: str = "sampled",
-                      weights: str | None = None) -> tuple[Job, bool]:
+                      weights: str | None = None) -> Job:
         """A split request: ``n`` sibling jobs sharing ``batch_id`` (their ids derive from
         it), each with its own hold for its share of the client's max price. Sibling ``i``
-        gets ``seed + i`` when the inputs carry an integer seed. Returns the first sibling;
-        the dispatcher clears the siblings together."""
+        gets ``seed + i`` when the inputs carry an integer seed. Returns the first sibling
+        (raises _Taken when an earlier request with the same key made them); the dispatcher
+        clears the siblings together."""
         n = terms["n"]
         cap = terms["max_price_micro"]
         share = None if cap is None else cap // n
         existing = self.repo.get(str(uuid.uuid5(_JOB_IDS, f"{batch_id}:0")))
         if existing is not None:
-            return _replayed(existing, request_hash, idempotency_key), False
+            raise _Taken(existing)
         created: list[Job] = []
         with self.repo.atomic():  # all siblings with their holds, or none
             for i in range(n):
@@ -216,7 +241,7 @@ class JobService:
             self.hub.notify(job.id)
         # One wake-up once every sibling exists, so that they clear together.
         self.on_queued(created[0], siblings=created)
-        return created[0], True
+        return created[0]
 
     def submit_check(self, primary: Job, check_id: str, account_id: str, inputs: dict,
                      excluded: list[str], *, not_before: float, fund=None) -> Job:
@@ -383,6 +408,11 @@ class JobService:
             price_micro_per_unit=price_micro_per_unit)
         if moved is None:
             return None
+        with self._assigned_lock:
+            self._assigned[moved.id] = moved
+            self._assigned.move_to_end(moved.id)
+            if len(self._assigned) > ASSIGNED_COPIES:
+                self._assigned.popitem(last=False)
         data, signature = sign_envelope(self.signer, envelope)
         target.send_assignment(data, signature)
         self.hub.notify(job.id)
@@ -431,10 +461,7 @@ class JobService:
         return self._put_output(job_id, data, sha256)
 
     def _put_output(self, job_id: str, data: bytes, sha256: str) -> str:
-        actual = sha256_hex(data)
-        if sha256 and actual != sha256:
-            raise ReceiptRefused("output_hash_mismatch",
-                                 f"output of job {job_id} hashes to {actual}, not {sha256}")
+        _check_output(job_id, data, sha256)
         return self.blobs.put(data)
 
     def receipt(self, provider_id: str, provider_key: str, data: bytes, signature: str,
@@ -447,6 +474,20 @@ class JobService:
         except EnvelopeError as exc:
             raise ReceiptRefused(exc.code, str(exc)) from None
         job_id, attempt = str(rec["job_id"]), int(rec["attempt"])
+        # The lease as assign() wrote it, when it is this sender's and this attempt's: the
+        # settlement's conditional UPDATE still decides, and if the job has moved since,
+        # the receipt is judged again on the row as it is now.
+        with self._assigned_lock:
+            leased = self._assigned.get(job_id)
+            if leased is not None and (leased.provider_id, leased.attempt) == (provider_id, attempt):
+                del self._assigned[job_id]
+            else:
+                leased = None
+        if leased is not None:
+            try:
+                return self._settle(leased, rec, signature, uploads, from_copy=True)
+            except _Moved:
+                pass
         job = self.repo.get(job_id) if _is_uuid(job_id) else None
         if job is None:
             raise ReceiptRefused("unknown_job", f"receipt names unknown job {job_id!r}")
@@ -457,6 +498,13 @@ class JobService:
             self._charge(job, rec)
             return job
         job = self._leased(provider_id, job_id, attempt, job)
+        return self._settle(job, rec, signature, uploads)
+
+    def _settle(self, job: Job, rec: dict, signature: str, uploads, from_copy: bool = False) -> Job:
+        """Settle ``job`` (leased to the receipt's sender) on its verified receipt ``rec``.
+        ``from_copy``: ``job`` is assign()'s copy, and a job that has moved since raises
+        _Moved instead of being refused."""
+        provider_id, attempt = job.provider_id, int(rec["attempt"])
         if rec["envelope_sha256"] != sha256_hex(canonical_bytes(job.envelope)):
             raise ReceiptRefused("envelope_mismatch", "receipt does not cover this job's envelope")
         check_receipt_shape(rec)
@@ -467,11 +515,12 @@ class JobService:
                                  f"an output sent with the receipt ({stray[:12]}…) is not one "
                                  "the receipt names")
         for blob, sha in uploads:
-            self._put_output(job.id, blob, sha)
+            _check_output(job.id, blob, sha)
+        sent = {sha for _, sha in uploads}
         outputs = []
         for i, out in enumerate(rec["outputs"]):
             sha = out["sha256"]
-            if not self.blobs.exists(sha):
+            if sha not in sent and not self.blobs.exists(sha):
                 raise ReceiptRefused("output_missing",
                                      f"output {i} ({sha[:12]}…) was not uploaded before the receipt")
             outputs.append(JobOutput(job.id, out["index"], sha, out["media_type"], out["size"]))
@@ -492,8 +541,14 @@ class JobService:
                 receipt=rec, receipt_signature=signature, lease_expires_at=None,
                 finished_at=now)
             if settled is None:
+                if from_copy:
+                    raise _Moved()  # nothing was written: judged again on the row
                 raise ReceiptRefused("not_your_job",
-                                     f"job {job_id} moved before the receipt arrived")
+                                     f"job {job.id} moved before the receipt arrived")
+            # Stored once the job is the sender's to settle; if storing fails, the
+            # settlement rolls back with it.
+            for blob, _ in uploads:
+                self.blobs.put(blob)
             self._charge(settled, rec)
         try:
             self.on_receipt(settled, rec)
@@ -624,6 +679,25 @@ class JobService:
                                     {"step": what, "error": f"{type(exc).__name__}: {exc}"})
             except Exception:  # noqa: BLE001 - the log line above still names the job
                 log.exception("job %s: could not record the ledger failure", job.id)
+
+
+def _check_output(job_id: str, data: bytes, sha256: str) -> None:
+    actual = sha256_hex(data)
+    if sha256 and actual != sha256:
+        raise ReceiptRefused("output_hash_mismatch",
+                             f"output of job {job_id} hashes to {actual}, not {sha256}")
+
+
+class _Taken(Exception):
+    """The job's id is an earlier request's (the same idempotency key): ``job``."""
+
+    def __init__(self, job: Job):
+        super().__init__(job.id)
+        self.job = job
+
+
+class _Moved(Exception):
+    """assign()'s copy of a lease is out of date: the job moved since."""
 
 
 def _check_lease(job_id: str, provider_id: str, attempt: int,

@@ -3,6 +3,7 @@ settlement to the micro-credit, refunds on cancel and failure, idempotent resubm
 import pytest
 
 from broker.app import create_app
+from broker.errors import IdempotencyConflict
 from broker.ledger.model import AccountKind, HoldState
 from broker.services import build_services
 from broker.settings import Settings
@@ -147,6 +148,21 @@ def test_idempotent_resubmit_holds_once(world):
     assert created and not created_again and again.id == first.id
     assert again.hold_id == first.hold_id
     assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 250_000
+    # The replay wrote nothing: no audit entry for the hold it found again, no event.
+    entries = len(services.audit.search(limit=100))
+    events = len(services.jobs.repo.events_after(first.id, 0))
+    services.jobs.submit(client, body, idempotency_key="k1")
+    assert len(services.audit.search(limit=100)) == entries
+    assert len(services.jobs.repo.events_after(first.id, 0)) == events
+    # Still the first job when the price moved since (the hold taken again would not
+    # match the first one): looked up, not refused, and nothing more is held.
+    services.pricing.set_price("echo", {"reserve_micro_per_unit": 300_000}, by="test")
+    third, created_third = services.jobs.submit(client, body, idempotency_key="k1")
+    assert third.id == first.id and not created_third
+    assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 250_000
+    with pytest.raises(IdempotencyConflict):  # the same key for another request
+        services.jobs.submit(client, {**body, "inputs": {"text": "other"}}, idempotency_key="k1")
+    assert services.audit.verify().ok and services.ledger.verify().ok
 
 
 def test_job_insert_failure_takes_the_hold_and_its_audit_entry_with_it(world, monkeypatch):

@@ -304,3 +304,57 @@ def test_outputs_sent_with_the_receipt_are_stored_once_it_verifies(world):
                            uploads=[(data, sha)])
     assert settled.state == JobState.SETTLED
     assert jobs.output(client, job.id, 0)[1] == data
+
+
+def _inline_receipt(session, key: KeyPair, data: bytes):
+    env_bytes, _ = session.sent[-1]
+    env = loads(env_bytes)
+    sha = sha256_hex(data)
+    rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
+                       outputs=[{"index": 0, "sha256": sha, "media_type": "application/json",
+                                 "size": len(data)}], work_units=1.0, timings_ms={"run": 1})
+    return canonical_bytes(rec), key.sign("receipt", rec), [(data, sha)]
+
+
+def test_a_receipt_settles_on_the_lease_as_assigned_without_reading_the_job_back(world):
+    jobs, _, client, _ = world
+    job, s, key, _ = _matched(world)
+    blob, sig, uploads = _inline_receipt(s, key, b'{"fast":true}')
+    reads = []
+    real_get = jobs.repo.get
+    jobs.repo.get = lambda job_id: reads.append(job_id) or real_get(job_id)
+    settled = jobs.receipt(s.provider_id, key.public_key_hex, blob, sig, uploads=uploads)
+    assert settled.state == JobState.SETTLED and reads == []
+    # Sent again (a reconnect): judged on the row, and idempotent.
+    assert jobs.receipt(s.provider_id, key.public_key_hex, blob, sig).state == JobState.SETTLED
+    assert reads == [job.id]
+    assert jobs.output(client, job.id, 0)[1] == b'{"fast":true}'
+
+
+def test_a_receipt_for_a_job_that_moved_since_it_was_assigned_is_judged_on_the_row(world):
+    """The lease as assign() wrote it is out of date (the client cancelled): the receipt
+    is refused as before, its outputs are not stored, and the job stays cancelled."""
+    jobs, _, client, _ = world
+    job, s, key, _ = _matched(world, {"sleep_ms": 1000})
+    jobs.cancel(client, job.id)
+    data = b'{"late":true}'
+    blob, sig, uploads = _inline_receipt(s, key, data)
+    with pytest.raises(ReceiptRefused) as exc:
+        jobs.receipt(s.provider_id, key.public_key_hex, blob, sig, uploads=uploads)
+    assert exc.value.code == "not_your_job"
+    assert not jobs.blobs.exists(sha256_hex(data))
+    assert jobs.get(client, job.id).state == JobState.CANCELLED
+
+
+def test_a_late_receipt_for_an_earlier_attempt_is_refused(world):
+    jobs, clock, client, _ = world
+    job, s, key, d = _matched(world)
+    blob, sig, uploads = _inline_receipt(s, key, b'{"attempt":0}')
+    clock.advance(11)
+    jobs.reap_expired()
+    d.match_once()  # attempt 1, to the same provider (the only one)
+    assert jobs.get(client, job.id).attempt == 1
+    with pytest.raises(ReceiptRefused) as exc:
+        jobs.receipt(s.provider_id, key.public_key_hex, blob, sig, uploads=uploads)
+    assert exc.value.code == "not_your_job"
+    assert jobs.get(client, job.id).state == JobState.MATCHED
