@@ -8,13 +8,13 @@ then measures
 Prints a table and the ratio against the direct call. Targets (issue #2, 2-core machine):
 >= 300 jobs/s and <= 15 ms p50 added latency.
 
-Measured here (2 cores, --jobs 400, 1/2/4 agents) on 2026-11-30, on a machine slower than
-on earlier days (the same code as before did 45 jobs/s where it had done 77–100): 54–58
-jobs/s against 45–46 for the previous code in the same session, the broker's CPU per job
-16–17 ms against 20–21 ms, the agents' 2.3–2.7 ms against 3.2–3.4 ms, and 17.8–18.5 ms
-added p50 (previous code: 19.2–21.8 ms). The broker is one GIL-bound Python process, so its
-CPU per job caps the rate however many cores there are (docs/architecture.md, "Dispatch
-throughput", says where it goes).
+Measured here (2 cores, 1/2/4 agents, 600 jobs) on 2026-11-30, side by side with the code
+from the start of that day's second session: 142–156 jobs/s against 117–127, the broker's
+CPU per job 5.8–6.4 ms against 7.5–8.3 ms, agents 1.2–1.5 ms, and 6.0–6.5 ms added p50
+(before: 7.2–8.0 ms). Machines differ from day to day (the same code did 45 jobs/s on a
+slow one), so compare runs made together. The broker is one GIL-bound Python process, so
+its CPU per job caps the rate however many cores there are (docs/architecture.md,
+"Dispatch throughput", says where it goes).
 
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
                              [--svg out/bench-dispatch.svg]
