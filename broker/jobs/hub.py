@@ -3,9 +3,10 @@
 The events themselves live in the database; the hub only says "something happened to job
 X" (and whether that was its end), so a waiter re-reads when it needs to. The end may come
 with the job as it was written (a settlement's row and outputs): while nothing else has
-happened to the job since, a waiter takes that copy instead of reading it back. Each job has its
-own waiters: a notification wakes only the threads watching that job (one shared condition
-would wake every long-poll on every event and have each of them re-query the database).
+happened to the job since, a waiter takes that copy instead of reading it back. Each job
+has its own waiters: a notification wakes only the threads watching that job (one shared
+condition would wake every long-poll on every event and have each of them re-query the
+database).
 """
 from __future__ import annotations
 

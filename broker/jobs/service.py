@@ -479,7 +479,8 @@ class JobService:
         # the receipt is judged again on the row as it is now.
         with self._assigned_lock:
             leased = self._assigned.get(job_id)
-            if leased is not None and (leased.provider_id, leased.attempt) == (provider_id, attempt):
+            if leased is not None and (leased.provider_id == provider_id
+                                       and leased.attempt == attempt):
                 del self._assigned[job_id]
             else:
                 leased = None

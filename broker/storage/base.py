@@ -111,8 +111,8 @@ class _Own:
     """One thread's own read connection to one SQLite engine, kept open between uses:
     taking a connection from the pool and giving it back (a Connection object, checkout,
     reset, checkin, events) cost more Python than the statement it ran. Closed when the
-    thread ends or the engine is disposed. PostgreSQL keeps its capped pool (its connections are
-    server processes; the broker's threads outnumber them)."""
+    thread ends or the engine is disposed. PostgreSQL keeps its capped pool (its
+    connections are server processes; the broker's threads outnumber them)."""
 
     __slots__ = ("reader", "reading", "__weakref__")
 
