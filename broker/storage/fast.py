@@ -46,15 +46,16 @@ class Rows:
 
 class _Plan:
     __slots__ = ("compiled", "sql", "positional", "positions", "binds", "names", "results",
-                 "expanding", "fallback", "params", "expanded")
+                 "expanding", "fallback", "params", "expanded", "by_position")
 
-    def result_processors(self, dialect, description) -> list:
-        """Each result column's processor, given the column types the driver reports (the
-        PostgreSQL dialect picks a processor by type code)."""
+    def result_processors(self, dialect, description) -> list[tuple[int, Any]]:
+        """(column index, processor) of each result column that has one, given the column
+        types the driver reports (the PostgreSQL dialect picks a processor by type code)."""
         if self.results is None:
             columns = self.compiled._result_columns or []
-            self.results = [rc.type._cached_result_processor(dialect, d[1])
-                            for rc, d in zip(columns, description)]
+            procs = [rc.type._cached_result_processor(dialect, d[1])
+                     for rc, d in zip(columns, description)]
+            self.results = [(i, p) for i, p in enumerate(procs) if p is not None]
         return self.results
 
 
@@ -92,6 +93,12 @@ class Prepared:
         # What construct_params does per bind parameter, decided once: where its value
         # comes from (the caller's key, else its name), else its own value or an error.
         plan.params = [(name, bp.key, bp.required, bp) for bp, name in compiled.bind_names.items()]
+        # The same, in the order a positional driver takes them, each with its processor:
+        # what _args walks once for such a statement (no IN list to expand).
+        specs = {name: (name, key, required, bp) for name, key, required, bp in plan.params}
+        plan.by_position = ([(*specs[k], plan.binds.get(k)) for k in plan.positions]
+                            if compiled.positional and not plan.expanding
+                            and all(k in specs for k in plan.positions) else None)
         # Expanded IN lists by their lengths: (sql, positions, processors), or None where
         # SQLAlchemy's expansion is not the plain name_1, name_2… this code reproduces.
         plan.expanded = {}
@@ -102,6 +109,20 @@ class Prepared:
         """The SQL and the DBAPI parameters, as DefaultExecutionContext builds them: every
         bind parameter required (a missing one raises, never binds NULL), expanding IN
         lists rendered, each value through its processor, names escaped."""
+        if plan.by_position is not None:
+            args = []
+            for name, key, required, bp, proc in plan.by_position:
+                if key in params:
+                    value = params[key]
+                elif name in params:
+                    value = params[name]
+                elif required:
+                    raise exc.InvalidRequestError(
+                        f"A value is required for bind parameter {key!r}", code="cd3x")
+                else:
+                    value = bp.effective_value if bp.callable else bp.value
+                args.append(value if proc is None else proc(value))
+            return plan.sql, args
         values = {}
         for name, key, required, bp in plan.params:
             if key in params:
@@ -173,9 +194,17 @@ class Prepared:
             conn._handle_dbapi_exception(error, sql, args, cursor, None)
         finally:
             cursor.close()
-        if rows and any(procs):
-            rows = [tuple(v if p is None else p(v) for p, v in zip(procs, r)) for r in rows]
+        if rows and procs:
+            rows = [_processed(r, procs) for r in rows]
         return Rows(rows, plan.names, rowcount)
+
+
+def _processed(row: tuple, procs: list[tuple[int, Any]]) -> tuple:
+    """``row`` with each processed column through its processor."""
+    row = list(row)
+    for i, proc in procs:
+        row[i] = proc(row[i])
+    return tuple(row)
 
 
 def _spread(values: dict, expanding) -> dict:
