@@ -1,6 +1,7 @@
 """Dispatch benchmark: jobs/s and added latency of the broker path with the echo plugin.
 
-Starts a real broker (SQLite, as `make demo` does) and 1, 2 and 4 real agents on loopback,
+Starts a real broker (SQLite, as `make demo` does, or PostgreSQL with --db) and 1, 2 and 4
+real agents on loopback,
 then measures
   * added latency: one client, one job at a time, submit → settled (p50/p99), minus the
     direct in-process plugin call measured in the same run;
@@ -18,6 +19,9 @@ its CPU per job caps the rate however many cores there are (docs/architecture.md
 
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
                              [--svg out/bench-dispatch.svg]
+                             [--db postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
+
+With --db naming a PostgreSQL server, each run gets a fresh database there (dropped after).
 
 With --svg it also draws the figures: jobs/s against the target, and where each job's CPU
 went against the budget the target leaves on this machine's cores.
@@ -33,6 +37,8 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -102,10 +108,24 @@ def _tree(pid: int, children: dict[int, list[int]]) -> list[int]:
     return out
 
 
+def _postgres_cpu_s() -> float:
+    """CPU seconds of the PostgreSQL server's processes on this machine, live ones and
+    those that exited (its backends serve the broker's connections, and one exits with
+    each connection the pool closes; with SQLite the database runs inside the broker)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if "(postgres)" in stat.read_text():
+                total += sum(_cpu_s(int(stat.parent.name)))
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 def cpu_split(net, client_pid: int) -> dict[str, float]:
     """CPU seconds used so far by the broker, the agents, their plugin hosts (live ones,
-    and those that exited and were reaped) and this process (the clients): where the
-    machine's cores go."""
+    and those that exited and were reaped), this process (the clients) and, when the
+    broker runs on PostgreSQL, the database server: where the machine's cores go."""
     children = _children()
     agents = hosts = 0.0
     for a in net.agents:
@@ -116,8 +136,11 @@ def cpu_split(net, client_pid: int) -> dict[str, float]:
             else:
                 hosts += own
             hosts += reaped
-    return {"broker": _cpu_s(net.broker.pid)[0], "agents": agents, "hosts": hosts,
-            "clients": _cpu_s(client_pid)[0]}
+    split = {"broker": _cpu_s(net.broker.pid)[0], "agents": agents, "hosts": hosts,
+             "clients": _cpu_s(client_pid)[0]}
+    if (net.db_url or "").startswith("postgresql"):
+        split["database"] = _postgres_cpu_s()
+    return split
 
 
 def pct(values: list[float], p: float) -> float:
@@ -125,11 +148,34 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool) -> dict:
+@contextmanager
+def fresh_database(url: str | None):
+    """``url`` for SQLite (None: the broker's own file); for a PostgreSQL server, the URL of
+    a new database on it, dropped afterwards."""
+    if not url or not url.startswith("postgresql"):
+        yield url
+        return
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"sparecycles_bench_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        yield make_url(url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
+            db_url: str | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sc-bench-"))
     # The dispatch path alone: verification (re-running sampled jobs) is measured by
     # bench/cheaters.py.
-    net = LocalNetwork(work, env={"SPARECYCLES_VERIFICATION": "off"})
+    net = LocalNetwork(work, db_url=db_url, env={"SPARECYCLES_VERIFICATION": "off"})
     try:
         net.start_broker()
         pkey = net.create_key("provider")
@@ -178,7 +224,7 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool) -
 
 TARGET_JOBS_PER_S = 300
 PARTS = [("broker", "#3b6ea5"), ("agents", "#e08a2e"), ("hosts", "#8cb369"),
-         ("clients", "#9b7bb8")]
+         ("clients", "#9b7bb8"), ("database", "#7f8c8d")]
 
 
 def _nice_step(raw: float) -> float:
@@ -187,16 +233,17 @@ def _nice_step(raw: float) -> float:
     return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
 
 
-def write_svg(rows: list[dict], path: Path, cores: int) -> None:
+def write_svg(rows: list[dict], path: Path, cores: int, db: str = "SQLite") -> None:
     """Two bar charts in one SVG (no plotting library needed): jobs/s per number of agents
     with the target, and the CPU each job cost, by process, with the budget the target
     leaves on ``cores`` cores (cores × 1000 ms ÷ target jobs/s)."""
     budget = cores * 1000 / TARGET_JOBS_PER_S
     w, h, top, bottom, left = 360, 270, 50, 40, 50
     plot_h = h - top - bottom
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w}" height="{h + 30}" '
+    width = 2 * w + 40  # room for the legend's last entry
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h + 30}" '
            'font-family="sans-serif" font-size="12">',
-           f'<rect width="{2 * w}" height="{h + 30}" fill="white"/>']
+           f'<rect width="{width}" height="{h + 30}" fill="white"/>']
 
     def panel(x0: float, title: str, top_value: float, bars, line: float, line_label: str,
               fmt: str) -> None:
@@ -235,15 +282,17 @@ def write_svg(rows: list[dict], path: Path, cores: int) -> None:
                    'text-anchor="middle" fill="#444">agents</text>')
 
     top_rate = max([TARGET_JOBS_PER_S] + [r["jobs_per_s"] for r in rows]) * 1.15
-    panel(0, "jobs/s (echo, sandbox, SQLite)", top_rate,
+    panel(0, f"jobs/s (echo, sandbox, {db})", top_rate,
           [(str(r["agents"]), [(r["jobs_per_s"], "#3b6ea5")]) for r in rows],
           TARGET_JOBS_PER_S, f"target: {TARGET_JOBS_PER_S} jobs/s", ".0f")
     top_cpu = max([budget] + [sum(r["cpu_ms"].values()) for r in rows]) * 1.2
     panel(w, "CPU ms per job, by process", top_cpu,
-          [(str(r["agents"]), [(r["cpu_ms"][k], c) for k, c in PARTS]) for r in rows],
+          [(str(r["agents"]), [(r["cpu_ms"].get(k, 0.0), c) for k, c in PARTS])
+           for r in rows],
           budget, f"budget at the target on {cores} cores: {budget:.1f} ms", ".1f")
-    for i, (name, color) in enumerate(PARTS):
-        x = w + left + i * 78
+    shown = [(k, c) for k, c in PARTS if any(k in r["cpu_ms"] for r in rows)]
+    for i, (name, color) in enumerate(shown):
+        x = w + 20 + i * 72
         out.append(f'<rect x="{x}" y="{h + 8}" width="10" height="10" fill="{color}"/>')
         out.append(f'<text x="{x + 14}" y="{h + 17}">{name}</text>')
     out.append("</svg>")
@@ -259,30 +308,35 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--no-sandbox", action="store_true")
     ap.add_argument("--svg", type=Path, help="also draw the figures into this SVG file")
+    ap.add_argument("--db", help="the broker's database: a PostgreSQL server's URL (each run "
+                    "gets a fresh database there); default: SQLite, as make demo runs")
     args = ap.parse_args()
+    db = "PostgreSQL" if (args.db or "").startswith("postgresql") else "SQLite"
     sandbox = not args.no_sandbox and shutil.which("bwrap") is not None
 
     direct = direct_call_ms()
     d50, d99 = statistics.median(direct), pct(direct, 99)
     print(f"direct in-process echo call: p50 {d50:.3f} ms, p99 {d99:.3f} ms")
-    print(f"broker path: SQLite, sandbox {'on' if sandbox else 'off'}, {args.clients} clients, "
+    print(f"broker path: {db}, sandbox {'on' if sandbox else 'off'}, {args.clients} clients, "
           f"{args.slots} slot(s) per agent")
     print(f"{'agents':>6} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
           f"{'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
-          "plugin hosts / clients")
+          "plugin hosts / clients" + (" / database server" if db == "PostgreSQL" else ""))
     rows = []
     for n in [int(x) for x in args.agents.split(",")]:
-        r = run_one(n, args.jobs, args.clients, args.slots, sandbox)
+        with fresh_database(args.db) as url:
+            r = run_one(n, args.jobs, args.clients, args.slots, sandbox, url)
         rows.append(r)
         p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
         c = r["cpu_ms"]
         print(f"{n:>6} {r['jobs_per_s']:>8.0f} {p50:>8.2f} {p99:>8.2f} {p50 - d50:>10.2f} "
               f"{p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x   {c['broker']:6.2f} / "
-              f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}", flush=True)
+              f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}"
+              + (f" / {c['database']:5.2f}" if "database" in c else ""), flush=True)
     print("targets: >= 300 jobs/s, <= 15 ms added p50. The CPU columns say where the "
           "machine's cores went during the throughput run (all processes share them).")
     if args.svg:
-        write_svg(rows, args.svg, os.cpu_count() or 1)
+        write_svg(rows, args.svg, os.cpu_count() or 1, db)
         print(f"figures drawn in {args.svg}")
     return 0
 
