@@ -10,12 +10,12 @@ Prints a table and the ratio against the direct call. Targets (issue #2, 2-core 
 >= 300 jobs/s and <= 15 ms p50 added latency.
 
 Measured here (2 cores, 1/2/4 agents, 600 jobs) on 2026-11-30, side by side with the code
-from the start of that day's second session: 142–156 jobs/s against 117–127, the broker's
-CPU per job 5.8–6.4 ms against 7.5–8.3 ms, agents 1.2–1.5 ms, and 6.0–6.5 ms added p50
-(before: 7.2–8.0 ms). Machines differ from day to day (the same code did 45 jobs/s on a
-slow one), so compare runs made together. The broker is one GIL-bound Python process, so
-its CPU per job caps the rate however many cores there are (docs/architecture.md,
-"Dispatch throughput", says where it goes).
+from the start of that day's second session (two rounds, run alternately): 177–198 jobs/s
+against 144–156, the broker's CPU per job 4.6–5.1 ms against 6.1–6.6 ms, agents about
+1 ms, and 4.6–4.9 ms added p50 (before: 5.5–6.2 ms). Machines differ from day to day and
+hour to hour (the same code did 45 jobs/s on a slow one), so compare runs made together.
+The broker is one GIL-bound Python process, so its CPU per job caps the rate however many
+cores there are (docs/architecture.md, "Dispatch throughput", says where it goes).
 
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
                              [--svg out/bench-dispatch.svg]
