@@ -1,8 +1,7 @@
 """Dispatch benchmark: jobs/s and added latency of the broker path with the echo plugin.
 
 Starts a real broker (SQLite, as `make demo` does, or PostgreSQL with --db) and 1, 2 and 4
-real agents on loopback,
-then measures
+real agents on loopback, then measures
   * added latency: one client, one job at a time, submit → settled (p50/p99), minus the
     direct in-process plugin call measured in the same run;
   * throughput: many clients in parallel (closed loop), completed jobs per second.
