@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring
 from typing import Any
 
 from sdk.protocol.canonical import canonical_bytes
@@ -42,39 +41,14 @@ def chain_hash(prev_hash: str, document: dict[str, Any]) -> str:
     return hashlib.sha256(prev_hash.encode("ascii") + canonical_bytes(document)).hexdigest()
 
 
-# Built once (``json.dumps`` with options builds an encoder per call). _CANONICAL_JSON
-# encodes as canonical_bytes does, less its check, which plain data always passes.
+# Built once (``json.dumps`` with options builds an encoder per call).
 _PLAIN_JSON = json.JSONEncoder(default=str, allow_nan=False).encode
-_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                                   allow_nan=False).encode
 
 
-def plain_data(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """``data`` as canonical JSON can encode it (string keys, finite numbers, anything else
-    as its ``str``), and its canonical JSON text: what an entry stores and hashes, encoded
-    once here instead of again for the hash and for the stored row."""
-    value = json.loads(_PLAIN_JSON(data))
-    return value, _CANONICAL_JSON(value)
-
-
-def entry_hash(prev_hash: str, *, seq: int, at_ms: int, actor: str, action: str, subject: str,
-               ref: str | None, data_json: str) -> str:
-    """``chain_hash(prev_hash, document)`` of the entry with these fields, whose data is
-    ``data_json`` (from :func:`plain_data`): the document's canonical bytes are put together
-    around that text (keys in code point order, strings as canonical JSON writes them)
-    rather than encoding the data again. :meth:`AuditEntry.compute_hash`, which
-    verification uses, encodes the whole document and must agree."""
-    if not (type(seq) is int and type(at_ms) is int and type(actor) is str
-            and type(action) is str and type(subject) is str
-            and (ref is None or type(ref) is str)):
-        return chain_hash(prev_hash, {"seq": seq, "at_ms": at_ms, "actor": actor,
-                                      "action": action, "subject": subject,
-                                      "data": json.loads(data_json), "ref": ref})
-    document = (f'{{"action":{encode_basestring(action)},"actor":{encode_basestring(actor)},'
-                f'"at_ms":{at_ms},"data":{data_json},'
-                f'"ref":{"null" if ref is None else encode_basestring(ref)},"seq":{seq},'
-                f'"subject":{encode_basestring(subject)}}}')
-    return hashlib.sha256(prev_hash.encode("ascii") + document.encode("utf-8")).hexdigest()
+def plain_data(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` as canonical JSON can encode it: string keys, finite numbers, anything else
+    as its ``str``."""
+    return json.loads(_PLAIN_JSON(data))
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,12 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, ContextManager, Iterator, Protocol
 
-from broker.audit.model import GENESIS, AuditEntry, ChainReport, entry_hash, plain_data
+from sdk.protocol.canonical import canonical_text
+
+from broker.audit.model import GENESIS, AuditEntry, ChainReport, plain_data
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +50,9 @@ class _Pending:
 
     def __init__(self, actor, action, subject, data, ref, at_ms):
         self.actor, self.action, self.subject = actor, action, subject
-        # Normalised and encoded once: the same text is hashed and stored.
-        self.data, self.data_json = plain_data(data)
+        # Normalised and encoded once for the stored row (the hash encodes the whole entry).
+        self.data = plain_data(data)
+        self.data_json = canonical_text(self.data)
         self.ref, self.at_ms = ref, at_ms
         self.entry: AuditEntry | None = None
 
@@ -85,10 +89,8 @@ class AuditLog:
                     seq, prev = (head.seq + 1, head.hash) if head else (1, GENESIS)
                     entry = AuditEntry(
                         seq=seq, at_ms=item.at_ms, actor=item.actor, action=item.action,
-                        subject=item.subject, data=item.data, ref=item.ref, prev_hash=prev,
-                        hash=entry_hash(prev, seq=seq, at_ms=item.at_ms, actor=item.actor,
-                                        action=item.action, subject=item.subject,
-                                        ref=item.ref, data_json=item.data_json))
+                        subject=item.subject, data=item.data, ref=item.ref, prev_hash=prev)
+                    entry = replace(entry, hash=entry.compute_hash())
                     if self.repo.append(tx.conn, entry, item.data_json):
                         head, item.entry = entry, entry
                         break

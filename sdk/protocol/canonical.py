@@ -69,11 +69,17 @@ _encode = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=F
                            allow_nan=False).encode
 
 
-def canonical_bytes(value: Any) -> bytes:
-    """Encode ``value`` canonically; raises CanonicalEncodingError for unencodable values."""
+def canonical_text(value: Any) -> str:
+    """The canonical JSON text of ``value`` (what :func:`canonical_bytes` encodes as UTF-8,
+    for a caller that stores text); raises CanonicalEncodingError for unencodable values."""
     if not _encodable(value):
         _check(value, "")
-    return _encode(value).encode("utf-8")
+    return _encode(value)
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """Encode ``value`` canonically; raises CanonicalEncodingError for unencodable values."""
+    return canonical_text(value).encode("utf-8")
 
 
 def loads(data: bytes) -> Any:
