@@ -79,6 +79,23 @@ def _check_id(name: str, value: object, *, max_chars: int = MAX_ID_CHARS) -> str
     return value
 
 
+def _post_legs_of(hold: Hold, splits: Splits, released: int) -> list[tuple[AccountId, int]]:
+    """The legs of posting ``hold`` for ``splits``: the held amount out, the provider's
+    share, the fee and the royalty in, and ``released`` back to the client's available
+    account. That account exists (the hold was taken from it), so it is named only when
+    something goes back; else _move would read it to check (a post of the whole hold, as a
+    cold market charges, is common)."""
+    legs = [(AccountId(AccountKind.CLIENT_HELD, hold.client), -hold.amount_micro),
+            (AccountId(AccountKind.PROVIDER_VESTING, splits.provider), splits.provider_micro),
+            (AccountId.platform(AccountKind.PLATFORM_FEES), splits.fee_micro)]
+    if released:
+        legs.append((AccountId(AccountKind.CLIENT_AVAILABLE, hold.client), released))
+    if splits.publisher is not None:
+        legs.append((AccountId(AccountKind.PUBLISHER_ROYALTIES, splits.publisher),
+                     splits.royalty_micro))
+    return legs
+
+
 # ``json.dumps`` with options builds a JSONEncoder per call; this one is built once and
 # encodes exactly as ``json.dumps(…, sort_keys=True, separators=(",", ":"))`` did (stored
 # fingerprints must keep matching).
@@ -221,20 +238,10 @@ class LedgerService:
                                         f"at most the hold's {hold.amount_micro:,}")
                 # Postable now: committed by another transaction after post_hold looked.
                 raise RetryableConflict(f"hold {hold_id} changed while it was posted")
-            legs = [(AccountId(AccountKind.CLIENT_HELD, hold.client), -hold.amount_micro),
-                    (AccountId(AccountKind.PROVIDER_VESTING, splits.provider), splits.provider_micro),
-                    (AccountId.platform(AccountKind.PLATFORM_FEES), splits.fee_micro)]
-            # The client's available account exists (the hold was taken from it): named only
-            # when something goes back, else _move would read it to check (a post of the
-            # whole hold, as a cold market charges, is common).
-            if hold.released_micro:
-                legs.append((AccountId(AccountKind.CLIENT_AVAILABLE, hold.client),
-                             hold.released_micro))
-            if splits.publisher is not None:
-                legs.append((AccountId(AccountKind.PUBLISHER_ROYALTIES, splits.publisher),
-                             splits.royalty_micro))
-            return self._move(uow, TransactionKind.POST, legs, memo=f"job {hold.job_id}",
-                              key=idempotency_key, hold_id=hold_id, now=now, txn_id=txn_id)
+            return self._move(uow, TransactionKind.POST,
+                              _post_legs_of(hold, splits, hold.released_micro),
+                              memo=f"job {hold.job_id}", key=idempotency_key, hold_id=hold_id,
+                              now=now, txn_id=txn_id)
         return self._idempotent("post", idempotency_key, payload, work)
 
     def post_shared(self, hold_id: str, splits: Splits, earlier: list[Splits], *,
@@ -300,16 +307,14 @@ class LedgerService:
     def _post_legs(self, uow: LedgerUnitOfWork, hold: Hold, splits: Splits, *, key: str | None,
                    now: datetime, window_s: int, txn_id: str | None = None) -> Transaction:
         released = hold.amount_micro - splits.captured_micro
-        legs = [(AccountId(AccountKind.CLIENT_HELD, hold.client), -hold.amount_micro),
-                (AccountId(AccountKind.PROVIDER_VESTING, splits.provider), splits.provider_micro),
-                (AccountId.platform(AccountKind.PLATFORM_FEES), splits.fee_micro),
-                (AccountId(AccountKind.CLIENT_AVAILABLE, hold.client), released)]
-        txn = self._move(uow, TransactionKind.POST, legs, memo=f"job {hold.job_id}", key=key,
-                         hold_id=hold.id, now=now, txn_id=txn_id)
+        txn = self._move(uow, TransactionKind.POST, _post_legs_of(hold, splits, released),
+                         memo=f"job {hold.job_id}", key=key, hold_id=hold.id, now=now,
+                         txn_id=txn_id)
         uow.save_hold(replace(
             hold, state=HoldState.POSTED, resolved_at=now, resolve_transaction_id=txn.id,
             captured_micro=splits.captured_micro, released_micro=released,
             provider=splits.provider, provider_micro=splits.provider_micro,
+            publisher=splits.publisher, royalty_micro=splits.royalty_micro,
             fee_micro=splits.fee_micro, vests_at=now + timedelta(seconds=window_s)))
         return txn
 
