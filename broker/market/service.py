@@ -224,13 +224,7 @@ class MarketService:
             if state.free != free:
                 state.free = free
                 changes["slots_free"] = min(free, self.rules.max_slots)
-            queue = self._queue_due(state, force=False)
-            if queue is not None:
-                changes["queue_s"] = queue
-            if changes and state.online:  # one update of the book for both facts
-                self.book.update_provider(provider_id, **changes)
-            if queue is not None:
-                state.queue_s = queue
+            self._refresh_queue(state, force=False, changes=changes)
 
     def lease(self, provider_id: str, job_id: str, plugin: str, work_units: float,
               since: float | None = None) -> None:
@@ -594,23 +588,19 @@ class MarketService:
                     backlog += left
         return min(backlog / max(1, state.slots), self.rules.max_queue_s)
 
-    def _queue_due(self, state: ProviderState, force: bool) -> float | None:
-        """The provider's queue when it is to be re-posted, else None: when it changed (a
-        job came or went: ``force``) or drifted with the clock by ``QUEUE_RESOLUTION_S``
-        or more. The caller posts it."""
+    def _refresh_queue(self, state: ProviderState, force: bool = True,
+                       changes: dict[str, int | float] | None = None) -> None:
+        """Re-post the provider's queue when it changed (a job or canary came or went:
+        ``force``) or drifted with the clock by ``QUEUE_RESOLUTION_S`` or more, together
+        with ``changes`` to its asks (one update of the book for all of them)."""
+        changes = {} if changes is None else changes
         queue = self._queue_s(state)
-        if queue == state.queue_s or (not force and queue > 0
-                                      and abs(queue - state.queue_s) < QUEUE_RESOLUTION_S):
-            return None
-        return queue
-
-    def _refresh_queue(self, state: ProviderState) -> None:
-        """Re-post the provider's queue: a job or canary came or went."""
-        queue = self._queue_due(state, force=True)
-        if queue is not None:
+        if queue != state.queue_s and (force or queue == 0
+                                       or abs(queue - state.queue_s) >= QUEUE_RESOLUTION_S):
             state.queue_s = queue
-            if state.online:
-                self.book.update_provider(state.provider_id, queue_s=queue)
+            changes["queue_s"] = queue
+        if changes and state.online:
+            self.book.update_provider(state.provider_id, **changes)
 
     def _refresh_queue_of(self, provider_id: str) -> None:
         state = self._providers.get(provider_id)
