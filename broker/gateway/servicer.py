@@ -234,8 +234,10 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                                                  "failed", "give_back"):
             return False
         if kind == "receipt":
-            # Opened (decoded, signature checked) once, by the service whose job it is.
-            if not self.canaries.owns(receipt_job_id(msg.receipt.receipt) or ""):
+            # Opened (decoded, signature checked) once, by the service whose job it is; not
+            # even decoded here unless the agent has a canary out (nearly never).
+            if not (self.canaries.out_to(session.provider_id)
+                    and self.canaries.owns(receipt_job_id(msg.receipt.receipt) or "")):
                 return False
             job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature)
             if job_id is None:

@@ -76,6 +76,10 @@ class CanaryService:
     def owns(self, job_id: str) -> bool:
         return self.market.canary(job_id) is not None
 
+    def out_to(self, provider_id: str) -> bool:
+        """Whether a canary is out to the provider: only then can a receipt be a canary's."""
+        return self.market.has_canary(provider_id)
+
     def receipt(self, session, data: bytes, signature: str) -> str | None:
         """A receipt for a canary: verify it, record its timing; returns the job id (None
         when it is not a canary)."""

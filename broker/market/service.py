@@ -404,6 +404,11 @@ class MarketService:
         with self._lock:
             return self._canaries.get(job_id)
 
+    def has_canary(self, provider_id: str) -> bool:
+        """Whether a canary is out to the provider (a handful are out at a time)."""
+        with self._lock:
+            return any(c.provider_id == provider_id for c in self._canaries.values())
+
     def canary_done(self, job_id: str) -> Canary | None:
         with self._lock:
             canary = self._canaries.pop(job_id, None)
