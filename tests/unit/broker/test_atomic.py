@@ -120,7 +120,7 @@ def test_a_read_inside_a_block_uses_the_block_connection(engine):
         with read_only(engine) as r:
             assert r is tx.conn
             assert [row[0] for row in r.execute(text("SELECT a FROM t"))] == [7]
-    with read_only(engine) as r:  # outside a block: a connection of its own, then returned
+    with read_only(engine) as r:  # outside a block: not the block's (it has ended)
         assert r.execute(text("SELECT count(*) FROM t")).scalar() == 1
     assert _rows(engine) == [7]
 
