@@ -176,9 +176,8 @@ class Dispatcher:
             if s is not None:
                 s.active.discard(job_id)
         if self.market is not None and provider_id:
-            self.market.release(provider_id, job_id)
-        if s is not None:
-            self._sync(s)
+            # The slot it freed and the queue it left, in one update of the book.
+            self.market.release(provider_id, job_id, free=None if s is None else s.free)
         self.kick()
 
     def _cancel(self, job: Job) -> None:
@@ -259,9 +258,9 @@ class Dispatcher:
             if session.free <= 0:
                 return False
             session.active.add(job.id)
-        self._sync(session)
         if self.market is not None:  # before the envelope goes: a fast job may end at once
-            self.market.lease(session.provider_id, job.id, job.plugin, job.work_units)
+            self.market.lease(session.provider_id, job.id, job.plugin, job.work_units,
+                              free=session.free)
         try:
             moved = self.jobs.assign(job, session, price_micro_per_unit=price)
         except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
@@ -274,8 +273,7 @@ class Dispatcher:
                 self._pending.pop(job.id, None)
                 self._added.pop(job.id, None)
             if self.market is not None:
-                self.market.release(session.provider_id, job.id)
-            self._sync(session)
+                self.market.release(session.provider_id, job.id, free=session.free)
             return False
         return True
 

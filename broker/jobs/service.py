@@ -75,9 +75,10 @@ class JobService:
         # its money moved, and every job that ended without settling (failed, cancelled).
         self.on_settled = lambda job, receipt: None
         self.on_ended = lambda job: None
-        # Each lease as assign() wrote it (newest ASSIGNED_COPIES), so a receipt does not
-        # read back what this process just wrote (see receipt()).
-        self._assigned: OrderedDict[str, Job] = OrderedDict()
+        # Each lease as assign() wrote it (newest ASSIGNED_COPIES), with the sha256 of its
+        # envelope as signed, so a receipt neither reads back what this process just wrote
+        # nor encodes the envelope again (see receipt()).
+        self._assigned: OrderedDict[str, tuple[Job, str]] = OrderedDict()
         self._assigned_lock = threading.Lock()
 
     # ---- clients ---------------------------------------------------------------------
@@ -400,6 +401,8 @@ class JobService:
                                  provider_key=target.public_key,
                                  lease_timeout_s=self.settings.lease_timeout_s,
                                  ttl_s=self.settings.envelope_ttl_s, now=now, extra=extra)
+        # Signed first, so the copy kept for the receipt holds the signed bytes' hash.
+        data, signature = sign_envelope(self.signer, envelope)
         moved = self.repo.transition(
             job.id, [JobState.QUEUED], JobState.MATCHED, expect_attempt=attempt,
             event=("assigned", {"provider_id": target.provider_id, "attempt": attempt}),
@@ -409,11 +412,10 @@ class JobService:
         if moved is None:
             return None
         with self._assigned_lock:
-            self._assigned[moved.id] = moved
+            self._assigned[moved.id] = (moved, sha256_hex(data))
             self._assigned.move_to_end(moved.id)
             if len(self._assigned) > ASSIGNED_COPIES:
                 self._assigned.popitem(last=False)
-        data, signature = sign_envelope(self.signer, envelope)
         target.send_assignment(data, signature)
         self.hub.notify(job.id)
         return moved
@@ -478,15 +480,15 @@ class JobService:
         # settlement's conditional UPDATE still decides, and if the job has moved since,
         # the receipt is judged again on the row as it is now.
         with self._assigned_lock:
-            leased = self._assigned.get(job_id)
-            if leased is not None and (leased.provider_id == provider_id
-                                       and leased.attempt == attempt):
+            copy = self._assigned.get(job_id)
+            if copy is not None and (copy[0].provider_id == provider_id
+                                     and copy[0].attempt == attempt):
                 del self._assigned[job_id]
             else:
-                leased = None
-        if leased is not None:
+                copy = None
+        if copy is not None:
             try:
-                return self._settle(leased, rec, signature, uploads, from_copy=True)
+                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1])
             except _Moved:
                 pass
         job = self.repo.get(job_id) if _is_uuid(job_id) else None
@@ -501,12 +503,16 @@ class JobService:
         job = self._leased(provider_id, job_id, attempt, job)
         return self._settle(job, rec, signature, uploads)
 
-    def _settle(self, job: Job, rec: dict, signature: str, uploads, from_copy: bool = False) -> Job:
+    def _settle(self, job: Job, rec: dict, signature: str, uploads,
+                envelope_sha: str | None = None) -> Job:
         """Settle ``job`` (leased to the receipt's sender) on its verified receipt ``rec``.
-        ``from_copy``: ``job`` is assign()'s copy, and a job that has moved since raises
-        _Moved instead of being refused."""
+        ``envelope_sha``: ``job`` is assign()'s copy and this the hash of its envelope as
+        signed; a job that has moved since then raises _Moved instead of being refused."""
         provider_id, attempt = job.provider_id, int(rec["attempt"])
-        if rec["envelope_sha256"] != sha256_hex(canonical_bytes(job.envelope)):
+        from_copy = envelope_sha is not None
+        if envelope_sha is None:
+            envelope_sha = sha256_hex(canonical_bytes(job.envelope))
+        if rec["envelope_sha256"] != envelope_sha:
             raise ReceiptRefused("envelope_mismatch", "receipt does not cover this job's envelope")
         check_receipt_shape(rec)
         named = {out["sha256"] for out in rec["outputs"]}

@@ -217,33 +217,46 @@ class MarketService:
         queue estimate follow the clock)."""
         with self._lock:
             state = self._providers.get(provider_id)
-            if state is None:
-                return
-            changes: dict[str, int | float] = {}
+            if state is not None:
+                self._refresh_queue(state, force=False,
+                                    changes=self._free_changes(state, free))
+
+    def _free_changes(self, state: ProviderState, free: int | None) -> dict[str, int | float]:
+        """The change to the provider's asks when it has ``free`` slots (None: unknown)."""
+        changes: dict[str, int | float] = {}
+        if free is not None:
             free = max(0, free)
             if state.free != free:
                 state.free = free
                 changes["slots_free"] = min(free, self.rules.max_slots)
-            self._refresh_queue(state, force=False, changes=changes)
+        return changes
 
     def lease(self, provider_id: str, job_id: str, plugin: str, work_units: float,
-              since: float | None = None) -> None:
+              since: float | None = None, free: int | None = None) -> None:
         """The provider holds a job now (assigned, or found leased when it reconnects):
-        its expected run time joins the provider's queue."""
+        its expected run time joins the provider's queue. ``free``: its free slots now
+        (as :meth:`set_free`, in the same update of the book)."""
         with self._lock:
             state = self._providers.get(provider_id)
-            if state is None or job_id in state.leases:
+            if state is None:
                 return
-            state.leases[job_id] = Lease(plugin, float(work_units),
-                                         self.clock() if since is None else since)
-            self._refresh_queue(state)
+            changes = self._free_changes(state, free)
+            leased = job_id not in state.leases
+            if leased:
+                state.leases[job_id] = Lease(plugin, float(work_units),
+                                             self.clock() if since is None else since)
+            self._refresh_queue(state, force=leased, changes=changes)
 
-    def release(self, provider_id: str, job_id: str) -> None:
-        """The job left the provider (settled, failed, requeued, cancelled)."""
+    def release(self, provider_id: str, job_id: str, free: int | None = None) -> None:
+        """The job left the provider (settled, failed, requeued, cancelled). ``free``: its
+        free slots now (as :meth:`set_free`, in the same update of the book)."""
         with self._lock:
             state = self._providers.get(provider_id)
-            if state is not None and state.leases.pop(job_id, None) is not None:
-                self._refresh_queue(state)
+            if state is None:
+                return
+            changes = self._free_changes(state, free)
+            released = state.leases.pop(job_id, None) is not None
+            self._refresh_queue(state, force=released, changes=changes)
 
     def holds(self, provider_id: str, job_id: str) -> bool:
         with self._lock:
