@@ -95,6 +95,8 @@ class BrokerServer:
         self.grpc_server.stop(grace=2).wait(3)
         self.services.dispatcher.stop()
         self.services.maintenance.stop()
+        if self.services.verification is not None:
+            self.services.verification.close()
         self.http.close()
         # Idle keep-alive connections would keep waitress's loop alive until they time out.
         for channel in list(getattr(self.http, "_map", {}).values()):

@@ -73,6 +73,8 @@ class Services:
     def close(self) -> None:
         self.maintenance.stop()
         self.dispatcher.stop()
+        if self.verification is not None:
+            self.verification.close()
         self.engine.dispose()
 
 
@@ -174,6 +176,7 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
         repo, jobs, catalog, ledger, providers, admin["admin"].policies,
         disputes=admin["disputes"], audit=admin["audit"],
         settings=VerificationSettings(check_delay_s=(0.0, max(0.0, settings.check_delay_max_s))))
+    verification.judge_in_background()  # not on the agent stream that settled the check
     jobs.on_settled = verification.settled
     admin["disputes"].on_resolved = verification.admin_resolved
     if canaries is not None:  # canaries answer known inputs: each is a check too

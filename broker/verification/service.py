@@ -25,6 +25,7 @@ import random
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -99,11 +100,39 @@ class VerificationService:
         self._lock = threading.Lock()
         self._fund_lock = threading.Lock()
         self._stakes: TtlCache[str, int] = TtlCache(5.0)  # owner -> stake held
+        self._judges: ThreadPoolExecutor | None = None  # see judge_in_background
+
+    def judge_in_background(self) -> None:
+        """Judge checks on a worker thread of their own from now on. Judging reads both
+        runs' outputs and compares them (decoded images, scored texts): far longer than a
+        settlement, and :meth:`settled` is called on the thread that settled the check,
+        an agent's stream, whose heartbeats and receipts would wait behind it. One worker,
+        as judgements take this service's lock one at a time anyway. A judgement the worker
+        never made (the broker stopped first) is made by :meth:`sweep`."""
+        if self._judges is None:
+            self._judges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge")
+
+    def close(self) -> None:
+        """Stop the judging worker; checks it had not judged yet wait for the sweep."""
+        judges, self._judges = self._judges, None
+        if judges is not None:
+            judges.shutdown(wait=False, cancel_futures=True)
 
     # ---- hooks from the job service ----------------------------------------------------
     def settled(self, job: Job, receipt: dict) -> None:
-        """A receipt settled ``job``: decide whether to check it, or judge it if it is a
-        check. Never raises (a settlement must stand whatever verification does)."""
+        """A receipt settled ``job``: decide whether to check it (at once: before its
+        client hears it settled), or judge it if it is a check (on the judging worker when
+        there is one). Never raises (a settlement must stand whatever verification does)."""
+        judges = self._judges
+        if job.check_of and judges is not None:
+            try:
+                judges.submit(self._settled_now, job, receipt)
+                return
+            except RuntimeError:  # shut down meanwhile: judged here
+                pass
+        self._settled_now(job, receipt)
+
+    def _settled_now(self, job: Job, receipt: dict) -> None:
         try:
             if job.check_of:
                 self._check_settled(job)
@@ -202,7 +231,7 @@ class VerificationService:
                                   f"{self.settings.check_timeout_s:g}s")
                 moved += 1
             elif check.state is JobState.SETTLED:  # to judge, or its judgement to apply
-                self.settled(check, check.receipt or {})
+                self._settled_now(check, check.receipt or {})
                 if (self.repo.get(v.job_id) or v).status is v.status:
                     self.repo.touch(v.job_id)  # could not be judged now: not ahead of others
                 moved += 1

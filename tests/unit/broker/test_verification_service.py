@@ -30,6 +30,7 @@ class World:
                                                 maintenance_interval_s=0,
                                                 check_delay_max_s=0.0))
         self.v = self.services.verification
+        self.v.close()  # no judging worker: checks are judged inside settled(), as asserted
         self.jobs = self.services.jobs
         _, client = self.services.auth.create_account_with_key("client")
         self.client = client.account_id
@@ -412,3 +413,48 @@ def test_royalty_room_is_the_held_amount_stored_on_the_job(world, monkeypatch):
     job = Job(id="j", account_id=world.client, plugin="echo", plugin_version="1.0.0",
               inputs={}, state=JobState.SETTLED, hold_id="h", max_price_micro=1_000)
     assert billing.royalty_within_hold(job, 800, 100) == ("pub", 200, 0)
+
+
+
+def test_a_check_is_judged_on_the_judging_worker_not_the_settling_thread(world, monkeypatch):
+    """The thread that settles a check (an agent's stream) goes on at once; the judging
+    worker compares the runs; a check the worker never judged is judged by the sweep."""
+    import threading
+
+    from broker.verification import service as vs
+
+    first, second = world.checked("a", GOOD), world.checked("a", GOOD)
+    checks = [world.settle(world.check_of(first), "b", GOOD),
+              world.settle(world.check_of(second), "c", GOOD)]
+    release, judged_on = threading.Event(), []
+    real_judge = vs._judge
+
+    def slow_judge(*a):
+        judged_on.append(threading.current_thread().name)
+        assert release.wait(10)
+        return real_judge(*a)
+
+    monkeypatch.setattr(vs, "_judge", slow_judge)
+    world.v.judge_in_background()
+    judges = world.v._judges
+    for check in checks:  # each returns while the first judgement waits
+        world.v.settled(check, check.receipt)
+    assert world.v.status(first.id).status is CheckStatus.CHECKING
+    world.v.close()  # the broker stops: the second check is never judged by the worker
+    release.set()
+    judges.shutdown(wait=True)
+    assert judged_on == ["judge_0"]
+    assert world.v.status(first.id).status is CheckStatus.VERIFIED
+    assert world.v.status(second.id).status is CheckStatus.CHECKING
+    assert world.sweep() >= 1
+    assert world.v.status(second.id).status is CheckStatus.VERIFIED
+    assert judged_on[1:] == [threading.current_thread().name]
+
+
+def test_a_check_settled_as_the_worker_stops_is_judged_at_once(world):
+    job = world.checked("a", GOOD)
+    checker = world.settle(world.check_of(job), "b", GOOD)
+    world.v.judge_in_background()
+    world.v._judges.shutdown()  # stopping: submit() refuses
+    world.v.settled(checker, checker.receipt)
+    assert world.v.status(job.id).status is CheckStatus.VERIFIED
