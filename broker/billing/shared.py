@@ -3,12 +3,14 @@
 The client pays once, within the job's single hold: the finishing provider is paid for the
 share it did (rate × work units × (1 − resumed fraction)), each earlier provider for the
 share its checkpoint added (see ``broker.jobs.checkpoints``), each share rounded down on
-its own, and the platform takes its fee of each share. One ledger call
+its own, and the platform takes its fee of each share; the job's adapter royalty is
+paid once, with the finishing provider's share (none when cancelled). One ledger call
 (``LedgerService.post_shared``) moves it all, keyed on the job, so a retry is harmless.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from fractions import Fraction
 
 from broker.jobs.checkpoints import Part
@@ -51,8 +53,10 @@ def settle_shared(billing, job: Job, work_units_used, parts: list[Part],
         log.error("job %s: cannot pay the finishing provider %s (share %d); settling "
                   "without parts", job.id, job.provider_id, final)
         return billing.settle(job, work_units_used)
+    # A verification re-run is not a client's use of an adapter: no royalty on checks.
     return _post_shares(billing, job, [(job.provider_id, -1, final)]
-                        + [(p.provider_id, p.attempt, c) for p, c in earlier])
+                        + [(p.provider_id, p.attempt, c) for p, c in earlier],
+                        royalty=not job.check_of)
 
 
 def cancel_shared(billing, job: Job, parts: list[Part], resumed: Fraction,
@@ -74,9 +78,12 @@ def cancel_shared(billing, job: Job, parts: list[Part], resumed: Fraction,
     return _post_shares(billing, job, shares)
 
 
-def _post_shares(billing, job: Job, shares: list[tuple[str, int, int]]) -> Transaction | None:
+def _post_shares(billing, job: Job, shares: list[tuple[str, int, int]], *,
+                 royalty: bool = False) -> Transaction | None:
     """Post the hold for ``shares`` [(provider id, attempt, charge)]: the first on the hold
-    itself, the others as parts (``LedgerService.post_shared``)."""
+    itself, the others as parts (``LedgerService.post_shared``). With ``royalty``, the
+    job's adapter royalty rides on the first, divided as a single post divides it: every
+    provider's share first, then the royalty, then the first share's fee."""
     price = billing.pricing.price(job.plugin)
     splits = []
     for provider_id, attempt, charge in shares:
@@ -90,13 +97,21 @@ def _post_shares(billing, job: Job, shares: list[tuple[str, int, int]]) -> Trans
     if not splits:
         return billing.release_hold(job.hold_id, job.id, "no provider to pay")
     main, others = splits[0], splits[1:]
-    for _ in range(len(others) + 2):
+    if royalty:
+        before = main.provider_micro + sum(sp.captured_micro for sp in others)
+        publisher, royalty_micro, fee = billing.royalty_within_hold(job, before, main.fee_micro)
+        if publisher is not None:
+            main = replace(main, fee_micro=fee, publisher=publisher, royalty_micro=royalty_micro)
+    for _ in range(len(others) + 3):
         try:
             return billing.ledger.post_shared(job.hold_id, main, others,
                                               idempotency_key=f"job:{job.id}:post",
                                               vesting_window_s=price.vesting_window_s)
         except lerr.UnknownAccount as exc:
-            if exc.account.kind is not AccountKind.PROVIDER_VESTING:
+            if exc.account.kind is AccountKind.PROVIDER_VESTING:
+                billing.ledger.open_provider(exc.account.owner)
+            elif exc.account.kind is AccountKind.PUBLISHER_ROYALTIES:
+                billing.ledger.open_publisher(exc.account.owner)
+            else:
                 raise
-            billing.ledger.open_provider(exc.account.owner)
-    raise RuntimeError(f"job {job.id}: could not open the providers' accounts")
+    raise RuntimeError(f"job {job.id}: could not open the providers' and publisher's accounts")

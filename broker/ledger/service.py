@@ -247,12 +247,14 @@ class LedgerService:
     def post_shared(self, hold_id: str, splits: Splits, earlier: list[Splits], *,
                     idempotency_key: str, vesting_window_s: int | None = None) -> Transaction:
         """Settle a pending hold for a job that several providers worked on in turn (a job
-        resumed from a checkpoint): ``splits`` pays the provider that finished it, each of
-        ``earlier`` one that did a part before. All in one transaction of the ledger: the
-        hold is posted for ``splits`` (the rest released to the client), then each earlier
-        share is held from that released rest and posted at once, so every hold still has
-        one provider (vesting and refunds work per hold) and the client pays at most the
-        original hold. Returns the post of the main hold; idempotent like :meth:`post`."""
+        resumed from a checkpoint): ``splits`` pays the provider that finished it, and the
+        job's royalty when it carries one; each of ``earlier`` pays one provider that did a
+        part before (no royalty: the job pays it once). All in one transaction of the
+        ledger: the hold is posted for ``splits`` (the rest released to the client), then
+        each earlier share is held from that released rest and posted at once, so every
+        hold still has one provider (vesting and refunds work per hold; refunding the main
+        hold returns the royalty) and the client pays at most the original hold. Returns
+        the post of the main hold; idempotent like :meth:`post`."""
         _check_id("hold_id", hold_id)
         if vesting_window_s is not None and (type(vesting_window_s) is not int
                                              or vesting_window_s < 0):
@@ -266,15 +268,24 @@ class LedgerService:
             _check_id("splits.provider", sp.provider)
             check_amount("splits.provider_micro", sp.provider_micro, allow_zero=True)
             check_amount("splits.fee_micro", sp.fee_micro, allow_zero=True)
-            if sp.royalty_micro or sp.publisher is not None:
-                raise InvalidArgument("post_shared does not pay royalties; use post")
+            if i > 0 and (sp.royalty_micro or sp.publisher is not None):
+                raise InvalidArgument(f"earlier splits #{i} carry a royalty; a job pays its "
+                                      "royalty once, with the main splits")
             if sp.captured_micro == 0 and i > 0:
                 raise InvalidAmount("earlier splits captured total", 0, "positive")
+        check_amount("splits.royalty_micro", splits.royalty_micro, allow_zero=True)
+        if splits.royalty_micro and splits.publisher is None:
+            raise InvalidArgument("splits.royalty_micro is set but splits.publisher is None; "
+                                  "name the publisher that earns the royalty")
+        if splits.publisher is not None:
+            _check_id("splits.publisher", splits.publisher)
         if splits.captured_micro == 0:
             raise InvalidAmount("splits captured total", 0,
                                 "positive (to release a hold without charging, void it)")
         payload = {"hold_id": hold_id, "shares": [
             [sp.provider, sp.provider_micro, sp.fee_micro] for sp in every]}
+        if splits.publisher is not None:  # (absent otherwise: older keys keep their prints)
+            payload["royalty"] = [splits.publisher, splits.royalty_micro]
         if vesting_window_s is not None:
             payload["vesting_window_s"] = vesting_window_s
 

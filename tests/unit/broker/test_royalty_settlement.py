@@ -121,3 +121,40 @@ def test_the_hold_at_submit_covers_the_royalty_so_the_fee_is_not_cut(money):
     billing.settle(job, "100")
     # cold market: charge 1,000,000 = provider 900,000 + fee 100,000; royalty 250,000
     assert _balances(ledger) == (10_000_000 - 1_250_000, 900_000, 250_000, 100_000)
+
+
+def test_a_job_resumed_on_another_provider_pays_the_royalty_once(money):
+    from fractions import Fraction
+
+    from broker.billing.shared import settle_shared
+    from broker.jobs.checkpoints import Part
+
+    ledger, billing = money
+    job = _job(billing, "job-10", "ink:0.8", rate=6_000)
+    # machine-0 did 40 % before the job moved; the finishing provider the other 60 %
+    part = Part(provider_id="machine-0", attempt=0, fraction=Fraction(2, 5),
+                rate_micro_per_unit=6_000)
+    txn = settle_shared(billing, job, "100", [part], Fraction(2, 5))
+    # shares 240,000 and 360,000 (each 90 % provider, 10 % fee); royalty 250,000 once
+    assert _balances(ledger) == (10_000_000 - 850_000, 540_000, 250_000, 60_000)
+    hold = ledger.get_hold(job.hold_id)
+    assert (hold.publisher, hold.royalty_micro) == (PUBLISHER.account_id, 250_000)
+    assert settle_shared(billing, job, "100", [part], Fraction(2, 5)).id == txn.id
+    assert _balances(ledger)[2] == 250_000
+    assert ledger.verify().ok
+
+
+def test_a_resumed_check_pays_no_royalty(money):
+    from fractions import Fraction
+
+    from broker.billing.shared import settle_shared
+    from broker.jobs.checkpoints import Part
+
+    ledger, billing = money
+    job = _job(billing, "job-11", "ink", rate=6_000)
+    job.check_of = "job-10"
+    part = Part(provider_id="machine-0", attempt=0, fraction=Fraction(1, 2),
+                rate_micro_per_unit=6_000)
+    settle_shared(billing, job, "100", [part], Fraction(1, 2))
+    assert _balances(ledger)[2] == 0
+    assert ledger.get_hold(job.hold_id).publisher is None

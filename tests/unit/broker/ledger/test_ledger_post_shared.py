@@ -54,3 +54,38 @@ def test_shares_beyond_the_hold_are_refused_and_nothing_moves(ledger):
     assert ledger.get_hold(hold.id).state.value == "pending"
     assert ledger.balances("alice")[AccountKind.CLIENT_HELD] == 600_000
     assert ledger.verify().ok
+
+
+def test_the_main_share_carries_the_jobs_royalty_and_a_refund_returns_it(ledger):
+    hold = _fund(ledger)
+    ledger.open_publisher("pat")
+    main = Splits(provider="dave", provider_micro=270_000, fee_micro=30_000,
+                  publisher="pat", royalty_micro=50_000)
+    first = Splits(provider="bob", provider_micro=180_000, fee_micro=20_000)
+    txn = ledger.post_shared(hold.id, main, [first], idempotency_key="p")
+    assert ledger.balances("pat")[AccountKind.PUBLISHER_ROYALTIES] == 50_000
+    assert ledger.balances("alice")[AccountKind.CLIENT_AVAILABLE] == 1_000_000 - 550_000
+    posted = ledger.get_hold(hold.id)
+    assert (posted.publisher, posted.royalty_micro, posted.captured_micro) == ("pat", 50_000,
+                                                                              350_000)
+    assert ledger.post_shared(hold.id, main, [first], idempotency_key="p").id == txn.id
+    with pytest.raises(lerr.IdempotencyConflict):  # the same shares without the royalty
+        ledger.post_shared(hold.id, Splits("dave", 270_000, 30_000), [first],
+                           idempotency_key="p")
+    ledger.refund(hold.id, idempotency_key="r")
+    assert ledger.balances("pat")[AccountKind.PUBLISHER_ROYALTIES] == 0
+    assert ledger.verify().ok
+
+
+def test_a_royalty_on_an_earlier_share_is_refused_and_nothing_moves(ledger):
+    hold = _fund(ledger)
+    ledger.open_publisher("pat")
+    with pytest.raises(lerr.InvalidArgument, match="royalty once"):
+        ledger.post_shared(hold.id, Splits("dave", 270_000),
+                           [Splits("bob", 180_000, publisher="pat", royalty_micro=1)],
+                           idempotency_key="p")
+    with pytest.raises(lerr.InvalidArgument, match="publisher is None"):
+        ledger.post_shared(hold.id, Splits("dave", 270_000, royalty_micro=5), [],
+                           idempotency_key="p")
+    assert ledger.get_hold(hold.id).state.value == "pending"
+    assert ledger.verify().ok
