@@ -6,13 +6,14 @@
   the minimum charge, at most the hold) less the platform's fee into the provider's vesting
   balance, the fee to the platform, the rest back to the client.
 * royalties (issue #5): a settled job that used published adapters with a royalty also
-  pays that royalty to the adapter publisher's PUBLISHER_ROYALTIES account, in the same
-  post and within the same hold. The hold is divided in this order: (1) the provider's
-  share (charge − fee), never cut; (2) the royalty, up to what the hold has left; (3) the
-  platform fee, up to what is left after that; (4) the rest released to the client. So the
-  client never pays more than its hold, the provider is never cut, and when the hold is
-  tight (a cold market charges the reserve, i.e. the whole hold) the platform's fee gives
-  way to the publisher. ``royalty_of(plugin, inputs, as_of) -> (publisher, micro)`` is
+  pays each adapter's publisher its royalties (PUBLISHER_ROYALTIES, one leg per publisher),
+  in the same post and within the same hold. The hold is divided in this order: (1) the
+  provider's share (charge − fee), never cut; (2) the royalties, publisher by publisher in
+  the order the job names their adapters, up to what the hold has left; (3) the platform
+  fee, up to what is left after that; (4) the rest released to the client. So the client
+  never pays more than its hold, the provider is never cut, and when the hold is tight (a
+  cold market charges the reserve, i.e. the whole hold) the platform's fee gives way to
+  the publishers. ``royalty_of(plugin, inputs, as_of) -> ((publisher, micro), ...)`` is
   injected (broker.registry.RegistryService.royalty_split). Cancelled jobs pay no royalty.
 * cancel: a job cancelled mid-run pays the provider for the work units it reported done
   (no minimum charge, at most the hold); otherwise, and on failure or expiry, the hold is voided.
@@ -45,17 +46,17 @@ class JobBilling:
                  provider_owner: Callable[[str], str | None], *,
                  hold_ttl_s: int = DEFAULT_HOLD_TTL_S,
                  how_to_fund: str = "buy credits at /v1/credits/checkout",
-                 royalty_of: Callable[[str, dict, float | None], tuple[str | None, int]]
+                 royalty_of: Callable[[str, dict, float | None], tuple[tuple[str, int], ...]]
                  | None = None):
         self.ledger = ledger
         self.pricing = pricing
         self.provider_owner = provider_owner  # provider (machine) id -> provider account id
         self.hold_ttl_s = hold_ttl_s
         self.how_to_fund = how_to_fund
-        # (plugin, job inputs, job created_at) -> (adapter publisher or None, royalty micro);
+        # (plugin, job inputs, job created_at) -> ((adapter publisher, royalty micro), ...);
         # versions published after the job was submitted do not count, so a retried post
-        # always asks for the same royalty.
-        self.royalty_of = royalty_of or (lambda plugin, inputs, as_of: (None, 0))
+        # always asks for the same royalties.
+        self.royalty_of = royalty_of or (lambda plugin, inputs, as_of: ())
 
     # ---- submit -------------------------------------------------------------------
     def hold(self, job_id: str, client: str, plugin: str, work_units: float,
@@ -86,7 +87,7 @@ class JobBilling:
         of the adapters ``inputs`` name (as published now), at most the cap."""
         amount = self.pricing.price(plugin).max_price_micro(work_units)
         if inputs:
-            amount += max(0, self.royalty_of(plugin, inputs, None)[1])
+            amount += sum(max(0, micro) for _, micro in self.royalty_of(plugin, inputs, None))
         return amount if cap_micro is None else min(amount, cap_micro)
 
     def require(self, client: str, plugin: str, work_units: float, *,
@@ -168,22 +169,27 @@ class JobBilling:
         step = min(job.progress_step, job.progress_total)
         return exact_units(job.work_units) * step / job.progress_total
 
-    def royalty_within_hold(self, job: Job, provider_micro: int, fee: int) -> tuple[str | None, int, int]:
-        """(publisher, royalty, fee) for a settled job: the royalty fits in what the hold has
-        left after the provider's share, the fee in what is left after the royalty."""
-        publisher, royalty = self.royalty_of(job.plugin, job.inputs or {},
-                                             getattr(job, "created_at", None))
-        if publisher is None or royalty <= 0:
-            return None, 0, fee
+    def royalty_within_hold(self, job: Job, provider_micro: int,
+                            fee: int) -> tuple[list[tuple[str, int]], int]:
+        """([(publisher, royalty), ...], fee) for a settled job: the royalties fit, one
+        publisher after another, in what the hold has left after the providers' shares
+        (``provider_micro``), the fee in what is left after them."""
+        owed = [(p, m) for p, m in self.royalty_of(job.plugin, job.inputs or {},
+                                                  getattr(job, "created_at", None)) if m > 0]
+        if not owed:
+            return [], fee
         # Every submit path (single, split batch, check) stores the held amount as the
         # job's max price (``hold`` returns it); a row from before that falls back to the hold.
         hold_amount = job.max_price_micro or self.ledger.get_hold(job.hold_id).amount_micro
         room = max(0, hold_amount - provider_micro)
-        royalty = min(royalty, room)
-        fee = min(fee, room - royalty)
-        if royalty <= 0:
-            return None, 0, fee
-        return publisher, royalty, fee
+        legs = []
+        for publisher, micro in owed:
+            micro = min(micro, room)
+            if micro <= 0:
+                break
+            legs.append((publisher, micro))
+            room -= micro
+        return legs, min(fee, room)
 
     def _post(self, job: Job, charge: int, fee: int, vesting_window_s: int, *,
               royalty: bool = False) -> Transaction | None:
@@ -195,22 +201,38 @@ class JobBilling:
                       job.provider_id)
             return self.release_hold(job.hold_id, job.id, "provider unknown")
         provider_micro = charge - fee  # the provider's share comes first and is never cut
-        publisher, royalty_micro, fee = (self.royalty_within_hold(job, provider_micro, fee)
-                                         if royalty else (None, 0, fee))
+        legs: list[tuple[str, int]] = []
+        if royalty:
+            legs, fee = self.royalty_within_hold(job, provider_micro, fee)
         splits = Splits(provider=owner, provider_micro=provider_micro, fee_micro=fee,
-                        publisher=publisher, royalty_micro=royalty_micro)
-        opened: set[AccountKind] = set()
-        while True:
-            try:
-                return self.ledger.post(job.hold_id, splits, idempotency_key=f"job:{job.id}:post",
-                                        vesting_window_s=vesting_window_s)
-            except lerr.UnknownAccount as exc:
-                kind = exc.account.kind
-                if kind in opened or kind not in (AccountKind.PROVIDER_VESTING,
-                                                  AccountKind.PUBLISHER_ROYALTIES):
-                    raise
-                opened.add(kind)
-                if kind is AccountKind.PROVIDER_VESTING:
-                    self.ledger.open_provider(owner)
-                else:
-                    self.ledger.open_publisher(exc.account.owner)
+                        **royalty_fields(legs))
+        return open_accounts_and(self.ledger, lambda: self.ledger.post(
+            job.hold_id, splits, idempotency_key=f"job:{job.id}:post",
+            vesting_window_s=vesting_window_s))
+
+
+def royalty_fields(legs: list[tuple[str, int]]) -> dict:
+    """``Splits`` keyword arguments paying ``legs`` [(publisher, royalty), ...]."""
+    if not legs:
+        return {}
+    return {"publisher": legs[0][0], "royalty_micro": legs[0][1],
+            "other_royalties": tuple(legs[1:])}
+
+
+def open_accounts_and(ledger: LedgerService, post: Callable[[], Transaction]) -> Transaction:
+    """``post()``, opening each provider-vesting or publisher-royalties account it names
+    that does not exist yet (a provider or publisher paid for the first time), once each."""
+    opened: set[AccountId] = set()
+    while True:
+        try:
+            return post()
+        except lerr.UnknownAccount as exc:
+            account = exc.account
+            if account in opened or account.kind not in (AccountKind.PROVIDER_VESTING,
+                                                         AccountKind.PUBLISHER_ROYALTIES):
+                raise
+            opened.add(account)
+            if account.kind is AccountKind.PROVIDER_VESTING:
+                ledger.open_provider(account.owner)
+            else:
+                ledger.open_publisher(account.owner)

@@ -13,10 +13,10 @@ import logging
 from dataclasses import replace
 from fractions import Fraction
 
+from broker.billing.service import open_accounts_and, royalty_fields
 from broker.jobs.checkpoints import Part
 from broker.jobs.model import Job
-from broker.ledger import errors as lerr
-from broker.ledger.model import AccountKind, Splits, Transaction
+from broker.ledger.model import Splits, Transaction
 from broker.pricing.model import exact_units
 
 log = logging.getLogger(__name__)
@@ -99,19 +99,9 @@ def _post_shares(billing, job: Job, shares: list[tuple[str, int, int]], *,
     main, others = splits[0], splits[1:]
     if royalty:
         before = main.provider_micro + sum(sp.captured_micro for sp in others)
-        publisher, royalty_micro, fee = billing.royalty_within_hold(job, before, main.fee_micro)
-        if publisher is not None:
-            main = replace(main, fee_micro=fee, publisher=publisher, royalty_micro=royalty_micro)
-    for _ in range(len(others) + 3):
-        try:
-            return billing.ledger.post_shared(job.hold_id, main, others,
-                                              idempotency_key=f"job:{job.id}:post",
-                                              vesting_window_s=price.vesting_window_s)
-        except lerr.UnknownAccount as exc:
-            if exc.account.kind is AccountKind.PROVIDER_VESTING:
-                billing.ledger.open_provider(exc.account.owner)
-            elif exc.account.kind is AccountKind.PUBLISHER_ROYALTIES:
-                billing.ledger.open_publisher(exc.account.owner)
-            else:
-                raise
-    raise RuntimeError(f"job {job.id}: could not open the providers' and publisher's accounts")
+        legs, fee = billing.royalty_within_hold(job, before, main.fee_micro)
+        if legs:
+            main = replace(main, fee_micro=fee, **royalty_fields(legs))
+    return open_accounts_and(billing.ledger, lambda: billing.ledger.post_shared(
+        job.hold_id, main, others, idempotency_key=f"job:{job.id}:post",
+        vesting_window_s=price.vesting_window_s))

@@ -145,7 +145,8 @@ class _MemoryUnitOfWork:
             released_micro=hold.amount_micro - splits.captured_micro,
             provider=splits.provider, provider_micro=splits.provider_micro,
             publisher=splits.publisher, royalty_micro=splits.royalty_micro,
-            fee_micro=splits.fee_micro, vests_at=vests_at)
+            other_royalties=splits.other_royalties, fee_micro=splits.fee_micro,
+            vests_at=vests_at)
         self._holds[hold_id] = posted
         return posted
 

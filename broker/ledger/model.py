@@ -167,18 +167,32 @@ class HoldState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Splits:
-    """How a post divides captured credits. Captured = provider + royalty + fee; whatever
-    the hold reserved beyond that goes back to the client."""
+    """How a post divides captured credits. Captured = provider + royalties + fee; whatever
+    the hold reserved beyond that goes back to the client. ``publisher`` earns
+    ``royalty_micro``; when a job's adapters come from several publishers, the others'
+    royalties are ``other_royalties``: ((publisher, micro), ...), one leg each."""
 
     provider: str
     provider_micro: int
     fee_micro: int = 0
     publisher: str | None = None
     royalty_micro: int = 0
+    other_royalties: tuple[tuple[str, int], ...] = ()
 
     @property
     def captured_micro(self) -> int:
-        return self.provider_micro + self.fee_micro + self.royalty_micro
+        return (self.provider_micro + self.fee_micro + self.royalty_micro
+                + sum(micro for _, micro in self.other_royalties))
+
+    @property
+    def royalty_legs(self) -> list[tuple[str, int]]:
+        """Every (publisher, royalty), ``publisher``'s first."""
+        return _royalty_legs(self.publisher, self.royalty_micro, self.other_royalties)
+
+
+def _royalty_legs(publisher: str | None, micro: int,
+                  others: tuple[tuple[str, int], ...]) -> list[tuple[str, int]]:
+    return ([(publisher, micro)] if publisher is not None else []) + list(others)
 
 
 @dataclass(frozen=True)
@@ -207,6 +221,12 @@ class Hold:
     vests_at: datetime | None = None
     vest_transaction_id: str | None = None
     refund_transaction_id: str | None = None
+    other_royalties: tuple[tuple[str, int], ...] = ()  # see Splits
+
+    @property
+    def royalty_legs(self) -> list[tuple[str, int]]:
+        """Every (publisher, royalty) the post paid, ``publisher``'s first."""
+        return _royalty_legs(self.publisher, self.royalty_micro, self.other_royalties)
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,45 @@ def _post_legs_of(hold: Hold, splits: Splits, released: int) -> list[tuple[Accou
             (AccountId.platform(AccountKind.PLATFORM_FEES), splits.fee_micro)]
     if released:
         legs.append((AccountId(AccountKind.CLIENT_AVAILABLE, hold.client), released))
-    if splits.publisher is not None:
-        legs.append((AccountId(AccountKind.PUBLISHER_ROYALTIES, splits.publisher),
-                     splits.royalty_micro))
+    for publisher, micro in splits.royalty_legs:
+        legs.append((AccountId(AccountKind.PUBLISHER_ROYALTIES, publisher), micro))
     return legs
+
+
+def _check_royalties(splits: Splits) -> None:
+    """The royalties of ``splits`` name their publishers, each once, with amounts."""
+    check_amount("splits.royalty_micro", splits.royalty_micro, allow_zero=True)
+    if splits.royalty_micro and splits.publisher is None:
+        raise InvalidArgument("splits.royalty_micro is set but splits.publisher is None; "
+                              "name the publisher that earns the royalty")
+    if splits.publisher is not None:
+        _check_id("splits.publisher", splits.publisher)
+    if not isinstance(splits.other_royalties, tuple):
+        raise InvalidArgument(f"splits.other_royalties is {splits.other_royalties!r}; it "
+                              "must be a tuple of (publisher, micro) pairs")
+    if splits.other_royalties and splits.publisher is None:
+        raise InvalidArgument("splits.other_royalties is set but splits.publisher is None; "
+                              "the first publisher goes in publisher and royalty_micro")
+    seen = {splits.publisher}
+    for i, pair in enumerate(splits.other_royalties):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise InvalidArgument(f"splits.other_royalties[{i}] is {pair!r}; it must be a "
+                                  "(publisher, micro) pair")
+        publisher, micro = pair
+        _check_id(f"splits.other_royalties[{i}] publisher", publisher)
+        check_amount(f"splits.other_royalties[{i}] micro", micro)
+        if publisher in seen:
+            raise InvalidArgument(f"splits.other_royalties[{i}] names publisher {publisher!r} "
+                                  "again; each publisher earns one royalty leg (sum theirs)")
+        seen.add(publisher)
+
+
+def _royalty_payload(splits: Splits) -> dict[str, Any]:
+    """The royalty part of a post's fingerprint: empty when there are no other publishers,
+    so the records of posts made before other_royalties existed keep matching."""
+    if not splits.other_royalties:
+        return {}
+    return {"other_royalties": [[p, m] for p, m in splits.other_royalties]}
 
 
 # ``json.dumps`` with options builds a JSONEncoder per call; this one is built once and
@@ -207,18 +242,14 @@ class LedgerService:
         _check_id("splits.provider", splits.provider)
         check_amount("splits.provider_micro", splits.provider_micro, allow_zero=True)
         check_amount("splits.fee_micro", splits.fee_micro, allow_zero=True)
-        check_amount("splits.royalty_micro", splits.royalty_micro, allow_zero=True)
-        if splits.royalty_micro and splits.publisher is None:
-            raise InvalidArgument("splits.royalty_micro is set but splits.publisher is None; "
-                                  "name the publisher that earns the royalty")
-        if splits.publisher is not None:
-            _check_id("splits.publisher", splits.publisher)
+        _check_royalties(splits)
         if splits.captured_micro == 0:
             raise InvalidAmount("splits captured total", 0,
                                 "positive (to release a hold without charging, void it)")
         payload = {"hold_id": hold_id, "provider": splits.provider,
                    "provider_micro": splits.provider_micro, "fee_micro": splits.fee_micro,
-                   "publisher": splits.publisher, "royalty_micro": splits.royalty_micro}
+                   "publisher": splits.publisher, "royalty_micro": splits.royalty_micro,
+                   **_royalty_payload(splits)}
         if vesting_window_s is not None:
             payload["vesting_window_s"] = vesting_window_s
 
@@ -268,17 +299,12 @@ class LedgerService:
             _check_id("splits.provider", sp.provider)
             check_amount("splits.provider_micro", sp.provider_micro, allow_zero=True)
             check_amount("splits.fee_micro", sp.fee_micro, allow_zero=True)
-            if i > 0 and (sp.royalty_micro or sp.publisher is not None):
+            if i > 0 and (sp.royalty_micro or sp.publisher is not None or sp.other_royalties):
                 raise InvalidArgument(f"earlier splits #{i} carry a royalty; a job pays its "
                                       "royalty once, with the main splits")
             if sp.captured_micro == 0 and i > 0:
                 raise InvalidAmount("earlier splits captured total", 0, "positive")
-        check_amount("splits.royalty_micro", splits.royalty_micro, allow_zero=True)
-        if splits.royalty_micro and splits.publisher is None:
-            raise InvalidArgument("splits.royalty_micro is set but splits.publisher is None; "
-                                  "name the publisher that earns the royalty")
-        if splits.publisher is not None:
-            _check_id("splits.publisher", splits.publisher)
+        _check_royalties(splits)
         if splits.captured_micro == 0:
             raise InvalidAmount("splits captured total", 0,
                                 "positive (to release a hold without charging, void it)")
@@ -286,6 +312,7 @@ class LedgerService:
             [sp.provider, sp.provider_micro, sp.fee_micro] for sp in every]}
         if splits.publisher is not None:  # (absent otherwise: older keys keep their prints)
             payload["royalty"] = [splits.publisher, splits.royalty_micro]
+            payload.update(_royalty_payload(splits))
         if vesting_window_s is not None:
             payload["vesting_window_s"] = vesting_window_s
 
@@ -326,7 +353,8 @@ class LedgerService:
             captured_micro=splits.captured_micro, released_micro=released,
             provider=splits.provider, provider_micro=splits.provider_micro,
             publisher=splits.publisher, royalty_micro=splits.royalty_micro,
-            fee_micro=splits.fee_micro, vests_at=now + timedelta(seconds=window_s)))
+            other_royalties=splits.other_royalties, fee_micro=splits.fee_micro,
+            vests_at=now + timedelta(seconds=window_s)))
         return txn
 
     def void(self, hold_id: str, *, idempotency_key: str, reason: str = "") -> Transaction:
@@ -391,9 +419,8 @@ class LedgerService:
             legs = [(AccountId(AccountKind.CLIENT_AVAILABLE, hold.client), hold.captured_micro),
                     (AccountId(AccountKind.PROVIDER_VESTING, hold.provider), -hold.provider_micro),
                     (AccountId.platform(AccountKind.PLATFORM_FEES), -hold.fee_micro)]
-            if hold.publisher is not None:
-                legs.append((AccountId(AccountKind.PUBLISHER_ROYALTIES, hold.publisher),
-                             -hold.royalty_micro))
+            for publisher, micro in hold.royalty_legs:
+                legs.append((AccountId(AccountKind.PUBLISHER_ROYALTIES, publisher), -micro))
             txn = self._move(uow, TransactionKind.REFUND, legs, memo=reason,
                              key=idempotency_key, hold_id=hold_id, txn_id=txn_id)
             uow.save_hold(replace(hold, refund_transaction_id=txn.id))

@@ -120,21 +120,25 @@ class Royalty:
 @dataclass(frozen=True)
 class RoyaltyBreakdown:
     """What a job pays in royalties: ``royalties`` (every published adapter it names, in
-    order), ``publisher_account`` (the one paid: the publisher of the first paid adapter;
-    None when nothing is paid) and ``micro`` (the sum charged)."""
+    order) and, from them, ``by_publisher`` (each paid publisher's sum, in the order of
+    its first paid adapter) and ``micro`` (the total charged)."""
     royalties: tuple[Royalty, ...]
-    publisher_account: str | None
 
-    def charged(self, r: Royalty) -> bool:
-        return r.royalty_micro > 0 and r.publisher_account == self.publisher_account
+    @staticmethod
+    def charged(r: Royalty) -> bool:
+        return r.royalty_micro > 0
+
+    @property
+    def by_publisher(self) -> tuple[tuple[str, int], ...]:
+        sums: dict[str, int] = {}
+        for r in self.royalties:
+            if self.charged(r):
+                sums[r.publisher_account] = sums.get(r.publisher_account, 0) + r.royalty_micro
+        return tuple(sums.items())
 
     @property
     def micro(self) -> int:
         return sum(r.royalty_micro for r in self.royalties if self.charged(r))
-
-    @property
-    def waived(self) -> list[Royalty]:
-        return [r for r in self.royalties if r.royalty_micro > 0 and not self.charged(r)]
 
 
 class RegistryRepository(Protocol):
@@ -489,22 +493,15 @@ class RegistryService:
     def royalty_breakdown(self, plugin: str, inputs: dict | None,
                           as_of: float | None = None) -> RoyaltyBreakdown:
         """Every royalty a job of ``plugin`` with ``inputs`` names, who is paid and how
-        much. A ledger post has one royalty leg, so when a job's paid adapters come from
-        several publishers, the publisher of the first paid adapter named gets its own
-        adapters' royalties and the others are waived, never charged."""
-        royalties = tuple(self.royalties_for(plugin, inputs, as_of))
-        first = next((r.publisher_account for r in royalties if r.royalty_micro > 0), None)
-        return RoyaltyBreakdown(royalties, first)
+        much: each publisher whose adapters it uses earns their royalties."""
+        return RoyaltyBreakdown(tuple(self.royalties_for(plugin, inputs, as_of)))
 
     def royalty_split(self, plugin: str, inputs: dict | None,
-                      as_of: float | None = None) -> tuple[str | None, int]:
-        """(publisher account, micro-credits) a job pays in royalties — the hook JobBilling
-        calls (see :meth:`royalty_breakdown`; waived royalties are logged)."""
-        b = self.royalty_breakdown(plugin, inputs, as_of)
-        if b.waived:
-            log.warning("job of %s: royalties of %s waived (one royalty publisher per job)",
-                        plugin, [f"{r.adapter}@{r.version}" for r in b.waived])
-        return b.publisher_account, b.micro
+                      as_of: float | None = None) -> tuple[tuple[str, int], ...]:
+        """((publisher account, micro-credits), ...) a job pays in royalties, one pair per
+        publisher in the order of its first paid adapter — the hook JobBilling calls (see
+        :meth:`royalty_breakdown`)."""
+        return self.royalty_breakdown(plugin, inputs, as_of).by_publisher
 
 
 def canonical_text(document: dict) -> str:

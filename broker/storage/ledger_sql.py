@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from typing import Iterable, Iterator, Sequence
 
 from sqlalchemy import (
-    BigInteger, Boolean, CheckConstraint, DateTime, ForeignKey, Index, Integer, String, Text,
+    BigInteger, Boolean, CheckConstraint, DateTime, ForeignKey, Index, Integer, JSON, String, Text,
     bindparam, case, func, insert, select, update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -112,6 +112,9 @@ class LedgerHoldRow(Base):
     vests_at: Mapped[datetime | None] = mapped_column(UTC_DATETIME, nullable=True)
     vest_transaction_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     refund_transaction_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # [[publisher, micro], ...] beyond publisher_id's (a job using several publishers'
+    # adapters); NULL when there are none (migration 0013).
+    other_royalties: Mapped[list | None] = mapped_column(JSON, nullable=True)
 
 
 class LedgerIdempotencyRow(Base):
@@ -219,6 +222,10 @@ def _entries_insert(legs: int) -> Prepared:
             {"transaction_id": txn, "account_id": bindparam(f"w_a{i}"),
              "amount_micro": bindparam(f"w_d{i}", type_=BigInteger)} for i in range(legs)])))
     return stmt
+
+
+def _stored_royalties(others: tuple[tuple[str, int], ...]) -> list | None:
+    return [[p, m] for p, m in others] or None
 
 
 def create_ledger_tables(engine: Engine) -> None:
@@ -368,7 +375,8 @@ class _SqlUnitOfWork:
                 "publisher_id": h.publisher, "royalty_micro": h.royalty_micro,
                 "fee_micro": h.fee_micro, "vests_at": h.vests_at,
                 "vest_transaction_id": h.vest_transaction_id,
-                "refund_transaction_id": h.refund_transaction_id}
+                "refund_transaction_id": h.refund_transaction_id,
+                "other_royalties": _stored_royalties(h.other_royalties)}
 
     @classmethod
     def _hold_values(cls, h: Hold) -> dict:
@@ -389,7 +397,8 @@ class _SqlUnitOfWork:
                     publisher=r["publisher_id"], royalty_micro=r["royalty_micro"],
                     fee_micro=r["fee_micro"], vests_at=_utc(r["vests_at"]),
                     vest_transaction_id=r["vest_transaction_id"],
-                    refund_transaction_id=r["refund_transaction_id"])
+                    refund_transaction_id=r["refund_transaction_id"],
+                    other_royalties=tuple((p, m) for p, m in r["other_royalties"] or ()))
 
     def add_hold(self, hold: Hold) -> None:
         _INSERT_HOLD.run(self.c, self._hold_values(hold))
@@ -411,6 +420,7 @@ class _SqlUnitOfWork:
             "resolve_transaction_id": transaction_id, "captured_micro": splits.captured_micro,
             "provider_id": splits.provider, "provider_micro": splits.provider_micro,
             "publisher_id": splits.publisher, "royalty_micro": splits.royalty_micro,
+            "other_royalties": _stored_royalties(splits.other_royalties),
             "fee_micro": splits.fee_micro, "vests_at": vests_at})
         if self._returning:
             row = result.mapping()

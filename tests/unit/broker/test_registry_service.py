@@ -228,13 +228,16 @@ def test_search_and_royalties(reg, tmp_path):
     assert [r.version for r in reg.search("adapter", q="INK")] == ["1.1.0"]
     assert [r.name for r in reg.search("adapter", publisher=BOB.account_id)] == ["chat", "neon"]
     # latest version's royalty; unknown names and other bases earn nothing
-    assert reg.royalty_split("sd15", {"adapters": "ink:0.5,nosuch,chat"}) == (ALICE.account_id, 800)
-    assert reg.royalty_split("sd15", {"adapters": '{"film": 1}'}) == (None, 0)
-    # one royalty leg per post: the first paid adapter's publisher; others are waived
-    assert reg.royalty_split("sd15", {"adapters": "neon,ink"}) == (BOB.account_id, 300)
+    assert reg.royalty_split("sd15", {"adapters": "ink:0.5,nosuch,chat"}) == (
+        (ALICE.account_id, 800),)
+    assert reg.royalty_split("sd15", {"adapters": '{"film": 1}'}) == ()
+    # each publisher is paid, in the order of its first paid adapter
+    assert reg.royalty_split("sd15", {"adapters": "neon,ink"}) == (
+        (BOB.account_id, 300), (ALICE.account_id, 800))
     # as_of: versions published after the job was submitted do not count
     first = reg.get("adapter", "ink", "1.0.0").published_at
-    assert reg.royalty_split("sd15", {"adapters": "ink"}, as_of=first) == (ALICE.account_id, 500)
+    assert reg.royalty_split("sd15", {"adapters": "ink"}, as_of=first) == (
+        (ALICE.account_id, 500),)
 
 
 def test_warm_index_records_what_each_provider_holds(reg):
@@ -286,14 +289,15 @@ def test_a_quote_and_settlement_share_one_royalty_breakdown(reg, tmp_path):
     publish(reg, ALICE, a, adapter_folder(tmp_path, name="ink", royalty=500))
     publish(reg, ALICE, a, adapter_folder(tmp_path, name="film", royalty=0))
     publish(reg, BOB, b, adapter_folder(tmp_path, name="neon", royalty=300))
-    out = reg.royalty_breakdown("sd15", {"adapters": "film,neon,ink"})
-    assert [r.adapter for r in out.royalties] == ["film", "neon", "ink"]
-    assert out.publisher_account == BOB.account_id and out.micro == 300
-    assert [out.charged(r) for r in out.royalties] == [False, True, False]
-    assert [r.adapter for r in out.waived] == ["ink"]
-    assert reg.royalty_split("sd15", {"adapters": "film,neon,ink"}) == (BOB.account_id, 300)
+    publish(reg, BOB, b, adapter_folder(tmp_path, name="glow", royalty=200))
+    out = reg.royalty_breakdown("sd15", {"adapters": "film,neon,ink,glow"})
+    assert [r.adapter for r in out.royalties] == ["film", "neon", "ink", "glow"]
+    assert out.micro == 1_000
+    assert [out.charged(r) for r in out.royalties] == [False, True, True, True]
+    assert out.by_publisher == ((BOB.account_id, 500), (ALICE.account_id, 500))
+    assert reg.royalty_split("sd15", {"adapters": "film,neon,ink,glow"}) == out.by_publisher
     none = reg.royalty_breakdown("sd15", {})
-    assert (none.royalties, none.publisher_account, none.micro) == ((), None, 0)
+    assert (none.royalties, none.by_publisher, none.micro) == ((), (), 0)
 
 
 def test_is_warm_reads_one_report_and_counts_the_unreported_as_warm():

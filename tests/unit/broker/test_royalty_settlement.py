@@ -158,3 +158,30 @@ def test_a_resumed_check_pays_no_royalty(money):
     settle_shared(billing, job, "100", [part], Fraction(1, 2))
     assert _balances(ledger)[2] == 0
     assert ledger.get_hold(job.hold_id).publisher is None
+
+
+def test_each_publisher_whose_adapters_a_job_uses_is_paid(money, tmp_path):
+    ledger, billing = money
+    other = Principal("acct-pub-2", "publisher", "k2")
+    registry = billing.royalty_of.__self__  # the RegistryService the fixture wired in
+    keys = register(registry, other)
+    publish(registry, other, keys, adapter_folder(tmp_path / "p2", name="neon", royalty=100_000))
+
+    def royalties():
+        return (ledger.balances(PUBLISHER.account_id).get(AccountKind.PUBLISHER_ROYALTIES, 0),
+                ledger.balances(other.account_id).get(AccountKind.PUBLISHER_ROYALTIES, 0))
+
+    job = _job(billing, "job-12", "neon:0.5,ink:0.8", rate=6_000)
+    billing.settle(job, "100")
+    # provider 540,000 and fee 60,000; both royalties fit in the 400,000 left
+    assert royalties() == (250_000, 100_000)
+    assert ledger.get_hold(job.hold_id).royalty_legs == [(other.account_id, 100_000),
+                                                          (PUBLISHER.account_id, 250_000)]
+    # a tight hold pays the publishers in the order the job names their adapters
+    job = _job(billing, "job-13", "neon,ink", rate=None)  # charge 1,000,000: 100,000 left
+    billing.settle(job, "100")
+    assert royalties() == (250_000, 200_000)
+    # a refund (a lost dispute) takes every royalty back
+    ledger.refund(job.hold_id, idempotency_key="r")
+    assert royalties() == (250_000, 100_000)
+    assert ledger.verify().ok

@@ -407,12 +407,12 @@ def test_funding_a_check_treats_only_an_unknown_account_as_empty(world, monkeypa
 
 def test_royalty_room_is_the_held_amount_stored_on_the_job(world, monkeypatch):
     billing = world.services.billing
-    monkeypatch.setattr(billing, "royalty_of", lambda plugin, inputs, as_of: ("pub", 300))
+    monkeypatch.setattr(billing, "royalty_of", lambda plugin, inputs, as_of: (("pub", 300),))
     monkeypatch.setattr(world.services.ledger, "get_hold",
                         lambda hold_id: pytest.fail("the hold is not read back"))
     job = Job(id="j", account_id=world.client, plugin="echo", plugin_version="1.0.0",
               inputs={}, state=JobState.SETTLED, hold_id="h", max_price_micro=1_000)
-    assert billing.royalty_within_hold(job, 800, 100) == ("pub", 200, 0)
+    assert billing.royalty_within_hold(job, 800, 100) == ([("pub", 200)], 0)
 
 
 

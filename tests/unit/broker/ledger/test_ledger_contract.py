@@ -2,6 +2,7 @@
 SQLite and PostgreSQL (one contract class, one subclass per storage)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from decimal import Decimal
 
 import pytest
@@ -108,6 +109,26 @@ class LedgerContract:
         posted = ledger.get_hold(hold.id)
         assert posted.state is HoldState.POSTED
         assert (posted.captured_micro, posted.released_micro) == (7_500_000, 0)
+
+    def test_a_post_pays_each_publisher_its_royalty_and_a_refund_returns_them(self, ledger):
+        ledger.open_publisher("pub2")
+        pub2 = AccountId(AccountKind.PUBLISHER_ROYALTIES, "pub2")
+        ledger.deposit("alice", 10 * C, idempotency_key="d")
+        hold = ledger.hold("alice", 10 * C, "job-1", idempotency_key="h")
+        two = replace(SPLITS, other_royalties=(("pub2", C // 4),))
+        assert two.captured_micro == 7_750_000
+        txn = ledger.post(hold.id, two, idempotency_key="p")
+        assert sum(e.amount_micro for e in txn.entries) == 0
+        assert (ledger.balance(PUB), ledger.balance(pub2)) == (C // 2, C // 4)
+        assert ledger.balance(ALICE) == 10 * C - 7_750_000
+        posted = ledger.get_hold(hold.id)  # read back from storage
+        assert posted.royalty_legs == [("pub", C // 2), ("pub2", C // 4)]
+        assert ledger.post(hold.id, two, idempotency_key="p").id == txn.id
+        with pytest.raises(IdempotencyConflict):  # the same key without the second royalty
+            ledger.post(hold.id, SPLITS, idempotency_key="p")
+        ledger.refund(hold.id, idempotency_key="r")
+        assert (ledger.balance(PUB), ledger.balance(pub2), ledger.balance(ALICE)) == (0, 0, 10 * C)
+        assert ledger.verify().ok
 
     def test_partial_post_releases_the_rest(self, ledger):
         ledger.deposit("alice", 10 * C, idempotency_key="d")
@@ -284,6 +305,12 @@ class LedgerContract:
         Splits("bob", C, fee_micro=-1), Splits("bob", C, royalty_micro=5),  # royalty, no publisher
         Splits("", C), Splits("bob", C, publisher="nobody", royalty_micro=1),
         Splits("nobody", C),
+        Splits("bob", C, other_royalties=(("pub", 1),)),  # others without the first
+        Splits("bob", C, publisher="pub", royalty_micro=1, other_royalties=(("pub", 1),)),
+        Splits("bob", C, publisher="pub", royalty_micro=1, other_royalties=(("nobody", 1),)),
+        Splits("bob", C, publisher="pub", royalty_micro=1, other_royalties=(("x", 0),)),
+        Splits("bob", C, publisher="pub", royalty_micro=1, other_royalties=("x", 1)),
+        Splits("bob", C, publisher="pub", royalty_micro=1, other_royalties=[("x", 1)]),
     ])
     def test_bad_splits_are_refused(self, ledger, splits):
         ledger.deposit("alice", 10 * C, idempotency_key="d")

@@ -1,4 +1,5 @@
-"""The 0002_ledger migration creates exactly the schema of the ledger's models."""
+"""The ledger's migrations (0002_ledger, then 0013_hold_other_royalties) create exactly
+the schema of the ledger's models, and undo it."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,19 +13,19 @@ from sqlalchemy import MetaData, inspect
 from broker.storage.base import NAMING, make_engine
 from broker.storage.ledger_sql import LEDGER_TABLES
 
-MIGRATION = (Path(__file__).resolve().parents[4]
-             / "broker/storage/migrations/versions/0002_ledger.py")
+VERSIONS = Path(__file__).resolve().parents[4] / "broker/storage/migrations/versions"
 
 
-def _load_migration():
-    spec = importlib.util.spec_from_file_location("migration_0002_ledger", MIGRATION)
+def _load_migration(name: str):
+    spec = importlib.util.spec_from_file_location(f"migration_{name}", VERSIONS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_migration_matches_models(db_url):
-    migration = _load_migration()
+    migration, royalties = _load_migration("0002_ledger"), _load_migration(
+        "0013_hold_other_royalties")
     assert (migration.revision, migration.down_revision) == ("0002_ledger", "0001_spine")
     engine = make_engine(db_url)
     ledger_only = MetaData(naming_convention=NAMING)
@@ -34,6 +35,7 @@ def test_migration_matches_models(db_url):
         with engine.begin() as conn:
             with Operations.context(MigrationContext.configure(conn)):
                 migration.upgrade()
+                royalties.upgrade()
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}),
                                     ledger_only)
         assert diff == [], diff
@@ -44,6 +46,7 @@ def test_migration_matches_models(db_url):
         assert checks == expected
         with engine.begin() as conn:
             with Operations.context(MigrationContext.configure(conn)):
+                royalties.downgrade()
                 migration.downgrade()
         assert not set(inspect(engine).get_table_names()) & {t.name for t in LEDGER_TABLES}
     finally:
