@@ -162,6 +162,12 @@ class _MemoryUnitOfWork:
                        and h.vest_transaction_id is None and h.refund_transaction_id is None),
                       key=lambda h: h.id)
 
+    def unvested_holds(self, provider: str) -> list[Hold]:
+        return sorted((h for h in self._s.holds.values()
+                       if h.state is HoldState.POSTED and h.provider == provider
+                       and h.provider_micro > 0 and h.vest_transaction_id is None
+                       and h.refund_transaction_id is None), key=lambda h: h.id)
+
     # idempotency
     def get_idempotency(self, key: str) -> IdempotencyRecord | None:
         return self._idempotency.get(key) or self._s.idempotency.get(key)

@@ -86,6 +86,10 @@ class LedgerUnitOfWork(Protocol):
         """Posted, unrefunded, unvested holds of ``provider`` with a provider share and
         ``vests_at`` ≤ ``now``, locked, ordered by id."""
 
+    def unvested_holds(self, provider: str) -> list[Hold]:
+        """Posted, unrefunded, unvested holds of ``provider`` with a provider share,
+        whenever they vest, ordered by id (not locked)."""
+
     # idempotency
     def get_idempotency(self, key: str) -> IdempotencyRecord | None: ...
 

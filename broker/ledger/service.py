@@ -564,6 +564,13 @@ class LedgerService:
             raise UnknownHold(hold_id)
         return hold
 
+    def unvested_holds(self, provider: str) -> list[Hold]:
+        """The posted holds whose share of ``provider`` has neither vested nor been
+        refunded: what a claw-back can still give back to the clients."""
+        _check_id("provider", provider)
+        with self.repo.unit_of_work() as uow:
+            return uow.unvested_holds(provider)
+
     def get_transaction(self, transaction_id: str) -> Transaction:
         with self.repo.unit_of_work() as uow:
             return self._transaction(uow, transaction_id)

@@ -444,6 +444,14 @@ class _SqlUnitOfWork:
             query = query.with_for_update()
         return [self._hold(r) for r in self.c.execute(query).mappings()]
 
+    def unvested_holds(self, provider: str) -> list[Hold]:
+        query = (select(holds_t).where(
+            holds_t.c.provider_id == provider, holds_t.c.state == HoldState.POSTED.value,
+            holds_t.c.provider_micro > 0, holds_t.c.vest_transaction_id.is_(None),
+            holds_t.c.refund_transaction_id.is_(None))
+            .order_by(holds_t.c.id))
+        return [self._hold(r) for r in self.c.execute(query).mappings()]
+
     # idempotency
     def get_idempotency(self, key: str) -> IdempotencyRecord | None:
         row = _IDEMPOTENCY.run(self.c, {"w_key": key}).mapping()

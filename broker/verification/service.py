@@ -69,10 +69,11 @@ class VerificationSettings:
     check_timeout_s: float = 3600.0  # a check no other operator ran by then is given up
     tiebreak_tries: int = 3          # third runs queued before a dispute waits for an admin
     new_provider_checks: int = 10
-    # Outvoted 2 to 1 on two clear mismatches: half the stake goes. What a caught cheat
-    # loses is what the sampling's economic floor counts as S (see _decide).
+    # Outvoted 2 to 1 on two clear mismatches: half the stake goes, and every credit not
+    # vested yet goes back to its client. What a caught cheat loses is what the sampling's
+    # economic floor counts as S (see _decide).
     penalty: PenaltyPolicy = field(default_factory=lambda: PenaltyPolicy(
-        slash_fraction=0.5, claw_back_unvested=False))
+        slash_fraction=0.5, claw_back_unvested=True))
     catch_probability: dict[str, float] = field(default_factory=load_catch_probabilities)
 
 
@@ -560,6 +561,7 @@ class VerificationService:
                   "penalties": [{"provider_id": p.provider_id, "role": p.role.value,
                                  "forfeit_micro": p.forfeit_micro,
                                  "slash_micro": p.slash_micro,
+                                 "claw_back": p.claw_back_micro > 0,
                                  "quota_factor": p.quota_factor} for p in outcome.penalties],
                   "runs": {role.value: j.id for role, j in jobs.items()},
                   "deliver_from": outcome.deliver_from,
@@ -623,9 +625,13 @@ class VerificationService:
             if f"refund:{job.id}" not in done:
                 self._refund(job, f"verification: outvoted on job {v.job_id}", strict=True)
                 done.add(f"refund:{job.id}")
+            owner = self.providers.owner_of(provider_id)
+            if entry.get("claw_back") and f"claw:{provider_id}" not in done:
+                self._claw_back(v, provider_id, owner, record, save)
+                done.add(f"claw:{provider_id}")
+                save()
             if f"slash:{provider_id}" in done:
                 continue
-            owner = self.providers.owner_of(provider_id)
             plan = record.setdefault("slash_plan", {})
             if provider_id not in plan:
                 # what is at stake now (unstaking is refused while checks are open, but a
@@ -696,6 +702,37 @@ class VerificationService:
         if self.repo.update(v.job_id, set(OPEN_STATUSES), status=status,
                             outcome=record) is not None:
             self._event(primary.id, status, record.get("note", ""))
+
+    def _claw_back(self, v: Verification, provider_id: str, owner: str | None,
+                   record: dict, save: Callable[[], None]) -> None:
+        """Give back every credit of ``owner`` (the operator of ``provider_id``, which was
+        clearly outvoted) that has not vested yet: each such hold is refunded to its client
+        (DESIGN §6: credits vest after a window so that late findings can claw back). The
+        holds are fixed at the first try (``claw_plan``) and each refund carries its own
+        key, so a retry takes nothing twice; one that vested or was refunded meanwhile is
+        skipped. Unvested credits are part of what the sampling counts a caught cheat
+        loses (``PenaltyPolicy.claw_back_unvested``)."""
+        plan = record.setdefault("claw_plan", {})
+        if provider_id not in plan:
+            plan[provider_id] = [h.id for h in self.ledger.unvested_holds(owner)] if owner else []
+            save()
+        refunded, micro, skipped = [], 0, []
+        for hold_id in plan[provider_id]:
+            try:
+                txn = self.ledger.refund(
+                    hold_id, idempotency_key=f"verify:{v.job_id}:claw:{hold_id}",
+                    reason=f"claw-back: provider {provider_id} lost the check of job {v.job_id}")
+            except lerr.LedgerBusy:
+                raise  # nothing written: the sweep retries
+            except lerr.LedgerError as exc:  # vested or refunded since the plan was made
+                skipped.append({"hold": hold_id, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            refunded.append(hold_id)
+            micro += sum(e.amount_micro for e in txn.entries
+                         if e.account.kind is AccountKind.CLIENT_AVAILABLE)
+        self._audit("verification.claw_back", v.job_id,
+                    {"provider": provider_id, "operator": owner, "holds": refunded,
+                     "refunded_micro": micro, "skipped": skipped})
 
     def _sides(self, jobs: dict[Role, Job], verdict) -> list[dict]:
         """A dispute's sides: each run's provider, role, first output and ``verdict(job)``."""
@@ -781,7 +818,7 @@ def _judge(kind: str, claimed: Callable[[], Run], check: Callable[[], Run]) -> J
 
 
 #: Keys of a judged record's ``outcome`` that only serve applying its effects (``_apply``).
-_PENDING = ("done", "sides", "slash_plan")
+_PENDING = ("done", "sides", "slash_plan", "claw_plan")
 
 
 def pinned_inputs(job: Job) -> dict[str, Any]:

@@ -165,6 +165,50 @@ def test_an_outcome_whose_effects_failed_midway_is_finished_by_the_sweep_once(wo
     assert world.sweep() == 0  # nothing left half done
 
 
+def test_a_clear_loser_gives_back_every_credit_not_vested_yet(world, monkeypatch):
+    from broker.ledger.model import Splits
+
+    ledger = world.services.ledger
+    owner = world.operators["a"]
+    seed_earned(ledger, owner, 4_000_000)  # staked: vested already, never clawed back
+    client = "acct-earlier-client"
+    ledger.open_client(client)
+    ledger.deposit(client, 3_000_000, idempotency_key="earlier:deposit")
+    holds = []
+    for i, who in enumerate("aab"):  # earlier jobs paid into vesting: two of a's, one of b's
+        hold = ledger.hold(client, 1_000_000, f"earlier-{i}", idempotency_key=f"earlier:{i}")
+        ledger.post(hold.id, Splits(provider=world.operators[who], provider_micro=900_000,
+                                    fee_micro=100_000), idempotency_key=f"earlier:post:{i}")
+        holds.append(hold.id)
+    assert ledger.balances(owner)[AccountKind.PROVIDER_VESTING] == 1_800_000
+    job, _ = _disputed(world)
+    tiebreak = world.settle(world.check_of(job, Role.TIEBREAKER), "c", GOOD)
+    # the first refund fails for a reason of the broker's: the sweep finishes the rest
+    real_refund, calls = ledger.refund, []
+
+    def flaky(*a, **k):
+        calls.append(a)
+        if len(calls) == 2:
+            raise RuntimeError("db down")
+        return real_refund(*a, **k)
+
+    monkeypatch.setattr(ledger, "refund", flaky)
+    world.v.settled(tiebreak, tiebreak.receipt)
+    assert world.v.status(job.id).outcome["applied"] is False
+    assert world.sweep() == 1
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.OVERTURNED and rec.outcome["penalties"][0]["claw_back"]
+    assert ledger.balances(owner).get(AccountKind.PROVIDER_VESTING, 0) == 0
+    assert ledger.balances(owner)[AccountKind.PROVIDER_STAKE] == 2_000_000  # half slashed
+    # a's two jobs refunded in full to their client (fee included); b's stands
+    assert ledger.balances(client)[AccountKind.CLIENT_AVAILABLE] == 2_000_000
+    assert [ledger.get_hold(h).refund_transaction_id is not None for h in holds] == [
+        True, True, False]
+    assert world.actions(job.id).count("verification.claw_back") == 1
+    assert world.sweep() == 0
+    assert ledger.verify().ok
+
+
 def test_a_dispute_whose_done_mark_was_not_saved_is_not_opened_twice(world, monkeypatch):
     job, _ = _disputed(world)
     tiebreak = world.settle(world.check_of(job, Role.TIEBREAKER), "c", GOOD)
