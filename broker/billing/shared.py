@@ -3,7 +3,7 @@
 The client pays once, within the job's single hold: the finishing provider is paid for the
 share it did (rate × work units × (1 − resumed fraction)), each earlier provider for the
 share its checkpoint added (see ``broker.jobs.checkpoints``), each share rounded down on
-its own, and the platform takes its fee of each share; the job's adapter royalty is
+its own, and the platform takes its fee of each share; the job's adapter royalties are
 paid once, with the finishing provider's share (none when cancelled). One ledger call
 (``LedgerService.post_shared``) moves it all, keyed on the job, so a retry is harmless.
 """
@@ -82,8 +82,8 @@ def _post_shares(billing, job: Job, shares: list[tuple[str, int, int]], *,
                  royalty: bool = False) -> Transaction | None:
     """Post the hold for ``shares`` [(provider id, attempt, charge)]: the first on the hold
     itself, the others as parts (``LedgerService.post_shared``). With ``royalty``, the
-    job's adapter royalty rides on the first, divided as a single post divides it: every
-    provider's share first, then the royalty, then the first share's fee."""
+    job's adapter royalties ride on the first, divided as a single post divides them:
+    every provider's share first, then the royalties, then the first share's fee."""
     price = billing.pricing.price(job.plugin)
     splits = []
     for provider_id, attempt, charge in shares:

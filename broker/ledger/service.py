@@ -279,12 +279,12 @@ class LedgerService:
                     idempotency_key: str, vesting_window_s: int | None = None) -> Transaction:
         """Settle a pending hold for a job that several providers worked on in turn (a job
         resumed from a checkpoint): ``splits`` pays the provider that finished it, and the
-        job's royalty when it carries one; each of ``earlier`` pays one provider that did a
-        part before (no royalty: the job pays it once). All in one transaction of the
+        job's royalties when it carries any; each of ``earlier`` pays one provider that did
+        a part before (no royalty: the job pays them once). All in one transaction of the
         ledger: the hold is posted for ``splits`` (the rest released to the client), then
         each earlier share is held from that released rest and posted at once, so every
         hold still has one provider (vesting and refunds work per hold; refunding the main
-        hold returns the royalty) and the client pays at most the original hold. Returns
+        hold returns the royalties) and the client pays at most the original hold. Returns
         the post of the main hold; idempotent like :meth:`post`."""
         _check_id("hold_id", hold_id)
         if vesting_window_s is not None and (type(vesting_window_s) is not int
