@@ -11,7 +11,9 @@ Prints a table and the ratio against the direct call. Targets (issue #2, 2-core 
 Measured here (2 cores, 1/2/4 agents, 600 jobs) on 2026-11-30, side by side with the code
 from the start of that day's second session (two rounds, run alternately): 177–198 jobs/s
 against 144–156, the broker's CPU per job 4.6–5.1 ms against 6.1–6.6 ms, agents about
-1 ms, and 4.6–4.9 ms added p50 (before: 5.5–6.2 ms). Machines differ from day to day and
+1 ms, and 4.6–4.9 ms added p50 (before: 5.5–6.2 ms); a later session's runs, on the same
+code and after: 188–228 jobs/s, 3.9–5.5 ms added p50, the broker 4.0–4.8 ms per job (a
+spread of ±10 % between runs of the same code). Machines differ from day to day and
 hour to hour (the same code did 45 jobs/s on a slow one), so compare runs made together.
 The broker is one GIL-bound Python process, so its CPU per job caps the rate however many
 cores there are (docs/architecture.md, "Dispatch throughput", says where it goes).
