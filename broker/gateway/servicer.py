@@ -284,9 +284,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job.id, what="receipt")))
         elif kind == "failed":
             f = msg.failed
-            job = self.jobs.failed(pid, f.job_id, f.attempt, f.code, f.message, f.retryable)
-            if job is not None and self.market is not None:
-                self.market.failed(pid, job.plugin)
+            self.jobs.failed(pid, f.job_id, f.attempt, f.code, f.message, f.retryable)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=f.job_id, what="failed")))
         elif kind == "give_back":
             g = msg.give_back

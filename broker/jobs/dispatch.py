@@ -97,6 +97,7 @@ class Dispatcher:
         self.needs_download = lambda provider_id, job: False
         jobs.on_queued = self._queued
         jobs.on_released = self._released
+        jobs.second_opinion = self.second_opinion
         jobs.cancel_hook = self._cancel
 
     # ---- sessions --------------------------------------------------------------------
@@ -169,6 +170,18 @@ class Dispatcher:
                 s.quota_factor = factor
         if s is not None:
             self._sync(s)
+
+    def second_opinion(self, job: Job, provider_id: str) -> str | None:
+        """``provider_id``'s operator when a provider of another operator (not excluded
+        from ``job``) is connected and serves it; else None (JobService._input_refused)."""
+        with self._cond:
+            sessions = list(self._sessions.values())
+        own = next((s for s in sessions if s.provider_id == provider_id), None)
+        if own is None:
+            return None
+        others = (s for s in sessions if s.account_id != own.account_id and s.serves(job)
+                  and not _checked_operator(job, s) and not s.draining)
+        return own.account_id if any(True for _ in others) else None
 
     def _released(self, provider_id: str | None, job_id: str) -> None:
         with self._cond:
@@ -439,6 +452,8 @@ class Dispatcher:
 
 
 def _checked_operator(job: Job, session: AgentSession) -> bool:
-    """A check job never runs on a machine of an operator it checks (its exclusions name
-    them as ``operator:<account id>``), even one that connected after it was queued."""
-    return bool(job.check_of) and f"operator:{session.account_id}" in job.excluded_providers
+    """A job never runs on a machine of an operator its exclusions name as
+    ``operator:<account id>`` (a check: the operator it checks; a job whose input a
+    provider refused: that provider's operator), even one that connected after it was
+    queued. Exclusions by provider id are soft (see _clear)."""
+    return f"operator:{session.account_id}" in job.excluded_providers

@@ -30,6 +30,8 @@ from .ports import BlobStore, JobRepository
 
 log = logging.getLogger(__name__)
 ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
+BAD_INPUT = "bad_input"            # a failure code: the plugin refused the job's input
+INPUT_DISPUTED = "input_disputed"  # a requeue: another operator's provider tries that input
 
 
 @dataclass
@@ -71,6 +73,11 @@ class JobService:
         # (raises CannotMeetTerms), and the timings of every verified receipt (θ).
         self.check_terms = None                  # callable(job, n_slots) -> None
         self.on_receipt = lambda job, receipt: None
+        # A run that failed in a way that counts against the provider's reliability.
+        self.on_failure = lambda provider_id, plugin: None
+        # (job, provider id) -> that provider's operator (account id) when a provider of
+        # another operator is connected that could run the job, else None (see failed()).
+        self.second_opinion = lambda job, provider_id: None
         # Verification (DESIGN §6, broker.verification.service): every settled job, after
         # its money moved, and every job that ended without settling (failed, cancelled).
         self.on_settled = lambda job, receipt: None
@@ -559,6 +566,9 @@ class JobService:
             self._charge(settled, rec)
         try:
             self.on_receipt(settled, rec)
+            if _input_disputed(settled):  # whoever called this input bad was wrong
+                for refuser in self._input_refusers(job.id):
+                    self.on_failure(refuser, job.plugin)
         except Exception:  # noqa: BLE001 - a measurement must never undo a settlement
             log.exception("job %s: recording the receipt's timings failed", job.id)
         self.on_released(provider_id, job.id)
@@ -575,9 +585,38 @@ class JobService:
         except ReceiptRefused:
             return None  # already moved (cancelled, requeued): nothing to do
         self.on_released(provider_id, job_id)
+        if code == BAD_INPUT and not retryable and not job.check_of:
+            return self._input_refused(job, provider_id, message)
+        self.on_failure(provider_id, job.plugin)
         if retryable:
             return self._requeue(job, "failed", f"{code}: {message}")
         return self._fail(job, code, message)
+
+    def _input_refused(self, job: Job, provider_id: str, message: str) -> Job | None:
+        """A provider says the job's input is bad (the plugin refused it): the client's
+        fault, which must not count against the provider, but a provider could say so of
+        any failure. So the first refusal sends the job to a provider of another operator
+        (the refuser's operator is excluded for good); a second refusal there confirms it,
+        and the job fails ``bad_input`` with nobody's reliability touched, while a
+        settlement there proves the first refusal false and counts it as the refuser's
+        failure (see _settle). With no other operator connected, the job fails at once and
+        the refusal counts, as any failure does."""
+        if _input_disputed(job):  # refused by a provider of another operator already
+            return self._fail(job, BAD_INPUT, f"{message} (providers of two operators "
+                                              "refused this input)")
+        operator = self.second_opinion(job, provider_id)
+        if operator is None:
+            self.on_failure(provider_id, job.plugin)
+            return self._fail(job, BAD_INPUT, message)
+        return self._requeue(job, INPUT_DISPUTED,
+                             f"{BAD_INPUT}: {message}; a provider of another operator tries it",
+                             exclude=[f"operator:{operator}"])
+
+    def _input_refusers(self, job_id: str) -> list[str]:
+        """The providers whose refusal of the job's input sent it to another operator."""
+        return [e.data.get("provider_id") for e in self.repo.events_after(job_id, 0)
+                if e.kind == "requeued" and e.data.get("why") == INPUT_DISPUTED
+                and e.data.get("provider_id")]
 
     def give_back(self, provider_id: str, job_id: str, attempt: int, reason: str) -> Job | None:
         try:
@@ -613,8 +652,10 @@ class JobService:
             self.cancel_hook(job)
         return moved
 
-    def _requeue(self, job: Job, kind: str, reason: str, count_attempt: bool = True) -> Job | None:
-        """Back to the queue for another provider, or FAILED once attempts run out."""
+    def _requeue(self, job: Job, kind: str, reason: str, count_attempt: bool = True,
+                 exclude: list[str] = ()) -> Job | None:
+        """Back to the queue for another provider, or FAILED once attempts run out.
+        ``exclude``: more exclusions (``operator:<account>`` ones are hard)."""
         used = job.attempt + 1
         if count_attempt and used >= job.max_attempts:
             return self._fail(job, "attempts_exhausted",
@@ -623,11 +664,12 @@ class JobService:
             return self._fail(job, "deadline_exceeded",
                               f"the job's deadline of {job.deadline_s:g}s passed before it "
                               f"could be finished; last: {reason}")
-        excluded = sorted(set(job.excluded_providers) | {job.provider_id})
+        excluded = sorted(set(job.excluded_providers) | {job.provider_id} | set(exclude))
         moved = self.repo.transition(
             job.id, [job.state], JobState.QUEUED, expect_attempt=job.attempt,
             expect_provider=job.provider_id,
-            event=("requeued", {"reason": reason, "why": kind, "attempt": job.attempt + 1}),
+            event=("requeued", {"reason": reason, "why": kind, "attempt": job.attempt + 1,
+                                "provider_id": job.provider_id}),
             attempt=job.attempt + 1, provider_id=None, lease_expires_at=None, envelope=None,
             excluded_providers=excluded, progress_step=0, progress_total=0)
         if moved is not None:
@@ -788,6 +830,12 @@ def _replayed(existing: Job, request_hash: str, idempotency_key: str | None) -> 
 
 
 _JOB_IDS = uuid.UUID("6f1c0c5e-8a39-4c3e-9a55-5d0b3e2f7a11")  # namespace of derived job ids
+
+
+def _input_disputed(job: Job) -> bool:
+    """Did a provider refuse this (non-check) job's input, sending it to another operator?
+    (Only that puts an ``operator:`` exclusion on a job that is not a check.)"""
+    return not job.check_of and any(e.startswith("operator:") for e in job.excluded_providers)
 
 
 def _is_uuid(value: str) -> bool:

@@ -50,3 +50,4 @@ def attach_market(market: MarketService, canaries: CanaryService | None, jobs: J
 
     jobs.check_terms = check_terms
     jobs.on_receipt = on_receipt
+    jobs.on_failure = market.failed  # the failures the job service counts as the provider's

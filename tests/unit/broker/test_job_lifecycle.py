@@ -358,3 +358,85 @@ def test_a_late_receipt_for_an_earlier_attempt_is_refused(world):
         jobs.receipt(s.provider_id, key.public_key_hex, blob, sig, uploads=uploads)
     assert exc.value.code == "not_your_job"
     assert jobs.get(client, job.id).state == JobState.MATCHED
+
+
+def _two_operators(jobs, third_of_first_operator=False):
+    """A dispatcher with providers of two operators (and, asked for, a second machine of
+    the first operator registered later): {provider id: (session, key)}, dispatcher."""
+    d = Dispatcher(jobs)
+    machines = {}
+    for pid, acct in (("a1", "op-a"), ("b1", "op-b")):
+        key = KeyPair.generate()
+        s = RecordingSession(provider_id=pid, public_key=key.public_key_hex, account_id=acct,
+                             plugins={"echo@1.0.0": ""})
+        d.register(s)
+        machines[pid] = (s, key)
+    return machines, d
+
+
+def _holder(machines):
+    held = [(s, key) for s, key in machines.values() if s.active]
+    assert len(held) == 1
+    return held[0]
+
+
+def test_a_refused_input_goes_to_another_operator_and_a_second_refusal_fails_it(world):
+    jobs, _, client, _ = world
+    counted = []
+    jobs.on_failure = lambda provider_id, plugin: counted.append(provider_id)
+    machines, d = _two_operators(jobs)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    assert d.match_once() == 1
+    first, _ = _holder(machines)
+    moved = jobs.failed(first.provider_id, job.id, 0, "bad_input", "prompt too long", False)
+    assert moved.state is JobState.QUEUED and counted == []  # not the provider's fault yet
+    # a machine of the refuser's operator that connects now never gets it
+    key = KeyPair.generate()
+    twin = RecordingSession(provider_id="a2" if first.provider_id == "a1" else "b2",
+                            public_key=key.public_key_hex, account_id=first.account_id,
+                            plugins={"echo@1.0.0": ""})
+    d.register(twin)
+    for _ in range(3):
+        assert d.match_once() <= 1
+    assert twin.sent == [] and len(first.sent) == 1
+    second, _ = _holder(machines)
+    assert second.account_id != first.account_id
+    failed = jobs.failed(second.provider_id, job.id, 1, "bad_input", "prompt too long", False)
+    assert failed.state is JobState.FAILED and failed.error_code == "bad_input"
+    assert "two operators" in failed.error_message
+    assert counted == []  # confirmed by two operators: the client's input, nobody's fault
+
+
+def test_a_refusal_another_operator_proves_wrong_counts_against_the_refuser(world):
+    jobs, _, client, _ = world
+    counted = []
+    jobs.on_failure = lambda provider_id, plugin: counted.append(provider_id)
+    machines, d = _two_operators(jobs)
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    d.match_once()
+    first, _ = _holder(machines)
+    jobs.failed(first.provider_id, job.id, 0, "bad_input", "not a real problem", False)
+    d.match_once()
+    second, key = _holder(machines)
+    _, blob, sig = _finish(jobs, job, second, key)
+    assert jobs.receipt(second.provider_id, key.public_key_hex, blob, sig).state is \
+        JobState.SETTLED
+    assert counted == [first.provider_id]
+    requeued = [e for e in jobs.events(client, job.id) if e.kind == "requeued"]
+    assert [e.data["why"] for e in requeued] == ["input_disputed"]
+
+
+def test_with_one_operator_a_refused_input_fails_at_once_and_counts(world):
+    jobs, _, client, _ = world
+    counted = []
+    jobs.on_failure = lambda provider_id, plugin: counted.append(provider_id)
+    job, s, key, d = _matched(world)
+    failed = jobs.failed(s.provider_id, job.id, 0, "bad_input", "prompt too long", False)
+    assert failed.state is JobState.FAILED and failed.error_code == "bad_input"
+    assert counted == [s.provider_id]  # nobody could confirm it: counted as any failure
+    # other failures count as before, retryable or not
+    job2, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "2"}})
+    d.match_once()
+    assert jobs.failed(s.provider_id, job2.id, 0, "oom", "out of memory", True).state is \
+        JobState.QUEUED
+    assert counted == [s.provider_id, s.provider_id]
