@@ -155,18 +155,15 @@ class _MemoryUnitOfWork:
                      if h.state is HoldState.PENDING and h.expires_at <= now)
         return [hid for _, hid in due[:limit]]
 
-    def lock_vestable_holds(self, provider: str, now: datetime) -> list[Hold]:
+    def unvested_holds(self, provider: str, *, due_by: datetime | None = None,
+                       lock: bool = False) -> list[Hold]:
+        # (``lock``: a unit of work here already has the store to itself)
         return sorted((h for h in self._s.holds.values()
                        if h.state is HoldState.POSTED and h.provider == provider
-                       and h.provider_micro > 0 and h.vests_at is not None and h.vests_at <= now
+                       and h.provider_micro > 0
+                       and (due_by is None or (h.vests_at is not None and h.vests_at <= due_by))
                        and h.vest_transaction_id is None and h.refund_transaction_id is None),
                       key=lambda h: h.id)
-
-    def unvested_holds(self, provider: str) -> list[Hold]:
-        return sorted((h for h in self._s.holds.values()
-                       if h.state is HoldState.POSTED and h.provider == provider
-                       and h.provider_micro > 0 and h.vest_transaction_id is None
-                       and h.refund_transaction_id is None), key=lambda h: h.id)
 
     # idempotency
     def get_idempotency(self, key: str) -> IdempotencyRecord | None:

@@ -4,7 +4,7 @@ commits together when the ``with`` block ends normally and is discarded when it 
 
 Concurrency contract (what the service relies on):
 
-* ``lock_accounts`` and ``get_hold(for_update=True)`` / ``lock_vestable_holds`` lock the
+* ``lock_accounts`` and ``get_hold(for_update=True)`` / ``unvested_holds(lock=True)`` lock the
   rows until the unit of work ends and return their latest committed state (PostgreSQL:
   ``SELECT … FOR UPDATE``; SQLite: writers are already serialised by ``BEGIN IMMEDIATE``);
   ``post_hold`` locks the hold it writes and decides on its latest committed state (one
@@ -82,13 +82,11 @@ class LedgerUnitOfWork(Protocol):
     def due_hold_ids(self, now: datetime, *, limit: int) -> list[str]:
         """Ids of pending holds whose ``expires_at`` ≤ ``now``, oldest first."""
 
-    def lock_vestable_holds(self, provider: str, now: datetime) -> list[Hold]:
-        """Posted, unrefunded, unvested holds of ``provider`` with a provider share and
-        ``vests_at`` ≤ ``now``, locked, ordered by id."""
-
-    def unvested_holds(self, provider: str) -> list[Hold]:
-        """Posted, unrefunded, unvested holds of ``provider`` with a provider share,
-        whenever they vest, ordered by id (not locked)."""
+    def unvested_holds(self, provider: str, *, due_by: datetime | None = None,
+                       lock: bool = False) -> list[Hold]:
+        """Posted, unrefunded, unvested holds of ``provider`` with a provider share (only
+        those whose ``vests_at`` ≤ ``due_by``, when given), ordered by id; with ``lock``,
+        locked."""
 
     # idempotency
     def get_idempotency(self, key: str) -> IdempotencyRecord | None: ...

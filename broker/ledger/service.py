@@ -434,7 +434,7 @@ class LedgerService:
 
         def work(uow: LedgerUnitOfWork) -> Transaction | None:
             now = self.clock.now()
-            holds = uow.lock_vestable_holds(provider, now)
+            holds = uow.unvested_holds(provider, due_by=now, lock=True)
             total = sum(h.provider_micro for h in holds)
             if total == 0:
                 return None

@@ -434,22 +434,16 @@ class _SqlUnitOfWork:
                                        holds_t.c.expires_at <= now)
             .order_by(holds_t.c.expires_at, holds_t.c.id).limit(limit)))
 
-    def lock_vestable_holds(self, provider: str, now: datetime) -> list[Hold]:
-        query = (select(holds_t).where(
-            holds_t.c.provider_id == provider, holds_t.c.state == HoldState.POSTED.value,
-            holds_t.c.provider_micro > 0, holds_t.c.vests_at <= now,
-            holds_t.c.vest_transaction_id.is_(None), holds_t.c.refund_transaction_id.is_(None))
-            .order_by(holds_t.c.id))
-        if self._lock_rows:
+    def unvested_holds(self, provider: str, *, due_by: datetime | None = None,
+                       lock: bool = False) -> list[Hold]:
+        cond = [holds_t.c.provider_id == provider, holds_t.c.state == HoldState.POSTED.value,
+                holds_t.c.provider_micro > 0, holds_t.c.vest_transaction_id.is_(None),
+                holds_t.c.refund_transaction_id.is_(None)]
+        if due_by is not None:
+            cond.append(holds_t.c.vests_at <= due_by)
+        query = select(holds_t).where(*cond).order_by(holds_t.c.id)
+        if lock and self._lock_rows:
             query = query.with_for_update()
-        return [self._hold(r) for r in self.c.execute(query).mappings()]
-
-    def unvested_holds(self, provider: str) -> list[Hold]:
-        query = (select(holds_t).where(
-            holds_t.c.provider_id == provider, holds_t.c.state == HoldState.POSTED.value,
-            holds_t.c.provider_micro > 0, holds_t.c.vest_transaction_id.is_(None),
-            holds_t.c.refund_transaction_id.is_(None))
-            .order_by(holds_t.c.id))
         return [self._hold(r) for r in self.c.execute(query).mappings()]
 
     # idempotency
