@@ -716,23 +716,19 @@ class VerificationService:
         if provider_id not in plan:
             plan[provider_id] = [h.id for h in self.ledger.unvested_holds(owner)] if owner else []
             save()
-        refunded, micro, skipped = [], 0, []
+        refunded, skipped = [], []
         for hold_id in plan[provider_id]:
-            try:
-                txn = self.ledger.refund(
-                    hold_id, idempotency_key=f"verify:{v.job_id}:claw:{hold_id}",
-                    reason=f"claw-back: provider {provider_id} lost the check of job {v.job_id}")
-            except lerr.LedgerBusy:
-                raise  # nothing written: the sweep retries
-            except lerr.LedgerError as exc:  # vested or refunded since the plan was made
-                skipped.append({"hold": hold_id, "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            refunded.append(hold_id)
-            micro += sum(e.amount_micro for e in txn.entries
-                         if e.account.kind is AccountKind.CLIENT_AVAILABLE)
+            refused = self._refund_hold(
+                hold_id, f"verify:{v.job_id}:claw:{hold_id}",
+                f"claw-back: provider {provider_id} lost the check of job {v.job_id}",
+                strict=True)  # the sweep retries what raises
+            if refused is None:
+                refunded.append(hold_id)
+            else:  # vested or refunded since the plan was made
+                skipped.append({"hold": hold_id, "error": f"{type(refused).__name__}: {refused}"})
         self._audit("verification.claw_back", v.job_id,
                     {"provider": provider_id, "operator": owner, "holds": refunded,
-                     "refunded_micro": micro, "skipped": skipped})
+                     "skipped": skipped})
 
     def _sides(self, jobs: dict[Role, Job], verdict) -> list[dict]:
         """A dispute's sides: each run's provider, role, first output and ``verdict(job)``."""
@@ -751,16 +747,26 @@ class VerificationService:
         ledger busy, the database down) raises, for the caller to retry."""
         if job.hold_id is None:
             return
+        refused = self._refund_hold(job.hold_id, f"verify:{job.id}:refund", reason,
+                                    strict=strict)
+        if refused is not None:
+            log.warning("job %s: refund after verification failed: %s", job.id, refused)
+            self._audit("verification.refund_failed", job.check_of or job.id,
+                        {"job": job.id, "error": f"{type(refused).__name__}: {refused}"})
+
+    def _refund_hold(self, hold_id: str, key: str, reason: str, *,
+                     strict: bool) -> Exception | None:
+        """Refund a posted hold under ``key``; returns what stopped it (None: refunded).
+        With ``strict`` only the ledger's refusals come back (vested or refunded already);
+        LedgerBusy, which wrote nothing, and errors of the broker's raise."""
         try:
-            self.ledger.refund(job.hold_id, idempotency_key=f"verify:{job.id}:refund",
-                               reason=reason)
-        except Exception as exc:  # noqa: BLE001 - vested already: recorded for an admin
+            self.ledger.refund(hold_id, idempotency_key=key, reason=reason)
+            return None
+        except Exception as exc:  # noqa: BLE001 - returned or raised, never dropped
             if strict and (isinstance(exc, lerr.LedgerBusy)
                            or not isinstance(exc, lerr.LedgerError)):
                 raise
-            log.warning("job %s: refund after verification failed: %s", job.id, exc)
-            self._audit("verification.refund_failed", job.check_of or job.id,
-                        {"job": job.id, "error": f"{type(exc).__name__}: {exc}"})
+            return exc
 
     # ---- helpers ----------------------------------------------------------------------
     def _output_kind(self, job: Job) -> str:
