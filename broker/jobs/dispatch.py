@@ -175,13 +175,13 @@ class Dispatcher:
         """``provider_id``'s operator when a provider of another operator (not excluded
         from ``job``) is connected and serves it; else None (JobService._input_refused)."""
         with self._cond:
+            own = self._sessions.get(provider_id)
             sessions = list(self._sessions.values())
-        own = next((s for s in sessions if s.provider_id == provider_id), None)
-        if own is None:
+        if own is None or not any(s.account_id != own.account_id and s.serves(job)
+                                  and not s.draining and not _checked_operator(job, s)
+                                  for s in sessions):
             return None
-        others = (s for s in sessions if s.account_id != own.account_id and s.serves(job)
-                  and not _checked_operator(job, s) and not s.draining)
-        return own.account_id if any(True for _ in others) else None
+        return own.account_id
 
     def _released(self, provider_id: str | None, job_id: str) -> None:
         with self._cond:

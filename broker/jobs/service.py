@@ -570,7 +570,8 @@ class JobService:
                 for refuser in self._input_refusers(job.id):
                     self.on_failure(refuser, job.plugin)
         except Exception:  # noqa: BLE001 - a measurement must never undo a settlement
-            log.exception("job %s: recording the receipt's timings failed", job.id)
+            log.exception("job %s: telling the market of the receipt (timings, refusals of "
+                          "its input) failed", job.id)
         self.on_released(provider_id, job.id)
         # Verification draws whether to check the job once its receipt is signed and
         # settled, before the client is woken, so it never sees a status that changes back.
