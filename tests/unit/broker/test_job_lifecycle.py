@@ -360,18 +360,28 @@ def test_a_late_receipt_for_an_earlier_attempt_is_refused(world):
     assert jobs.get(client, job.id).state == JobState.MATCHED
 
 
-def _two_operators(jobs, third_of_first_operator=False):
-    """A dispatcher with providers of two operators (and, asked for, a second machine of
-    the first operator registered later): {provider id: (session, key)}, dispatcher."""
+def _machine(d, pid: str, operator: str) -> tuple[RecordingSession, KeyPair]:
+    """A provider session ``pid`` of ``operator`` serving echo, registered with ``d``."""
+    key = KeyPair.generate()
+    s = RecordingSession(provider_id=pid, public_key=key.public_key_hex, account_id=operator,
+                         plugins={"echo@1.0.0": ""})
+    d.register(s)
+    return s, key
+
+
+def _refused_once(world, counted: list):
+    """Providers of two operators; an echo job assigned to one of them, which refuses its
+    input (``bad_input``); failures that count go to ``counted``.
+    Returns (job, the refusing session, the requeued job, {pid: (session, key)}, d)."""
+    jobs, _, client, _ = world
+    jobs.on_failure = lambda provider_id, plugin: counted.append(provider_id)
     d = Dispatcher(jobs)
-    machines = {}
-    for pid, acct in (("a1", "op-a"), ("b1", "op-b")):
-        key = KeyPair.generate()
-        s = RecordingSession(provider_id=pid, public_key=key.public_key_hex, account_id=acct,
-                             plugins={"echo@1.0.0": ""})
-        d.register(s)
-        machines[pid] = (s, key)
-    return machines, d
+    machines = {pid: _machine(d, pid, op) for pid, op in (("a1", "op-a"), ("b1", "op-b"))}
+    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    assert d.match_once() == 1
+    first, _ = _holder(machines)
+    moved = jobs.failed(first.provider_id, job.id, 0, "bad_input", "prompt too long", False)
+    return job, first, moved, machines, d
 
 
 def _holder(machines):
@@ -381,21 +391,12 @@ def _holder(machines):
 
 
 def test_a_refused_input_goes_to_another_operator_and_a_second_refusal_fails_it(world):
-    jobs, _, client, _ = world
+    jobs = world[0]
     counted = []
-    jobs.on_failure = lambda provider_id, plugin: counted.append(provider_id)
-    machines, d = _two_operators(jobs)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
-    assert d.match_once() == 1
-    first, _ = _holder(machines)
-    moved = jobs.failed(first.provider_id, job.id, 0, "bad_input", "prompt too long", False)
+    job, first, moved, machines, d = _refused_once(world, counted)
     assert moved.state is JobState.QUEUED and counted == []  # not the provider's fault yet
     # a machine of the refuser's operator that connects now never gets it
-    key = KeyPair.generate()
-    twin = RecordingSession(provider_id="a2" if first.provider_id == "a1" else "b2",
-                            public_key=key.public_key_hex, account_id=first.account_id,
-                            plugins={"echo@1.0.0": ""})
-    d.register(twin)
+    twin, _ = _machine(d, first.provider_id[0] + "2", first.account_id)
     for _ in range(3):
         assert d.match_once() <= 1
     assert twin.sent == [] and len(first.sent) == 1
@@ -410,12 +411,7 @@ def test_a_refused_input_goes_to_another_operator_and_a_second_refusal_fails_it(
 def test_a_refusal_another_operator_proves_wrong_counts_against_the_refuser(world):
     jobs, _, client, _ = world
     counted = []
-    jobs.on_failure = lambda provider_id, plugin: counted.append(provider_id)
-    machines, d = _two_operators(jobs)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
-    d.match_once()
-    first, _ = _holder(machines)
-    jobs.failed(first.provider_id, job.id, 0, "bad_input", "not a real problem", False)
+    job, first, _, machines, d = _refused_once(world, counted)
     d.match_once()
     second, key = _holder(machines)
     _, blob, sig = _finish(jobs, job, second, key)
@@ -423,7 +419,8 @@ def test_a_refusal_another_operator_proves_wrong_counts_against_the_refuser(worl
         JobState.SETTLED
     assert counted == [first.provider_id]
     requeued = [e for e in jobs.events(client, job.id) if e.kind == "requeued"]
-    assert [e.data["why"] for e in requeued] == ["input_disputed"]
+    assert [(e.data["why"], e.data["provider_id"]) for e in requeued] == [
+        ("input_disputed", first.provider_id)]
 
 
 def test_with_one_operator_a_refused_input_fails_at_once_and_counts(world):

@@ -183,7 +183,7 @@ def test_a_clear_loser_gives_back_every_credit_not_vested_yet(world, monkeypatch
     assert ledger.balances(owner)[AccountKind.PROVIDER_VESTING] == 1_800_000
     job, _ = _disputed(world)
     tiebreak = world.settle(world.check_of(job, Role.TIEBREAKER), "c", GOOD)
-    # the first refund fails for a reason of the broker's: the sweep finishes the rest
+    # the second claw-back refund fails for a reason of the broker's: the sweep finishes
     real_refund, calls = ledger.refund, []
 
     def flaky(*a, **k):
@@ -459,7 +459,6 @@ def test_royalty_room_is_the_held_amount_stored_on_the_job(world, monkeypatch):
     assert billing.royalty_within_hold(job, 800, 100) == ([("pub", 200)], 0)
 
 
-
 def test_a_check_is_judged_on_the_judging_worker_not_the_settling_thread(world, monkeypatch):
     """The thread that settles a check (an agent's stream) goes on at once; the judging
     worker compares the runs; a check the worker never judged is judged by the sweep."""
@@ -470,11 +469,12 @@ def test_a_check_is_judged_on_the_judging_worker_not_the_settling_thread(world, 
     first, second = world.checked("a", GOOD), world.checked("a", GOOD)
     checks = [world.settle(world.check_of(first), "b", GOOD),
               world.settle(world.check_of(second), "c", GOOD)]
-    release, judged_on = threading.Event(), []
+    started, release, judged_on = threading.Event(), threading.Event(), []
     real_judge = vs._judge
 
     def slow_judge(*a):
         judged_on.append(threading.current_thread().name)
+        started.set()
         assert release.wait(10)
         return real_judge(*a)
 
@@ -483,6 +483,7 @@ def test_a_check_is_judged_on_the_judging_worker_not_the_settling_thread(world, 
     judges = world.v._judges
     for check in checks:  # each returns while the first judgement waits
         world.v.settled(check, check.receipt)
+    assert started.wait(10)  # the worker is judging the first: the second waits its turn
     assert world.v.status(first.id).status is CheckStatus.CHECKING
     world.v.close()  # the broker stops: the second check is never judged by the worker
     release.set()
