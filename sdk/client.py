@@ -251,14 +251,12 @@ class Client:
                                    ("max_price_micro", max_price_micro),
                                    ("deadline_s", deadline_s), ("verify", verify))
                  if v is not None}
-        if n > 1:
-            return self.jobs.create_batch(plugin, version=version, terms=terms,
-                                          **inputs).wait(timeout=timeout)
         # Submit and wait in one request (``Prefer: wait``); a broker that answers before
-        # the job ends (or ignores the preference) leaves the rest to Job.wait().
+        # the job (or every sibling) ends leaves the rest to wait().
         started = time.monotonic()
-        job = self.jobs.create(plugin, version=version, terms=terms,
-                               wait=30.0 if timeout is None else min(timeout, 30.0), **inputs)
+        held = 30.0 if timeout is None else min(timeout, 30.0)
+        create = self.jobs.create_batch if n > 1 else self.jobs.create
+        job = create(plugin, version=version, terms=terms, wait=held, **inputs)
         left = None if timeout is None else timeout - (time.monotonic() - started)
         return job.wait(timeout=left)
 
@@ -352,10 +350,12 @@ class Jobs:
 
     def create_batch(self, plugin: str, *, version: str | None = None,
                      idempotency_key: str | None = None, validate: bool = True,
-                     terms: dict | None = None, **inputs) -> "Batch":
-        """A split request (``terms["n"]`` sibling jobs)."""
+                     terms: dict | None = None, wait: float | None = None,
+                     **inputs) -> "Batch":
+        """A split request (``terms["n"]`` sibling jobs). ``wait`` as for :meth:`create`:
+        the answer may wait until every sibling has ended."""
         return Batch(self._c, self._post(plugin, version, idempotency_key, validate, terms,
-                                         inputs))
+                                         inputs, wait))
 
     def list(self, limit: int = 50) -> list["Job"]:
         data = self._c.request("GET", "/v1/jobs", params={"limit": limit}).json()["data"]
@@ -477,19 +477,41 @@ class Batch:
     def jobs(self) -> list[Job]:
         return [Job(self._c, d) for d in self.data["jobs"]]
 
-    def refresh(self) -> "Batch":
-        self.data = self._c.request("GET", f"/v1/batches/{self.id}").json()
+    @property
+    def done(self) -> bool:
+        return bool(self.data.get("done"))
+
+    def refresh(self, wait_s: float | None = None) -> "Batch":
+        """Re-read the batch; with ``wait_s`` the broker holds the answer until every
+        sibling has ended or ``wait_s`` passes."""
+        params = {"wait": f"{wait_s:.3f}"} if wait_s else None
+        self.data = self._c.request("GET", f"/v1/batches/{self.id}", params=params,
+                                    timeout=_held_timeout(wait_s or 0)).json()
         return self
 
     def wait(self, timeout: float | None = 600.0) -> "Result":
         """Block until every sibling ends; one Result with all outputs in sibling order.
-        Raises JobFailedError if a sibling failed."""
+        Raises JobFailedError if a sibling failed, and JobTimeoutError (after cancelling
+        the siblings still running) when time runs out."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = 30.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.refresh(wait_s=min(left, 30.0))
+        if not self.done:
+            running = [job for job in self.jobs if not job.done]
+            for job in running:
+                try:
+                    job.cancel()
+                except Exception:  # noqa: BLE001 - the timeout is what the caller must see
+                    pass
+            raise JobTimeoutError(running[0], f"batch {self.id}: {len(running)} of "
+                                              f"{len(self.jobs)} jobs did not finish within "
+                                              f"{timeout:g}s and were cancelled")
         outputs: list[dict] = []
-        for job in self.jobs:
-            left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            outputs += job.wait(timeout=left).outputs
-        self.refresh()
+        for job in self.jobs:  # raises JobFailedError for a sibling that did not settle
+            outputs += job.wait(timeout=None).outputs
         result = Result(self._c, self.jobs[0])
         result.outputs = outputs
         return result

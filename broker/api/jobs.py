@@ -74,9 +74,9 @@ def _render(job: Job) -> dict:
 @bp.post("/v1/jobs")
 def create_job():
     """Submit a job (202; 200 when an Idempotency-Key replays an earlier one). With
-    ``Prefer: wait=N`` (RFC 7240) the answer for a single job waits up to N seconds (at
-    most 60) for it to end, saving the client a second request; ``Preference-Applied``
-    then says so. A split request (n > 1) answers at once.
+    ``Prefer: wait=N`` (RFC 7240) the answer waits up to N seconds (at most 60) for the
+    job, or every sibling of a split request (n > 1), to end, saving the client a second
+    request; ``Preference-Applied`` then says so.
     """
     key = request.headers.get("Idempotency-Key")
     wait_s = _preferred_wait(request.headers.get("Prefer"))  # checked before any row exists
@@ -84,7 +84,11 @@ def create_job():
     job, created = svc.jobs.submit(who, json_body(), idempotency_key=key)
     status = 202 if created else 200
     if job.batch_id:
-        return _render_batch(svc.jobs.batch(who, job.batch_id)), status
+        siblings = svc.jobs.batch(who, job.batch_id)
+        if wait_s is None:
+            return _render_batch(siblings), status
+        siblings = svc.jobs.wait_batch(who, job.batch_id, wait_s, jobs=siblings)
+        return _render_batch(siblings), status, {"Preference-Applied": f"wait={wait_s:g}"}
     if wait_s is None:
         return _render(job), status
     job = svc.jobs.wait(who, job.id, wait_s, job=job)
@@ -114,7 +118,13 @@ def _render_batch(jobs: list[Job]) -> dict:
 
 @bp.get("/v1/batches/<batch_id>")
 def get_batch(batch_id):
-    return _render_batch(services().jobs.batch(principal(), batch_id))
+    """A split request; with ``?wait=N`` (seconds, at most 60) the answer waits until every
+    sibling has ended or N seconds pass (a long poll, like ``GET /v1/jobs/<id>?wait=N``)."""
+    wait_s = seconds_arg(request.args.get("wait"), "wait")
+    svc, who = services(), principal()
+    if wait_s is not None:
+        return _render_batch(svc.jobs.wait_batch(who, batch_id, wait_s))
+    return _render_batch(svc.jobs.batch(who, batch_id))
 
 
 @bp.get("/v1/jobs")

@@ -102,10 +102,10 @@ def document() -> dict:
                          "parameters": [{"name": "Idempotency-Key", "in": "header",
                                          "schema": {"type": "string", "maxLength": 200}},
                                         {"name": "Prefer", "in": "header",
-                                         "description": "wait=N (RFC 7240), single jobs: "
-                                                        "answer once the job ends or N "
-                                                        "seconds (at most 60) pass; a split "
-                                                        "request (n > 1) answers at once",
+                                         "description": "wait=N (RFC 7240): answer "
+                                                        "once the job (a split request: "
+                                                        "every sibling) ends or N seconds "
+                                                        "(at most 60) pass",
                                          "schema": {"type": "string", "example": "wait=30"}}],
                          "requestBody": {"required": True, "content": {"application/json": {
                              "schema": {"$ref": "#/components/schemas/JobRequest"}}}},
@@ -154,11 +154,14 @@ def document() -> dict:
                                            "responses": {"200": {"description": "The plugin"},
                                                          **_errors(404)}}},
             "/v1/batches/{batch_id}": {"get": {
-                "summary": "A split request: its sibling jobs, outputs as they finish",
+                "summary": "A split request: its sibling jobs, outputs as they finish "
+                           "(long-poll until all end with ?wait=seconds)",
                 "operationId": "getBatch",
                 "parameters": [{"name": "batch_id", "in": "path", "required": True,
-                                "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "The batch"}, **_errors(401, 404)}}},
+                                "schema": {"type": "string"}},
+                               {"name": "wait", "in": "query",
+                                "schema": {"type": "number", "maximum": 60}}],
+                "responses": {"200": {"description": "The batch"}, **_errors(400, 401, 404)}}},
             "/v1/asks": {"get": {
                 "summary": "Standing asks: a provider sees its own, an admin all",
                 "operationId": "listAsks",

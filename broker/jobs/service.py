@@ -326,6 +326,14 @@ class JobService:
                 fresh = False
         return job
 
+    def wait_batch(self, who: Principal, batch_id: str, timeout_s: float,
+                   jobs: list[Job] | None = None) -> list[Job]:
+        """A split request's siblings once all are terminal, or as they are when
+        ``timeout_s`` passes (``jobs``: the caller's fresh copies, e.g. just submitted)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        return [self.wait(who, job.id, deadline - time.monotonic(), job=job)
+                for job in (jobs or self.batch(who, batch_id))]
+
     def _ended_copy(self, who: Principal, job_id: str) -> Job | None:
         """The job as its settlement wrote it, while nothing has happened to it since
         (saves reading back what this process just wrote); None: read it."""

@@ -125,6 +125,17 @@ def test_wait_timeout_cancels_on_the_server(live_broker, start_agent):
         assert exc.value.job.state == "cancelled"
 
 
+def test_a_batch_wait_timeout_cancels_every_sibling_left(live_broker, start_agent):
+    from sdk import JobTimeoutError
+
+    start_agent("a1")
+    with Client(live_broker.url, live_broker.key("client")) as client:
+        batch = client.jobs.create_batch("echo", terms={"n": 2}, sleep_ms=5000, steps=50)
+        with pytest.raises(JobTimeoutError, match="2 of 2 jobs did not finish"):
+            batch.wait(timeout=0.5)
+        assert [j.state for j in batch.refresh().jobs] == ["cancelled", "cancelled"]
+
+
 def test_a_dead_agent_loses_its_job_to_another(tmp_path):
     """Lease expiry: the job goes back to the queue and finishes elsewhere."""
     from tests.integration.conftest import LiveBroker

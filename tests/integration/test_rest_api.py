@@ -142,6 +142,38 @@ def test_prefer_wait_answers_when_the_job_ends_or_the_wait_passes(api):
     assert time.monotonic() - t < 10  # woken by the end, not by the 30 s wait
 
 
+def test_a_split_request_waits_for_every_sibling(api):
+    import threading
+    import time
+
+    client, services = api
+    t = time.monotonic()
+    resp = client.post("/v1/jobs", json={"plugin": "echo", "inputs": {"text": "a"}, "n": 2},
+                       headers={"Prefer": "wait=0.3"})
+    assert resp.status_code == 202 and resp.json["object"] == "batch"
+    assert resp.headers["Preference-Applied"] == "wait=0.3"
+    assert time.monotonic() - t >= 0.3 and not resp.json["done"]
+    batch_id, siblings = resp.json["id"], [j["id"] for j in resp.json["jobs"]]
+    bad = client.get(f"/v1/batches/{batch_id}?wait=soon")
+    assert bad.status_code == 400 and bad.json["field"] == "wait"
+    # No agent is connected: the siblings end only when they are cancelled, one after
+    # the other, while the GET below waits; it answers after the second, not the first.
+    who = services.auth.authenticate(client.environ_base["HTTP_AUTHORIZATION"].split()[1])
+
+    def cancel_both():
+        for job_id in siblings:
+            time.sleep(0.2)
+            services.jobs.cancel(who, job_id)
+
+    canceller = threading.Thread(target=cancel_both)
+    canceller.start()
+    t = time.monotonic()
+    got = client.get(f"/v1/batches/{batch_id}?wait=30")
+    canceller.join()
+    assert got.json["done"] and [j["state"] for j in got.json["jobs"]] == ["cancelled"] * 2
+    assert 0.4 <= time.monotonic() - t < 10  # woken by the last end, not by the 30 s wait
+
+
 def test_plugins_list_their_input_schema(api):
     client, _ = api
     names = {p["name"]: p for p in client.get("/v1/plugins").json["data"]}
