@@ -172,7 +172,7 @@ def fresh_database(url: str | None):
 
 
 def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
-            db_url: str | None = None) -> dict:
+            db_url: str | None = None, split: int = 1) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sc-bench-"))
     # The dispatch path alone: verification (re-running sampled jobs) is measured by
     # bench/cheaters.py.
@@ -196,15 +196,15 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
 
         done = 0
         lock = threading.Lock()
-        per_client = max(1, jobs // clients)
+        per_client = max(1, jobs // (clients * split))  # requests per client
 
         def worker():
             nonlocal done
             with Client(net.url, ckey) as c:
                 for _ in range(per_client):
-                    c.generate("echo", text="y")
+                    c.generate("echo", text="y", n=split)
                     with lock:
-                        done += 1
+                        done += split
 
         threads = [threading.Thread(target=worker) for _ in range(clients)]
         cpu0 = cpu_split(net, os.getpid())
@@ -307,6 +307,9 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=600)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--split", type=int, default=1,
+                    help="jobs per client request: n > 1 sends split requests of n sibling "
+                         "jobs (client.generate(..., n=N)); default 1, one job per request")
     ap.add_argument("--no-sandbox", action="store_true")
     ap.add_argument("--svg", type=Path, help="also draw the figures into this SVG file")
     ap.add_argument("--db", help="the broker's database: a PostgreSQL server's URL (each run "
@@ -319,14 +322,16 @@ def main() -> int:
     d50, d99 = statistics.median(direct), pct(direct, 99)
     print(f"direct in-process echo call: p50 {d50:.3f} ms, p99 {d99:.3f} ms")
     print(f"broker path: {db}, sandbox {'on' if sandbox else 'off'}, {args.clients} clients, "
-          f"{args.slots} slot(s) per agent")
+          f"{args.slots} slot(s) per agent, "
+          + (f"{args.split} jobs per request (split)" if args.split > 1 else
+             "one job per request"))
     print(f"{'agents':>6} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
           f"{'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
           "plugin hosts / clients" + (" / database server" if db == "PostgreSQL" else ""))
     rows = []
     for n in [int(x) for x in args.agents.split(",")]:
         with fresh_database(args.db) as url:
-            r = run_one(n, args.jobs, args.clients, args.slots, sandbox, url)
+            r = run_one(n, args.jobs, args.clients, args.slots, sandbox, url, args.split)
         rows.append(r)
         p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
         c = r["cpu_ms"]
