@@ -65,6 +65,7 @@ class AuditLog:
         # The last entry this process committed (or read as the head); None: read it first.
         self._head: AuditEntry | None = None
         self._head_known = False
+        self._epoch = 0  # the failed groups that the head has seen (see before_commit)
 
     def record(self, actor: str, action: str, subject: str, data: dict[str, Any] | None = None,
                *, ref: str | None = None) -> AuditEntry | None:
@@ -78,10 +79,49 @@ class AuditLog:
 
     def before_commit(self, tx, items: list[_Pending]) -> None:
         """Append ``items`` in ``tx``, just before its COMMIT; the lock is held until the
-        commit is done, and the head moves only if it succeeds."""
+        commit is done, and the head moves only if it succeeds. In a grouped transaction
+        (SQLite's group commit: one transaction at a time, the next one may begin before
+        this one commits, see broker.storage.base._Writer) the head moves at once, as the
+        next transaction must chain to it, and the lock is not held past this call (the
+        next one's append waits for it): a rollback bumps the next one's ``tx.epoch``,
+        and the head is read again."""
+        if getattr(tx, "grouped", False):
+            with self._lock:
+                if self._epoch != tx.epoch:
+                    self._head_known, self._epoch = False, tx.epoch
+                head, known = self._append(tx, items, self._head, self._head_known)
+                self._head, self._head_known = head, known
+
+            def rolled_back():
+                for item in items:
+                    item.entry = None
+            tx.after_rollback(rolled_back)
+            return
         self._lock.acquire()
         try:
-            head, known = self._head, self._head_known
+            head, known = self._append(tx, items, self._head, self._head_known)
+        except BaseException:
+            self._head_known = False
+            self._lock.release()
+            raise
+
+        def committed():
+            self._head, self._head_known = head, known
+            self._lock.release()
+
+        def rolled_back():
+            self._head_known = False
+            for item in items:
+                item.entry = None
+            self._lock.release()
+        tx.after_commit(committed)
+        tx.after_rollback(rolled_back)
+
+    def _append(self, tx, items: list[_Pending], head: AuditEntry | None,
+                known: bool) -> tuple[AuditEntry | None, bool]:
+        """Append ``items`` after ``head`` in ``tx``; the new head. Raises having marked
+        the head unknown (a failed append may have been after another replica's)."""
+        try:
             for item in items:
                 for _ in range(20):
                     if not known:
@@ -104,20 +144,8 @@ class AuditLog:
                                        "in a row")
         except BaseException:
             self._head_known = False
-            self._lock.release()
             raise
-
-        def committed():
-            self._head, self._head_known = head, known
-            self._lock.release()
-
-        def rolled_back():
-            self._head_known = False
-            for item in items:
-                item.entry = None
-            self._lock.release()
-        tx.after_commit(committed)
-        tx.after_rollback(rolled_back)
+        return head, known
 
     def safe_record(self, *args, **kwargs) -> AuditEntry | None:
         """:meth:`record` for what must not fail because the audit log did (a console

@@ -1,7 +1,8 @@
 """One transaction across repositories (broker.storage.base.atomic), on SQLite and
 PostgreSQL: a step inside that fails undoes only itself (a savepoint), a block that fails
 undoes everything including its audit entries, and the audit chain's head moves only
-with a commit."""
+with a commit. On SQLite, transactions that wait for the writer share one COMMIT (group
+commit), and a failed one still undoes only itself."""
 from __future__ import annotations
 
 import pytest
@@ -212,3 +213,127 @@ def test_on_sqlite_writes_share_one_connection_and_reads_keep_their_own(tmp_path
     assert 7 in _rows(engine)
     engine.dispose()
     assert r2.closed and w2.closed
+
+
+# ---- SQLite's group commit (broker.storage.base._Writer) --------------------------------
+def _grouped(tmp_path):
+    """An SQLite engine with table t, and a list that collects its writer's COMMITs."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'g.db'}")
+    with begin(engine) as c:
+        c.execute(text("CREATE TABLE t (a INTEGER)"))
+        # Checked at COMMIT: a row without its parent makes the COMMIT itself fail.
+        c.execute(text("CREATE TABLE parent (id INTEGER PRIMARY KEY)"))
+        c.execute(text("CREATE TABLE child (pid INTEGER REFERENCES parent (id) "
+                       "DEFERRABLE INITIALLY DEFERRED)"))
+    commits: list[str] = []
+    raw = engine._sc_writer.connection().connection.dbapi_connection
+    raw.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    return engine, commits
+
+
+def _in_one_group(engine, first, *later):
+    """Run ``first`` in a transaction that waits, with the writer's turn held, until every
+    one of ``later`` waits for its turn; each runs ``fn(c)`` in an atomic block on its own
+    thread. Returns, by function, what it returned or raised; ``out["first saw"]``: the
+    rows another connection read as soon as ``first``'s block returned."""
+    import threading
+    import time
+
+    writer, gate, out = engine._sc_writer, threading.Event(), {}
+
+    def run(fn, hold=False):
+        try:
+            with atomic(engine) as tx:
+                result = fn(tx.conn)
+                if hold:
+                    gate.wait(10)
+            out[fn] = result
+            if hold:
+                out["first saw"] = _rows(engine)
+        except Exception as error:  # noqa: BLE001 - what the test looks at
+            out[fn] = error
+
+    threads = [threading.Thread(target=run, args=(first, True))]
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while writer.group is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for fn in later:
+        threads.append(threading.Thread(target=run, args=(fn,)))
+        threads[-1].start()
+    while writer.waiting < len(later) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_on_sqlite_transactions_waiting_for_the_writer_share_one_commit(tmp_path):
+    """The body that holds the writer, finding others waiting, leaves its work uncommitted
+    for the next: three transactions, one COMMIT, and none returns before it."""
+    engine, commits = _grouped(tmp_path)
+
+    def first(c):
+        _insert(c, 1)
+
+    def second(c):
+        _insert(c, 2)
+        return {r[0] for r in c.execute(text("SELECT a FROM t"))}
+
+    def third(c):
+        _insert(c, 3)
+
+    out = _in_one_group(engine, first, second, third)
+    assert {1, 2} <= out[second]  # the first one's row, uncommitted, and its own
+    assert commits == ["COMMIT"]
+    assert out["first saw"] == [1, 2, 3]  # it returned once the group had committed
+    assert _rows(engine) == [1, 2, 3]
+    engine.dispose()
+
+
+def test_on_sqlite_a_failed_transaction_in_a_group_undoes_only_itself(tmp_path):
+    engine, commits = _grouped(tmp_path)
+
+    def failing(c):
+        _insert(c, 2)
+        raise RuntimeError("refused after writing")
+
+    out = _in_one_group(engine, lambda c: _insert(c, 1), failing, lambda c: _insert(c, 3))
+    assert isinstance(out[failing], RuntimeError) and commits == ["COMMIT"]
+    assert _rows(engine) == [1, 3]
+    engine.dispose()
+
+
+def test_on_sqlite_a_failed_group_commit_fails_every_member_and_writes_nothing(tmp_path):
+    """A COMMIT that fails takes every transaction of its group with it: each one's block
+    raises and runs its rollback hooks, the audit log reads its head again (its entries
+    were never committed), and the next transaction starts afresh."""
+    from broker.storage.base import GroupCommitFailed
+
+    engine, _ = _grouped(tmp_path)
+    upgrade(engine)
+    log = AuditLog(SqlAuditRepository(sessionmaker(engine)))
+    log.record("system", "before", "s")
+    hooks = []
+
+    def audited(c):
+        with atomic(engine) as tx:  # joins this thread's block
+            tx.after_rollback(lambda: hooks.append("rolled back"))
+            log.record("ledger", "ledger.hold", "job:x", ref="txn:x")
+            _insert(c, 1)
+
+    def orphan(c):
+        c.execute(text("INSERT INTO child (pid) VALUES (99)"))  # no parent 99
+
+    out = _in_one_group(engine, audited, orphan)
+    assert isinstance(out[audited], GroupCommitFailed)
+    assert isinstance(out[orphan], GroupCommitFailed)
+    assert "FOREIGN KEY" in str(out[orphan])
+    assert _rows(engine) == [] and hooks == ["rolled back"]
+    after = log.record("system", "after", "s")  # chained to "before", not to the lost one
+    assert after.seq == 2 and log.verify().ok
+    with begin(engine) as c:
+        _insert(c, 5)
+    assert _rows(engine) == [5]
+    engine.dispose()
