@@ -65,7 +65,7 @@ class AuditLog:
         # The last entry this process committed (or read as the head); None: read it first.
         self._head: AuditEntry | None = None
         self._head_known = False
-        self._epoch = 0  # the failed groups that the head has seen (see before_commit)
+        self._epoch = 0  # the writer's rollbacks the head has seen (Tx.epoch, before_commit)
 
     def record(self, actor: str, action: str, subject: str, data: dict[str, Any] | None = None,
                *, ref: str | None = None) -> AuditEntry | None:
