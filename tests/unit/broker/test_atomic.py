@@ -337,3 +337,31 @@ def test_on_sqlite_a_failed_group_commit_fails_every_member_and_writes_nothing(t
         _insert(c, 5)
     assert _rows(engine) == [5]
     engine.dispose()
+
+
+def test_on_sqlite_a_new_database_gets_small_pages_and_an_old_one_keeps_its_own(tmp_path):
+    # Small pages: every COMMIT writes each page it changed whole (see SQLITE_PAGE_SIZE).
+    import sqlite3
+
+    from broker.storage.base import SQLITE_PAGE_SIZE
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'new.db'}")
+    upgrade(engine)
+    engine.dispose()
+    with sqlite3.connect(tmp_path / "new.db") as raw:
+        assert raw.execute("PRAGMA page_size").fetchone()[0] == SQLITE_PAGE_SIZE == 1024
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+    # A database made before (SQLite's default 4096) opens, migrates and writes as it is.
+    with sqlite3.connect(tmp_path / "old.db") as raw:
+        raw.execute("PRAGMA page_size=4096")
+        raw.execute("CREATE TABLE t (a INTEGER)")
+    engine = make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    upgrade(engine)
+    with atomic(engine):
+        with begin(engine) as c:
+            _insert(c, 1)
+    assert _rows(engine) == [1]
+    engine.dispose()
+    with sqlite3.connect(tmp_path / "old.db") as raw:
+        assert raw.execute("PRAGMA page_size").fetchone()[0] == 4096
