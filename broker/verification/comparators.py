@@ -248,6 +248,11 @@ class TokenScore:
     mass_above: float      # probability (at the job's temperature) of tokens likelier than it
     eos_logprob: float     # log p(any end-of-sequence token) at temperature 1
     eos_mass_sampled: float = 0.0  # p(end-of-sequence) after temperature and top_p
+    # Whether an end-of-sequence id is the checker's most likely token: what a greedy run
+    # would have stopped at. None where unknown (the summed eos_logprob stands in): with
+    # several end-of-sequence ids their sum can top the likeliest token while none of them
+    # is it, and a greedy run then honestly goes on.
+    eos_top: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -358,9 +363,13 @@ def compare_text(claim: TextClaim, rescore: Rescore,
                 continue
             s = rescore.tokens[i]
             if claim.temperature == 0:
-                if s.eos_logprob - s.logprob > t.greedy_tie_nats:
+                if s.eos_top is False:
+                    continue  # the likeliest token is no end of sequence: greedy goes on
+                # (eos_top None: not known, the summed end-of-sequence mass stands in)
+                stop_lp = s.top_logprob if s.eos_top else s.eos_logprob
+                if stop_lp - s.logprob > t.greedy_tie_nats:
                     hard.append(f"token {i}: the end-of-sequence token was the greedy choice, "
-                                f"{s.eos_logprob - s.logprob:.3f} nats above the claimed token "
+                                f"{stop_lp - s.logprob:.3f} nats above the claimed token "
                                 f"(suppressed end of sequence)")
                     bad.append(i)
                     break

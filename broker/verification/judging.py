@@ -168,12 +168,14 @@ def rescore_from_rerun(claim_ids: Sequence[int], claim_logprobs: Sequence[float]
         top_lp = top[0][1] if top else float(lps[i])
         eos_lp = float(s.get("eos_lp", -math.inf))
         eos_p = float(s.get("eos_p", 0.0))
+        eos_top = top[0][0] in eos if top else None
         checked += 1
         if ids[i] == tok:
             rank = next((r for r, (t, _, _) in enumerate(top) if t == tok), len(top))
             out.append(TokenScore(logprob=float(lps[i]), rank=rank, top_logprob=top_lp,
                                   mass_above=float(s.get("mass_above", 0.0)),
-                                  eos_logprob=eos_lp, eos_mass_sampled=eos_p))
+                                  eos_logprob=eos_lp, eos_mass_sampled=eos_p,
+                                  eos_top=eos_top))
             continue
         parted = True  # the runs part here: score the claimed token from what is known
         hit = next((r for r, (t, _, _) in enumerate(top) if t == tok), None)
@@ -181,17 +183,20 @@ def rescore_from_rerun(claim_ids: Sequence[int], claim_logprobs: Sequence[float]
         if hit is not None:
             above = sum(p for _, _, p in top[:hit])
             out.append(TokenScore(logprob=top[hit][1], rank=hit, top_logprob=top_lp,
-                                  mass_above=above, eos_logprob=eos_lp, eos_mass_sampled=eos_p))
+                                  mass_above=above, eos_logprob=eos_lp, eos_mass_sampled=eos_p,
+                                  eos_top=eos_top))
         elif tok in near:  # a sampled run flipped to the chosen token's neighbour
             out.append(TokenScore(logprob=near[tok][0], rank=len(top), top_logprob=top_lp,
                                   mass_above=float(s.get("mass_above", 0.0)),
-                                  eos_logprob=eos_lp, eos_mass_sampled=eos_p))
+                                  eos_logprob=eos_lp, eos_mass_sampled=eos_p,
+                                  eos_top=eos_top))
         elif temperature == 0:
             # greedy runs part only at a near-tie of the top tokens: a token outside the
             # checker's top-k cannot be one
             floor = (top[-1][1] if top else float(lps[i])) - BELOW_TOP_K_NATS
             out.append(TokenScore(logprob=floor, rank=len(top), top_logprob=top_lp,
-                                  mass_above=1.0, eos_logprob=eos_lp, eos_mass_sampled=eos_p))
+                                  mass_above=1.0, eos_logprob=eos_lp, eos_mass_sampled=eos_p,
+                                  eos_top=eos_top))
         else:
             # sampled runs whose orders differ (near-equal probabilities sort differently
             # across numeric paths) can part anywhere: nothing to re-score here

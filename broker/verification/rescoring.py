@@ -34,7 +34,7 @@ def rescore_causal_lm(model: Any, prompt_ids: Sequence[int], token_ids: Sequence
     logp = torch.log_softmax(rows, dim=-1)
     claimed = torch.tensor(list(token_ids))
     tok_lp = logp.gather(1, claimed[:, None])[:, 0]
-    top_lp = logp.max(dim=-1).values
+    top_lp, top_id = logp.max(dim=-1)
     rank = (logp > tok_lp[:, None]).sum(dim=-1)
     eos_list = sorted(eos)
     eos_lp = torch.logsumexp(logp[:, eos_list], dim=-1) if eos_list else torch.full_like(
@@ -51,7 +51,7 @@ def rescore_causal_lm(model: Any, prompt_ids: Sequence[int], token_ids: Sequence
     return Rescore(tokens=tuple(
         TokenScore(logprob=float(tok_lp[i]), rank=int(rank[i]), top_logprob=float(top_lp[i]),
                    mass_above=float(mass_above[i]), eos_logprob=float(eos_lp[i]),
-                   eos_mass_sampled=float(eos_sampled[i]))
+                   eos_mass_sampled=float(eos_sampled[i]), eos_top=int(top_id[i]) in eos)
         for i in range(len(token_ids))), eos_ids=eos, temperature=temperature, top_p=top_p)
 
 

@@ -185,3 +185,43 @@ def test_claims_need_one_logprob_per_token():
     with pytest.raises(ValueError, match="one logprob per token"):
         TextClaim(token_ids=[1, 2, 3], logprobs=[-1.0], finish_reason="length",
                   max_new_tokens=3, temperature=0.0)
+
+
+def test_greedy_honest_runs_agree_though_the_end_of_sequence_ids_together_top_the_pick(
+        honest, checkers):
+    """The tiny llama has several end-of-sequence ids; where their summed probability tops
+    the likeliest token, none of them is that token, and a greedy run goes on. Judged by
+    that sum, two identical honest greedy runs used to disagree (read off the checker's
+    run as well as re-scored)."""
+    from broker.verification.judging import compare_text_runs
+
+    prompt_ids, a, inputs = run(honest, temperature=0.0, top_p=1.0, seed=0, max_new_tokens=24)
+    _, b, _ = run(honest, temperature=0.0, top_p=1.0, seed=0, max_new_tokens=24)
+    assert a["token_ids"] == b["token_ids"]
+    assert any(s["eos_lp"] > s["top"][0][1] for s in a["scores"])  # the case is exercised
+    read_off = compare_text_runs(a, b)
+    assert read_off.verdict == Verdict.MATCH, read_off.reasons
+    result = judge(checkers["fp32"], honest.eos_ids, prompt_ids, claim_of(a, inputs))
+    assert result.verdict == Verdict.MATCH, result.reasons
+
+
+def test_greedy_end_of_sequence_is_judged_by_the_likeliest_token():
+    from broker.verification.comparators import Rescore, TokenScore
+
+    claim = TextClaim(token_ids=[5], logprobs=[-1.0], finish_reason="length",
+                      max_new_tokens=1, temperature=0.0, top_p=1.0)
+    # the end-of-sequence ids together (-0.5) top the claimed, likeliest token (-1.0)
+    base = dict(logprob=-1.0, rank=0, top_logprob=-1.0, mass_above=0.0, eos_logprob=-0.5)
+
+    def judged(**score):
+        return compare_text(claim, Rescore(tokens=(TokenScore(**{**base, **score}),),
+                                           eos_ids=frozenset({1, 2}), temperature=0.0,
+                                           top_p=1.0))
+
+    assert judged(eos_top=False).verdict == Verdict.MATCH  # none of them is the pick
+    unknown = judged(eos_top=None)  # not known: the summed mass stands in, as it did
+    assert unknown.verdict == Verdict.MISMATCH
+    assert "suppressed end of sequence" in unknown.reasons[0]
+    stopped = judged(eos_top=True, top_logprob=-0.2, rank=1)  # one of them was the pick
+    assert stopped.verdict == Verdict.MISMATCH
+    assert any("suppressed end of sequence" in r for r in stopped.reasons)
