@@ -5,8 +5,10 @@ A run is a :class:`Run`: its outputs (bytes, media type and the plugin's meta, w
 receipt signs) and its reproducibility class. Images go to ``compare_images`` (exact latent
 hashes within one class, structural figures across classes); text goes to ``compare_text``
 on a teacher-forced re-scoring read off the checker's own run of the same seeded job (see
-:func:`rescore_from_rerun`); anything else (the ``echo`` test plugin) must match byte for
-byte. Pure: the caller loads the blobs.
+:func:`rescore_from_rerun`), or off a scoring run's teacher-forced scores of the claimed
+tokens themselves (two scorings are compared score for score: :func:`compare_scorings`);
+anything else (the ``echo`` test plugin) must match byte for byte. Pure: the caller loads
+the blobs.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ class RunOutput:
 class Run:
     outputs: tuple[RunOutput, ...]
     repro: ReproClass
+    # A scoring run (text): it scored given tokens by teacher forcing instead of generating
+    # (the broker asked for it; never read from what the provider says).
+    scored: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,9 @@ def judge(output_kind: str, claimed: Run, check: Run) -> Judgement:
                            ImageResult(b.data, check.repro, b.meta.get("latent_sha256")))
             for a, b in zip(claimed.outputs, check.outputs)])
     if output_kind == "text":
+        if claimed.scored and check.scored:  # two scorings of the same claimed tokens
+            return _worst("text_scores", [compare_scorings(a.meta, b.meta)
+                                          for a, b in zip(claimed.outputs, check.outputs)])
         return _worst("text_rescore", [compare_text_runs(a.meta, b.meta)
                                        for a, b in zip(claimed.outputs, check.outputs)])
     same = [a.data == b.data for a, b in zip(claimed.outputs, check.outputs)]
@@ -116,6 +124,51 @@ def compare_text_runs(claimed: dict[str, Any], check: dict[str, Any],
     rescore, checked = rescore_from_rerun(claim.token_ids, claim.logprobs, check)
     result = compare_text(claim, rescore, thresholds)
     return _TextJudgement(result, checked)
+
+
+def compare_scorings(a: dict[str, Any], b: dict[str, Any],
+                     thresholds: TextThresholds = TextThresholds()) -> "_ScoringComparison":
+    """Two providers' teacher-forced scorings of the same claimed tokens (a text dispute's
+    checker and third run): they agree when they scored the same tokens with the same
+    log-probabilities, within the gaps ``compare_text`` allows a claim; whether the tokens
+    are likely is not theirs to answer (that is each scoring against the claim)."""
+    t = thresholds
+    ids_a = [int(x) for x in a.get("token_ids", [])]
+    ids_b = [int(x) for x in b.get("token_ids", [])]
+    lps_a = [float(x) for x in a.get("logprobs", [])]
+    lps_b = [float(x) for x in b.get("logprobs", [])]
+    if ids_a != ids_b or len(lps_a) != len(ids_a) or len(lps_b) != len(ids_b):
+        return _ScoringComparison(Verdict.MISMATCH, len(ids_a), 0.0, 0, (
+            "the two scorings do not cover the same tokens with one log-probability each",))
+    gaps = [abs(x - y) for x, y in zip(lps_a, lps_b)]
+    worst = max(gaps, default=0.0)
+    grey = sum(1 for g in gaps if t.accept_gap < g <= t.reject_gap)
+    reasons: tuple[str, ...] = ()
+    if worst > t.reject_gap:
+        verdict = Verdict.MISMATCH
+        reasons = (f"token {gaps.index(worst)}: the scorings differ by {worst:.3f} nats "
+                   f"> {t.reject_gap}",)
+    elif grey > t.max_grey_fraction * len(gaps):
+        verdict = Verdict.MISMATCH
+        reasons = (f"{grey} of {len(gaps)} tokens scored more than {t.accept_gap} nats "
+                   f"apart",)
+    else:
+        verdict = Verdict.TIEBREAK if grey else Verdict.MATCH
+    return _ScoringComparison(verdict, len(gaps), worst, grey, reasons)
+
+
+@dataclass(frozen=True)
+class _ScoringComparison:
+    verdict: Verdict
+    tokens: int
+    max_gap: float
+    grey_tokens: int
+    reasons: tuple[str, ...]
+
+    def figures(self) -> dict[str, Any]:
+        return {"verdict": self.verdict.value, "tokens": self.tokens,
+                "max_gap": round(self.max_gap, 6), "grey_tokens": self.grey_tokens,
+                "checked_tokens": self.tokens}
 
 
 @dataclass(frozen=True)

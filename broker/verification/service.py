@@ -13,6 +13,11 @@ concurrency quota drops; an overturned job gets the majority's outputs; three-wa
 disagreement refunds the client and slashes nobody. Every step is an audit-log entry with
 the receipts and comparison figures, and a ``verification`` event on the client's job.
 
+A text check whose run parts from the claimed completion (another numeric path, or a
+claim its model would not have made) says nothing of the claimed tokens past that point,
+so the service then asks a provider of another operator to score the claimed tokens by
+teacher forcing (the plugin's ``score_tokens``) and judges that scoring as the check.
+
 Checks the platform samples are paid by the platform (the ``platform_verification``
 account funds a hold on the ``platform-checks`` client account, so the checker is paid and
 vests like any provider); a client that asked ``verify="always"`` pays for its check.
@@ -51,6 +56,9 @@ log = logging.getLogger(__name__)
 
 #: The client account that platform-sampled check jobs belong to (and are held against).
 CHECK_ACCOUNT = "platform-checks"
+#: The input by which a text plugin scores given tokens instead of generating (teacher
+#: forcing): what a check whose run parted from the claim asks for (``_scoring_inputs``).
+SCORE_INPUT = "score_tokens"
 
 
 def load_catch_probabilities(path: Path | str = THRESHOLDS_PATH) -> dict[str, float]:
@@ -187,7 +195,7 @@ class VerificationService:
                                 {self.providers.owner_of(primary.provider_id) or "",
                                  self.providers.owner_of(checker.provider_id) or "",
                                  self.providers.owner_of(tiebreak.provider_id) or ""} - {""},
-                                client_pays=False)
+                                client_pays=False, **_third_run_of(checker))
             return
         note = (f"no third provider could run the tiebreak ({tries} tries, last: "
                 f"{tiebreak.error_code}); an admin decides")
@@ -267,7 +275,7 @@ class VerificationService:
                     self._spawn(v, primary, Role.TIEBREAKER,
                                 {self.providers.owner_of(primary.provider_id) or "",
                                  self.providers.owner_of(checker.provider_id) or ""} - {""},
-                                client_pays=False)
+                                client_pays=False, **_third_run_of(checker))
                     return 1
             except Exception:  # noqa: BLE001 - logged; tried again after the others
                 log.exception("verification of job %s: queueing its run failed", v.job_id)
@@ -437,14 +445,17 @@ class VerificationService:
         return hold.provider_micro, hold.captured_micro
 
     def _spawn(self, v: Verification, primary: Job, role: Role, exclude_operators: set[str],
-               client_pays: bool) -> Job | None:
-        """Queue a check (or tiebreak) run of ``primary`` on another operator's provider."""
+               client_pays: bool, inputs: dict[str, Any] | None = None,
+               delay_s: float | None = None) -> Job | None:
+        """Queue a check (or tiebreak) run of ``primary`` on another operator's provider:
+        a re-run of its pinned inputs after a random delay, unless ``inputs`` and
+        ``delay_s`` say otherwise (a scoring run)."""
         # The operators ("operator:<id>", which the dispatcher matches against each
         # session's account, so every machine of theirs is excluded, one they connect later
         # too) and the machine that ran the job.
         excluded = sorted(({primary.provider_id or ""}
                            | {f"operator:{o}" for o in exclude_operators}) - {"", "operator:"})
-        delay = self.rng.uniform(*self.settings.check_delay_s)
+        delay = self.rng.uniform(*self.settings.check_delay_s) if delay_s is None else delay_s
         check_id = str(uuid.uuid4())  # fresh and unlinkable to the job it checks
         column = "checker_job_id" if role is Role.CHECKER else "tiebreak_job_id"
         expect = CheckStatus.CHECKING if role is Role.CHECKER else CheckStatus.DISPUTED
@@ -453,31 +464,33 @@ class VerificationService:
             # a failure in between leaves neither, so a retry never queues a second run.
             with self.jobs.repo.atomic():
                 account, check = self._submit_run(primary, check_id, excluded, delay,
-                                                  client_pays)
+                                                  client_pays,
+                                                  inputs or pinned_inputs(primary))
                 if self.repo.update(v.job_id, {expect}, **{column: check.id}) is None:
                     raise _RecordMoved
                 self._audit(f"verification.{role.value}_queued", v.job_id,
                             {"check_job": check.id, "excluded_providers": excluded,
-                             "paid_by": account, "delay_s": round(delay, 3)})
+                             "paid_by": account, "delay_s": round(delay, 3),
+                             "scoring": inputs is not None and SCORE_INPUT in inputs})
         except _RecordMoved:  # judged, given up or queued by another thread meanwhile
             return None
         return check
 
     def _submit_run(self, primary: Job, check_id: str, excluded: list[str], delay: float,
-                    client_pays: bool) -> tuple[str, Job]:
+                    client_pays: bool, inputs: dict[str, Any]) -> tuple[str, Job]:
         """(who pays, the run) for :meth:`_spawn`: the client when it asked for every job to
         be checked and can pay, else the platform."""
         if client_pays:
             try:
                 return primary.account_id, self.jobs.submit_check(
-                    primary, check_id, primary.account_id, pinned_inputs(primary), excluded,
+                    primary, check_id, primary.account_id, inputs, excluded,
                     not_before=self.clock() + delay)
             except InsufficientCredits as exc:  # the client's balance ran short (nothing held)
                 log.warning("job %s: the client's check could not be held (%s); the "
                             "platform pays for it", primary.id, exc)
         with self._fund_lock:  # fund the shortfall, then hold: one at a time
             return CHECK_ACCOUNT, self.jobs.submit_check(
-                primary, check_id, CHECK_ACCOUNT, pinned_inputs(primary), excluded,
+                primary, check_id, CHECK_ACCOUNT, inputs, excluded,
                 not_before=self.clock() + delay, fund=self._fund)
 
     def _fund(self, check_id: str, amount_micro: int) -> None:
@@ -511,6 +524,10 @@ class VerificationService:
             # (the record stays open and the sweep judges it later).
             if check.id == v.checker_job_id and v.status is CheckStatus.CHECKING:
                 cmp = _judge(kind, self._load(primary), self._load(check))
+                scoring = self._scoring_inputs(kind, primary, check, cmp)
+                if scoring is not None:
+                    self._score_instead(v, primary, check, cmp, scoring)
+                    return
                 outcome = resolve_pair(self._party(primary, Role.PRIMARY),
                                        self._party(check, Role.CHECKER), cmp)
                 self._audit("verification.compared", primary.id,
@@ -528,7 +545,7 @@ class VerificationService:
                         self._spawn(moved, primary, Role.TIEBREAKER,
                                     {self.providers.owner_of(primary.provider_id) or "",
                                      self.providers.owner_of(check.provider_id) or ""},
-                                    client_pays=False)
+                                    client_pays=False, **_third_run_of(check))
                     return
                 self._finish(v, outcome, {Role.PRIMARY: primary, Role.CHECKER: check},
                              CheckStatus.CHECKING)
@@ -546,6 +563,56 @@ class VerificationService:
                     policy=self.settings.penalty)
                 self._finish(v, outcome, {Role.PRIMARY: primary, Role.CHECKER: checker,
                                           Role.TIEBREAKER: check}, CheckStatus.DISPUTED)
+
+    def _scoring_inputs(self, kind: str, primary: Job, check: Job,
+                        cmp: Judgement) -> dict[str, Any] | None:
+        """The inputs of a scoring run of the primary's claimed tokens, when the check's
+        own run cannot judge them all: a text job whose runs parted (or whose check ended
+        sooner), past that point the checker's context is not the claim's and its run
+        says nothing of the claimed tokens. None when the check judged every token, when
+        it is a clear mismatch already (the third run decides), when the check was a
+        scoring run itself, or when the plugin version cannot score."""
+        if kind != "text" or cmp.verdict is Verdict.MISMATCH:
+            return None
+        if SCORE_INPUT in (check.inputs or {}):
+            return None  # a scoring run is judged as it is, never scored again
+        claimed = (primary.receipt or {}).get("outputs") or []
+        if len(claimed) != 1 or len(cmp.details) != 1:
+            return None  # a text job makes one output
+        ids = (claimed[0].get("meta") or {}).get("token_ids")
+        if not isinstance(ids, list) or not ids:
+            return None
+        if int(cmp.details[0].get("checked_tokens", 0)) >= len(ids):
+            return None
+        try:
+            manifest = self.catalog.get(primary.plugin, primary.plugin_version)
+        except Exception:  # noqa: BLE001 - a retired version: judge what there is
+            return None
+        if SCORE_INPUT not in manifest.inputs.names:
+            return None
+        inputs = pinned_inputs(primary)
+        inputs[SCORE_INPUT] = json.dumps(ids, separators=(",", ":"))
+        inputs["max_new_tokens"] = max(int(inputs.get("max_new_tokens") or 0), len(ids))
+        return inputs
+
+    def _score_instead(self, v: Verification, primary: Job, check: Job, cmp: Judgement,
+                       inputs: dict[str, Any]) -> None:
+        """Queue a scoring run of the claim (teacher forcing, DESIGN §6), on a provider of
+        another operator than the primary's, in place of the check run that parted from
+        it: the record names the scoring run as its check, and that run's settlement is
+        judged as the check's would have been. Not disguised, and needing none: the
+        primary's run is committed, and its operator is excluded."""
+        self._audit("verification.parted", primary.id,
+                    {"check_job": check.id, "figures": cmp.figures(),
+                     "receipts": {"primary": primary.receipt, "checker": check.receipt}})
+        owner = self.providers.owner_of(primary.provider_id) or ""
+        scoring = self._spawn(v, primary, Role.CHECKER, {owner} - {""},
+                              client_pays=primary.verify == "always", inputs=inputs,
+                              delay_s=0.0)
+        if scoring is not None:
+            self._event(primary.id, CheckStatus.CHECKING,
+                        "the check's run parted from this one: a provider scores the "
+                        "claimed tokens")
 
     def _finish(self, v: Verification, outcome: Outcome, jobs: dict[Role, Job],
                 expect: CheckStatus) -> None:
@@ -785,7 +852,8 @@ class VerificationService:
             metas = {int(o.get("index", i)): dict(o.get("meta") or {})
                      for i, o in enumerate((job.receipt or {}).get("outputs", []))}
             return Run(tuple(RunOutput(blob, o.media_type, metas.get(o.index, {}))
-                             for o, blob in data), repro_of(job.receipt))
+                             for o, blob in data), repro_of(job.receipt),
+                       scored=SCORE_INPUT in (job.inputs or {}))
         return run
 
     def _party(self, job: Job, role: Role) -> Party:
@@ -825,6 +893,15 @@ def _judge(kind: str, claimed: Callable[[], Run], check: Callable[[], Run]) -> J
 
 #: Keys of a judged record's ``outcome`` that only serve applying its effects (``_apply``).
 _PENDING = ("done", "sides", "slash_plan", "claw_plan")
+
+
+def _third_run_of(checker: Job) -> dict[str, Any]:
+    """How a dispute's third run is queued: a scoring run of the same claimed tokens when
+    the check was one (its verdict is then compared score for score with the check's, and
+    each against the claim), else a re-run like the check (``_spawn``'s defaults)."""
+    if SCORE_INPUT in (checker.inputs or {}):
+        return {"inputs": dict(checker.inputs), "delay_s": 0.0}
+    return {}
 
 
 def pinned_inputs(job: Job) -> dict[str, Any]:

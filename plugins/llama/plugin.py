@@ -24,6 +24,14 @@ generated token::
      "mass_above": mass, at the job's temperature before top_p (ignore_eos ban applied), of
                    the tokens strictly likelier than the chosen one (0 for greedy)}
 
+**Scoring** (``score_tokens``: a JSON array of token ids): instead of sampling, the plugin
+scores those tokens as the continuation of the prompt (teacher forcing: one forward pass
+over prompt + tokens) and reports exactly the meta a run that generated them would: the
+same ``token_ids``, their ``logprobs`` and ``scores`` under the model's own distribution at
+the job's temperature and top_p, and ``"scored": true``. A verifier asks a checker for this
+where the checker's own run parted from a claimed completion (DESIGN §6): past the parting
+only a teacher-forced pass says how likely the claimed tokens are.
+
 ``prob_sampled`` is the token's probability in the distribution sampled from (greedy: 1 for
 the token taken, 0 for the others). Floats in ``scores`` are rounded to 6 decimals; a
 log-probability of -inf (a token the model masks) is written as -10000 (canonical JSON has
@@ -106,6 +114,8 @@ class Llama(Plugin):
                 f"together they must fit this model's context of {self.context_tokens} tokens. "
                 f"Shorten the prompt or lower max_new_tokens.")
         self.use_adapters(adapters)
+        if inputs.get("score_tokens") is not None:
+            return [self._score_tokens(inputs, prompt_ids, adapters, ctx)]
         seed = inputs.get("seed")
         if seed is None:
             seed = secrets.randbelow(2**32)
@@ -177,6 +187,46 @@ class Llama(Plugin):
         if adapters:
             meta["adapters"] = {a.name: a.scale for a in adapters}
         return [Output(data=final.encode("utf-8"), media_type="text/plain", meta=meta)]
+
+    def _score_tokens(self, inputs: dict[str, Any], prompt_ids: list[int],
+                      adapters: list[AdapterRequest], ctx: RunContext) -> Output:
+        """Teacher-forced scores of ``inputs["score_tokens"]`` after the prompt: the meta a
+        run that generated exactly those tokens would report (see the module docstring)."""
+        token_ids = _token_ids(inputs["score_tokens"], self.model.config.vocab_size,
+                               inputs["max_new_tokens"])
+        temperature, top_p = inputs["temperature"], inputs["top_p"]
+        banned = sorted(self.eos_ids) if inputs.get("ignore_eos") else []
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
+        with torch.inference_mode():
+            # position p predicts token p + 1: the rows for the tokens start one before them
+            rows = self._forward(prompt_ids + token_ids, cache=None).logits[0]
+            rows = rows[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(token_ids)].float().cpu()
+        logprobs: list[float] = []
+        scores: list[dict[str, Any]] = []
+        for i, token in enumerate(token_ids):
+            ctx.check_cancelled()
+            logp = torch.log_softmax(rows[i], dim=-1)
+            logprobs.append(float(logp[token]))
+            scores.append(_score(logp, token, _distribution(rows[i], temperature, top_p,
+                                                            banned), eos))
+        ctx.progress(len(token_ids), len(token_ids), "scored")
+        last = token_ids[-1]
+        finish = "stop" if last in self.eos_ids and not banned else "length"
+        meta = {
+            "seed": inputs.get("seed"), "token_ids": token_ids, "logprobs": logprobs,
+            "prompt_tokens": len(prompt_ids), "generated_tokens": len(token_ids),
+            "work_units": len(prompt_ids) + len(token_ids), "finish_reason": finish,
+            "stopped_by_string": False, "eos_ids": sorted(self.eos_ids),
+            "ignore_eos": bool(inputs.get("ignore_eos")),
+            "temperature": float(temperature), "top_p": float(top_p),
+            "max_new_tokens": int(inputs["max_new_tokens"]),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "scores": scores, "scored": True,
+        }
+        if adapters:
+            meta["adapters"] = {a.name: a.scale for a in adapters}
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return Output(data=text.encode("utf-8"), media_type="text/plain", meta=meta)
 
     # -- LoRA adapters (peft) ------------------------------------------------------------
     # peft injects LoRA layers into self.model in place (the PeftModel wrapper is only
@@ -301,11 +351,25 @@ def _sample_dist(logits: torch.Tensor, temperature: float, top_p: float,
     order)``: the softmax at ``temperature`` (banned ids at 0) before top_p, the same in
     descending order, that order after top_p (the dropped tail zeroed, not renormalised)
     and the token ids of that order."""
+    dist = _distribution(logits, temperature, top_p, banned)
+    if dist is None:
+        if banned:
+            logits = logits.clone()
+            logits[list(banned)] = float("-inf")
+        return int(torch.argmax(logits)), None
+    _, _, head, order = dist
+    pick = torch.multinomial(head, 1, generator=generator)
+    return int(order[pick]), dist
+
+
+def _distribution(logits: torch.Tensor, temperature: float, top_p: float,
+                  banned: list[int] = ()):
+    """What :func:`_sample_dist` samples from (its ``dist``; None for greedy)."""
+    if temperature == 0:
+        return None
     if banned:
         logits = logits.clone()
         logits[list(banned)] = float("-inf")
-    if temperature == 0:
-        return int(torch.argmax(logits)), None
     probs = torch.softmax(logits / temperature, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)
     head = sorted_probs
@@ -313,8 +377,23 @@ def _sample_dist(logits: torch.Tensor, temperature: float, top_p: float,
         # keep the smallest head whose mass reaches top_p (always at least one token)
         outside = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) >= top_p
         head = sorted_probs.masked_fill(outside, 0.0)
-    pick = torch.multinomial(head, 1, generator=generator)
-    return int(order[pick]), (probs, sorted_probs, head, order)
+    return probs, sorted_probs, head, order
+
+
+def _token_ids(raw: str, vocab_size: int, max_new_tokens: int) -> list[int]:
+    """``score_tokens``: a JSON array of 1 to ``max_new_tokens`` token ids of this model."""
+    try:
+        ids = json.loads(raw)
+    except ValueError:
+        ids = None
+    if (not isinstance(ids, list) or not ids
+            or not all(type(i) is int and 0 <= i < vocab_size for i in ids)):
+        raise BadInput(f"score_tokens must be a JSON array of token ids, each from 0 to "
+                       f"{vocab_size - 1} (this model's vocabulary), for example [791, 4062]")
+    if len(ids) > max_new_tokens:
+        raise BadInput(f"score_tokens has {len(ids)} tokens, more than max_new_tokens "
+                       f"({max_new_tokens}); raise max_new_tokens to at least {len(ids)}")
+    return ids
 
 
 TOP_SCORES = 5

@@ -4,6 +4,7 @@ scores a checker re-scores by teacher forcing. All of it must be canonical-JSON 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import pytest
@@ -14,7 +15,7 @@ pytest.importorskip("diffusers", reason="plugin tests need the [agent] extra")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from plugins.api import latent_digest  # noqa: E402
+from plugins.api import BadInput, latent_digest  # noqa: E402
 
 FAST = {"prompt": "a lighthouse at dusk", "steps": 3, "width": 64, "height": 64}
 
@@ -283,3 +284,58 @@ def test_llama_scores_match_a_brute_force_computation(llama, temperature, top_p,
         assert s["eos_lp"] == pytest.approx(torch.logsumexp(logp[eos_ids], 0).item(), abs=1e-5)
         assert s["mass_above"] == pytest.approx(
             sum(p for p in probs if p > probs[token]), abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature,top_p,ignore_eos", [(0.0, 1.0, False), (1.0, 0.9, True)])
+def test_llama_scoring_reports_what_the_generating_run_reported(llama_run, temperature, top_p,
+                                                                ignore_eos):
+    """Scoring a run's own tokens (score_tokens) gives back that run's meta: one teacher-
+    forced pass agrees with the step-by-step generation over the KV cache."""
+    job = dict(prompt="Once upon a time", max_new_tokens=24, temperature=temperature,
+               top_p=top_p, seed=5, ignore_eos=ignore_eos)
+    ran, = llama_run(**job)
+    scored, = llama_run(**job, score_tokens=json.dumps(ran.meta["token_ids"]))
+    a, b = ran.meta, scored.meta
+    assert b["scored"] is True and "scored" not in a
+    assert b["token_ids"] == a["token_ids"]
+    assert b["logprobs"] == pytest.approx(a["logprobs"], abs=1e-4)
+    for key in ("temperature", "top_p", "max_new_tokens", "ignore_eos", "eos_ids",
+                "prompt_tokens", "generated_tokens", "work_units", "finish_reason"):
+        assert b[key] == a[key], key
+    _check_scores(b)
+    for x, y in zip(a["scores"], b["scores"]):
+        assert [t[0] for t in x["top"]] == [t[0] for t in y["top"]]
+        assert [t[1] for t in x["top"]] == pytest.approx([t[1] for t in y["top"]], abs=1e-4)
+        assert y["mass_above"] == pytest.approx(x["mass_above"], abs=1e-4)
+        assert y["eos_p"] == pytest.approx(x["eos_p"], abs=1e-4)
+    assert scored.data.decode() == ran.data.decode()
+
+
+def test_llama_scoring_matches_the_verifiers_rescoring(llama, llama_run):
+    """The plugin's teacher-forced scores are the ones broker.verification.rescoring
+    computes from the same model (a claim of other tokens than the model would pick)."""
+    from broker.verification.rescoring import rescore_causal_lm
+
+    plugin, _ = llama
+    claim = [plugin.tokenizer.encode(w, add_special_tokens=False)[0] for w in
+             ("the", " cat", " sat", " on", " a", " mat")]
+    out, = llama_run(prompt="Once upon a time", max_new_tokens=8, temperature=0.7, top_p=0.95,
+                     score_tokens=json.dumps(claim))
+    prompt_ids = plugin.tokenizer("Once upon a time").input_ids
+    expect = rescore_causal_lm(plugin.model, prompt_ids, claim, plugin.eos_ids,
+                               temperature=0.7, top_p=0.95)
+    assert out.meta["logprobs"] == pytest.approx([t.logprob for t in expect.tokens], abs=1e-4)
+    assert [s["mass_above"] for s in out.meta["scores"]] == pytest.approx(
+        [t.mass_above for t in expect.tokens], abs=1e-4)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ("[1, 2", "JSON array of token ids"),
+    ("[]", "JSON array of token ids"),
+    ('["a"]', "JSON array of token ids"),
+    ("[1, 99999999]", "JSON array of token ids"),
+    ("[1, 2, 3, 4, 5]", "more than max_new_tokens"),
+])
+def test_llama_scoring_refuses_bad_token_lists(llama_run, raw, message):
+    with pytest.raises(BadInput, match=message):
+        llama_run(prompt="hi", max_new_tokens=4, score_tokens=raw)

@@ -1,0 +1,215 @@
+"""Text checks whose runs part (DESIGN §6): past the point where the checker's own run of a
+seeded job leaves the claimed completion, that run says nothing of the claimed tokens, so
+the verifier asks a provider of another operator to score them by teacher forcing (the
+llama plugin's ``score_tokens``) and judges that scoring as the check. On the tiny llama:
+a claim sampled from another model passes the read-off check and is caught by the
+scoring; an honest claim whose check parted is verified by it."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from broker.jobs.model import Job, JobOutput, JobState
+from broker.services import build_services
+from broker.settings import Settings
+from broker.verification.comparators import Verdict
+from broker.verification.judging import compare_text_runs
+from broker.verification.records import CheckStatus
+from sdk.protocol.signing import KeyPair
+
+from .conftest import RecordingContext, load_llama_plugin
+
+PROMPT = "Once upon a time there was a lighthouse"
+JOB = {"prompt": PROMPT, "max_new_tokens": 24, "temperature": 0.7, "top_p": 0.95, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def honest(llama_weights):
+    plugin = load_llama_plugin(llama_weights)
+    yield plugin
+    plugin.teardown()
+
+
+@pytest.fixture(scope="module")
+def other(other_llama_weights):
+    plugin = load_llama_plugin(other_llama_weights)
+    yield plugin
+    plugin.teardown()
+
+
+def run(plugin, inputs: dict):
+    return plugin.run(dict(inputs), RecordingContext())[0]
+
+
+class World:
+    """A broker's services on SQLite with three operators' machines (a, b, c); runs are
+    settled by hand with real llama outputs."""
+
+    def __init__(self, tmp_path):
+        self.services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0,
+                                                check_delay_max_s=0.0))
+        self.v = self.services.verification
+        self.v.close()  # judged inside settled(), on this thread
+        self.jobs = self.services.jobs
+        _, client = self.services.auth.create_account_with_key("client")
+        self.client = client.account_id
+        self.operators: dict[str, str] = {}
+        self.machines: dict[str, str] = {}
+        for name in "abc":
+            _, who = self.services.auth.create_account_with_key("provider")
+            self.operators[name] = who.account_id
+            self.machines[name] = self.services.providers.connect(
+                who, KeyPair.generate().public_key_hex, name, sandboxed=True, hardware={},
+                plugins=[]).id
+
+    def settle(self, job: Job, machine: str, out) -> Job:
+        data = out.data
+        sha = self.jobs.blobs.put(data)
+        receipt = {"outputs": [{"index": 0, "sha256": sha, "media_type": "text/plain",
+                                "size": len(data), "meta": out.meta}],
+                   "repro": {"hardware_class": "cpu:x86_64:threads=1", "dtype": "float32",
+                             "plugin_build": "llama@1.1.0"}}
+        job = self.jobs.repo.transition(
+            job.id, [job.state], JobState.SETTLED, provider_id=self.machines[machine],
+            receipt=receipt, finished_at=time.time(),
+            outputs=[JobOutput(job.id, 0, sha, "text/plain", len(data))])
+        self.v.settled(job, job.receipt)
+        return job
+
+    def primary(self, machine: str, out, version: str = "1.1.0") -> Job:
+        now = time.time()
+        job, _ = self.jobs.repo.create(
+            Job(id=str(uuid.uuid4()), account_id=self.client, plugin="llama",
+                plugin_version=version, inputs=dict(JOB), state=JobState.QUEUED,
+                work_units=float(JOB["max_new_tokens"]), created_at=now, updated_at=now),
+            ("queued", {}))
+        job = self.settle(job, machine, out)
+        assert self.v.status(job.id).status is CheckStatus.CHECKING  # new: always checked
+        return job
+
+    def check(self, job: Job) -> Job:
+        return self.jobs.repo.get(self.v.status(job.id).checker_job_id)
+
+    def actions(self, job_id: str) -> list[str]:
+        return [e.action for e in self.services.audit.search(subject=f"job:{job_id}",
+                                                             limit=500)]
+
+
+@pytest.fixture
+def world(tmp_path):
+    w = World(tmp_path)
+    yield w
+    w.services.engine.dispose()
+
+
+def test_a_claim_from_another_model_passes_a_parted_read_off_but_not_its_scoring(
+        world, honest, other):
+    claim = run(other, JOB)  # the cheat: a smaller or other model's sampled completion
+    job = world.primary("a", claim)
+    first = world.check(job)
+    assert "score_tokens" not in first.inputs  # the check itself is an ordinary re-run
+    checker_run = run(honest, first.inputs)
+    # What the check's own run can say: the runs part at once, and a sampled token the
+    # checker would not have drawn is not scored there, so nothing is checked at all.
+    read_off = compare_text_runs(claim.meta, checker_run.meta)
+    assert read_off.verdict is Verdict.MATCH and read_off.checked_tokens == 0
+
+    world.settle(first, "b", checker_run)
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.CHECKING and rec.checker_job_id != first.id
+    scoring = world.check(job)
+    assert json.loads(scoring.inputs["score_tokens"]) == claim.meta["token_ids"]
+    assert {k: v for k, v in scoring.inputs.items() if k != "score_tokens"} == first.inputs
+    assert scoring.check_of == job.id and scoring.state is JobState.QUEUED
+    assert scoring.account_id == first.account_id  # paid like the check it replaces
+    assert f"operator:{world.operators['a']}" in scoring.excluded_providers
+    assert "verification.parted" in world.actions(job.id)
+
+    world.settle(scoring, "c", run(honest, scoring.inputs))
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.DISPUTED  # the third run decides, as for any mismatch
+    assert rec.tiebreak_job_id is not None
+    figures = rec.comparisons["primary~checker"]
+    assert figures["verdict"] == "mismatch"
+    assert figures["outputs"][0]["checked_tokens"] == len(claim.meta["token_ids"])
+
+    # The third run scores the same tokens too (a re-run would part as the check did):
+    # the two scorings agree with each other and not with the claim, so the claim loses.
+    third = world.jobs.repo.get(rec.tiebreak_job_id)
+    assert third.inputs == scoring.inputs
+    assert f"operator:{world.operators['c']}" in third.excluded_providers
+    world.settle(third, "b", run(honest, third.inputs))
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.OVERTURNED, rec.outcome
+    assert rec.comparisons["checker~tiebreaker"]["method"] == "text_scores"
+    assert rec.comparisons["checker~tiebreaker"]["verdict"] == "match"
+    assert rec.comparisons["primary~tiebreaker"]["verdict"] == "mismatch"
+    assert world.machines["a"] in [p["provider_id"] for p in rec.outcome["penalties"]]
+
+
+def test_an_honest_claim_whose_check_parted_is_verified_by_its_scoring(world, honest):
+    claim = run(honest, JOB)
+    job = world.primary("a", claim)
+    first = world.check(job)
+    # the check's run parts from the claim (as another numeric path can make it)
+    parted = run(honest, {**first.inputs, "seed": 99})
+    assert parted.meta["token_ids"] != claim.meta["token_ids"]
+    world.settle(first, "b", parted)
+    scoring = world.check(job)
+    assert scoring.id != first.id and "score_tokens" in scoring.inputs
+    world.settle(scoring, "c", run(honest, scoring.inputs))
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.VERIFIED, rec.outcome
+    # the scoring run is judged as it is: never scored again
+    assert world.jobs.repo.checks_of(job.id)[-1].id == scoring.id
+    assert len(world.jobs.repo.checks_of(job.id)) == 2
+
+
+def test_a_check_that_judged_every_token_needs_no_scoring(world, honest):
+    claim = run(honest, JOB)
+    job = world.primary("a", claim)
+    first = world.check(job)
+    world.settle(first, "b", run(honest, first.inputs))  # the same seed: the same tokens
+    assert world.v.status(job.id).status is CheckStatus.VERIFIED
+    assert [j.id for j in world.jobs.repo.checks_of(job.id)] == [first.id]
+
+
+def test_a_plugin_version_that_cannot_score_is_judged_on_what_the_check_says(
+        world, honest, monkeypatch):
+    from broker.verification import service
+
+    monkeypatch.setattr(service, "SCORE_INPUT", "no_such_input")  # as llama 1.0.0 had none
+    claim = run(honest, JOB)
+    job = world.primary("a", claim)
+    first = world.check(job)
+    world.settle(first, "b", run(honest, {**first.inputs, "seed": 99}))
+    assert world.v.status(job.id).checker_job_id == first.id
+    assert world.v.status(job.id).status is not CheckStatus.CHECKING
+    assert len(world.jobs.repo.checks_of(job.id)) == 1
+
+
+def test_a_scoring_run_that_fails_leaves_the_output_unchecked(world, honest, other):
+    job = world.primary("a", run(other, JOB))
+    first = world.check(job)
+    world.settle(first, "b", run(honest, first.inputs))
+    scoring = world.check(job)
+    failed = world.jobs.repo.transition(scoring.id, [JobState.QUEUED], JobState.FAILED,
+                                        error_code="no_capacity", finished_at=time.time())
+    world.v.ended(failed)
+    assert world.v.status(job.id).status is CheckStatus.UNCHECKED
+
+
+def test_two_scorings_agree_score_for_score():
+    from broker.verification.judging import compare_scorings
+
+    a = {"token_ids": [5, 6, 7], "logprobs": [-1.0, -2.0, -0.5]}
+    assert compare_scorings(a, {**a, "logprobs": [-1.01, -2.0, -0.49]}).verdict is Verdict.MATCH
+    off = compare_scorings(a, {**a, "logprobs": [-1.0, -4.5, -0.5]})
+    assert off.verdict is Verdict.MISMATCH and "token 1" in off.reasons[0]
+    other = compare_scorings(a, {**a, "token_ids": [5, 6, 8]})
+    assert other.verdict is Verdict.MISMATCH and "same tokens" in other.reasons[0]
+    short = compare_scorings(a, {**a, "logprobs": [-1.0]})
+    assert short.verdict is Verdict.MISMATCH
