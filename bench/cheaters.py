@@ -120,7 +120,7 @@ class Network:
         out = open(self.work / f"agent-{name}.log", "ab")
         self.procs[name] = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                             env=full_env, cwd=self.work)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 600  # a bfloat16 agent benchmarks slowly on a CPU
         while time.monotonic() < deadline:
             for p in self.svc.providers.all():
                 if p.name == name and self.svc.dispatcher.session(p.id) is not None:
