@@ -197,10 +197,16 @@ class Llama(Plugin):
         temperature, top_p = inputs["temperature"], inputs["top_p"]
         banned = sorted(self.eos_ids) if inputs.get("ignore_eos") else []
         eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
+        n = len(token_ids)
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if "logits_to_keep" in self._forward_params:
+            kwargs["logits_to_keep"] = n + 1  # no vocabulary-sized row for the prompt
         with torch.inference_mode():
-            # position p predicts token p + 1: the rows for the tokens start one before them
-            rows = self._forward(prompt_ids + token_ids, cache=None).logits[0]
-            rows = rows[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(token_ids)].float().cpu()
+            logits = self.model(input_ids=torch.tensor([prompt_ids + token_ids],
+                                                       device=self.device), **kwargs).logits[0]
+            # position p predicts token p + 1: the rows for the tokens are the last n + 1
+            # but one (the last predicts what would follow them)
+            rows = logits[-(n + 1):-1].float().cpu()
         logprobs: list[float] = []
         scores: list[dict[str, Any]] = []
         for i, token in enumerate(token_ids):
