@@ -503,3 +503,28 @@ def test_a_check_settled_as_the_worker_stops_is_judged_at_once(world):
     world.v._judges.shutdown()  # stopping: submit() refuses
     world.v.settled(checker, checker.receipt)
     assert world.v.status(job.id).status is CheckStatus.VERIFIED
+
+
+def test_a_lost_job_whose_hold_a_claw_back_refunded_is_no_failed_refund(world):
+    """A cheater's later jobs lose their checks after an earlier loss clawed their holds
+    back: their client has the money already, so nothing failed."""
+    from dataclasses import replace
+
+    from broker.ledger.model import Splits
+
+    ledger = world.services.ledger
+    client = "acct-refunded-client"
+    ledger.open_client(client)
+    ledger.deposit(client, 1_000_000, idempotency_key="refunded:deposit")
+    hold = ledger.hold(client, 1_000_000, "refunded-job", idempotency_key="refunded:hold")
+    ledger.post(hold.id, Splits(provider=world.operators["a"], provider_micro=900_000,
+                                fee_micro=100_000), idempotency_key="refunded:post")
+    ledger.refund(hold.id, idempotency_key="refunded:claw", reason="clawed back")
+    job = replace(world.primary("a"), hold_id=hold.id)
+    world.v._refund(job, "outvoted", strict=True)
+    assert "verification.refund_failed" not in world.actions(job.id)
+    assert ledger.balances(client)[AccountKind.CLIENT_AVAILABLE] == 1_000_000  # once
+    # a refusal for another reason (vested, say) is still recorded as a failure
+    other = ledger.hold(client, 500_000, "other-job", idempotency_key="refunded:hold2")
+    world.v._refund(replace(job, hold_id=other.id), "outvoted")  # pending: not refundable
+    assert "verification.refund_failed" in world.actions(job.id)
