@@ -61,6 +61,22 @@ def load_llama_plugin(weights: Path):
     return plugin
 
 
+@pytest.fixture(scope="module")
+def honest(llama_weights):
+    """The llama plugin on the tiny model: the honest provider's and checker's."""
+    plugin = load_llama_plugin(llama_weights)
+    yield plugin
+    plugin.teardown()
+
+
+@pytest.fixture(scope="module")
+def other(other_llama_weights):
+    """The llama plugin on another tiny model (built from seed 1): a cheater's."""
+    plugin = load_llama_plugin(other_llama_weights)
+    yield plugin
+    plugin.teardown()
+
+
 @pytest.fixture(scope="session")
 def llama_weights(tiny_dir) -> Path:
     from plugins.tiny import build_tiny_llama

@@ -18,20 +18,6 @@ PROMPT = "Once upon a time there was a lighthouse"
 
 
 @pytest.fixture(scope="module")
-def honest(llama_weights):
-    plugin = load_llama_plugin(llama_weights)
-    yield plugin
-    plugin.teardown()
-
-
-@pytest.fixture(scope="module")
-def other(other_llama_weights):
-    plugin = load_llama_plugin(other_llama_weights)
-    yield plugin
-    plugin.teardown()
-
-
-@pytest.fixture(scope="module")
 def checkers(llama_weights):
     import torch
     from transformers import AutoModelForCausalLM

@@ -20,24 +20,10 @@ from broker.verification.judging import compare_text_runs
 from broker.verification.records import CheckStatus
 from sdk.protocol.signing import KeyPair
 
-from .conftest import RecordingContext, load_llama_plugin
+from .conftest import RecordingContext
 
 PROMPT = "Once upon a time there was a lighthouse"
 JOB = {"prompt": PROMPT, "max_new_tokens": 24, "temperature": 0.7, "top_p": 0.95, "seed": 3}
-
-
-@pytest.fixture(scope="module")
-def honest(llama_weights):
-    plugin = load_llama_plugin(llama_weights)
-    yield plugin
-    plugin.teardown()
-
-
-@pytest.fixture(scope="module")
-def other(other_llama_weights):
-    plugin = load_llama_plugin(other_llama_weights)
-    yield plugin
-    plugin.teardown()
 
 
 def run(plugin, inputs: dict):
