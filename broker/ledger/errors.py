@@ -152,6 +152,14 @@ class NotRefundable(LedgerError):
     grpc_status = "FAILED_PRECONDITION"
 
 
+class AlreadyRefunded(NotRefundable):
+    """The hold was refunded already (under another key): its client has the credits."""
+
+    def __init__(self, hold_id: str, transaction_id: str):
+        super().__init__(f"hold {hold_id} was already refunded by transaction {transaction_id}")
+        self.hold_id, self.transaction_id = hold_id, transaction_id
+
+
 class NotReversible(LedgerError):
     code = "ledger.not_reversible"
     http_status = 409

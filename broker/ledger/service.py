@@ -34,9 +34,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable, TypeVar
 
 from broker.ledger.errors import (
-    HoldAlreadyResolved, HoldExpired, HoldNotExpired, IdempotencyConflict, InsufficientCredits,
-    InvalidAmount, InvalidArgument, LedgerBusy, NotRefundable, NotReversible, UnknownAccount,
-    UnknownHold, UnknownTransaction,
+    AlreadyRefunded, HoldAlreadyResolved, HoldExpired, HoldNotExpired, IdempotencyConflict,
+    InsufficientCredits, InvalidAmount, InvalidArgument, LedgerBusy, NotRefundable,
+    NotReversible, UnknownAccount, UnknownHold, UnknownTransaction,
 )
 from broker.ledger.model import (
     CLIENT_KINDS, MAX_AMOUNT_MICRO, PLATFORM_KINDS, PROVIDER_KINDS, PUBLISHER_KINDS,
@@ -409,8 +409,7 @@ class LedgerService:
                 raise NotRefundable(f"hold {hold_id} is {hold.state.value}; only posted holds are "
                                     "refunded (a pending hold is voided)")
             if hold.refund_transaction_id is not None:
-                raise NotRefundable(f"hold {hold_id} was already refunded by transaction "
-                                    f"{hold.refund_transaction_id}")
+                raise AlreadyRefunded(hold_id, hold.refund_transaction_id)
             if hold.vest_transaction_id is not None:
                 raise NotRefundable(f"hold {hold_id}'s provider share has vested (transaction "
                                     f"{hold.vest_transaction_id}); refunds end with the vesting "

@@ -816,20 +816,14 @@ class VerificationService:
             return
         refused = self._refund_hold(job.hold_id, f"verify:{job.id}:refund", reason,
                                     strict=strict)
-        if refused is not None and self._refunded_before(job.hold_id):
+        if isinstance(refused, lerr.AlreadyRefunded):
             # a claw-back (this provider lost another check) gave it back already
-            log.info("job %s: its hold was refunded before (%s)", job.id, refused)
+            log.info("job %s: %s", job.id, refused)
             return
         if refused is not None:
             log.warning("job %s: refund after verification failed: %s", job.id, refused)
             self._audit("verification.refund_failed", job.check_of or job.id,
                         {"job": job.id, "error": f"{type(refused).__name__}: {refused}"})
-
-    def _refunded_before(self, hold_id: str) -> bool:
-        try:
-            return self.ledger.get_hold(hold_id).refund_transaction_id is not None
-        except Exception:  # noqa: BLE001 - not known: the refusal stands as a failure
-            return False
 
     def _refund_hold(self, hold_id: str, key: str, reason: str, *,
                      strict: bool) -> Exception | None:

@@ -9,9 +9,9 @@ import pytest
 
 from broker.ledger import AccountId, AccountKind, FundingSource, HoldState, Splits, TransactionKind
 from broker.ledger.errors import (
-    HoldAlreadyResolved, HoldExpired, HoldNotExpired, IdempotencyConflict, InsufficientCredits,
-    InvalidAmount, InvalidArgument, NotRefundable, NotReversible, UnknownAccount, UnknownHold,
-    UnknownTransaction,
+    AlreadyRefunded, HoldAlreadyResolved, HoldExpired, HoldNotExpired, IdempotencyConflict,
+    InsufficientCredits, InvalidAmount, InvalidArgument, NotRefundable, NotReversible,
+    UnknownAccount, UnknownHold, UnknownTransaction,
 )
 from broker.ledger.model import MAX_AMOUNT_MICRO
 
@@ -191,8 +191,10 @@ class LedgerContract:
         assert ledger.refund(hold.id, idempotency_key="r", reason="dispute lost").id == refund.id
         assert ledger.balance(ALICE) == 10 * C
         assert (ledger.balance(BOB_VESTING), ledger.balance(PUB), ledger.balance(FEES)) == (0, 0, 0)
-        with pytest.raises(NotRefundable):
+        with pytest.raises(AlreadyRefunded) as again:  # a NotRefundable, naming the refund
             ledger.refund(hold.id, idempotency_key="r2", reason="again")
+        assert isinstance(again.value, NotRefundable)
+        assert again.value.transaction_id == refund.id
         clock.advance(VESTING_WINDOW_S)
         assert ledger.vest("bob") is None  # refunded shares never vest
 
@@ -209,8 +211,9 @@ class LedgerContract:
         assert txn.kind is TransactionKind.VEST and txn.amount_for(BOB_AVAILABLE) == 12 * C
         assert (ledger.balance(BOB_VESTING), ledger.balance(BOB_AVAILABLE)) == (0, 12 * C)
         assert ledger.vest("bob") is None
-        with pytest.raises(NotRefundable):
+        with pytest.raises(NotRefundable) as vested:
             ledger.refund(hold.id, idempotency_key="r", reason="late finding")
+        assert not isinstance(vested.value, AlreadyRefunded)
 
     def test_payout_and_reversal_when_transfer_fails(self, ledger, clock):
         ledger.deposit("alice", 10 * C, idempotency_key="d")
