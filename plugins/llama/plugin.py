@@ -174,19 +174,26 @@ class Llama(Plugin):
                 if step < max_new:
                     out = self._forward([token], cache=self._cache_of(out))
         final = text.finish()
-        meta = {
-            "seed": seed, "token_ids": token_ids, "logprobs": logprobs,
-            "prompt_tokens": len(prompt_ids), "generated_tokens": len(token_ids),
-            "work_units": len(prompt_ids) + len(token_ids), "finish_reason": finish,
-            "stopped_by_string": stopped_by_string, "eos_ids": sorted(self.eos_ids),
-            "ignore_eos": bool(inputs.get("ignore_eos")),
-            "temperature": float(inputs["temperature"]), "top_p": float(inputs["top_p"]),
-            "max_new_tokens": int(max_new), "dtype": str(self.model.dtype).removeprefix("torch."),
-            "scores": scores,
-        }
+        meta = self._meta(inputs, prompt_ids, adapters, seed=seed, token_ids=token_ids,
+                          logprobs=logprobs, scores=scores, finish_reason=finish,
+                          stopped_by_string=stopped_by_string)
+        return [Output(data=final.encode("utf-8"), media_type="text/plain", meta=meta)]
+
+    def _meta(self, inputs: dict[str, Any], prompt_ids: list[int],
+              adapters: list[AdapterRequest], **run: Any) -> dict[str, Any]:
+        """An output's meta (see the module docstring): ``run``'s own fields (seed,
+        token_ids, logprobs, scores, finish_reason, stopped_by_string) and what follows
+        from the job and the model."""
+        meta = {**run, "prompt_tokens": len(prompt_ids),
+                "generated_tokens": len(run["token_ids"]),
+                "work_units": len(prompt_ids) + len(run["token_ids"]),
+                "eos_ids": sorted(self.eos_ids), "ignore_eos": bool(inputs.get("ignore_eos")),
+                "temperature": float(inputs["temperature"]), "top_p": float(inputs["top_p"]),
+                "max_new_tokens": int(inputs["max_new_tokens"]),
+                "dtype": str(self.model.dtype).removeprefix("torch.")}
         if adapters:
             meta["adapters"] = {a.name: a.scale for a in adapters}
-        return [Output(data=final.encode("utf-8"), media_type="text/plain", meta=meta)]
+        return meta
 
     def _score_tokens(self, inputs: dict[str, Any], prompt_ids: list[int],
                       adapters: list[AdapterRequest], ctx: RunContext) -> Output:
@@ -215,22 +222,11 @@ class Llama(Plugin):
             logprobs.append(float(logp[token]))
             scores.append(_score(logp, token, _distribution(rows[i], temperature, top_p,
                                                             banned), eos))
-        ctx.progress(len(token_ids), len(token_ids), "scored")
-        last = token_ids[-1]
-        finish = "stop" if last in self.eos_ids and not banned else "length"
-        meta = {
-            "seed": inputs.get("seed"), "token_ids": token_ids, "logprobs": logprobs,
-            "prompt_tokens": len(prompt_ids), "generated_tokens": len(token_ids),
-            "work_units": len(prompt_ids) + len(token_ids), "finish_reason": finish,
-            "stopped_by_string": False, "eos_ids": sorted(self.eos_ids),
-            "ignore_eos": bool(inputs.get("ignore_eos")),
-            "temperature": float(temperature), "top_p": float(top_p),
-            "max_new_tokens": int(inputs["max_new_tokens"]),
-            "dtype": str(self.model.dtype).removeprefix("torch."),
-            "scores": scores, "scored": True,
-        }
-        if adapters:
-            meta["adapters"] = {a.name: a.scale for a in adapters}
+        ctx.progress(n, n, "scored")
+        finish = "stop" if token_ids[-1] in self.eos_ids and not banned else "length"
+        meta = self._meta(inputs, prompt_ids, adapters, seed=inputs.get("seed"),
+                          token_ids=token_ids, logprobs=logprobs, scores=scores,
+                          finish_reason=finish, stopped_by_string=False, scored=True)
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return Output(data=text.encode("utf-8"), media_type="text/plain", meta=meta)
 
@@ -359,10 +355,7 @@ def _sample_dist(logits: torch.Tensor, temperature: float, top_p: float,
     and the token ids of that order."""
     dist = _distribution(logits, temperature, top_p, banned)
     if dist is None:
-        if banned:
-            logits = logits.clone()
-            logits[list(banned)] = float("-inf")
-        return int(torch.argmax(logits)), None
+        return int(torch.argmax(_banning(logits, banned))), None
     _, _, head, order = dist
     pick = torch.multinomial(head, 1, generator=generator)
     return int(order[pick]), dist
@@ -373,10 +366,7 @@ def _distribution(logits: torch.Tensor, temperature: float, top_p: float,
     """What :func:`_sample_dist` samples from (its ``dist``; None for greedy)."""
     if temperature == 0:
         return None
-    if banned:
-        logits = logits.clone()
-        logits[list(banned)] = float("-inf")
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.softmax(_banning(logits, banned) / temperature, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)
     head = sorted_probs
     if top_p < 1.0:
@@ -384,6 +374,15 @@ def _distribution(logits: torch.Tensor, temperature: float, top_p: float,
         outside = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) >= top_p
         head = sorted_probs.masked_fill(outside, 0.0)
     return probs, sorted_probs, head, order
+
+
+def _banning(logits: torch.Tensor, banned: list[int]) -> torch.Tensor:
+    """``logits`` with the ``banned`` ids at -inf (a copy; the same tensor if none)."""
+    if not banned:
+        return logits
+    logits = logits.clone()
+    logits[list(banned)] = float("-inf")
+    return logits
 
 
 def _token_ids(raw: str, vocab_size: int, max_new_tokens: int) -> list[int]:
