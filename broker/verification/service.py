@@ -471,7 +471,7 @@ class VerificationService:
                 self._audit(f"verification.{role.value}_queued", v.job_id,
                             {"check_job": check.id, "excluded_providers": excluded,
                              "paid_by": account, "delay_s": round(delay, 3),
-                             "scoring": inputs is not None and SCORE_INPUT in inputs})
+                             "scoring": _is_scoring(check)})
         except _RecordMoved:  # judged, given up or queued by another thread meanwhile
             return None
         return check
@@ -574,7 +574,7 @@ class VerificationService:
         scoring run itself, or when the plugin version cannot score."""
         if kind != "text" or cmp.verdict is Verdict.MISMATCH:
             return None
-        if SCORE_INPUT in (check.inputs or {}):
+        if _is_scoring(check):
             return None  # a scoring run is judged as it is, never scored again
         claimed = (primary.receipt or {}).get("outputs") or []
         if len(claimed) != 1 or len(cmp.details) != 1:
@@ -857,7 +857,7 @@ class VerificationService:
                      for i, o in enumerate((job.receipt or {}).get("outputs", []))}
             return Run(tuple(RunOutput(blob, o.media_type, metas.get(o.index, {}))
                              for o, blob in data), repro_of(job.receipt),
-                       scored=SCORE_INPUT in (job.inputs or {}))
+                       scored=_is_scoring(job))
         return run
 
     def _party(self, job: Job, role: Role) -> Party:
@@ -903,9 +903,15 @@ def _third_run_of(checker: Job) -> dict[str, Any]:
     """How a dispute's third run is queued: a scoring run of the same claimed tokens when
     the check was one (its verdict is then compared score for score with the check's, and
     each against the claim), else a re-run like the check (``_spawn``'s defaults)."""
-    if SCORE_INPUT in (checker.inputs or {}):
+    if _is_scoring(checker):
         return {"inputs": dict(checker.inputs), "delay_s": 0.0}
     return {}
+
+
+def _is_scoring(job: Job) -> bool:
+    """Whether ``job`` is a scoring run: decided by what the broker asked of it (its
+    inputs), never by what its provider reports."""
+    return SCORE_INPUT in (job.inputs or {})
 
 
 def pinned_inputs(job: Job) -> dict[str, Any]:
