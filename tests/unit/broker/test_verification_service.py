@@ -9,59 +9,24 @@ import uuid
 import pytest
 
 from broker.billing.errors import InsufficientCredits
-from broker.jobs.model import Job, JobOutput, JobState
+from broker.jobs.model import Job, JobState
 from broker.ledger import errors as lerr
 from broker.ledger.model import AccountKind
 from broker.ledger.seeding import seed_earned
-from broker.services import build_services
-from broker.settings import Settings
 from broker.verification.outcomes import Role
 from broker.verification.records import CheckStatus
 from broker.verification.service import CHECK_ACCOUNT
-from sdk.protocol.signing import KeyPair
+from tests.verification_world import HW, VerificationWorld
 
-HW = "cpu:x86_64:threads=1"
 GOOD, BAD = b'{"text": "the truth"}', b'{"text": "made up"}'
 
 
-class World:
-    def __init__(self, tmp_path, db_url: str = ""):
-        self.services = build_services(Settings(data_dir=tmp_path, db_url=db_url,
-                                                maintenance_interval_s=0,
-                                                check_delay_max_s=0.0))
-        self.v = self.services.verification
-        self.v.close()  # no judging worker: checks are judged inside settled(), as asserted
-        self.jobs = self.services.jobs
-        _, client = self.services.auth.create_account_with_key("client")
-        self.client = client.account_id
-        self.operators: dict[str, str] = {}
-        self.machines: dict[str, str] = {}
-        for name in "abc":
-            self.machine(name)
-
-    def machine(self, name: str, operator: str | None = None) -> str:
-        if operator is None:
-            _, who = self.services.auth.create_account_with_key("provider")
-            self.operators[name] = who.account_id
-        else:
-            from broker.auth.service import Principal
-            who = Principal(self.operators[operator], "provider", "k")
-        pid = self.services.providers.connect(who, KeyPair.generate().public_key_hex, name,
-                                              sandboxed=True, hardware={}, plugins=[]).id
-        self.machines[name] = pid
-        return pid
+class World(VerificationWorld):
+    """Echo jobs, whose outputs are judged byte for byte."""
 
     def settle(self, job: Job, machine: str, data: bytes) -> Job:
         """``job`` (queued, or new) settled by ``machine`` with the one output ``data``."""
-        sha = self.jobs.blobs.put(data)
-        receipt = {"outputs": [{"index": 0, "sha256": sha, "media_type": "application/json",
-                                "size": len(data), "meta": {}}],
-                   "repro": {"hardware_class": HW, "dtype": "float32",
-                             "plugin_build": "echo@1.0.0"}}
-        return self.jobs.repo.transition(
-            job.id, [job.state], JobState.SETTLED, provider_id=self.machines[machine],
-            receipt=receipt, finished_at=time.time(),
-            outputs=[JobOutput(job.id, 0, sha, "application/json", len(data))])
+        return self.settle_output(job, machine, data, "application/json", {}, "echo@1.0.0")
 
     def primary(self, machine: str = "a", data: bytes = GOOD) -> Job:
         now = time.time()
@@ -83,10 +48,6 @@ class World:
         rec = self.v.status(job.id)
         return self.jobs.repo.get(rec.checker_job_id if role is Role.CHECKER
                                   else rec.tiebreak_job_id)
-
-    def actions(self, job_id: str) -> list[str]:
-        return [e.action for e in self.services.audit.search(subject=f"job:{job_id}",
-                                                             limit=500)]
 
     def sweep(self) -> int:
         time.sleep(0.01)  # the records' last change lies before the sweep's "now"

@@ -12,13 +12,11 @@ import uuid
 
 import pytest
 
-from broker.jobs.model import Job, JobOutput, JobState
-from broker.services import build_services
-from broker.settings import Settings
+from broker.jobs.model import Job, JobState
 from broker.verification.comparators import Verdict
 from broker.verification.judging import compare_text_runs
 from broker.verification.records import CheckStatus
-from sdk.protocol.signing import KeyPair
+from tests.verification_world import VerificationWorld
 
 from .conftest import RecordingContext
 
@@ -30,46 +28,20 @@ def run(plugin, inputs: dict):
     return plugin.run(dict(inputs), RecordingContext())[0]
 
 
-class World:
-    """A broker's services on SQLite with three operators' machines (a, b, c); runs are
-    settled by hand with real llama outputs."""
-
-    def __init__(self, tmp_path):
-        self.services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0,
-                                                check_delay_max_s=0.0))
-        self.v = self.services.verification
-        self.v.close()  # judged inside settled(), on this thread
-        self.jobs = self.services.jobs
-        _, client = self.services.auth.create_account_with_key("client")
-        self.client = client.account_id
-        self.operators: dict[str, str] = {}
-        self.machines: dict[str, str] = {}
-        for name in "abc":
-            _, who = self.services.auth.create_account_with_key("provider")
-            self.operators[name] = who.account_id
-            self.machines[name] = self.services.providers.connect(
-                who, KeyPair.generate().public_key_hex, name, sandboxed=True, hardware={},
-                plugins=[]).id
+class World(VerificationWorld):
+    """llama jobs, settled with real outputs of the tiny model."""
 
     def settle(self, job: Job, machine: str, out) -> Job:
-        data = out.data
-        sha = self.jobs.blobs.put(data)
-        receipt = {"outputs": [{"index": 0, "sha256": sha, "media_type": "text/plain",
-                                "size": len(data), "meta": out.meta}],
-                   "repro": {"hardware_class": "cpu:x86_64:threads=1", "dtype": "float32",
-                             "plugin_build": "llama@1.1.0"}}
-        job = self.jobs.repo.transition(
-            job.id, [job.state], JobState.SETTLED, provider_id=self.machines[machine],
-            receipt=receipt, finished_at=time.time(),
-            outputs=[JobOutput(job.id, 0, sha, "text/plain", len(data))])
+        job = self.settle_output(job, machine, out.data, "text/plain", out.meta,
+                                 "llama@1.1.0")
         self.v.settled(job, job.receipt)
         return job
 
-    def primary(self, machine: str, out, version: str = "1.1.0") -> Job:
+    def primary(self, machine: str, out) -> Job:
         now = time.time()
         job, _ = self.jobs.repo.create(
             Job(id=str(uuid.uuid4()), account_id=self.client, plugin="llama",
-                plugin_version=version, inputs=dict(JOB), state=JobState.QUEUED,
+                plugin_version="1.1.0", inputs=dict(JOB), state=JobState.QUEUED,
                 work_units=float(JOB["max_new_tokens"]), created_at=now, updated_at=now),
             ("queued", {}))
         job = self.settle(job, machine, out)
@@ -78,10 +50,6 @@ class World:
 
     def check(self, job: Job) -> Job:
         return self.jobs.repo.get(self.v.status(job.id).checker_job_id)
-
-    def actions(self, job_id: str) -> list[str]:
-        return [e.action for e in self.services.audit.search(subject=f"job:{job_id}",
-                                                             limit=500)]
 
 
 @pytest.fixture
