@@ -23,12 +23,12 @@ dispute; a cheat that passes is a missed one.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from broker.verification.comparators import Verdict  # noqa: E402
-from broker.verification.judging import compare_text_runs  # noqa: E402
+from broker.verification.judging import (compare_text_runs, needs_scoring,  # noqa: E402
+                                         scoring_inputs)
 from plugins import builtin_plugin_dir  # noqa: E402
 from plugins.api import load_manifest  # noqa: E402
 from plugins.tiny import build_tiny_llama  # noqa: E402
@@ -90,20 +91,26 @@ class Runner:
             torch.set_num_threads(before)
 
 
-def judge_both(claim: dict, checker: Runner, inputs: dict) -> tuple[Verdict, Verdict, int,
-                                                                   int, bool]:
-    """(read-off verdict, verdict with scoring, tokens checked by each, scored?)."""
-    own = checker.run(inputs)
-    read_off = compare_text_runs(claim, own)
-    if read_off.verdict is Verdict.MISMATCH or read_off.checked_tokens >= len(
-            claim["token_ids"]):
-        return (read_off.verdict, read_off.verdict, read_off.checked_tokens,
-                read_off.checked_tokens, False)
-    scored = checker.run({**inputs, "score_tokens": json.dumps(claim["token_ids"]),
-                          "max_new_tokens": max(inputs["max_new_tokens"],
-                                                len(claim["token_ids"]))})
-    final = compare_text_runs(claim, scored)
-    return read_off.verdict, final.verdict, read_off.checked_tokens, final.checked_tokens, True
+class Judged(NamedTuple):
+    read_off: Verdict
+    final: Verdict            # with a scoring run where the verifier asks for one
+    checked_read_off: int
+    checked_final: int
+    scored: bool
+    tokens: int               # in the claim
+
+
+def judge_both(claim: dict, checker: Runner, inputs: dict) -> Judged:
+    """The claim judged on the checker's read-off, and as the verifier judges it: where
+    ``needs_scoring`` says so, on the checker's scoring of the claimed tokens instead."""
+    ids = claim["token_ids"]
+    read_off = compare_text_runs(claim, checker.run(inputs))
+    if not needs_scoring(read_off.verdict, read_off.checked_tokens, len(ids)):
+        return Judged(read_off.verdict, read_off.verdict, read_off.checked_tokens,
+                      read_off.checked_tokens, False, len(ids))
+    final = compare_text_runs(claim, checker.run(scoring_inputs(inputs, ids)))
+    return Judged(read_off.verdict, final.verdict, read_off.checked_tokens,
+                  final.checked_tokens, True, len(ids))
 
 
 def main() -> int:
@@ -123,35 +130,30 @@ def main() -> int:
     rng = random.Random(args.seed)
     groups: dict[str, dict] = {}
 
-    def count(group: str, verdicts: tuple) -> None:
-        g = groups.setdefault(group, {"claims": 0, "pass_read_off": 0, "pass_scoring": 0,
-                                      "scored": 0, "tokens": 0, "checked_read_off": 0,
-                                      "checked_scoring": 0})
-        before, after, n_before, n_after, scored = verdicts[:5]
+    def count(group: str, judged: Judged) -> None:
+        g = groups.setdefault(group, dict.fromkeys(
+            ("claims", "pass_read_off", "pass_scoring", "scored", "tokens",
+             "checked_read_off", "checked_scoring"), 0))
         g["claims"] += 1
-        g["pass_read_off"] += before is Verdict.MATCH
-        g["pass_scoring"] += after is Verdict.MATCH
-        g["scored"] += scored
-        g["tokens"] += verdicts[5]
-        g["checked_read_off"] += n_before
-        g["checked_scoring"] += n_after
+        g["pass_read_off"] += judged.read_off is Verdict.MATCH
+        g["pass_scoring"] += judged.final is Verdict.MATCH
+        g["scored"] += judged.scored
+        g["tokens"] += judged.tokens
+        g["checked_read_off"] += judged.checked_read_off
+        g["checked_scoring"] += judged.checked_final
 
     names = list(runners)
-    for i in range(args.jobs):
+    for _ in range(args.jobs):
         temperature = rng.choice([0.0, 0.7, 1.0])
         inputs = {"prompt": rng.choice(PROMPTS), "max_new_tokens": rng.choice([8, 16, 32]),
                   "temperature": temperature, "top_p": rng.choice([0.9, 0.95, 1.0]),
                   "seed": rng.randrange(2**31), "ignore_eos": False}
         primary, checker = rng.sample(names, 2)  # checks across configurations
         claim = runners[primary].run(inputs)
-        count("honest (other numeric path)",
-              (*judge_both(claim, runners[checker], inputs), len(claim["token_ids"])))
+        count("honest (other numeric path)", judge_both(claim, runners[checker], inputs))
         same = runners[primary].run(inputs)  # the same configuration: the same tokens
-        count("honest (same class)",
-              (*judge_both(claim, _Same(same), inputs), len(claim["token_ids"])))
-        cheat = other.run(inputs)
-        count("cheat: another model",
-              (*judge_both(cheat, runners[checker], inputs), len(cheat["token_ids"])))
+        count("honest (same class)", judge_both(claim, _Same(same), inputs))
+        count("cheat: another model", judge_both(other.run(inputs), runners[checker], inputs))
     print(f"\n{'group':<30} {'claims':>6} {'pass read-off':>14} {'pass w/ scoring':>16} "
           f"{'scoring runs':>13} {'tokens checked: read-off / w/ scoring':>38}")
     for name, g in groups.items():

@@ -12,6 +12,7 @@ the blobs.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -124,6 +125,25 @@ def compare_text_runs(claimed: dict[str, Any], check: dict[str, Any],
     rescore, checked = rescore_from_rerun(claim.token_ids, claim.logprobs, check)
     result = compare_text(claim, rescore, thresholds)
     return _TextJudgement(result, checked)
+
+
+#: The input by which a text plugin scores given tokens instead of generating (teacher
+#: forcing): what a text check that could not judge every claimed token asks for.
+SCORE_INPUT = "score_tokens"
+
+
+def needs_scoring(verdict: Verdict, checked_tokens: int, claimed_tokens: int) -> bool:
+    """Whether a text check left claimed tokens unjudged (its run parted from the claim, or
+    ended sooner: past that point the checker's context is not the claim's) and is not a
+    clear mismatch already (then the third run decides): a scoring run must judge them."""
+    return verdict is not Verdict.MISMATCH and checked_tokens < claimed_tokens
+
+
+def scoring_inputs(pinned: dict[str, Any], claim_ids: Sequence[int]) -> dict[str, Any]:
+    """A scoring run's inputs: the job's pinned inputs and the claimed token ids, with room
+    for all of them."""
+    return {**pinned, SCORE_INPUT: json.dumps(list(claim_ids), separators=(",", ":")),
+            "max_new_tokens": max(int(pinned.get("max_new_tokens") or 0), len(claim_ids))}
 
 
 def compare_scorings(a: dict[str, Any], b: dict[str, Any],

@@ -44,8 +44,9 @@ from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, FundingSource
 from broker.verification.comparators import THRESHOLDS_PATH
 from broker.verification.comparators import Verdict
-from broker.verification.judging import (Judgement, Run, RunOutput, StoredJudgement, judge,
-                                         repro_of)
+from broker.verification.judging import (SCORE_INPUT, Judgement, Run, RunOutput,
+                                         StoredJudgement, judge, needs_scoring, repro_of,
+                                         scoring_inputs)
 from broker.verification.outcomes import (Outcome, Party, PenaltyPolicy, Role, Status,
                                           resolve_pair, resolve_three)
 from broker.verification.records import (OPEN_STATUSES, CheckStatus, Verification,
@@ -56,9 +57,6 @@ log = logging.getLogger(__name__)
 
 #: The client account that platform-sampled check jobs belong to (and are held against).
 CHECK_ACCOUNT = "platform-checks"
-#: The input by which a text plugin scores given tokens instead of generating (teacher
-#: forcing): what a check whose run parted from the claim asks for (``_scoring_inputs``).
-SCORE_INPUT = "score_tokens"
 
 
 def load_catch_probabilities(path: Path | str = THRESHOLDS_PATH) -> dict[str, float]:
@@ -572,17 +570,14 @@ class VerificationService:
         says nothing of the claimed tokens. None when the check judged every token, when
         it is a clear mismatch already (the third run decides), when the check was a
         scoring run itself, or when the plugin version cannot score."""
-        if kind != "text" or cmp.verdict is Verdict.MISMATCH:
-            return None
-        if _is_scoring(check):
+        if kind != "text" or _is_scoring(check):
             return None  # a scoring run is judged as it is, never scored again
         claimed = (primary.receipt or {}).get("outputs") or []
         if len(claimed) != 1 or len(cmp.details) != 1:
             return None  # a text job makes one output
         ids = (claimed[0].get("meta") or {}).get("token_ids")
-        if not isinstance(ids, list) or not ids:
-            return None
-        if int(cmp.details[0].get("checked_tokens", 0)) >= len(ids):
+        if (not isinstance(ids, list) or not ids or not needs_scoring(
+                cmp.verdict, int(cmp.details[0].get("checked_tokens", 0)), len(ids))):
             return None
         try:
             manifest = self.catalog.get(primary.plugin, primary.plugin_version)
@@ -590,10 +585,7 @@ class VerificationService:
             return None
         if SCORE_INPUT not in manifest.inputs.names:
             return None
-        inputs = pinned_inputs(primary)
-        inputs[SCORE_INPUT] = json.dumps(ids, separators=(",", ":"))
-        inputs["max_new_tokens"] = max(int(inputs.get("max_new_tokens") or 0), len(ids))
-        return inputs
+        return scoring_inputs(pinned_inputs(primary), ids)
 
     def _score_instead(self, v: Verification, primary: Job, check: Job, cmp: Judgement,
                        inputs: dict[str, Any]) -> None:
