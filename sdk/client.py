@@ -257,8 +257,7 @@ class Client:
         held = 30.0 if timeout is None else min(timeout, 30.0)
         create = self.jobs.create_batch if n > 1 else self.jobs.create
         job = create(plugin, version=version, terms=terms, wait=held, **inputs)
-        left = None if timeout is None else timeout - (time.monotonic() - started)
-        return job.wait(timeout=left)
+        return job._wait(timeout, started)  # the user's timeout, counted from the submit
 
     def quote(self, plugin: str, *, version: str | None = None, **inputs) -> dict:
         """What a job would cost, without running it: ``min_micro``, ``expected_micro`` and
@@ -399,20 +398,31 @@ class Job:
 
     def wait(self, timeout: float | None = 600.0) -> "Result":
         """Block until the job ends. Returns its Result; raises JobFailedError if it failed
-        or was cancelled, and JobTimeoutError (after cancelling it) when time runs out."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        or was cancelled, and JobTimeoutError (after cancelling it) when time runs out: its
+        message says what the cancel charged (a provider is paid for the steps it had done)."""
+        return self._wait(timeout, time.monotonic())
+
+    def _wait(self, timeout: float | None, started: float) -> "Result":
+        """:meth:`wait` with ``timeout`` counted from ``started`` (``time.monotonic()``),
+        e.g. from the submit that ``Client.generate`` made."""
+        deadline = None if timeout is None else started + timeout
         while not self.done:
             left = 30.0 if deadline is None else deadline - time.monotonic()
             if left <= 0:
+                before = dict(self.data)
                 try:
                     self.cancel()
                 except Exception:  # noqa: BLE001 - the timeout is what the caller must see
                     pass
                 if self.state == "settled":
                     break
-                raise JobTimeoutError(self, f"job {self.id} did not finish within {timeout:g}s "
-                                            "and was cancelled")
+                raise _timed_out(self._c, [(self, before)], timeout,
+                                 time.monotonic() - started, f"job {self.id}")
             self.refresh(wait_s=min(left, 30.0))
+        if self.state == "settled" and "outputs" not in self.data:
+            # A summary (``client.jobs.list()`` lists jobs without their outputs): the
+            # job's full record names them.
+            self.refresh()
         if self.state != "settled":
             err = self.data.get("error") or {}
             raise JobFailedError(self, f"job {self.id} {self.state}: "
@@ -493,28 +503,92 @@ class Batch:
         """Block until every sibling ends; one Result with all outputs in sibling order.
         Raises JobFailedError if a sibling failed, and JobTimeoutError (after cancelling
         the siblings still running) when time runs out."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._wait(timeout, time.monotonic())
+
+    def _wait(self, timeout: float | None, started: float) -> "Result":
+        deadline = None if timeout is None else started + timeout
         while not self.done:
             left = 30.0 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 break
             self.refresh(wait_s=min(left, 30.0))
         if not self.done:
-            running = [job for job in self.jobs if not job.done]
-            for job in running:
+            running = [(job, dict(job.data)) for job in self.jobs if not job.done]
+            for job, _ in running:
                 try:
                     job.cancel()
                 except Exception:  # noqa: BLE001 - the timeout is what the caller must see
                     pass
-            raise JobTimeoutError(running[0], f"batch {self.id}: {len(running)} of "
-                                              f"{len(self.jobs)} jobs did not finish within "
-                                              f"{timeout:g}s and were cancelled")
+            raise _timed_out(self._c, running, timeout, time.monotonic() - started,
+                             f"batch {self.id}: {len(running)} of {len(self.jobs)} jobs")
         outputs: list[dict] = []
         for job in self.jobs:  # raises JobFailedError for a sibling that did not settle
             outputs += job.wait(timeout=None).outputs
         result = Result(self._c, self.jobs[0])
         result.outputs = outputs
         return result
+
+
+def _timed_out(client: Client, cancelled: list[tuple[Job, dict]], timeout: float | None,
+               waited_s: float, what: str) -> JobTimeoutError:
+    """The JobTimeoutError for jobs ``wait()`` gave up on and cancelled: (job, its data
+    before the cancel) each. Its message gives the timeout the caller set, how long it
+    waited, and what the cancels charged and for what, as the client's ledger lines show
+    them (a provider is paid for the steps it had done; the rest of each hold is released)."""
+    charged = _charged_micro(client, [job.id for job, _ in cancelled])
+    done = []
+    for job, before in cancelled:
+        progress = job.data.get("progress") or before.get("progress") or {}
+        step, total = int(progress.get("step") or 0), int(progress.get("total") or 0)
+        if total > 0 and step > 0:
+            done.append(f"{min(step, total)} of {total} steps")
+    limit = "no timeout" if timeout is None else f"the {_secs(timeout)} timeout"
+    message = (f"{what} did not finish within {limit} (waited {_secs(waited_s)}) and "
+               f"{'was' if len(cancelled) == 1 else 'were'} cancelled; ")
+    if charged is None:
+        message += ("what the cancel charged could not be read: see "
+                    "client.transactions() for the ledger lines of the job")
+    elif charged > 0:
+        message += (f"charged {_credits(charged)} for the work the provider had done before "
+                    f"the cancel ({', '.join(done) or 'its reported progress'}); the rest of "
+                    "the hold was released to your balance")
+    else:
+        message += ("nothing was charged" + (" (no step was done yet)" if not done else "")
+                    + " and the hold was released to your balance")
+    if timeout is not None:
+        message += ("; pass a longer timeout= (or timeout=None) to wait for slow jobs, or "
+                    "fewer steps or a smaller size for a faster one")
+    return JobTimeoutError(cancelled[0][0], message, timeout_s=timeout, waited_s=waited_s,
+                           charged_micro=charged)
+
+
+def _charged_micro(client: Client, job_ids: list[str]) -> int | None:
+    """What the client's balance lost to these jobs: minus the sum of its ledger lines for
+    them (a hold nets to zero with its release; a post leaves the charge). The ledger
+    names each job's hold and post "job <id>" (parts of a resumed job "job <id> (part
+    i)"); a release carries the same hold id. None when the lines cannot be read."""
+    try:
+        lines = client.transactions(limit=1000)
+    except Exception:  # noqa: BLE001 - the timeout is what the caller must see
+        return None
+    holds = {line.get("hold_id") for line in lines
+             if any(line.get("memo") == f"job {j}" or
+                    str(line.get("memo", "")).startswith(f"job {j} (part ") for j in job_ids)}
+    holds.discard(None)
+    if not holds:
+        return 0  # no hold (a free job) or none of its lines: nothing was taken
+    return -sum(int(line.get("amount_micro") or 0) for line in lines
+                if line.get("hold_id") in holds)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
+
+
+def _credits(micro: int) -> str:
+    whole, frac = divmod(micro, 1_000_000)
+    text = f"{whole:,}" + (f".{frac:06d}".rstrip("0") if frac else "")
+    return f"{text} credits ({micro:,} micro-credits)"
 
 
 def _error(resp: Response) -> Exception:

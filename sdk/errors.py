@@ -68,7 +68,16 @@ class JobFailedError(SparecyclesError):
 
 
 class JobTimeoutError(JobFailedError):
-    """``wait()`` ran out of time; the job was cancelled on the broker."""
+    """``wait()`` ran out of time; the job was cancelled on the broker. ``timeout_s`` is
+    the timeout the caller gave, ``waited_s`` how long it waited, ``charged_micro`` what
+    the cancel charged (the provider is paid for the steps it had done; None: unknown)."""
+
+    def __init__(self, job: Any, message: str, *, timeout_s: float | None = None,
+                 waited_s: float | None = None, charged_micro: int | None = None):
+        super().__init__(job, message)
+        self.timeout_s = timeout_s
+        self.waited_s = waited_s
+        self.charged_micro = charged_micro
 
 
 def error_for(status: int, body: dict, request_id: str | None) -> APIError:
