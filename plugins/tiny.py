@@ -422,7 +422,8 @@ def _llama_model(seed: int):
 # attach it to the tiny base built with seed 0 (only its shapes matter) and draw the LoRA
 # matrices from ``seed``. Both factors are random (peft's usual init zeroes B, which would
 # make a no-op adapter) and B is scaled down so the adapter changes the output without
-# swamping it. ``adapter.json`` declares the base model, which the plugins check.
+# swamping it. ``adapter.json`` declares the base model, which the plugins check; the CLI
+# adds the ``adapter.toml`` publishing reads (``write_adapter_toml``).
 _LORA_B_SCALE = 0.1
 
 
@@ -489,6 +490,23 @@ def _write_lora_llama(folder: Path, seed: int) -> None:
 def _declare_adapter(folder: Path, family: str, fmt: str) -> None:
     (folder / "adapter.json").write_text(json.dumps(
         {"base_model": family, "format": fmt, "rank": LORA_RANK}, indent=2, sort_keys=True) + "\n")
+
+
+def write_adapter_toml(folder: Path | None, name: str, version: str, base: str):
+    """Write ``adapter.toml``, the package manifest `sparecycles publish` reads
+    (``sdk.protocol.package``), into a tiny LoRA ``folder``; ``adapter.json`` stays beside
+    it, the base declaration the plugins check. Checked first, as publishing will check
+    it (raises ManifestError); ``folder`` None only checks. Returns the parsed manifest."""
+    from sdk.protocol.package import ADAPTER_TOML, parse_adapter_manifest
+
+    fields = {"name": name, "version": version, "base": base,
+              "description": f"tiny random LoRA for {base} (tests and demos: its pictures "
+                             f"are noise)"}
+    manifest = parse_adapter_manifest(fields)
+    if folder is not None:
+        (Path(folder) / ADAPTER_TOML).write_text(
+            "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()))
+    return manifest
 
 
 _BUILDERS: dict[str, Callable[..., Path]] = {
