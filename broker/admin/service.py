@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from broker.errors import InvalidInput, NotFound
+from broker.errors import InvalidInput, NotFound, UnknownPlugin
 from broker.pricing.model import PluginPrice
 from broker.pricing.policy import POLICY_FIELDS, PluginPolicy
 
@@ -37,7 +37,15 @@ class AdminService:
 
     def change_price(self, plugin: str, values: dict[str, Any], *, by: str) -> list[str]:
         """Apply the fields of ``values`` that differ from the current ones; returns the
-        names changed. Everything is checked before anything is written."""
+        names changed. Everything is checked before anything is written, the plugin first:
+        only a plugin of the catalog is priced (a price row for a name no job can use is
+        a typo that would sit on the pricing page for ever)."""
+        known = self.catalog.names()
+        if plugin not in known:
+            raise UnknownPlugin(
+                f"there is no plugin {plugin!r} to price; this broker's plugins are "
+                f"{', '.join(known) or 'none'} (a published plugin joins them when it is "
+                "published)", field="plugin")
         # The stored values, not cached ones: they decide what changes and what is audited.
         price = self.pricing.price(plugin, fresh=True)
         policy = self.policies.policy(plugin, fresh=True)

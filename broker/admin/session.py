@@ -23,6 +23,27 @@ LOGIN_CSRF_COOKIE = "sc_admin_login"
 ALGORITHM = "HS256"
 
 
+#: Why the console sent someone to the sign-in page. ``/admin/login?why=<code>`` shows the
+#: message of a code from this set and nothing for any other value: the page never prints
+#: words a link chose (a crafted link could otherwise make the console say anything).
+SIGN_IN_NOTICES = {
+    "required": "That page needs an admin session: sign in first.",
+    "expired": "Your session expired; sign in again.",
+    "invalid": "Your session is not valid; sign in again.",
+    "ended": "You signed out of this session; sign in again.",
+    "revoked": "The API key of this session was revoked; sign in again.",
+    "signed_out": "You signed out.",
+}
+
+
+class SessionRefused(Unauthenticated):
+    """A console request without a valid session; ``why`` is its SIGN_IN_NOTICES code."""
+
+    def __init__(self, why: str):
+        super().__init__(SIGN_IN_NOTICES[why])
+        self.why = why
+
+
 class CsrfRefused(BrokerError):
     code, http_status, grpc_status, title = ("csrf_refused", 403, "PERMISSION_DENIED",
                                              "Form expired")
@@ -73,20 +94,20 @@ class AdminSessions:
 
     def check(self, token: str | None) -> AdminSession:
         if not token:
-            raise Unauthenticated("sign in with an admin API key")
+            raise SessionRefused("required")
         try:
             claims = jwt.decode(token, self.secret, algorithms=[ALGORITHM],
                                 audience="sparecycles-admin", leeway=0,
                                 options={"require": ["exp", "iat", "sub", "jti", "csrf", "kid"]})
         except jwt.ExpiredSignatureError:
-            raise Unauthenticated("your session expired; sign in again") from None
+            raise SessionRefused("expired") from None
         except jwt.InvalidTokenError:
-            raise Unauthenticated("your session is not valid; sign in again") from None
+            raise SessionRefused("invalid") from None
         if self.revocations.is_revoked(claims["jti"]):
-            raise Unauthenticated("you signed out of this session; sign in again")
+            raise SessionRefused("ended")
         record = self.auth.repo.get_key(claims["kid"])
         if record is None or record.revoked_at is not None or record.role != "admin":
-            raise Unauthenticated("the API key of this session was revoked; sign in again")
+            raise SessionRefused("revoked")
         return self._session(claims)
 
     def logout(self, session: AdminSession) -> None:

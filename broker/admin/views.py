@@ -17,7 +17,7 @@ from broker.jobs.model import JobState
 from broker.pricing.policy import POLICY_FIELDS
 from .charts import chart, status_bar
 from .service import PRICE_FIELDS
-from .session import COOKIE, LOGIN_CSRF_COOKIE, AdminSessions
+from .session import COOKIE, LOGIN_CSRF_COOKIE, SIGN_IN_NOTICES, AdminSessions
 
 bp = Blueprint("admin", __name__, url_prefix="/admin", template_folder="templates",
                static_folder="static")
@@ -71,7 +71,8 @@ def require_admin():
         g.admin = sessions().check(request.cookies.get(COOKIE))
     except Unauthenticated as exc:
         if request.method == "GET":
-            target = url_for("admin.login", next=request.full_path.rstrip("?"), why=exc.message)
+            target = url_for("admin.login", next=request.full_path.rstrip("?"),
+                             why=getattr(exc, "why", "required"))
             resp = redirect(target)
         else:
             resp = make_response(render_template("admin/error.html", title="Signed out",
@@ -153,7 +154,8 @@ def _safe_next(value: str | None) -> str:
 
 @bp.route("/login", methods=["GET", "POST"])
 def login():
-    error = request.args.get("why") if request.method == "GET" else None
+    # Only a known code's own message: never text the link carries (SIGN_IN_NOTICES).
+    error = SIGN_IN_NOTICES.get(request.args.get("why", "")) if request.method == "GET" else None
     if request.method == "POST":
         cookie = request.cookies.get(LOGIN_CSRF_COOKIE, "")
         if not cookie or cookie != request.form.get("csrf_token"):
@@ -186,7 +188,7 @@ def logout():
     sessions().logout(g.admin)
     svc().audit.safe_record(f"admin:{g.admin.account_id}", "admin.logout",
                             f"account:{g.admin.account_id}", {})
-    resp = redirect(url_for("admin.login", why="You signed out."))
+    resp = redirect(url_for("admin.login", why="signed_out"))
     resp.delete_cookie(COOKIE, path="/admin")
     return resp
 

@@ -198,4 +198,4 @@ def test_logout_refuses_the_old_session(env):
     env.context.add_cookies([env.state["cookie"]])
     r = env.context.request.get(env.url + "/admin/ledger", max_redirects=0)
     assert r.status == 302 and "/admin/login" in r.headers["location"]
-    assert "signed+out" in r.headers["location"] or "signed%20out" in r.headers["location"]
+    assert "why=ended" in r.headers["location"]  # "you signed out of this session"

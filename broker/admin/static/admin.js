@@ -6,7 +6,7 @@
     var expires = parseInt(el.getAttribute("data-expires"), 10) * 1000;
     var tick = function () {
       var left = expires - Date.now();
-      if (left <= 0) { window.location = "/admin/login?why=" + encodeURIComponent("your session expired; sign in again"); return; }
+      if (left <= 0) { window.location = "/admin/login?why=expired"; return; }
       var m = Math.floor(left / 60000);
       el.textContent = m >= 1 ? "session: " + m + " min left" : "session ends in under a minute";
       el.style.color = m < 3 ? "#f5a524" : "";
