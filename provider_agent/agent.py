@@ -187,6 +187,10 @@ class Agent:
     def run_benchmarks(self) -> None:
         """Time each served plugin on its manifest benchmark (at start, and whenever the
         plugins or hardware change); the figures go out with the capabilities."""
+        if self.plugins:
+            log.info("benchmarking %d plugin(s) before connecting to the broker (%s): each "
+                     "runs its manifest's benchmark a few times, which can take minutes on a "
+                     "CPU", len(self.plugins), ", ".join(sorted(self.plugins)))
         for name, served in self.plugins.items():
             result = benchmark_plugin(served, throttle_ms_per_unit=self._throttle(name))
             if result is not None:
