@@ -25,6 +25,7 @@ from broker.jobs.service import JobService, JobSettings
 from broker.ledger.service import LedgerService
 from broker.maintenance import Maintenance
 from broker.market import MarketService, MarketSettings
+from broker.providers.defaults import WeightsDefaults
 from broker.market.canary import CanaryService
 from broker.market.wiring import attach_market, manifests_of
 from broker.payments.service import PaymentService
@@ -116,7 +117,10 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                       signer, EventHub(),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
-                                  envelope_ttl_s=settings.envelope_ttl_s), billing=billing)
+                                  envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
+                      # the image size (and any input default_from = "weights") as the
+                      # connected providers' weights give it; the gateway keeps it current
+                      input_defaults=WeightsDefaults(catalog))
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)

@@ -114,6 +114,14 @@ class Plugin:
         with defaults filled in."""
         raise NotImplementedError
 
+    def input_defaults(self) -> dict[str, Any]:
+        """After ``setup()``: the defaults the loaded weights give the inputs the manifest
+        declares with ``default_from = "weights"`` (e.g. an image model's own size). The
+        host checks them against the schema, fills them into jobs that leave those inputs
+        out, and the agent tells the broker, which fills them in before it prices a job.
+        Read from what ``setup()`` loaded: no extra work. Default: none."""
+        return {}
+
     def teardown(self) -> None:
         """Free resources before the host exits."""
 

@@ -152,6 +152,18 @@ class DiffusersImagePlugin(Plugin):
         self.adapters = AdapterCache(adapter_roots(weights_dir, self.family), self.family,
                                      load=self._load_adapter, unload=self._unload_adapter)
 
+    def input_defaults(self) -> dict[str, Any]:
+        """The size diffusers itself gives an image when none is asked for: the UNet's
+        sample size (latent pixels) times the VAE's scale factor. 512×512 for SD 1.5,
+        1024×1024 for SDXL; 64×64 for the tiny test weights, whose random pictures would
+        take half an hour at 512×512 on a CPU."""
+        if self.pipe is None:
+            raise PluginError("input_defaults() called before setup()")
+        sample = self.pipe.unet.config.sample_size
+        height, width = (sample, sample) if isinstance(sample, int) else tuple(sample)
+        scale = self.pipe.vae_scale_factor
+        return {"width": int(width) * scale, "height": int(height) * scale}
+
     def teardown(self) -> None:
         self.pipe = self.img2img = None
         if getattr(self, "device", None) is not None and self.device.type == "cuda":

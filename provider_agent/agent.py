@@ -72,6 +72,12 @@ class ServedPlugin:
     host: PluginHost
     weights_digest: str
 
+    @property
+    def input_defaults(self) -> dict:
+        """What the weights give the inputs declared ``default_from = "weights"``, as the
+        plugin host reported them when it got ready (checked there against the schema)."""
+        return dict(self.host.ready.get("input_defaults") or {})
+
 
 class Agent:
     def __init__(self, cfg: AgentConfig, identity: KeyPair, *, plugin_dirs: dict[str, Path],
@@ -323,7 +329,9 @@ class Agent:
 
     def _plugin_capabilities(self) -> list:
         return [pb.PluginCapability(name=s.manifest.name, version=s.manifest.version,
-                                    weights_digest=s.weights_digest, warm=s.host.alive())
+                                    weights_digest=s.weights_digest, warm=s.host.alive(),
+                                    input_defaults=(canonical_bytes(s.input_defaults).decode()
+                                                    if s.input_defaults else ""))
                 for s in self.plugins.values()]
 
     def _cold_start_s(self, plugin: str) -> float:

@@ -39,7 +39,9 @@ def benchmark_plugin(served, *, runs: int = 3, throttle_ms_per_unit: float = 0.0
     ``progress`` reports how far it is (default: a :class:`BenchmarkProgress` on stderr)."""
     manifest = served.manifest
     try:
-        inputs = manifest.validate_inputs(dict(manifest.benchmark_inputs))
+        # the weights' own defaults (an image model's size) for what the payload leaves out
+        inputs = manifest.validate_inputs(dict(manifest.benchmark_inputs),
+                                          getattr(served.host, "ready", {}).get("input_defaults"))
         work_units = manifest.work_units_for(inputs)
     except Exception as exc:  # noqa: BLE001 - a manifest without a usable benchmark
         log.warning("%s: no benchmark (%s)", manifest.ref, exc)

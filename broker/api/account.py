@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from flask import Blueprint
 
-from broker.errors import InvalidInput, InvalidRequest
+from broker.errors import InvalidRequest
 from broker.ledger.model import AccountId, AccountKind
-from sdk.protocol.schema import InputError
 from .common import int_arg, json_object, principal, services
 
 bp = Blueprint("account", __name__)
@@ -76,11 +75,8 @@ def create_quote():
         raise InvalidRequest(f"plugin must be a plugin name; available: {svc.catalog.names()}",
                              field="plugin")
     manifest = svc.catalog.get(plugin, version)
-    try:
-        inputs = manifest.validate_inputs(body.get("inputs", {}))
-    except InputError as exc:
-        raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
-                           plugin=manifest.ref) from None
+    # as a job would run them: the weights' own defaults (image sizes) for what is left out
+    inputs = svc.jobs.resolve_inputs(manifest, body.get("inputs", {}))
     q = svc.pricing.quote(manifest.name, manifest.version, manifest.work_units_for(inputs))
     # Adapter royalties (issue #5) are added to the hold at submit and paid after the
     # provider's share and before the platform fee (broker/billing/service.py).

@@ -27,7 +27,7 @@ def list_plugins():
         if publisher and publisher != m.publisher and not (rec is not None
                                                           and rec.published_by(publisher)):
             continue
-        item = m.to_public()
+        item = _public(svc, m)
         item["source"] = "registry" if rec is not None else "builtin"
         if rec is not None:
             item.update(publisher_account=rec.publisher_account,
@@ -38,4 +38,15 @@ def list_plugins():
 
 @bp.get("/v1/plugins/<name>")
 def get_plugin(name):
-    return services().catalog.get(name).to_public()
+    svc = services()
+    return _public(svc, svc.catalog.get(name))
+
+
+def _public(svc, manifest) -> dict:
+    """The manifest as clients see it, with ``input_defaults``: what a job that leaves out
+    an input declared ``default_from = "weights"`` gets now, from the weights of the
+    providers that could run it (the image size of the model they serve), where that
+    differs from the schema's default."""
+    item = manifest.to_public()
+    item["input_defaults"] = svc.jobs.defaults_for(manifest)
+    return item

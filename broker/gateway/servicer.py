@@ -138,6 +138,12 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
 
         reader = threading.Thread(target=self._read, args=(request_iterator, session),
                                   name=f"agent-{provider.id[:8]}", daemon=True)
+        # What its weights give inputs declared default_from = "weights" (image sizes),
+        # from here to the finally below: no yield in between, so it is always forgotten.
+        if self.jobs.input_defaults is not None:
+            self.jobs.input_defaults.update(provider.id, [
+                {"name": p.name, "version": p.version, "weights_digest": p.weights_digest,
+                 "input_defaults": p.input_defaults} for p in caps.plugins], session=session)
         self.dispatcher.register(session)
         reader.start()
         context.add_callback(session.close)
@@ -151,6 +157,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.dispatcher.unregister(session)
             if self.warm is not None:
                 self.warm.forget(provider.id)
+            if self.jobs.input_defaults is not None:
+                self.jobs.input_defaults.forget(provider.id, session=session)
             log.info("agent %s (provider %s) disconnected", hello.hello.name, provider.id)
 
     @staticmethod

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
@@ -51,11 +51,20 @@ class AssignmentTarget:
     def send_cancel(self, job_id: str, attempt: int, reason: str) -> None: ...
 
 
+class InputDefaults(Protocol):
+    """What the weights of the providers that could run a job give the inputs its
+    manifest declares ``default_from = "weights"`` (broker.providers.defaults)."""
+
+    def for_job(self, manifest, weights_digest: str | None = None) -> dict[str, Any]: ...
+
+
 class JobService:
     def __init__(self, repo: JobRepository, blobs: BlobStore, catalog: PluginCatalog,
                  signer: KeyPair, hub: EventHub | None = None,
-                 settings: JobSettings | None = None, clock=time.time, billing=None):
+                 settings: JobSettings | None = None, clock=time.time, billing=None,
+                 input_defaults: InputDefaults | None = None):
         self.repo = repo
+        self.input_defaults = input_defaults  # None: the manifests' defaults only
         self.billing = billing  # broker.billing.JobBilling; None: jobs cost nothing
         self.blobs = blobs
         self.catalog = catalog
@@ -120,15 +129,13 @@ class JobService:
         if version is not None and not isinstance(version, str):
             raise InvalidRequest("version must be a string like 1.0.0", field="version")
         manifest = self.catalog.get(plugin, version)
-        try:
-            inputs = manifest.validate_inputs(body.get("inputs", {}))
-        except InputError as exc:
-            raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
-                               plugin=manifest.ref) from None
+        asked, inputs = self._inputs(manifest, body.get("inputs", {}), weights)
         if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
             raise InvalidRequest("Idempotency-Key must be 1 to 200 characters",
                                  field="Idempotency-Key")
-        hashed = {"plugin": manifest.name, "version": manifest.version, "inputs": inputs}
+        # The request as the client made it: a retry is the same request even when the
+        # providers' weights (and so the defaults filled in) changed in between.
+        hashed = {"plugin": manifest.name, "version": manifest.version, "inputs": asked}
         hashed.update({k: v for k, v in terms.items() if v is not None and k != "n"})
         if verify != "sampled":
             hashed["verify"] = verify
@@ -158,6 +165,30 @@ class JobService:
             self.hub.notify(job.id)
             self.on_queued(job)
         return job, True
+
+    def resolve_inputs(self, manifest, raw: Any, weights_digest: str | None = None) -> dict:
+        """A job's inputs as it will run them: ``raw`` checked against the manifest, and
+        each input left out filled with what the weights of the providers that could run
+        it give (inputs declared ``default_from = "weights"``, see
+        broker.providers.defaults), else the manifest's default. Raises InvalidInput."""
+        return self._inputs(manifest, raw, weights_digest)[1]
+
+    def defaults_for(self, manifest, weights_digest: str | None = None) -> dict[str, Any]:
+        """What :meth:`resolve_inputs` fills in now for the inputs whose default the weights
+        set, where it differs from the manifest's (what ``GET /v1/plugins`` shows)."""
+        if self.input_defaults is None:
+            return {}
+        return self.input_defaults.for_job(manifest, weights_digest)
+
+    def _inputs(self, manifest, raw: Any, weights_digest: str | None) -> tuple[dict, dict]:
+        """(the inputs as asked, with the manifest's defaults; as they will run)."""
+        try:
+            asked = manifest.validate_inputs(raw)
+            defaults = self.defaults_for(manifest, weights_digest)
+            return asked, (manifest.validate_inputs(raw, defaults) if defaults else asked)
+        except InputError as exc:
+            raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
+                               plugin=manifest.ref) from None
 
     def _create(self, who: Principal, manifest, inputs: dict, terms: dict, job_id: str,
                 idempotency_key: str | None, request_hash: str, now: float, verify: str,

@@ -197,9 +197,11 @@ def main() -> int:
         writer.send({"type": "failed", "job_id": "", "code": "load_failed",
                      "message": f"{type(exc).__name__}: {exc}", "retryable": False})
         return 3
+    defaults = _weights_defaults(plugin, manifest)
     writer.send({"type": "ready", "plugin": manifest.name, "version": manifest.version,
                  "load_ms": int((time.perf_counter() - t0) * 1000),
-                 "schema": manifest.inputs.json_schema(), "hardware": _hardware(device)})
+                 "schema": manifest.inputs.json_schema(), "hardware": _hardware(device),
+                 "input_defaults": defaults})
 
     # Inside the sandbox the host is alone in its pid namespace with bwrap's init: whatever
     # a job starts and leaves running can be found and killed. Outside it, /proc is the
@@ -228,7 +230,7 @@ def main() -> int:
         t_run = time.perf_counter()
         failure: dict | None = None
         try:
-            inputs = manifest.validate_inputs(h["inputs"])
+            inputs = manifest.validate_inputs(h["inputs"], defaults)
             outputs = [(out.media_type, out.meta, out.data)
                        for out in plugin.run(inputs, ctx)]
             work_units = manifest.work_units_for(inputs)
@@ -264,6 +266,26 @@ def main() -> int:
                           ({"type": "result", "job_id": job_id, "count": len(outputs),
                             "run_ms": int((time.perf_counter() - t_run) * 1000),
                             "work_units": work_units}, b"")])
+
+
+def _weights_defaults(plugin, manifest) -> dict:
+    """What the loaded weights give the inputs declared ``default_from = "weights"``
+    (``Plugin.input_defaults``), checked against the schema; none, with a warning on
+    stderr, when the plugin reports what the schema refuses (the manifest's defaults then
+    stand)."""
+    from plugins.api import InputError
+
+    try:
+        return manifest.inputs.weights_defaults(plugin.input_defaults())
+    except InputError as exc:
+        print(f"plugin host: {manifest.ref} reports weights defaults the manifest refuses "
+              f"({exc}); its declared defaults apply", file=sys.stderr)
+        return {}
+    except Exception as exc:  # noqa: BLE001 - a plugin bug here must not stop the host
+        traceback.print_exc()
+        print(f"plugin host: {manifest.ref}: input_defaults() failed ({exc}); its declared "
+              "defaults apply", file=sys.stderr)
+        return {}
 
 
 class StrayReaper:

@@ -95,8 +95,10 @@ class Manifest:
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
 
-    def validate_inputs(self, inputs: Any) -> dict:
-        return self.inputs.validate(inputs)
+    def validate_inputs(self, inputs: Any, defaults: Mapping[str, Any] | None = None) -> dict:
+        """``inputs`` checked and completed; ``defaults``: what the weights give inputs
+        declared ``default_from = "weights"`` (see sdk.protocol.schema)."""
+        return self.inputs.validate(inputs, defaults)
 
     def work_units_for(self, inputs: Mapping[str, Any]) -> float:
         """Evaluate the work-unit formula on validated inputs."""

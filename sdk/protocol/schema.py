@@ -14,6 +14,17 @@ Declaration (``[inputs.NAME]`` tables in plugin.toml)::
     min_length, max_length  strings
     choices                 allowed values (any type)
     description             text shown in the schema
+    default_from            "weights": the model's weights set the default (``default`` is
+                            the value for the reference weights, used when none is known)
+
+``default_from = "weights"`` is for inputs whose natural default is a property of the model
+rather than of the plugin, as an image size is for diffusers (its pipelines default to the
+UNet's sample size times the VAE's scale factor: 512 for SD 1.5, 64 for tiny test weights).
+The plugin reports the values its weights give (``plugins.api.Plugin.input_defaults``); the
+agent sends them with its capabilities, and the broker fills an input the client left out
+with the value every provider that could run the job agrees on, before it prices the job,
+so the job's inputs (and its work units) are explicit from then on. ``validate(inputs,
+defaults=...)`` applies such values; :meth:`InputSchema.weights_defaults` checks a report.
 """
 from __future__ import annotations
 
@@ -22,7 +33,8 @@ from typing import Any, Mapping
 
 TYPES = ("string", "integer", "number", "boolean")
 _KEYS = {"type", "required", "default", "minimum", "maximum", "multiple_of", "min_length",
-         "max_length", "choices", "description"}
+         "max_length", "choices", "description", "default_from"}
+DEFAULT_FROM = ("weights",)
 
 
 class InputError(ValueError):
@@ -51,6 +63,7 @@ class InputSpec:
     max_length: int | None = None
     choices: tuple | None = None
     description: str = ""
+    default_from: str | None = None
 
     @classmethod
     def from_table(cls, name: str, table: Mapping[str, Any]) -> "InputSpec":
@@ -72,7 +85,16 @@ class InputSpec:
             min_length=table.get("min_length"), max_length=table.get("max_length"),
             choices=tuple(choices) if choices is not None else None,
             description=str(table.get("description", "")),
+            default_from=table.get("default_from"),
         )
+        if spec.default_from is not None:
+            if spec.default_from not in DEFAULT_FROM:
+                raise SchemaDeclarationError(f"{where}.default_from is {spec.default_from!r}; "
+                                             f"the only source is {DEFAULT_FROM[0]!r}")
+            if spec.default is None:
+                raise SchemaDeclarationError(
+                    f"{where}.default_from = \"weights\" needs a default too: the value for "
+                    "the reference weights, used until a provider reports its own")
         if spec.default is not None:
             try:
                 spec.check(spec.default)
@@ -133,6 +155,8 @@ class InputSpec:
                 js[jkey] = getattr(self, key)
         if self.choices is not None:
             js["enum"] = list(self.choices)
+        if self.default_from is not None:
+            js["x-default-from"] = self.default_from
         return js
 
 
@@ -151,10 +175,12 @@ class InputSchema:
         """Rebuild from the JSON Schema the broker serves (what the SDK sees)."""
         required = set(schema.get("required", ()))
         back = {"multipleOf": "multiple_of", "minLength": "min_length",
-                "maxLength": "max_length", "enum": "choices"}
+                "maxLength": "max_length", "enum": "choices", "x-default-from": "default_from"}
         tables = {}
         for name, js in schema.get("properties", {}).items():
-            t = {back.get(k, k): v for k, v in js.items()}
+            # other extension keywords ("x-…") are a newer broker's: not this client's business
+            t = {back.get(k, k): v for k, v in js.items()
+                 if k in back or not k.startswith("x-")}
             t["required"] = name in required
             tables[name] = t
         return cls.from_tables(tables)
@@ -163,8 +189,35 @@ class InputSchema:
     def names(self) -> list[str]:
         return [f.name for f in self.fields]
 
-    def validate(self, inputs: Any) -> dict[str, Any]:
-        """Return a complete, typed copy of ``inputs`` (defaults filled) or raise InputError."""
+    @property
+    def weights_default_names(self) -> list[str]:
+        """The inputs whose default the weights set (``default_from = "weights"``)."""
+        return [f.name for f in self.fields if f.default_from == "weights"]
+
+    def weights_defaults(self, reported: Any) -> dict[str, Any]:
+        """``reported`` (what a plugin says its weights give) checked: a mapping of inputs
+        declared ``default_from = "weights"`` to values their spec accepts. Returns the
+        typed values; raises InputError naming the first input at fault."""
+        if not reported:
+            return {}
+        if not isinstance(reported, Mapping):
+            raise InputError("", f"weights defaults must be an object of input names to "
+                                 f"values, got {type(reported).__name__}")
+        allowed = {f.name: f for f in self.fields if f.default_from == "weights"}
+        out = {}
+        for name, value in reported.items():
+            spec = allowed.get(name)
+            if spec is None:
+                raise InputError(str(name), f"is not an input whose default the weights set; "
+                                            f"those are {sorted(allowed)}")
+            out[spec.name] = spec.check(value)
+        return out
+
+    def validate(self, inputs: Any, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Return a complete, typed copy of ``inputs`` (defaults filled) or raise InputError.
+        ``defaults``: values the weights give inputs declared ``default_from = "weights"``
+        (already checked, see :meth:`weights_defaults`); they win over the declared default
+        of those inputs, and only of those."""
         if not isinstance(inputs, Mapping):
             raise InputError("", f"inputs must be a JSON object, got {type(inputs).__name__}")
         known = {f.name: f for f in self.fields}
@@ -176,6 +229,8 @@ class InputSchema:
         for spec in self.fields:
             if spec.name in inputs and inputs[spec.name] is not None:
                 out[spec.name] = spec.check(inputs[spec.name])
+            elif defaults and spec.default_from is not None and spec.name in defaults:
+                out[spec.name] = defaults[spec.name]
             elif spec.default is not None:
                 out[spec.name] = spec.default
             elif spec.required:

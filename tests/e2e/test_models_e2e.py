@@ -47,4 +47,11 @@ def test_sdxl_streamed_llama_and_sd15_with_an_adapter(localnet, model_weights):
                            adapters="ink:0", timeout=120)
     assert ink.output_bytes(0) != base.output_bytes(0)
     assert zero.output_bytes(0) == base.output_bytes(0)
+
+    # The README's first example, as written but for a shorter timeout: no size, so the
+    # size the tiny weights give (64×64, as diffusers would pick), in a second or two;
+    # 512×512 on these weights took over half an hour on a CPU (issue #30).
+    first = client.generate("sd15", prompt="a lighthouse at dusk", seed=7, steps=30,
+                            timeout=120)
+    assert first.images[0].size == (64, 64) and first.job.data["inputs"]["width"] == 64
     client.close()

@@ -158,3 +158,49 @@ def test_benchmark_payload_is_valid_and_small(sd15):
     _, manifest = sd15
     inputs = manifest.validate_inputs(manifest.benchmark_inputs)
     assert manifest.work_units_for(inputs) <= 1.0
+
+
+def test_the_weights_give_the_default_size_as_diffusers_does(sd15, sdxl):
+    # diffusers' own rule: the UNet's sample size times the VAE's scale factor; the tiny
+    # weights (sample size 32, a 2-block VAE) make 64×64 pictures, which a CPU draws in a
+    # second or two at 30 steps (512×512 took over half an hour)
+    plugin, manifest = sd15
+    assert plugin.input_defaults() == {"width": 64, "height": 64}
+    assert manifest.inputs.weights_defaults(plugin.input_defaults()) == {"width": 64,
+                                                                         "height": 64}
+    assert sdxl[0].input_defaults() == {"width": 64, "height": 64}
+
+
+def test_weights_shaped_like_sd15_give_512(tmp_path):
+    # the real SD 1.5 layout's config: a 64-sample UNet and a 4-block VAE (factor 8); the
+    # layers are tiny, the rule is the one real weights go through
+    import torch
+    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
+    from transformers import CLIPTextModel
+
+    from plugins.tiny import _clip_config, _clip_tokenizer, _sd_scheduler_config
+    from tests.unit.plugins.conftest import load_builtin
+
+    torch.manual_seed(0)
+    tokenizer = _clip_tokenizer()
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=1, sample_size=64, in_channels=4,
+        out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32,
+        norm_num_groups=32)
+    vae = AutoencoderKL(block_out_channels=(32,) * 4, latent_channels=4, norm_num_groups=32,
+                        down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1)
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=CLIPTextModel(_clip_config(len(tokenizer), tokenizer)),
+        tokenizer=tokenizer, unet=unet, scheduler=EulerDiscreteScheduler(**_sd_scheduler_config()),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(tmp_path / "sd15-shaped")
+    plugin, manifest = load_builtin("sd15")
+    plugin.setup(tmp_path / "sd15-shaped", "cpu")
+    try:
+        assert plugin.input_defaults() == {"width": 512, "height": 512}
+        assert manifest.validate_inputs({"prompt": "a"}, plugin.input_defaults())["width"] == 512
+    finally:
+        plugin.teardown()

@@ -375,3 +375,19 @@ def test_other_text_model_runs_other_weights(tiny, tmp_path, honest, monkeypatch
     h_rec = honest["llama"][0]
     assert rec["outputs"][0]["meta"]["token_ids"] != h_rec["outputs"][0]["meta"]["token_ids"]
     assert rec["repro"]["plugin_build"] == h_rec["repro"]["plugin_build"]  # claims its own
+
+
+def test_the_host_reports_and_applies_the_size_its_weights_give(hosts, tiny):
+    # the tiny sd15 weights are made for 64×64 (diffusers: UNet sample size × VAE factor);
+    # the host tells the agent, the agent tells the broker, a job naming no size gets it
+    import json
+    import threading
+
+    host = hosts["sd15"]
+    assert host.ready["input_defaults"] == {"width": 64, "height": 64}
+    [cap] = agent_on(hosts, tiny, "sd15")._plugin_capabilities()
+    assert json.loads(cap.input_defaults) == {"width": 64, "height": 64}
+    result = host.run("no-size", {"prompt": "a lighthouse at dusk", "steps": 2, "seed": 7},
+                      wall_clock_s=120, cancelled=threading.Event())
+    assert _size(result.outputs[0].data) == (64, 64)
+    assert result.work_units == 2 * 64 * 64 / 1048576
