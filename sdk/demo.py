@@ -48,11 +48,12 @@ def run_demo(workdir: Path, out_dir: Path, *, sandbox: bool = True) -> int:
                             sandbox=sandbox)
         _say("starting two provider agents (each loads SD 1.5 once in a warm plugin host)")
         net.wait_for_providers(2)
-        _say("both agents connected; submitting a job with client.generate()")
+        _say("both agents connected; running the README's first example, "
+             'client.generate("sd15", prompt="a lighthouse at dusk", seed=7, steps=30)')
         t0 = time.perf_counter()
         with Client(info["http"], client_key) as client:
-            result = client.generate("sd15", prompt="a lighthouse on a cliff at dusk", seed=42,
-                                     steps=20, width=128, height=128)
+            # No size: the model's own (64×64 for these tiny weights, 512×512 for real ones)
+            result = client.generate("sd15", prompt="a lighthouse at dusk", seed=7, steps=30)
             elapsed = time.perf_counter() - t0
             out_dir.mkdir(parents=True, exist_ok=True)
             path = (out_dir / f"demo-{result.job.id}.png").resolve()
