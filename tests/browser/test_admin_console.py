@@ -1,8 +1,10 @@
 """The admin console in a real browser (Debian's headless Chromium driven by Playwright)
 against a live broker with two real in-process agents on loopback.
 
-The tests run in file order and share one broker: each step builds on the last, as an
-admin's session would. Screenshots of every page go to artifacts/screenshots/.
+The tests share one broker and one browser (module fixtures), but each sets up what it
+asserts on (a signed-in session, the jobs it looks at, the price it changes) and puts
+back what others could see (a paused provider, a tampered audit row), so they pass in any
+order and alone. Screenshots of every page go to artifacts/screenshots/.
 """
 from __future__ import annotations
 
@@ -34,14 +36,35 @@ def env(tmp_path_factory):
         e.admin_key = broker.key("admin")
         e.client = Client(broker.url, broker.key("client", credits=1000))
         e.alpha, e.bravo = agents
-        e.state = {}
         yield e
     stop_all()
     broker.stop()
 
 
+@pytest.fixture
+def console(env):
+    """The page, signed in with the admin key (again, if a test signed out)."""
+    page = env.page
+    page.goto(env.url + "/admin/")
+    if "/admin/login" in page.url:
+        page.fill("input[name=api_key]", env.admin_key)
+        page.click("button[type=submit]")
+        assert page.url.endswith("/admin/"), page.url
+    return page
+
+
+@pytest.fixture(scope="module")
+def swatches(env):
+    """Two settled swatch jobs (images), made once for the tests that look at them."""
+    jobs = [env.client.jobs.create("swatch", color=c) for c in ("e5484d", "30a46c")]
+    for j in jobs:
+        j.wait(timeout=30)
+    return [j.id for j in jobs]
+
+
 def test_login_refuses_bad_keys_and_accepts_an_admin_key(env):
     page = env.page
+    env.context.clear_cookies()  # signed out, whatever ran before
     page.goto(env.url + "/admin/pricing")
     assert "/admin/login" in page.url
     page.fill("input[name=api_key]", env.broker.key("client"))
@@ -53,72 +76,76 @@ def test_login_refuses_bad_keys_and_accepts_an_admin_key(env):
     assert page.url.endswith("/admin/pricing")  # back where the admin was going
     cookie = next(c for c in env.context.cookies() if c["name"] == "sc_admin")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
-    env.state["cookie"] = cookie
     # a form without the CSRF token is refused and changes nothing
+    before = env.broker.services.pricing.price("echo", fresh=True)
     r = env.context.request.post(env.url + "/admin/pricing/echo",
                                  form={"reserve_micro_per_unit": "9"}, max_redirects=0)
     assert r.status == 403 and "Form expired" in r.text()
-    assert env.broker.services.pricing.price("echo").is_default
+    assert env.broker.services.pricing.price("echo", fresh=True) == before
 
 
-def test_reserve_price_change_is_used_by_the_next_quote(env):
-    page = env.page
+def test_reserve_price_change_is_used_by_the_next_quote(env, console):
+    page = console
     before = env.client.quote("echo", text="hi")
+    old = before["price"]["reserve_micro_per_unit"]
+    new = 4200 if old != 4200 else 4300  # a change, whatever the price was
+    fee = env.broker.services.pricing.price("echo", fresh=True).fee_bps
     page.goto(env.url + "/admin/pricing")
     card = page.locator("form[data-plugin=echo]")
-    card.locator("input[name=reserve_micro_per_unit]").fill("0.0042")
+    card.locator("input[name=reserve_micro_per_unit]").fill(f"{new / 1e6:.4f}")
     card.locator("input[name=min_stake_micro]").fill("25")
     card.locator("button[type=submit]").click()
     assert "echo: saved" in page.locator(".flash.ok").inner_text()
     after = env.client.quote("echo", text="hi")
-    assert before["price"]["reserve_micro_per_unit"] == 1000
-    assert after["price"]["reserve_micro_per_unit"] == 4200
-    assert after["max_micro"] == max(4200, after["price"]["min_charge_micro"])
+    assert after["price"]["reserve_micro_per_unit"] == new
+    assert after["max_micro"] == max(new, after["price"]["min_charge_micro"])
     # the change is audited with before and after
-    assert "1000 → 4200" in page.locator("section.card").last.inner_text()
+    assert f"{old} → {new}" in page.locator("section.card").last.inner_text()
     shot(page, "02-pricing")
     # a bad value is refused with a clear message, nothing saved
     card = page.locator("form[data-plugin=echo]")
     card.locator("input[name=fee_bps]").fill("lots")
     card.locator("button[type=submit]").click()
     assert "nothing saved" in page.locator(".flash.error").inner_text()
-    assert env.broker.services.pricing.price("echo").fee_bps == 1000
+    assert env.broker.services.pricing.price("echo", fresh=True).fee_bps == fee
 
 
-def test_paused_provider_receives_no_new_jobs(env):
-    page = env.page
+def test_paused_provider_receives_no_new_jobs(env, console):
+    page = console
     page.goto(env.url + "/admin/providers")
     assert page.locator("tr[data-provider]").count() == 2
     shot(page, "03-providers")
     page.click(f"tr[data-provider='{env.alpha.provider_id}'] a")
     page.fill("textarea[name=reason]", "suspicious outputs (test)")
     page.click("button[value=pause]")
-    assert page.locator("#provider-status").inner_text() == "paused"
-    shot(page, "04-provider-paused")
-    jobs = [env.client.jobs.create("echo", text=f"j{i}") for i in range(4)]
-    for j in jobs:
-        j.wait(timeout=30)
-    providers = {env.client.jobs.get(j.id).data.get("provider_id") or
-                 env.broker.services.jobs.repo.get(j.id).provider_id for j in jobs}
-    assert providers == {env.bravo.provider_id}
-    # resume without a reason is refused; with one it works
-    page.click("button[value=resume]")  # HTML 'required' blocks an empty reason
-    assert page.locator("#provider-status").inner_text() == "paused"
-    page.fill("textarea[name=reason]", "checked, fine")
-    page.click("button[value=resume]")
-    assert page.locator("#provider-status").inner_text() == "active"
+    try:
+        assert page.locator("#provider-status").inner_text() == "paused"
+        shot(page, "04-provider-paused")
+        jobs = [env.client.jobs.create("echo", text=f"j{i}") for i in range(4)]
+        for j in jobs:
+            j.wait(timeout=30)
+        providers = {env.client.jobs.get(j.id).data.get("provider_id") or
+                     env.broker.services.jobs.repo.get(j.id).provider_id for j in jobs}
+        assert providers == {env.bravo.provider_id}
+        # resume without a reason is refused; with one it works
+        page.click("button[value=resume]")  # HTML 'required' blocks an empty reason
+        assert page.locator("#provider-status").inner_text() == "paused"
+        page.fill("textarea[name=reason]", "checked, fine")
+        page.click("button[value=resume]")
+        assert page.locator("#provider-status").inner_text() == "active"
+    finally:  # the other tests get both providers, whatever happened here
+        if env.broker.services.providers.get(env.alpha.provider_id).status != "active":
+            env.broker.services.admin.provider_action(env.alpha.provider_id, "resume",
+                                                      "test cleanup", by="test")
 
 
-def test_job_page_shows_image_and_receipt(env):
-    page = env.page
-    a = env.client.jobs.create("swatch", color="e5484d")
-    b = env.client.jobs.create("swatch", color="30a46c")
-    for j in (a, b):
-        j.wait(timeout=30)
-    env.state["swatches"] = [a.id, b.id]
+def test_job_page_shows_image_and_receipt(env, console, swatches):
+    page = console
     page.goto(env.url + "/admin/jobs?plugin=swatch")
-    assert page.locator("table.jobs tbody tr").count() == 2
+    listed = page.locator("table.jobs tbody tr a.mono").all_inner_texts()
+    assert all(job_id[:8] in listed for job_id in swatches)
     shot(page, "05-jobs")
+    a = env.client.jobs.get(swatches[0])
     page.goto(env.url + f"/admin/jobs/{a.id}")
     img = page.locator("img.thumb").first
     img.wait_for()
@@ -129,12 +156,12 @@ def test_job_page_shows_image_and_receipt(env):
     shot(page, "06-job")
 
 
-def test_admin_resolves_a_dispute(env):
-    page = env.page
+def test_admin_resolves_a_dispute(env, console, swatches):
+    page = console
     page.goto(env.url + "/admin/disputes")
     assert "No open disputes" in page.content()
     repo = env.broker.services.jobs.repo
-    first, second = (repo.get(i) for i in env.state["swatches"])
+    first, second = (repo.get(i) for i in swatches)
     sides = [{"provider_id": j.provider_id, "job_id": j.id, "output_index": 0,
               "sha256": repo.outputs(j.id)[0].sha256, "media_type": "image/png",
               "verdict": v} for j, v in ((first, "majority"), (second, "minority"))]
@@ -157,8 +184,9 @@ def test_admin_resolves_a_dispute(env):
     shot(page, "08-dispute-resolved")
 
 
-def test_overview_and_ledger_pages(env):
-    page = env.page
+def test_overview_and_ledger_pages(env, console):
+    page = console
+    env.client.generate("echo", text="a job for the charts", timeout=30)  # one just finished
     page.goto(env.url + "/admin/")
     assert page.locator("svg.chart").count() == 5
     assert float(page.locator("#jpm").inner_text()) > 0
@@ -171,31 +199,42 @@ def test_overview_and_ledger_pages(env):
     shot(page, "11-ledger-account")
 
 
-def test_audit_chain_verifies_and_points_at_a_tampered_row(env):
-    page = env.page
+def test_audit_chain_verifies_and_points_at_a_tampered_row(env, console):
+    page = console
+    svc = env.broker.services
+    # an entry of our own to tamper with: a price change with a value no other test sets
+    svc.admin.change_price("swatch", {"min_charge_micro": 777_123}, by="audit-test")
+    target = svc.audit.search(action="pricing.set", limit=1)[0].seq
     page.goto(env.url + "/admin/audit")
     page.click("#verify")
     assert "Chain intact" in page.locator("#verdict").inner_text()
     shot(page, "12-audit-ok")
-    target = env.broker.services.audit.search(action="pricing.set", limit=1)[0].seq
-    with env.broker.services.engine.begin() as conn:
-        conn.exec_driver_sql("UPDATE audit_log SET data = replace(data, '4200', '42') "
+    with svc.engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE audit_log SET data = replace(data, '777123', '777124') "
                              f"WHERE seq = {target}")
+    try:
+        page.click("#verify")
+        verdict = page.locator("#verdict").inner_text()
+        assert f"Broken at entry #{target}" in verdict and "changed after it was written" in verdict
+        shot(page, "13-audit-broken")
+    finally:  # the chain is whole again for whoever looks next
+        with svc.engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE audit_log SET data = replace(data, '777124', "
+                                 f"'777123') WHERE seq = {target}")
     page.click("#verify")
-    verdict = page.locator("#verdict").inner_text()
-    assert f"Broken at entry #{target}" in verdict and "changed after it was written" in verdict
-    shot(page, "13-audit-broken")
+    assert "Chain intact" in page.locator("#verdict").inner_text()
 
 
-def test_logout_refuses_the_old_session(env):
-    page = env.page
+def test_logout_refuses_the_old_session(env, console):
+    page = console
+    cookie = next(c for c in env.context.cookies() if c["name"] == "sc_admin")
     page.goto(env.url + "/admin/")
     page.click("#logout")
     assert "/admin/login" in page.url and "You signed out" in page.content()
     page.goto(env.url + "/admin/ledger")
     assert "/admin/login" in page.url
     # replaying the old cookie is refused too: the session was revoked server-side
-    env.context.add_cookies([env.state["cookie"]])
+    env.context.add_cookies([cookie])
     r = env.context.request.get(env.url + "/admin/ledger", max_redirects=0)
     assert r.status == 302 and "/admin/login" in r.headers["location"]
     assert "why=ended" in r.headers["location"]  # "you signed out of this session"
