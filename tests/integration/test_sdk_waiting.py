@@ -48,14 +48,22 @@ def test_timeout_error_says_what_the_cancel_charged_and_for_what(live_broker, st
     assert "the rest of the hold was released" in message
 
 
-def test_timeout_before_any_step_says_nothing_was_charged(live_broker):
-    # no agent: the job stays queued, nothing is done, nothing is charged
+def test_timeout_before_any_step_says_nothing_was_charged(live_broker, start_agent):
+    # the agent's one slot is busy: the second job waits in the queue, nothing of it is
+    # done, nothing of it is charged
+    start_agent("a1", slots=1)
     with Client(live_broker.url, live_broker.key("client")) as client:
+        busy = client.jobs.create("echo", text="busy", sleep_ms=30000, steps=300)
+        for ev in busy.events():
+            if ev.kind == "progress":
+                break
         before = _available(client)
-        job = client.jobs.create("echo", text="never runs")
+        job = client.jobs.create("echo", text="waits")
+        assert job.refresh().state == "queued"
         with pytest.raises(JobTimeoutError) as exc:
             job.wait(timeout=0)
         assert _available(client) == before
+        busy.cancel()
     assert exc.value.charged_micro == 0
     assert "nothing was charged (no step was done yet)" in str(exc.value)
 
