@@ -239,12 +239,13 @@ def build_command(policy: SandboxPolicy, argv: list[str], fds: BwrapFds,
 
 
 def dropping_command(cmd: list[str], user: SandboxUser, deep: list[str] = (),
-                     hidden: list[str] = ()) -> list[str]:
+                     hidden: list[str] = (), rlimits: dict[int, int] | None = None) -> list[str]:
     """``cmd`` (a bwrap command) as root starts it for ``user``: through drop_to_user.py,
     which makes the bound paths reachable (``hostuser.staging_plan``), becomes ``user``
     and executes bwrap. Refuses, saying what to change, a bound path ``user`` could not
     use (a folder it cannot read, a GPU node it cannot open; in the trees of ``deep`` —
-    the plugin and its weights — any file but those ``hidden``)."""
+    the plugin and its weights — any file but those ``hidden``). ``rlimits`` (resource →
+    value) are set before bwrap starts, so everything in the sandbox inherits them."""
     sources, devices = bind_sources(cmd)
     sources = [str(Path(s).resolve()) if not s.startswith("/proc/") else s for s in sources]
     bad = unusable_sources(sources, user, devices=devices, deep=list(deep), skip=list(hidden))
@@ -257,6 +258,7 @@ def dropping_command(cmd: list[str], user: SandboxUser, deep: list[str] = (),
             "to a user that can")
     spec = {"uid": user.uid, "gid": user.gid, "groups": list(user.groups or (user.gid,)),
             "plan": [[op.kind, op.path] for op in staging_plan(sources, user)],
+            "rlimits": [[res, value] for res, value in (rlimits or {}).items()],
             "argv": cmd}
     return helper_command(spec)
 

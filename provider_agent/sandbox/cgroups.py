@@ -580,17 +580,28 @@ def make_agent_limits(name: str, memory_budget_mb: int | None, cpu_cores: float 
 # --------------------------------------------------------------------------- watchdog
 
 def process_tree(root_pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """``root_pid`` and all its descendants, from a scan of ``/proc/*/stat``."""
+    """``root_pid`` and all its descendants, from a scan of ``/proc/*/stat`` (raw reads:
+    the launcher polls this while bwrap starts, on machines with many processes)."""
     children: dict[int, list[int]] = {}
-    for entry in os.scandir(proc):
-        if not entry.name.isdigit():
+    base = os.fspath(proc)
+    for name in os.listdir(base):
+        if not name.isdigit():
             continue
         try:
-            stat = Path(entry.path, "stat").read_text()
+            fd = os.open(f"{base}/{name}/stat", os.O_RDONLY)
         except OSError:
             continue
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        try:
+            raw = os.read(fd, 1024)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        try:
+            ppid = int(raw[raw.rindex(b")") + 2:].split(None, 2)[1])
+        except (ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
     out, todo = [], [root_pid]
     while todo:
         pid = todo.pop()

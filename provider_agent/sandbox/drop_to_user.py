@@ -1,8 +1,9 @@
 """Run as root just before bubblewrap: stage what it binds, become the sandbox user, exec.
 
 ``python -I -S drop_to_user.py SPEC`` where SPEC is JSON: ``uid``, ``gid``, ``groups``,
-``plan`` (``[kind, path]`` pairs from ``hostuser.staging_plan``) and ``argv`` (the bwrap
-command). In a new, private mount namespace (nothing propagates back to the host) it
+``plan`` (``[kind, path]`` pairs from ``hostuser.staging_plan``), ``rlimits`` (``[resource,
+value]`` pairs, set on itself and so inherited by everything bwrap starts) and ``argv``
+(the bwrap command). In a new, private mount namespace (nothing propagates back to the host) it
 opens every path to expose, covers each directory the sandbox user cannot pass through
 with an empty root-owned tmpfs (0755), binds the exposed paths back at their own place,
 then sets the groups, gid and uid (root's capabilities go with the uid) and executes
@@ -64,6 +65,8 @@ def main(spec: dict) -> None:
         for fd in fds.values():
             os.close(fd)
     os.chdir("/")
+    for res, value in spec.get("rlimits", ()):  # lowering one's own: no privilege needed
+        resource.setrlimit(int(res), (int(value), int(value)))
     uid, gid = int(spec["uid"]), int(spec["gid"])
     try:
         os.setgroups([int(g) for g in spec.get("groups", [gid])])

@@ -114,9 +114,20 @@ class Sandbox:
                                   as_root=os.geteuid() == 0 and self.user is None)
         if self.user is None:
             return cmd
+        per_process = {res: value for res, value in self._rlimits().items()
+                       if res != resource.RLIMIT_NPROC}
         return bwrap.dropping_command(cmd, self.user,
                                       deep=[str(p.resolve()) for p in self.policy.ro_paths],
-                                      hidden=[str(p.resolve()) for p in self.policy.hide_paths])
+                                      hidden=[str(p.resolve()) for p in self.policy.hide_paths],
+                                      rlimits=per_process)
+
+    def _rlimits(self) -> dict[int, int]:
+        p = self.policy
+        # Never RLIMIT_AS: CUDA reserves terabytes of virtual address space.
+        return {resource.RLIMIT_NOFILE: p.nofile_limit,
+                resource.RLIMIT_FSIZE: p.fsize_limit_mb << 20,
+                resource.RLIMIT_NPROC: p.pids_limit,
+                resource.RLIMIT_CORE: 0}
 
     def popen(self, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         """Start ``argv`` inside the sandbox and return its ``Popen`` (the pid is bwrap's).
@@ -185,12 +196,12 @@ class Sandbox:
             err = self.process.stderr.read() if self.process.stderr else b""
             raise SandboxError(f"bubblewrap exited with {self.process.returncode} before "
                                f"starting the host: {err!r}")
-        p = self.policy
-        rlimits = {resource.RLIMIT_NOFILE: p.nofile_limit,
-                   resource.RLIMIT_FSIZE: p.fsize_limit_mb << 20,
-                   resource.RLIMIT_NPROC: p.pids_limit,
-                   resource.RLIMIT_CORE: 0}
-        # Never RLIMIT_AS: CUDA reserves terabytes of virtual address space.
+        rlimits = self._rlimits()
+        if self.user is not None:
+            # The per-process limits came with drop_to_user.py. RLIMIT_NPROC only now:
+            # set before bwrap made its user namespace, it would count every sandbox of
+            # the sandbox user together; set in it, it counts this sandbox's processes.
+            rlimits = {resource.RLIMIT_NPROC: rlimits[resource.RLIMIT_NPROC]}
         refused = []
         for pid in pids:
             try:
@@ -206,8 +217,8 @@ class Sandbox:
                 refused.append(pid)  # root without CAP_SYS_RESOURCE: set them as the user
             except ProcessLookupError:
                 continue
-        if refused:
-            self._prlimit_as_user(refused, rlimits)
+        if refused and not self._limits.enforcement.get("pids", "").startswith("cgroup"):
+            self._prlimit_as_user(refused, rlimits)  # else the pids cgroup is the limit
         self._limits.start(self.process.pid)
 
     def _prlimit_as_user(self, pids: list[int], rlimits: dict[int, int]) -> None:

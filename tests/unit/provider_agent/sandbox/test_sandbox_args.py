@@ -207,10 +207,18 @@ def test_a_bound_path_the_sandbox_user_cannot_read_is_refused_saying_what_to_do(
     weights.chmod(0o700)
     cmd = ["bwrap", "--ro-bind", str(weights), str(weights), "--", "python"]
     with pytest.raises(SandboxPolicyError, match=r"stranger \(4242:4242\), which could not use "
-                                                 r".*weights \(0700.*chmod o\+rX"):
+                                                 r".*weights \(0700.*chmod -R o\+rX"):
         dropping_command(cmd, stranger)
     weights.chmod(0o755)
-    wrapped = dropping_command(cmd, stranger)
+    model = weights / "unet" / "model.safetensors"   # safetensors writes 0600
+    model.parent.mkdir()
+    model.write_text("")
+    model.chmod(0o600)
+    with pytest.raises(SandboxPolicyError, match=r"unet/model.safetensors \(0600"):
+        dropping_command(cmd, stranger, deep=[str(weights)])
+    dropping_command(cmd, stranger, deep=[str(weights)], hidden=[str(model.parent)])
+    model.chmod(0o644)
+    wrapped = dropping_command(cmd, stranger, deep=[str(weights)])
     assert wrapped[1:3] == ["-I", "-S"] and wrapped[3].endswith("drop_to_user.py")
     import json
     spec = json.loads(wrapped[4])
