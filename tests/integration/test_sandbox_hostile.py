@@ -418,6 +418,8 @@ def test_benign_plugin_output_is_the_same_inside_and_outside_the_sandbox(env):
             result = host.run("same-job", inputs, wall_clock_s=10)
         finally:
             host.stop()
+            if launcher is not None:
+                launcher.close()
         outputs.append([(o.media_type, o.data) for o in result.outputs])
     assert outputs[0] == outputs[1]
     job = run_job(env, plugin="echo", text="through the agent")

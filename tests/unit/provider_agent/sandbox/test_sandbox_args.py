@@ -225,6 +225,28 @@ def test_a_bound_path_the_sandbox_user_cannot_read_is_refused_saying_what_to_do(
     assert (spec["uid"], spec["gid"], spec["argv"]) == (4242, 4242, cmd)
 
 
+def test_gpu_nodes_must_be_read_write_for_the_sandbox_user(fake_dev):
+    """NVIDIA's nodes are 0666 by default; a 0660 node works only for a user in its
+    group (the sandbox user's supplementary groups go with it)."""
+    from provider_agent.sandbox import SandboxUser
+    from provider_agent.sandbox.bwrap import dropping_command
+
+    node = fake_dev / "nvidia0"
+    cmd = ["bwrap", *gpu_device_args([0], dev_root=fake_dev), "--", "python"]
+    stranger = SandboxUser(4242, 4242, (4242,), "stranger")
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia-modeset"):
+        (fake_dev / name).chmod(0o666)
+    node.chmod(0o660)
+    if node.stat().st_gid == 0:   # made by root: give it a group the user may join
+        os.chown(node, -1, 4343)
+    with pytest.raises(SandboxPolicyError, match=r"nvidia0 \(0660.*GPU nodes rw"):
+        dropping_command(cmd, stranger)
+    in_group = SandboxUser(4242, 4242, (4242, node.stat().st_gid), "in-group")
+    dropping_command(cmd, in_group)
+    node.chmod(0o666)
+    dropping_command(cmd, stranger)
+
+
 # ---- limits of the agent as a whole (fake cgroup trees: no root needed) --------------------
 
 def _fake_v2(root: Path) -> Path:
