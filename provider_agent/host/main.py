@@ -378,6 +378,7 @@ class ScratchCleaner:
     def __init__(self, roots: list[str] | tuple[str, ...], proc: Path = Path("/proc")) -> None:
         self.roots = [r for r in roots if os.path.isdir(r)]
         self.proc = proc
+        self._fd_dir = f"{os.fspath(proc)}/self/fd"
         self.devs = {os.stat(r).st_dev for r in self.roots}
         self.keep: dict[str, tuple[int, int]] = {}
         for root in self.roots:
@@ -418,15 +419,16 @@ class ScratchCleaner:
                 self._record(entry.path)
 
     def _open_files(self) -> list[os.stat_result]:
+        """The regular files on the writable places this process holds open (raw calls:
+        this runs after every job)."""
         out = []
-        fd_dir = self.proc / "self" / "fd"
         try:
-            names = os.listdir(fd_dir)
+            names = os.listdir(self._fd_dir)
         except OSError:
             return out
         for name in names:
             try:
-                st = os.stat(fd_dir / name)
+                st = os.stat(f"{self._fd_dir}/{name}")
             except OSError:
                 continue
             if st.st_dev in self.devs and stat.S_ISREG(st.st_mode):
@@ -437,10 +439,18 @@ class ScratchCleaner:
 
     def _ipc_ids(self) -> dict[str, list[int]]:
         out = {}
+        base = os.fspath(self.proc)
         for kind in self._IPC:
             try:
-                lines = (self.proc / "sysvipc" / kind).read_text().splitlines()[1:]
-                out[kind] = [int(line.split()[1]) for line in lines if line.split()]
+                fd = os.open(f"{base}/sysvipc/{kind}", os.O_RDONLY)
+                try:
+                    raw = b""
+                    while chunk := os.read(fd, 65536):
+                        raw += chunk
+                finally:
+                    os.close(fd)
+                out[kind] = [int(line.split()[1]) for line in raw.splitlines()[1:]
+                             if line.split()]
             except (OSError, ValueError, IndexError):
                 out[kind] = []
         return out
@@ -526,12 +536,12 @@ class ScratchCleaner:
         names were just removed, or the job removed them itself), except those setup()
         held."""
         done = 0
-        fd_dir = self.proc / "self" / "fd"
+        fd_dir = self._fd_dir
         for st in self._open_files():
             if st.st_nlink or not st.st_size or (st.st_dev, st.st_ino) in self.keep_open:
                 continue
             for name in os.listdir(fd_dir):
-                link = fd_dir / name
+                link = f"{fd_dir}/{name}"
                 try:
                     again = os.stat(link)
                     if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
