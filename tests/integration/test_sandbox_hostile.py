@@ -335,6 +335,70 @@ def test_all_hosts_of_the_agent_share_one_memory_budget_and_a_cpu_limit(env):
         assert int(quota) == (os.cpu_count() or 1) * 100_000  # default: every core
 
 
+def test_an_ordinary_users_agent_keeps_the_same_promises(tmp_path):
+    """The launcher of an agent that is not root: bwrap runs as that user (no drop), the
+    cgroups are not writable (watchdog budget). One warm hostile host: it cannot change
+    the kernel, sees its own weights only and none of the checkout, and a job finds
+    nothing an earlier one left. Skipped, saying why, where an unprivileged user cannot
+    run bubblewrap."""
+    import json
+
+    from tests.sandbox_helpers import run_as_ordinary_user
+
+    weights, _ = _weights_and_registry(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    for path in [tmp_path, *tmp_path.rglob("*")]:  # the user's own files, as they would be
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    targets = [weights["echo"], f"{weights['echo']}/model.safetensors",
+               PROJECT / "tests" / "integration", PROJECT / ".git", PROJECT / "broker"]
+    code = f"""
+import json, os
+from pathlib import Path
+from provider_agent.errors import HostError
+from provider_agent.host.manager import PluginHost
+from provider_agent.launch import host_launcher
+from provider_agent.sandbox import Sandbox
+from provider_agent.sandbox.cgroups import process_tree
+ok, why = Sandbox.available()
+if not ok:
+    print(json.dumps({{"unavailable": why}})); raise SystemExit(0)
+launcher = host_launcher(sandboxed=True, home=Path({str(home)!r}), memory_limit_mb=256)
+host = PluginHost(Path({str(FIXTURE_PLUGINS / "hostile")!r}), Path({weights["hostile"]!r}),
+                  device="cpu", launcher=launcher, name="hostile")
+host.start()
+out = {{"agent_uid": os.getuid(), "enforcement": host.proc.sandbox.enforcement}}
+def job(job_id, **inputs):
+    try:
+        return json.loads(host.run(job_id, inputs, wall_clock_s=10).outputs[0].data)
+    except HostError as exc:
+        return {{"refused": str(exc)}}
+out["plant"] = job("job-a", attack="plant_all")
+out["hunt"] = job("job-b", attack="hunt", target="SECRET-OF-job-a")
+out["read"] = job("job-c", attack="weights", target={",".join(map(str, targets))!r})
+out["kernel"] = job("job-d", attack="kernel", target="/proc/sys/kernel/core_pattern=core.x")
+out["uids"] = [open(f"/proc/{{p}}/status").read().split("Uid:")[1].split()[:4]
+               for p in process_tree(host.proc.pid)]
+host.stop(); launcher.close()
+print(json.dumps(out))
+"""
+    res = run_as_ordinary_user(code, reachable=[tmp_path])
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    if "unavailable" in out:
+        pytest.skip(f"an unprivileged user cannot run bubblewrap here: {out['unavailable']}")
+    assert out["agent_uid"] != 0
+    assert out["enforcement"]["user"] == f"host uid {out['agent_uid']}"
+    assert out["enforcement"]["agent memory"].endswith("256 MiB for all hosts")
+    assert all(int(u) == out["agent_uid"] for ids in out["uids"] for u in ids)
+    assert out["plant"]["mq"] == "EPERM"
+    assert "no trace of it" in out["hunt"]["refused"], out["hunt"]
+    for target in targets:
+        assert f"{target} FileNotFoundError ENOENT" in out["read"]["refused"], out["read"]
+    assert "own weights list ['model.safetensors']" in out["read"]["refused"]
+    assert "core_pattern" in out["kernel"]["refused"], out["kernel"]
+
+
 # ---- limits ----------------------------------------------------------------------------
 
 def test_fork_bomb_hits_the_pids_limit_and_the_children_are_killed(env):

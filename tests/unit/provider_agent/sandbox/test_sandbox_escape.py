@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 
 from provider_agent.sandbox import Sandbox, SandboxPolicy, SandboxUser
-from provider_agent.sandbox.bwrap import helper_command
 from provider_agent.sandbox.cgroups import MemoryWatchdog, make_agent_limits, process_tree
-from provider_agent.sandbox.hostuser import staging_plan
+from tests.sandbox_helpers import run_as_ordinary_user
 
 _ok, _reason = Sandbox.available()
 if not _ok and os.environ.get("SPARECYCLES_REQUIRE_SANDBOX") == "1":
@@ -419,24 +418,6 @@ def test_the_host_kernel_cannot_be_changed_and_no_sandbox_process_is_host_root(
         assert 0 not in ids, f"sandbox process {pid} runs as host uid {ids}"
     if os.geteuid() == 0:  # as root: the sandbox user, never root
         assert {ids[0] for ids in uids.values()} == {SandboxUser.resolve().uid}
-
-
-def run_as_ordinary_user(code: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    """Run ``code`` (agent-side Python) as an ordinary, unprivileged host user, which then
-    starts sandboxes itself the way an agent that is not root does. As root, the same
-    helper that starts hosts makes the interpreter and the checkout reachable to that user
-    (they may lie below /root) and drops to it; otherwise this process already is one."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent"}
-    if os.geteuid() != 0:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
-    user = SandboxUser.resolve()
-    sources = [str(p) for p in (*SandboxPolicy.current_python_prefixes(), PROJECT)]
-    spec = {"uid": user.uid, "gid": user.gid, "groups": list(user.groups),
-            "plan": [[op.kind, op.path] for op in staging_plan(sources, user)],
-            "argv": [sys.executable, "-c", code]}
-    return subprocess.run(helper_command(spec), capture_output=True, text=True,
-                          timeout=timeout_s, env=env, cwd="/")
 
 
 def test_as_an_ordinary_user_too_the_host_kernel_cannot_be_changed(host_kernel):
