@@ -9,7 +9,8 @@ Start-up sequence of ``popen``:
    that no process of the sandbox is host root;
 3. move every process bwrap has made so far into the sandbox's cgroup(s) (children of the
    agent group, ``cgroups.AgentLimits``) and set the rlimits on them with ``prlimit``
-   (children inherit both);
+   (children inherit both; as root, the per-process rlimits came with the drop, and
+   ``RLIMIT_NPROC`` is set now, inside bwrap's user namespace, to count per sandbox);
 4. write to the pipe: bwrap installs the seccomp filter and executes the host.
 
 Doing the cgroup and rlimit steps from the agent rather than in a ``preexec_fn`` keeps
