@@ -51,6 +51,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/dispatch.py --svg out/bench-dispatch.svg
 
+# The demo's folder (its broker, agents and logs) is in the user cache dir; a broker's data
+# dir (~/.local/share/sparecycles/broker by default) holds real keys and is never removed here.
+# .sparecycles and .sparecycles-demo are where older versions kept them.
 clean:
 	rm -rf $(VENV) .sparecycles .sparecycles-demo out build *.egg-info
+	rm -rf "$${SPARECYCLES_CACHE_DIR:-$${XDG_CACHE_HOME:-$$HOME/.cache}/sparecycles}/demo"
 	find . -name '*_pb2*.py' -path './sdk/*' -delete

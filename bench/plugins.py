@@ -73,7 +73,7 @@ def _launcher(sandboxed: bool, weights: Path, home: Path):
         return None
     from provider_agent.launch import host_launcher
 
-    return host_launcher(sandboxed=True, home=home, plugin_dirs=[weights])
+    return host_launcher(sandboxed=True, home=home)  # binds the plugin's own weights
 
 
 def _run(host: PluginHost, inputs: dict) -> float:

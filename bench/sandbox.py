@@ -4,7 +4,8 @@
 
 Both sides run the real thing: a ``PluginHost`` serving the built-in echo plugin, started
 by ``provider_agent.launch.host_launcher`` (sandboxed: bubblewrap + seccomp + cgroup or
-rlimit limits, and the host's after-job sweep for stray processes; plain: the subprocess
+rlimit limits, as root the drop to the sandbox user, and the host's after-job sweep for
+stray processes and for what a job left in the writable places; plain: the subprocess
 ``--no-sandbox`` gives). Start time is ``PluginHost.start()`` (process start, plugin
 import, ready message). Per job is one ``run()`` on the warm host (the job frame out, the
 output and result frames back), after a warm-up. Prints figures; asserts nothing (DESIGN
@@ -29,8 +30,13 @@ from provider_agent.launch import host_launcher  # noqa: E402
 from provider_agent.sandbox import Sandbox  # noqa: E402
 
 
+_LAUNCHERS = []  # closed at the end: each holds the cgroup its hosts share
+
+
 def _host(sandboxed: bool, home: Path) -> PluginHost:
     launcher = host_launcher(sandboxed=sandboxed, home=home)
+    if launcher is not None:
+        _LAUNCHERS.append(launcher)
     return PluginHost(builtin_plugin_dir("echo"), None, device="cpu", launcher=launcher)
 
 
@@ -80,6 +86,8 @@ def main() -> int:
         boxed_start = start_times(True, home, args.starts)
         plain_jobs, _ = per_job_s(False, home, args.jobs)
         boxed_jobs, enforcement = per_job_s(True, home, args.jobs)
+        for launcher in _LAUNCHERS:
+            launcher.close()
 
     print(f"limits enforced by: {enforcement}")
     print(f"host start to ready, echo plugin (median of {args.starts}):")

@@ -10,14 +10,25 @@ from pathlib import Path
 def _settings(args):
     from broker.settings import Settings
 
-    return Settings.from_env(data_dir=args.data_dir, db_url=args.db, blob_dir=args.blob_dir,
-                             http=getattr(args, "http", None), grpc=getattr(args, "grpc", None),
-                             lease_timeout_s=getattr(args, "lease_timeout", None))
+    settings = Settings.from_env(data_dir=args.data_dir, db_url=args.db, blob_dir=args.blob_dir,
+                                 http=getattr(args, "http", None),
+                                 grpc=getattr(args, "grpc", None),
+                                 lease_timeout_s=getattr(args, "lease_timeout", None))
+    legacy = Path(".sparecycles")
+    if args.data_dir is None and (legacy / "broker.key").exists() \
+            and legacy.resolve() != settings.data_dir.resolve():
+        logging.getLogger("broker").warning(
+            "found a broker data dir at %s (the old default); this broker uses %s. To keep "
+            "the old data pass --data-dir %s, or move it there", legacy.resolve(),
+            settings.data_dir, legacy)
+    return settings
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, help="folder for the embedded database, blobs and "
-                                                 "the broker key (default ./.sparecycles)")
+                                                 "the broker key (default: the user data dir, "
+                                                 "~/.local/share/sparecycles/broker on Linux; "
+                                                 "$SPARECYCLES_DATA_DIR)")
     p.add_argument("--db", help="database URL (default: SQLite in the data dir; e.g. "
                                 "postgresql+psycopg://user@host/db)")
     p.add_argument("--blob-dir", type=Path, help="blob folder (default <data-dir>/blobs)")

@@ -4,7 +4,7 @@ default; tests build a Settings object and never patch globals.
 ===========================  ==================================  ===========================
 setting                      variable                            default
 ===========================  ==================================  ===========================
-data_dir                     SPARECYCLES_DATA_DIR                ./.sparecycles
+data_dir                     SPARECYCLES_DATA_DIR                <user data dir>/sparecycles/broker
 db_url                       SPARECYCLES_DB_URL                  sqlite:///<data_dir>/broker.db
 blob_dir                     SPARECYCLES_BLOB_DIR                <data_dir>/blobs
 http                         SPARECYCLES_HTTP                    127.0.0.1:8080
@@ -35,6 +35,11 @@ admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept i
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 ===========================  ==================================  ===========================
 
+``<user data dir>`` is the platform's (``platformdirs.user_data_dir``): ``$XDG_DATA_HOME``,
+else ``~/.local/share``, on Linux. The default lies outside any source tree on purpose: the
+data dir holds the broker key, the admin session key and the database (API keys), and a
+checkout may be readable to code that must not see them (plugin hosts bind parts of it).
+
 The registry's package files live in a blob store of their own, ``<blob_dir>/registry``, apart
 from job outputs. A package file uploaded with PUT /v1/blobs may be at most 8 GiB
 (broker.registry.service.MAX_BLOB_BYTES; larger is a 413).
@@ -50,9 +55,16 @@ import broker
 BUILTIN_PLUGINS = Path(broker.__file__).resolve().parent.parent / "plugins"
 
 
+def default_data_dir() -> Path:
+    """``<user data dir>/sparecycles/broker`` (see the table above)."""
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("sparecycles")) / "broker"
+
+
 @dataclass
 class Settings:
-    data_dir: Path = Path(".sparecycles")
+    data_dir: Path = field(default_factory=default_data_dir)
     db_url: str = ""
     blob_dir: Path | None = None
     http: str = "127.0.0.1:8080"

@@ -20,8 +20,8 @@ Adapters are folders, one per adapter, named by the adapter, looked up in two pl
 that is ``<weights_dir>/adapters/<name>/`` and ``<weights_dir>/../adapters/<family>/<name>/``.
 A diffusers adapter holds ``pytorch_lora_weights.safetensors`` (or exactly one other
 ``.safetensors`` file); a peft adapter ``adapter_model.safetensors`` and
-``adapter_config.json``. (The sandboxed plugin host sees the weights folder, so today
-only place 1 is visible to a sandboxed host; place 2 needs the agent to bind it too.)
+``adapter_config.json``. (A sandboxed plugin host sees both places of its own plugin,
+and no other plugin's: provider_agent.launch.plugin_ro_paths.)
 An adapter folder may declare its
 base in ``adapter.json`` (``{"base_model": "sdxl"}``); a declared base other than the
 plugin's family is refused before loading, and an undeclared adapter whose tensors do not

@@ -146,6 +146,21 @@ def _versions() -> dict[str, str]:
             "safetensors": safetensors.__version__}
 
 
+def _readable(folder: Path) -> None:
+    """Give the folder and what is in it the modes of files made under this umask
+    (mkdtemp makes a folder 0700, safetensors writes files 0600): a root agent's sandboxed
+    plugin hosts run as an unprivileged user, which must be able to read the weights."""
+    try:  # read without setting it (os.umask would change it for every thread)
+        status = Path("/proc/self/status").read_text()
+        umask = int(status.split("Umask:")[1].split()[0], 8)
+    except (OSError, IndexError, ValueError):
+        umask = 0o022
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _build(kind: str, out_dir: Path, seed: int, write: Callable[[Path, int], None]) -> Path:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
@@ -157,6 +172,7 @@ def _build(kind: str, out_dir: Path, seed: int, write: Callable[[Path, int], Non
     if out_dir.exists():
         existing = read_marker(out_dir)
         if existing == marker:
+            _readable(out_dir)  # folders built before this was done were 0700
             return out_dir  # already built with these arguments and library versions
         if existing is None and any(out_dir.iterdir()):
             raise FileExistsError(
@@ -166,6 +182,7 @@ def _build(kind: str, out_dir: Path, seed: int, write: Callable[[Path, int], Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         write(tmp, seed)
+        _readable(tmp)
         (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():  # an older tiny build (other seed or versions): swap it out
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

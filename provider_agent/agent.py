@@ -98,9 +98,12 @@ class Agent:
             cheat.announce()
         if sandboxed and launcher is None:
             # Never claim a sandbox to the broker while running plain subprocesses.
-            from .launch import host_launcher, sandbox_ro_paths
-            launcher = host_launcher(sandboxed=True, home=home, cfg=cfg,
-                                     plugin_dirs=sandbox_ro_paths(plugin_dirs, installer, cheat))
+            from .launch import host_launcher
+            launcher = host_launcher(
+                sandboxed=True, home=home, cfg=cfg,
+                extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
+                registry_root=installer.root if installer is not None else None)
+        self.launcher = launcher
         self.plugins: dict[str, ServedPlugin] = {}
         for name, folder in plugin_dirs.items():
             manifest = load_manifest(folder)
@@ -108,7 +111,8 @@ class Agent:
             # A cheat may run other weights; the agent still advertises its own.
             run_weights = cheat.weights_for(manifest.output, weights) if cheat else weights
             self.plugins[name] = ServedPlugin(
-                manifest, PluginHost(folder, run_weights, device=cfg.device, launcher=launcher),
+                manifest, PluginHost(folder, run_weights, device=cfg.device, launcher=launcher,
+                                     name=name),
                 folder_digest(weights, (home / "weights-cache.json") if home else None))
         self.replay = ReplayGuard()
         # SimpleQueue (C) rather than Queue (Python locks and conditions): cheaper hand-offs.
@@ -245,6 +249,9 @@ class Agent:
         finally:
             for served in self.plugins.values():
                 served.host.stop()
+            close = getattr(self.launcher, "close", None)
+            if close is not None:
+                close()  # the plugin hosts' shared cgroup
             if self.installer is not None:
                 self.installer.close()  # the packages' last-use times, the registry client
         return 0

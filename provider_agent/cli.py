@@ -98,7 +98,7 @@ def cmd_run(args) -> int:
     from .cheats import from_env as cheat_from_env
     from .config import load_config, load_identity
     from .errors import AgentError
-    from .launch import host_launcher, sandbox_ro_paths
+    from .launch import host_launcher
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -123,8 +123,10 @@ def cmd_run(args) -> int:
         # SPARECYCLES_CHEAT: the verification harness's deliberately dishonest agent
         # (provider_agent.cheats); unset, this is None and the agent is honest.
         cheat = cheat_from_env()
-        launcher = host_launcher(sandboxed=not args.no_sandbox, home=args.home, cfg=cfg,
-                                 plugin_dirs=sandbox_ro_paths(plugin_dirs, installer, cheat))
+        launcher = host_launcher(
+            sandboxed=not args.no_sandbox, home=args.home, cfg=cfg,
+            extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
+            registry_root=installer.root if installer is not None else None)
         agent = Agent(cfg, load_identity(args.home), plugin_dirs=plugin_dirs,
                       sandboxed=not args.no_sandbox, launcher=launcher, home=args.home,
                       cheat=cheat, installer=installer)

@@ -29,6 +29,10 @@ agent.toml::
                                                   # key the broker registered, pinned per name)
     [adapters]                                    # registry adapters to install at start
     sd15 = ["ink"]                                # (others are fetched when a job names them)
+    memory_limit_mb = 0       # all plugin hosts together (0: three quarters of the memory)
+    cpu_cores = 0.0           # all plugin hosts together, e.g. 2.5 (0: every core)
+    sandbox_user = ""         # host user the sandboxes run as when the agent is root
+                              # ("": sparecycles-sandbox if it exists, else nobody)
 """
 from __future__ import annotations
 
@@ -80,6 +84,9 @@ class AgentConfig:
     cache_max_gb: float = 20.0
     trusted_publishers: list[str] = field(default_factory=list)
     adapters: dict[str, list[str]] = field(default_factory=dict)
+    memory_limit_mb: int = 0
+    cpu_cores: float = 0.0
+    sandbox_user: str = ""
 
     def registry_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -102,6 +109,20 @@ class AgentConfig:
             raise ConfigError(f"slots is {self.slots}; must be between 1 and 64")
         if ":" not in self.broker:
             raise ConfigError(f"broker {self.broker!r} must look like HOST:PORT")
+        if isinstance(self.memory_limit_mb, bool) or not isinstance(self.memory_limit_mb, int) \
+                or self.memory_limit_mb < 0:
+            raise ConfigError(f"memory_limit_mb is {self.memory_limit_mb!r}; give the MiB all "
+                              "plugin hosts may use together (a whole number), or 0 for three "
+                              "quarters of this machine's memory")
+        cores = os.cpu_count() or 1
+        if isinstance(self.cpu_cores, bool) or not isinstance(self.cpu_cores, (int, float)) \
+                or not 0 <= self.cpu_cores <= cores:
+            raise ConfigError(f"cpu_cores is {self.cpu_cores!r}; this machine has {cores} "
+                              f"core(s): give how many all plugin hosts may use together, "
+                              f"above 0 and at most {cores} (e.g. 1.5), or 0 for all of them")
+        if not isinstance(self.sandbox_user, str):
+            raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
+                              "uid or uid:gid as a string, or \"\" for the default")
 
 
 def config_path(home: Path | None = None) -> Path:

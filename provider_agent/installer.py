@@ -178,6 +178,9 @@ class Installer:
                 del self._index["entries"][key]
             else:
                 known.add(Path(e["path"]).resolve())
+                folder = Path(e["path"])
+                if folder.stat().st_mode & 0o005 != 0o005:  # installed 0700 by older agents
+                    folder.chmod(0o755)
         for folder in [*self.root.glob("plugins/*"), *self.root.glob("adapters/*/*")]:
             if folder.is_dir() and folder.resolve() not in known:
                 log.warning("removing %s: not in the installer's index", folder)
@@ -290,6 +293,9 @@ class Installer:
                 _remove(trash)
             try:
                 tmp = Path(tempfile.mkdtemp(dir=self.root / ".tmp", prefix=f"{package.name}-"))
+                # mkdtemp makes it 0700; a root agent's plugin hosts run as an unprivileged
+                # user, which must read the package (its files are made 0644 as usual).
+                tmp.chmod(0o755)
                 try:
                     for f in package.files:
                         self._download(kind, package, f, tmp)

@@ -23,7 +23,9 @@ def register(sub) -> None:
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="start a local broker and two agents, generate one image")
-    d.add_argument("--workdir", type=Path, default=Path(".sparecycles-demo"))
+    d.add_argument("--workdir", type=Path, default=None,
+                   help="folder for the demo's broker, agents and logs, emptied first "
+                        "(default: ~/.cache/sparecycles/demo)")
     d.add_argument("--out", type=Path, default=Path("out"))
     d.add_argument("--no-sandbox", action="store_true", help="run plugin hosts unsandboxed")
     d.set_defaults(func=cmd_demo)

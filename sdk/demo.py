@@ -18,12 +18,21 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparecycles"
 
 
+def default_workdir() -> Path:
+    """Where the demo keeps its broker, agent homes (identity keys) and logs:
+    ``<cache dir>/demo``, out of any source tree (plugin hosts see parts of the checkout;
+    an agent's key must not be among them). Emptied at each start."""
+    return _cache_dir() / "demo"
+
+
 def _say(msg: str) -> None:
     print(f"==> {msg}", flush=True)
 
 
-def run_demo(workdir: Path, out_dir: Path, *, sandbox: bool = True) -> int:
+def run_demo(workdir: Path | None, out_dir: Path, *, sandbox: bool = True) -> int:
     from sdk import Client
+
+    workdir = Path(workdir) if workdir is not None else default_workdir()
 
     weights_root = _cache_dir() / "weights"
     if not (weights_root / "sd15" / "model_index.json").exists():

@@ -3,18 +3,34 @@
 Started by the agent as ``python -m provider_agent.host.main`` (inside the sandbox). The
 protocol runs over the original stdin/stdout; stdout is then pointed at stderr so a plugin
 that prints cannot corrupt the frames.
+
+Inside the sandbox the host is warm and long-lived, and jobs of different clients follow
+each other in it, so after every job it puts back what the job could change besides the
+plugin's own memory: ``StrayReaper`` kills the processes the job left running (the host is
+alone in its pid namespace), then ``ScratchCleaner`` removes every file and folder the
+job made or changed in the sandbox's writable places (``/scratch``, ``/tmp``,
+``/dev/shm``) and every System V IPC object it made, truncating files first so that a
+descriptor still open on one (a thread the plugin left behind) reads nothing. What
+``setup()`` left there is kept as it was. What a plugin keeps in its own memory is not
+cleaned: the plugin runs every job of its host, so it is trusted with all of them
+(docs/architecture.md, *Agent*).
 """
 from __future__ import annotations
 
 import importlib
 import os
 import signal
+import stat
 import sys
 import threading
 import time
 import traceback
 from collections import deque
 from pathlib import Path
+
+#: The sandbox's writable places (provider_agent.sandbox.bwrap.WRITABLE_PLACES): each a
+#: private tmpfs that only this host's jobs can write.
+WRITABLE_PLACES = ("/scratch", "/tmp", "/dev/shm")
 
 
 def _protocol_streams():
@@ -203,10 +219,13 @@ def main() -> int:
                  "schema": manifest.inputs.json_schema(), "hardware": _hardware(device),
                  "input_defaults": defaults})
 
-    # Inside the sandbox the host is alone in its pid namespace with bwrap's init: whatever
-    # a job starts and leaves running can be found and killed. Outside it, /proc is the
+    # Inside the sandbox the host is alone in its pid namespace with bwrap's init, and the
+    # writable places are its own: whatever a job starts and leaves running can be found
+    # and killed, whatever it leaves behind removed. Outside it, /proc and /tmp are the
     # provider's whole machine, so the host never does this.
-    reaper = StrayReaper() if os.environ.get("SPARECYCLES_SANDBOXED") == "1" else None
+    sandboxed = os.environ.get("SPARECYCLES_SANDBOXED") == "1"
+    reaper = StrayReaper() if sandboxed else None
+    cleaner = ScratchCleaner.inside_sandbox() if sandboxed else None
     inbox = Inbox(frames)
     current = inbox.current
     from plugins.api import InputError, PluginError
@@ -258,14 +277,17 @@ def main() -> int:
                 failure["message"] += f" ({len(strays)} leftover process(es) were killed)"
         if failure is not None:
             writer.send({"type": "failed", "job_id": job_id, **failure})
-            continue
-        # The outputs and the result in one write: the agent reads them in one go.
-        writer.send_many([*(({"type": "output", "job_id": job_id, "index": i,
-                              "media_type": media_type, "meta": meta}, data)
-                             for i, (media_type, meta, data) in enumerate(outputs)),
-                          ({"type": "result", "job_id": job_id, "count": len(outputs),
-                            "run_ms": int((time.perf_counter() - t_run) * 1000),
-                            "work_units": work_units}, b"")])
+        else:
+            # The outputs and the result in one write: the agent reads them in one go.
+            writer.send_many([*(({"type": "output", "job_id": job_id, "index": i,
+                                  "media_type": media_type, "meta": meta}, data)
+                                 for i, (media_type, meta, data) in enumerate(outputs)),
+                              ({"type": "result", "job_id": job_id, "count": len(outputs),
+                                "run_ms": int((time.perf_counter() - t_run) * 1000),
+                                "work_units": work_units}, b"")])
+        # After the answer is out (it is not delayed) and before the next job is read.
+        if cleaner is not None:
+            cleaner.clean()
 
 
 def _weights_defaults(plugin, manifest) -> dict:
@@ -358,6 +380,226 @@ class StrayReaper:
             except ChildProcessError:
                 pass
         return sorted(killed)
+
+
+class ScratchCleaner:
+    """Puts the sandbox's writable places back as ``setup()`` left them, after each job.
+
+    At construction it records every entry below ``roots`` (path → inode and ctime), the
+    files this process holds open there, and the System V IPC objects of its namespace.
+    ``clean()`` then removes every entry that is new or changed (a file whose inode or
+    ctime differs; ctime moves with any write, chmod or utime and cannot be set back),
+    keeping recorded folders but emptying them of what is new; truncates every file on
+    those filesystems that this process still holds open with no name left (a job's file
+    a lingering thread kept open); and removes new System V shared memory, semaphores and
+    message queues (POSIX ones are refused by the seccomp filter). Files are truncated before they are unlinked, so no descriptor kept
+    anywhere reads what a job wrote. Only processes of this sandbox could have written
+    here, and ``StrayReaper`` has killed those of the job before this runs.
+    """
+
+    def __init__(self, roots: list[str] | tuple[str, ...], proc: Path = Path("/proc")) -> None:
+        self.roots = [r for r in roots if os.path.isdir(r)]
+        self.proc = proc
+        self._fd_dir = f"{os.fspath(proc)}/self/fd"
+        self.devs = {os.stat(r).st_dev for r in self.roots}
+        self.keep: dict[str, tuple[int, int]] = {}
+        for root in self.roots:
+            self._record(root)
+        self.keep_open = {(st.st_dev, st.st_ino) for st in self._open_files()}
+        self.keep_ipc = {kind: set(ids) for kind, ids in self._ipc_ids().items()}
+
+    @classmethod
+    def inside_sandbox(cls) -> "ScratchCleaner | None":
+        """A cleaner of ``WRITABLE_PLACES`` if this really is a sandbox, else None: each
+        place is cleaned only where it is its own tmpfs mount, and /scratch must be one (it
+        exists nowhere else), so a host started by hand on a machine never empties that
+        machine's /tmp."""
+        mounts = {}
+        try:
+            for line in Path("/proc/self/mountinfo").read_text().splitlines():
+                left, _, right = line.partition(" - ")
+                mounts[left.split()[4]] = right.split()[0]
+        except OSError:
+            return None
+        if mounts.get("/scratch") != "tmpfs":
+            return None
+        return cls([p for p in WRITABLE_PLACES if mounts.get(p) == "tmpfs"])
+
+    # ---- what setup() left ---------------------------------------------------------------
+    def _record(self, folder: str) -> None:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            self.keep[entry.path] = (st.st_ino, st.st_ctime_ns)
+            if stat.S_ISDIR(st.st_mode):
+                self._record(entry.path)
+
+    def _open_files(self) -> list[os.stat_result]:
+        """The regular files on the writable places this process holds open (raw calls:
+        this runs after every job)."""
+        out = []
+        try:
+            names = os.listdir(self._fd_dir)
+        except OSError:
+            return out
+        for name in names:
+            try:
+                st = os.stat(f"{self._fd_dir}/{name}")
+            except OSError:
+                continue
+            if st.st_dev in self.devs and stat.S_ISREG(st.st_mode):
+                out.append(st)
+        return out
+
+    _IPC = {"shm": "shmctl", "sem": "semctl", "msg": "msgctl"}
+
+    def _ipc_ids(self) -> dict[str, list[int]]:
+        out = {}
+        base = os.fspath(self.proc)
+        for kind in self._IPC:
+            try:
+                fd = os.open(f"{base}/sysvipc/{kind}", os.O_RDONLY)
+                try:
+                    raw = b""
+                    while chunk := os.read(fd, 65536):
+                        raw += chunk
+                finally:
+                    os.close(fd)
+                out[kind] = [int(line.split()[1]) for line in raw.splitlines()[1:]
+                             if line.split()]
+            except (OSError, ValueError, IndexError):
+                out[kind] = []
+        return out
+
+    # ---- after a job ---------------------------------------------------------------------
+    def clean(self) -> int:
+        """Remove what the last job left; the number of things removed or emptied."""
+        removed = sum(self._clean_folder(root) for root in self.roots)
+        removed += self._truncate_orphans()
+        removed += self._remove_ipc()
+        return removed
+
+    def _clean_folder(self, folder: str) -> int:
+        removed = 0
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return 0
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            kept = self.keep.get(entry.path)
+            if stat.S_ISDIR(st.st_mode):
+                if kept is not None and kept[0] == st.st_ino:
+                    removed += self._clean_folder(entry.path)
+                else:
+                    removed += self._remove_tree(entry.path)
+            elif kept != (st.st_ino, st.st_ctime_ns):
+                self._remove_file(entry.path, st)
+                removed += 1
+        return removed
+
+    @staticmethod
+    def _remove_file(path: str, st: os.stat_result) -> None:
+        # Truncate a file no other name shares first: a descriptor kept open on it reads
+        # nothing. (A second link would be a name of another file, kept or not.)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size:
+            try:
+                os.truncate(path, 0)
+            except PermissionError:
+                try:
+                    os.chmod(path, 0o600)
+                    os.truncate(path, 0)
+                except OSError:
+                    pass
+            except OSError:
+                pass
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass
+
+    def _remove_tree(self, folder: str) -> int:
+        removed = 0
+        try:
+            os.chmod(folder, 0o700)  # a job may have made it unreadable to us, its owner
+            entries = list(os.scandir(folder))
+        except OSError:
+            entries = []
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                removed += self._remove_tree(entry.path)
+            else:
+                self._remove_file(entry.path, st)
+                removed += 1
+        try:
+            os.rmdir(folder)
+            removed += 1
+        except OSError:
+            pass
+        return removed
+
+    def _truncate_orphans(self) -> int:
+        """Empty the files with no name left that this process still holds open (their
+        names were just removed, or the job removed them itself), except those setup()
+        held."""
+        done = 0
+        fd_dir = self._fd_dir
+        for st in self._open_files():
+            if st.st_nlink or not st.st_size or (st.st_dev, st.st_ino) in self.keep_open:
+                continue
+            for name in os.listdir(fd_dir):
+                link = f"{fd_dir}/{name}"
+                try:
+                    again = os.stat(link)
+                    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+                        continue
+                    fd = os.open(link, os.O_WRONLY)
+                except OSError:
+                    continue
+                try:
+                    os.ftruncate(fd, 0)
+                    done += 1
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+                break
+        return done
+
+    def _remove_ipc(self) -> int:
+        now = self._ipc_ids()
+        fresh = {kind: [i for i in ids if i not in self.keep_ipc.get(kind, ())]
+                 for kind, ids in now.items()}
+        if not any(fresh.values()):
+            return 0
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        ipc_rmid = 0
+        done = 0
+        for kind, ids in fresh.items():
+            for ipc_id in ids:
+                if kind == "sem":
+                    ok = libc.semctl(ipc_id, 0, ipc_rmid) == 0
+                else:
+                    ok = getattr(libc, self._IPC[kind])(ipc_id, ipc_rmid, None) == 0
+                done += ok
+        return done
 
 
 def _mkdir(path: Path) -> None:

@@ -45,11 +45,13 @@ class PluginHost:
     """One plugin, one process, many jobs (one at a time)."""
 
     def __init__(self, plugin_dir: Path, weights_dir: Path | None, *, device: str = "auto",
-                 launcher: Callable[[list[str]], subprocess.Popen] | None = None,
-                 start_timeout_s: float = 600.0):
+                 launcher: Callable[..., subprocess.Popen] | None = None,
+                 start_timeout_s: float = 600.0, name: str | None = None):
         self.plugin_dir = Path(plugin_dir)
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.device = device
+        # ``launcher(argv, plugin=…, plugin_dir=…, weights_dir=…) -> Popen``: told which
+        # plugin it starts, so that a sandbox shows that plugin's files and no other's.
         self.launcher = launcher or self._plain_launcher
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -57,11 +59,11 @@ class PluginHost:
         self._reader: FrameReader | None = None
         self._writer: FrameWriter | None = None
         self._lock = threading.Lock()  # one job at a time
-        self.name = self.plugin_dir.name
+        self.name = name or self.plugin_dir.name
 
     # ---- lifecycle ---------------------------------------------------------------------
     @staticmethod
-    def _plain_launcher(argv: list[str]) -> subprocess.Popen:
+    def _plain_launcher(argv: list[str], **_plugin) -> subprocess.Popen:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT),
                                                           env.get("PYTHONPATH")]))
@@ -71,7 +73,9 @@ class PluginHost:
         """Start the process and load the model; returns the host's ready message."""
         t0 = time.perf_counter()
         try:
-            self.proc = self.launcher([sys.executable, "-m", "provider_agent.host.main"])
+            self.proc = self.launcher([sys.executable, "-m", "provider_agent.host.main"],
+                                      plugin=self.name, plugin_dir=self.plugin_dir,
+                                      weights_dir=self.weights_dir)
         except AgentError as exc:  # the sandbox could not be set up (SandboxError)
             raise HostError("host_start_failed", f"could not start the plugin host for "
                             f"{self.name}: {exc}", retryable=True) from exc

@@ -6,17 +6,23 @@ can be tested without running anything.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SandboxPolicyError
+from .hostuser import SandboxUser, staging_plan, unusable_sources
 from .policy import SandboxPolicy
 
-#: uid/gid of the host process inside the sandbox (its own user namespace; outside it is
-#: still the agent's user, but holds no capability there).
+DROP_SCRIPT = Path(__file__).resolve().with_name("drop_to_user.py")
+
+#: uid/gid of the host process inside the sandbox's own user namespace. Outside it is the
+#: user bwrap runs as: the agent's own user, or, when the agent is root, the unprivileged
+#: sandbox user (``hostuser``) — never host root.
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 SCRATCH = "/scratch"
@@ -31,6 +37,19 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/n
              "/etc/localtime", "/etc/alternatives", "/etc/nvidia")
 #: Extra NVIDIA device nodes a CUDA process needs, besides /dev/nvidiaN.
 NVIDIA_SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+#: What container runtimes (runc, podman) hide of the kernel: masked entries read as empty
+#: (a file covered by /dev/null, a directory by an empty read-only tmpfs); read-only ones
+#: stay readable but nothing in them can be written, whoever the writer is. Masked /sys
+#: entries matter only when /sys is bound (with GPUs). Entries this kernel lacks are skipped.
+MASKED_PATHS = ("/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore",
+                "/proc/keys", "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",
+                "/proc/sched_debug", "/proc/scsi", "/sys/firmware",
+                "/sys/devices/virtual/powercap")
+READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+#: The writable places of a sandbox, each a private tmpfs that the host empties of what a
+#: job left (provider_agent.host.main.ScratchCleaner). POSIX message queues, the one other
+#: named store, are refused by the seccomp filter.
+WRITABLE_PLACES = (SCRATCH, "/tmp", "/dev/shm")
 
 PASSWD = (f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
           f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sparecycles plugin host:{SCRATCH}:"
@@ -103,6 +122,41 @@ def _system_args() -> list[str]:
     return args
 
 
+def _mask_args(prefix: str) -> list[str]:
+    """Masks and read-only binds of ``MASKED_PATHS``/``READONLY_PATHS`` under ``prefix``
+    ("/proc" or "/sys"). A read-only path is bound from the agent's own /proc: what a
+    sysctl file shows depends on the reader's namespaces, not on the mount."""
+    args: list[str] = []
+    for path in MASKED_PATHS:
+        if not path.startswith(prefix + "/") or not os.path.lexists(path):
+            continue
+        if os.path.isdir(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+        else:
+            args += ["--ro-bind", "/dev/null", path]
+    for path in READONLY_PATHS:
+        if path.startswith(prefix + "/") and os.path.lexists(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+#: Options whose next argument is a host path that bwrap binds (and so looks up).
+_SOURCE_FLAGS = ("--bind", "--ro-bind", "--dev-bind", "--bind-try", "--ro-bind-try",
+                 "--dev-bind-try")
+
+
+def bind_sources(cmd: list[str]) -> tuple[list[str], list[str]]:
+    """The host paths a bwrap command binds, and those of them bound as devices."""
+    end = cmd.index("--") if "--" in cmd else len(cmd)
+    sources, devices = [], []
+    for i, arg in enumerate(cmd[:end]):
+        if arg in _SOURCE_FLAGS and i + 1 < end:
+            sources.append(cmd[i + 1])
+            if arg.startswith("--dev-bind"):
+                devices.append(cmd[i + 1])
+    return sources, devices
+
+
 def _is_within(path: Path, other: Path) -> bool:
     return path == other or other in path.parents
 
@@ -143,7 +197,9 @@ def _mount_args(policy: SandboxPolicy) -> list[str]:
 
 def build_command(policy: SandboxPolicy, argv: list[str], fds: BwrapFds,
                   bwrap: str = "bwrap", as_root: bool | None = None) -> list[str]:
-    """The full bubblewrap argv for ``argv`` under ``policy``."""
+    """The full bubblewrap argv for ``argv`` under ``policy``. ``as_root``: bwrap itself
+    runs as root (default: this process is root), so capabilities are dropped inside; an
+    agent that is root runs bwrap as the sandbox user instead (``dropping_command``)."""
     if not argv:
         raise SandboxPolicyError("nothing to run: argv is empty")
     as_root = os.geteuid() == 0 if as_root is None else as_root
@@ -164,12 +220,13 @@ def build_command(policy: SandboxPolicy, argv: list[str], fds: BwrapFds,
     # temporary project, a weights cache) shows through it rather than being covered.
     cmd += ["--size", scratch_bytes, "--perms", "01777", "--tmpfs", "/tmp"]
     cmd += _mount_args(policy)
-    cmd += ["--proc", "/proc", "--dev", "/dev",
+    cmd += ["--proc", "/proc", *_mask_args("/proc"), "--dev", "/dev",
             "--size", scratch_bytes, "--tmpfs", "/dev/shm",
             "--size", scratch_bytes, "--perms", "0777", "--tmpfs", SCRATCH]
     if policy.gpu_devices:
         cmd += gpu_device_args(policy.gpu_devices)
         cmd += ["--ro-bind", "/sys", "/sys"]  # the CUDA driver reads PCI topology here
+        cmd += _mask_args("/sys")
     # The root itself is a tmpfs bwrap made to hold the mount points: freeze it.
     cmd += ["--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
     for key, value in sorted(policy.env.items()):
@@ -181,9 +238,40 @@ def build_command(policy: SandboxPolicy, argv: list[str], fds: BwrapFds,
     return [*cmd, "--", *map(str, argv)]
 
 
-@functools.lru_cache(maxsize=1)
-def probe() -> tuple[bool, str]:
-    """Run ``true`` in a minimal sandbox with the namespaces we use; cached per process."""
+def dropping_command(cmd: list[str], user: SandboxUser, deep: list[str] = (),
+                     hidden: list[str] = (), rlimits: dict[int, int] | None = None) -> list[str]:
+    """``cmd`` (a bwrap command) as root starts it for ``user``: through drop_to_user.py,
+    which makes the bound paths reachable (``hostuser.staging_plan``), becomes ``user``
+    and executes bwrap. Refuses, saying what to change, a bound path ``user`` could not
+    use (a folder it cannot read, a GPU node it cannot open; in the trees of ``deep`` —
+    the plugin and its weights — any file but those ``hidden``). ``rlimits`` (resource →
+    value) are set before bwrap starts, so everything in the sandbox inherits them."""
+    sources, devices = bind_sources(cmd)
+    sources = [str(Path(s).resolve()) if not s.startswith("/proc/") else s for s in sources]
+    bad = unusable_sources(sources, user, devices=devices, deep=list(deep), skip=list(hidden))
+    if bad:
+        raise SandboxPolicyError(
+            f"plugin hosts run as the unprivileged host user {user}, which could not use "
+            f"{'; '.join(bad)}. Make them readable to it (chmod -R o+rX on the folder: "
+            "files o+r, folders o+rx; GPU nodes rw, as the NVIDIA driver makes them by "
+            "default, or put the user in their group), or set sandbox_user in agent.toml "
+            "to a user that can")
+    spec = {"uid": user.uid, "gid": user.gid, "groups": list(user.groups or (user.gid,)),
+            "plan": [[op.kind, op.path] for op in staging_plan(sources, user)],
+            "rlimits": [[res, value] for res, value in (rlimits or {}).items()],
+            "argv": cmd}
+    return helper_command(spec)
+
+
+def helper_command(spec: dict) -> list[str]:
+    """The command running drop_to_user.py with ``spec`` (isolated: no site, no env)."""
+    return [sys.executable, "-I", "-S", str(DROP_SCRIPT), json.dumps(spec)]
+
+
+@functools.lru_cache(maxsize=8)
+def probe(user: SandboxUser | None = None) -> tuple[bool, str]:
+    """Run ``true`` in a minimal sandbox with the namespaces we use, as ``user`` when given
+    (how a root agent starts hosts); cached per process and user."""
     exe = bwrap_path()
     if exe is None:
         return False, ("bubblewrap is not installed: apt-get install bubblewrap (dnf install "
@@ -198,12 +286,19 @@ def probe() -> tuple[bool, str]:
            "--die-with-parent", "--new-session", *_system_args(),
            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--", "true"]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        if user is not None:
+            cmd = dropping_command(cmd, user)
+    except SandboxPolicyError as exc:
+        return False, str(exc)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"bubblewrap could not start ({exc}); run the agent with --no-sandbox"
     if res.returncode != 0:
-        return False, (f"bubblewrap does not work here: {res.stderr.strip() or res.returncode}. "
-                       "User namespaces may be disabled (sysctl kernel.unprivileged_userns_clone"
-                       "=1, or on Ubuntu 24.04 an AppArmor profile for bwrap), or run the "
-                       "agent with --no-sandbox")
-    return True, f"bubblewrap at {exe} works"
+        who = f" as the unprivileged user {user}" if user is not None else ""
+        return False, (f"bubblewrap does not work{who} here: "
+                       f"{res.stderr.strip() or res.returncode}. User namespaces may be "
+                       "disabled for unprivileged users (sysctl kernel.unprivileged_userns_clone"
+                       "=1 and user.max_user_namespaces > 0, or on Ubuntu 24.04 an AppArmor "
+                       "profile for bwrap), or run the agent with --no-sandbox")
+    return True, f"bubblewrap at {exe} works" + (f" as {user}" if user is not None else "")

@@ -35,6 +35,9 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff", "reboot",
     "acct", "quotactl", "lookup_dcookie", "syslog", "iopl", "ioperm",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    # POSIX message queues: a named store outside the writable places the host empties
+    # after each job (and no inference library uses them)
+    "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
 )
 
 #: clone() flags that create namespaces; a clone carrying any of them is refused.

@@ -21,7 +21,7 @@ ECHO = builtin_plugin_dir("echo")
 
 
 def _python(code: str):
-    def launch(argv):
+    def launch(argv, **_plugin):
         return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE)
     return launch
@@ -45,7 +45,7 @@ def test_a_host_that_never_gets_ready_is_start_timeout_and_is_killed():
 
 
 def test_a_sandbox_that_cannot_start_is_host_start_failed():
-    def launch(argv):
+    def launch(argv, **_plugin):
         raise SandboxUnavailable("bubblewrap is not installed")
 
     host = PluginHost(ECHO, None, device="cpu", launcher=launch)
@@ -90,8 +90,8 @@ def test_a_bug_in_the_agent_is_not_disguised_as_a_dead_host(monkeypatch):
         host.kill()
 
 
-def test_the_sandbox_read_only_paths_are_the_same_for_the_cli_and_the_agent(tmp_path,
-                                                                          monkeypatch):
+def test_each_plugin_host_is_given_its_own_plugin_and_nothing_of_the_others(tmp_path,
+                                                                            monkeypatch):
     from types import SimpleNamespace
 
     from provider_agent import launch
@@ -99,17 +99,51 @@ def test_the_sandbox_read_only_paths_are_the_same_for_the_cli_and_the_agent(tmp_
     from provider_agent.config import AgentConfig
     from sdk.protocol.signing import KeyPair
 
-    installer = SimpleNamespace(root=tmp_path / "cache")
+    root = tmp_path / "weights"
+    mine, theirs = root / "echo", root / "other"
+    (mine / "adapters").mkdir(parents=True)
+    theirs.mkdir()
+    (root / "adapters" / "echo").mkdir(parents=True)        # adapters beside the weights
+    (root / "adapters" / "other").mkdir(parents=True)
+    own_adapter = tmp_path / "elsewhere" / "ink"            # an operator's own, linked in
+    own_adapter.mkdir(parents=True)
+    (mine / "adapters" / "ink").symlink_to(own_adapter)
+    cache = tmp_path / "cache"
+    (cache / "adapters" / "other" / "film@1").mkdir(parents=True)
+    got = launch.plugin_ro_paths("echo", ECHO, mine, registry_root=cache)
+    assert got == [ECHO.resolve(), mine, own_adapter, root / "adapters" / "echo",
+                   cache / "adapters" / "echo"]
+    assert (cache / "adapters" / "echo").is_dir()  # adapters installed later show up
+    assert not any(p in (theirs, root, cache, root / "adapters" / "other") or
+                   "other" in p.parts for p in got)
+    # Host code: the host package, the plugin API, sdk/protocol; never the whole checkout.
+    code = launch.host_code_paths()
+    project = launch.PROJECT_ROOT
+    assert project not in code and project / "plugins" not in code
+    assert project / "provider_agent" / "host" in code and project / "plugins" / "api.py" in code
+    assert not any(p.is_relative_to(project / "tests") or p.is_relative_to(project / "broker")
+                   or p.is_relative_to(project / "plugins" / "echo") for p in code)
+
+    # The agent hands its launcher the registry cache and a cheat's paths once, at
+    # construction; each host then names its own plugin when it starts.
+    installer = SimpleNamespace(root=cache)
     cheat = SimpleNamespace(extra_ro_paths=lambda: [tmp_path / "other-weights"],
                             announce=lambda: None, weights_for=lambda output, honest: honest)
-    want = [ECHO, tmp_path / "cache", tmp_path / "other-weights"]
-    assert launch.sandbox_ro_paths({"echo": ECHO}, installer, cheat) == want
-    assert launch.sandbox_ro_paths({"echo": ECHO}) == [ECHO]
     asked = []
-    monkeypatch.setattr(launch, "host_launcher", lambda **kw: asked.append(kw["plugin_dirs"]))
+    monkeypatch.setattr(launch, "host_launcher", lambda **kw: asked.append(kw))
     Agent(AgentConfig(api_key="k", plugins=["echo"], device="cpu"), KeyPair.generate(),
           plugin_dirs={"echo": ECHO}, sandboxed=True, installer=installer, cheat=cheat)
-    assert asked == [want]  # the agent's own launcher (none given) binds the cache too
+    assert asked[0]["registry_root"] == cache
+    assert asked[0]["extra_ro_paths"] == [tmp_path / "other-weights"]
+    started = []
+
+    def launcher(argv, **plugin):
+        started.append(plugin)
+        raise SandboxUnavailable("recorded")
+
+    with pytest.raises(HostError):
+        PluginHost(ECHO, mine, device="cpu", launcher=launcher, name="echo").start()
+    assert started == [{"plugin": "echo", "plugin_dir": ECHO, "weights_dir": mine}]
 
 
 def test_gpu_nodes_follow_the_device(tmp_path, monkeypatch):
@@ -128,8 +162,45 @@ def test_gpu_nodes_follow_the_device(tmp_path, monkeypatch):
 def test_a_stale_cgroup_left_by_a_killed_agent_is_replaced(tmp_path):
     """An agent SIGKILLed before cleanup leaves host-<pid>-<n>; a later agent that gets
     the same pid must not fail to start its plugin host."""
-    from provider_agent.sandbox.cgroups import CgroupV1Limits
+    from provider_agent.sandbox.cgroups import _fresh_dir
 
-    stale = tmp_path / "sparecycles" / "host-42-0"
+    stale = tmp_path / "sparecycles" / "agent-42-0" / "host-42-0"
     stale.mkdir(parents=True)
-    assert CgroupV1Limits._mkdir(tmp_path, "host-42-0") == stale and stale.is_dir()
+    assert _fresh_dir(stale.parent, "host-42-0") == stale and stale.is_dir()
+    assert _fresh_dir(tmp_path / "sparecycles", "agent-42-0") == stale.parent
+    assert not stale.exists()  # its empty children went with it
+
+
+def test_agent_wide_limits_come_from_agent_toml_and_bad_values_say_what_is_allowed(tmp_path):
+    import os
+
+    from provider_agent.config import AgentConfig, load_config, save_config
+    from provider_agent.errors import ConfigError
+    from provider_agent.launch import HostLauncher, host_launcher
+
+    cfg = AgentConfig(api_key="k", memory_limit_mb=3000, cpu_cores=1.0, sandbox_user="")
+    save_config(cfg, tmp_path)
+    loaded = load_config(tmp_path)
+    assert (loaded.memory_limit_mb, loaded.cpu_cores) == (3000, 1.0)
+    loaded.check()
+    cores = os.cpu_count() or 1
+    for bad, says in ((dict(cpu_cores=cores + 1), f"this machine has {cores} core"),
+                      (dict(cpu_cores=-1), "above 0"),
+                      (dict(memory_limit_mb=-5), "a whole number"),
+                      (dict(memory_limit_mb=1.5), "a whole number"),
+                      (dict(sandbox_user=7), "as a string")):
+        with pytest.raises(ConfigError, match=says):
+            AgentConfig(api_key="k", **bad).check()
+    with pytest.raises(ConfigError, match="at most"):
+        HostLauncher(cpu_cores=cores * 2)
+    defaults = HostLauncher()
+    assert defaults.cpu_cores == cores and defaults.memory_limit_mb >= 2048
+    assert "OMP_NUM_THREADS" not in defaults.env or "OMP_NUM_THREADS" in os.environ
+    from provider_agent.sandbox import Sandbox
+
+    if not Sandbox.available()[0]:
+        return
+    launcher = host_launcher(sandboxed=True, cfg=cfg, home=tmp_path)
+    assert (launcher.memory_limit_mb, launcher.cpu_cores) == (3000, 1.0)
+    if "OMP_NUM_THREADS" not in os.environ:  # torch then uses as many threads as cores
+        assert launcher.env["OMP_NUM_THREADS"] == "1"

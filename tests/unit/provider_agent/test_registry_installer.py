@@ -106,6 +106,9 @@ def test_installs_a_signed_adapter_and_links_it_for_the_plugin_host(world):
         (folder / "pytorch_lora_weights.safetensors").read_bytes()
     assert inst.installed_adapters() == [{"plugin": "sd15", "name": "ink", "version": "1.0.0",
                                           "digest": got.digest}]
+    # Readable to the unprivileged user a root agent's plugin hosts run as.
+    assert all(p.stat().st_mode & (0o005 if p.is_dir() else 0o004)
+               for p in [got.path, *got.path.rglob("*")])
     link = inst.link_adapter(got, world.tmp / "weights" / "sd15" / "adapters")
     assert link.is_symlink() and (link / "adapter.json").is_file()
     assert inst.verify_installed(got.key).digest == got.digest

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from provider_agent.sandbox import Sandbox, SandboxPolicy
-from provider_agent.sandbox.cgroups import MemoryWatchdog
+from provider_agent.sandbox import Sandbox, SandboxPolicy, SandboxUser
+from provider_agent.sandbox.cgroups import MemoryWatchdog, make_agent_limits, process_tree
+from tests.sandbox_helpers import run_as_ordinary_user
 
 _ok, _reason = Sandbox.available()
 if not _ok and os.environ.get("SPARECYCLES_REQUIRE_SANDBOX") == "1":
@@ -40,12 +41,12 @@ def make_sandbox(tmp_path):
     (project / "plugin.py").write_text("VALUE = 42\n")
     made: list[Sandbox] = []
 
-    def make(**kwargs) -> Sandbox:
+    def make(agent_limits=None, **kwargs) -> Sandbox:
         kwargs.setdefault("hide_paths", [config])
         kwargs.setdefault("memory_limit_mb", 512)
         kwargs.setdefault("pids_limit", 64)
         policy = SandboxPolicy.for_current_python([project], **kwargs)
-        sb = Sandbox(policy, f"t-{uuid.uuid4().hex[:10]}")
+        sb = Sandbox(policy, f"t-{uuid.uuid4().hex[:10]}", agent_limits=agent_limits)
         made.append(sb)
         return sb
 
@@ -330,3 +331,211 @@ print(json.dumps({"sum": float((x @ x.T).sum()), "threads": torch.get_num_thread
 """, timeout_s=120)
     assert rc == 0, err[-2000:]
     assert out["sum"] == 83.0
+
+
+# ---- the host's kernel and the host uid ------------------------------------------------
+
+CORE_PATTERN = "/proc/sys/kernel/core_pattern"
+ASLR = "/proc/sys/kernel/randomize_va_space"
+MASKED = ["/proc/keys", "/proc/timer_list", "/proc/kcore", "/proc/sched_debug",
+          "/proc/interrupts", "/proc/sysrq-trigger"]
+
+
+@pytest.fixture
+def host_kernel():
+    """The host's values of what the attack writes; put back after the test if it ever
+    changed them (the test then fails)."""
+    before = {p: Path(p).read_text() for p in (CORE_PATTERN, ASLR)}
+    yield before
+    for path, value in before.items():
+        if Path(path).read_text() != value:
+            Path(path).write_text(value)
+
+
+def kernel_attack(host_kernel) -> str:
+    """Python that tries to change the host's kernel and read what runtimes mask, prints
+    what it hit as JSON, then waits for its stdin to close (so the test can look at it
+    from outside while it runs)."""
+    writes = [[CORE_PATTERN, "core.sparecycles-sandbox-test\n"],
+              [ASLR, host_kernel[ASLR]],           # the same value: any write is a hole
+              ["/proc/sys/vm/drop_caches", "1"],
+              ["/proc/sys/kernel/hostname", "pwned"],
+              ["/proc/sysrq-trigger", ""]]           # opened for writing, nothing written
+    return ATTEMPT + f"""
+def write(path, value):
+    def go():
+        with open(path, "w") as f:
+            f.write(value)
+    return go
+res = {{path: attempt(write(path, value)) for path, value in {writes!r}}}
+for path in {MASKED!r}:
+    res["read " + path] = attempt(lambda path=path: open(path, "rb").read(64))
+res["uid_map"] = open("/proc/self/uid_map").read().split()
+print(json.dumps(res), flush=True)
+import sys
+sys.stdin.read()
+"""
+
+
+def host_uids(root_pid: int) -> dict[int, list[int]]:
+    """Real, effective, saved and filesystem uid of every process of a sandbox, as the
+    host sees them (/proc/<pid>/status, read from outside)."""
+    out = {}
+    for pid in process_tree(root_pid):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        out[pid] = [int(v) for v in status.split("Uid:")[1].split("\n")[0].split()]
+    return out
+
+
+def assert_kernel_untouched(out: dict, host_kernel: dict) -> None:
+    for path in (CORE_PATTERN, ASLR, "/proc/sys/vm/drop_caches", "/proc/sys/kernel/hostname",
+                 "/proc/sysrq-trigger"):
+        assert out[path]["ok"] is False, f"{path} was writable from inside: {out[path]}"
+    for path in MASKED:
+        got = out["read " + path]
+        assert got["ok"] is False or got["value"] == "b''", f"{path} is readable: {got}"
+    assert {p: Path(p).read_text() for p in host_kernel} == host_kernel
+
+
+def test_the_host_kernel_cannot_be_changed_and_no_sandbox_process_is_host_root(
+        make_sandbox, host_kernel):
+    sb = make_sandbox()
+    proc = sb.popen([sys.executable, "-c", kernel_attack(host_kernel)], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        uids = host_uids(proc.pid)  # while it runs: bwrap, its init and the attacker
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    out = json.loads(line)
+    assert_kernel_untouched(out, host_kernel)
+    assert len(uids) >= 3, uids
+    for pid, ids in uids.items():
+        assert 0 not in ids, f"sandbox process {pid} runs as host uid {ids}"
+    if os.geteuid() == 0:  # as root: the sandbox user, never root
+        assert {ids[0] for ids in uids.values()} == {SandboxUser.resolve().uid}
+
+
+def test_as_an_ordinary_user_too_the_host_kernel_cannot_be_changed(host_kernel):
+    code = f"""
+import json, os, subprocess, sys
+from provider_agent.sandbox import Sandbox, SandboxPolicy
+from provider_agent.sandbox.cgroups import process_tree
+ok, why = Sandbox.available()
+if not ok:
+    print(json.dumps({{"unavailable": why}})); sys.exit(0)
+sb = Sandbox(SandboxPolicy.for_current_python([], memory_limit_mb=256), "ordinary-{uuid.uuid4().hex[:8]}")
+proc = sb.popen([sys.executable, "-c", {kernel_attack(host_kernel)!r}], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True)
+out = json.loads(proc.stdout.readline())
+out["uids"] = {{pid: open(f"/proc/{{pid}}/status").read().split("Uid:")[1].split()[:4]
+               for pid in process_tree(proc.pid)}}
+out["agent_uid"] = os.getuid()
+proc.stdin.close(); proc.wait(30); sb.cleanup()
+print(json.dumps(out))
+"""
+    res = run_as_ordinary_user(code)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    if "unavailable" in out:
+        pytest.skip(f"an unprivileged user cannot run bubblewrap here: {out['unavailable']}")
+    assert out["agent_uid"] != 0
+    assert_kernel_untouched(out, host_kernel)
+    assert out["uids"] and all(int(u) == out["agent_uid"] for ids in out["uids"].values()
+                                for u in ids), out["uids"]
+
+
+# ---- limits of the agent as a whole ----------------------------------------------------
+
+HOLD = """
+import sys
+held = b"x" * (120 << 20)   # every page touched
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def _peak_bytes(agent) -> int | None:
+    if "memory" not in agent.dirs:
+        return None
+    d = agent.dirs["memory"]
+    for name in ("memory.max_usage_in_bytes", "memory.peak"):  # v1, v2
+        if (d / name).exists():
+            return int((d / name).read_text().split()[0])
+    return None
+
+
+def test_two_sandboxes_together_cannot_take_more_than_the_agents_memory_budget(make_sandbox):
+    budget_mb = 200
+    agent = make_agent_limits(f"t-{uuid.uuid4().hex[:10]}", budget_mb, None)
+    boxes, procs = [], []
+    try:
+        for _ in range(2):  # each alone may take the whole budget; 2 x 120 MiB do not fit
+            sb = make_sandbox(memory_limit_mb=budget_mb, agent_limits=agent)
+            proc = sb.popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+            boxes.append(sb)
+            procs.append(proc)
+            proc.stdout.readline()  # "holding", or "" when it was the one killed
+        for proc in procs:
+            if proc.poll() is None:
+                proc.stdin.close()
+            proc.wait(30)
+        codes = [p.returncode for p in procs]
+        breaches = [sb.limit_breached() for sb in boxes]
+        assert sorted(c == 0 for c in codes) == [False, True], (codes, breaches)
+        assert breaches[codes.index(next(c for c in codes if c != 0))] == "memory"
+        peak = _peak_bytes(agent)
+        if peak is not None:  # a cgroup: the kernel never let the two exceed it together
+            assert peak <= budget_mb << 20
+    finally:
+        for sb in boxes:
+            sb.cleanup()
+        agent.remove()
+
+
+SPIN = """
+import json, os, time
+def spin(until):
+    while time.monotonic() < until:
+        pass
+start = time.monotonic()
+kids = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        spin(start + 1.5)
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.waitpid(pid, 0)
+t = os.times()
+print(json.dumps({"cpu_s": t.children_user + t.children_system,
+                  "wall_s": time.monotonic() - start}))
+"""
+
+
+def test_the_agents_cpu_limit_holds_for_what_runs_in_a_sandbox(make_sandbox):
+    agent = make_agent_limits(f"t-{uuid.uuid4().hex[:10]}", None, 0.1)
+    try:
+        if agent.enforcement["cpu"].startswith("none"):
+            pytest.skip(f"no CPU limit on this machine: {agent.enforcement['cpu']}")
+        d = agent.dirs["cpu"]
+        if (d / "cpu.max").exists():  # v2
+            assert (d / "cpu.max").read_text().split() == ["10000", "100000"]
+        else:
+            assert (d / "cpu.cfs_quota_us").read_text().strip() == "10000"
+            assert (d / "cpu.cfs_period_us").read_text().strip() == "100000"
+        sb = make_sandbox(agent_limits=agent)
+        rc, out, err = run_in(sb, SPIN, timeout_s=120)
+        assert rc == 0, err
+        # Two busy processes for 1.5 s would take up to 3 s of CPU; a tenth of a core
+        # allows ~0.15 s. CPU time, not wall time: a loaded machine only lowers it.
+        assert out["cpu_s"] <= 0.25 * out["wall_s"], out
+        sb.cleanup()
+    finally:
+        agent.remove()
