@@ -200,3 +200,203 @@ def test_every_v1_route_is_in_the_openapi_document(api):
         assert path in paths, f"{rule.rule} is missing from /openapi.json"
         for method in rule.methods - {"HEAD", "OPTIONS"}:
             assert method.lower() in paths[path], f"{method} {rule.rule} is not documented"
+
+
+# ---- one Idempotency-Key, one request ----------------------------------------------------
+_ECHO = {"plugin": "echo", "inputs": {"text": "x"}}
+
+
+@pytest.mark.parametrize("first,second", [
+    ({**_ECHO, "n": 2}, _ECHO),                       # a batch, then one job
+    (_ECHO, {**_ECHO, "n": 2}),                       # one job, then a batch
+    ({**_ECHO, "n": 2}, {**_ECHO, "n": 3}),           # another split
+    ({**_ECHO, "n": 2, "max_price_micro": 5000}, {**_ECHO, "max_price_micro": 2500}),
+    (_ECHO, {**_ECHO, "priority": "fast"}),
+])
+def test_one_idempotency_key_never_makes_two_charged_requests(api, first, second):
+    client, services = api
+    who = services.auth.authenticate(client.environ_base["HTTP_AUTHORIZATION"].split()[1])
+    h = {"Idempotency-Key": "K"}
+    made = client.post("/v1/jobs", json=first, headers=h)
+    assert made.status_code == 202
+    held = services.ledger.balances(who.account_id)
+    counts = services.jobs.repo.counts_by_state()
+    other = client.post("/v1/jobs", json=second, headers=h)
+    assert other.status_code == 409 and other.json["code"] == "idempotency_conflict"
+    assert "used for another request" in other.json["detail"]
+    # nothing of the second request exists: no job, no hold
+    assert services.jobs.repo.counts_by_state() == counts
+    assert services.ledger.balances(who.account_id) == held
+    again = client.post("/v1/jobs", json=first, headers=h)  # the first, unchanged: its answer
+    assert again.status_code == 200 and again.json["id"] == made.json["id"]
+    assert again.json["object"] == made.json["object"]
+    assert services.ledger.balances(who.account_id) == held
+
+
+# ---- bodies, numbers and failures that must never be a 500 --------------------------------
+@pytest.mark.parametrize("raw,code,field", [
+    ('{"plugin": "echo", "inputs": {"text": "\\ud800"}}', "invalid_text", "inputs.text"),
+    ('{"plugin": "echo", "inputs": {"text": "a\\udfffb"}}', "invalid_text", "inputs.text"),
+    ('{"plugin": "echo", "inputs": {"\\ud800": "x"}}', "invalid_text", None),
+    ('{"plugin": "echo", "inputs": {"text": "' + "\\\\ud800" + '"}}', None, None),  # text
+    ('{"plugin": "echo", "x": ' + "[" * 1000 + "]" * 1000 + "}", "nested_too_deep", None),
+    ('{"plugin": "echo", "x": ' + "[" * 100000 + "]" * 100000 + "}", "nested_too_deep", None),
+    ('{"plugin": "echo", "x": ' + '{"a": ' * 40 + "1" + "}" * 40 + "}", "nested_too_deep", None),
+    ('{"plugin": "echo", "max_price_micro": 99999999999999999999999}', "malformed_json", None),
+    ('{"plugin": "echo", "max_price_micro": ' + "9" * 5000 + "}", "malformed_json", None),
+    ('{"plugin": "echo", "deadline_s": 1e999}', "malformed_json", None),
+    ('{"plugin": "echo", "deadline_s": NaN}', "malformed_json", None),
+    ('{"plugin": "echo", "deadline_s": -Infinity}', "malformed_json", None),
+])
+def test_bodies_no_storage_could_hold_are_refused_with_400(api, raw, code, field):
+    client, services = api
+    resp = client.post("/v1/jobs", data=raw.encode(), content_type="application/json")
+    if code is None:  # an escaped backslash: just text, accepted
+        assert resp.status_code in (202, 409), resp.json
+        return
+    assert resp.status_code == 400 and resp.mimetype == "application/problem+json", resp.data
+    assert resp.json["code"] == code and resp.json.get("field") == field
+    _no_jobs(services)
+
+
+def test_a_body_that_is_not_utf8_is_a_400(api):
+    client, services = api
+    resp = client.post("/v1/jobs", data=b'{"plugin": "echo\xff"}', content_type="application/json")
+    assert resp.status_code == 400 and "UTF-8" in resp.json["detail"]
+    _no_jobs(services)
+
+
+@pytest.mark.parametrize("query,headers", [
+    ({"after": str(2**63)}, {}), ({"after": str(2**64)}, {}), ({"after": "-1"}, {}),
+    ({"after": "9" * 5000}, {}), ({}, {"Last-Event-ID": str(2**63)}),
+    ({}, {"Last-Event-ID": "1e3"}),
+])
+def test_event_ids_out_of_storage_range_are_a_400_not_a_500(api, query, headers):
+    client, _ = api
+    job = client.post("/v1/jobs", json=_ECHO).json
+    resp = client.get(f"/v1/jobs/{job['id']}/events", query_string=query, headers=headers)
+    assert resp.status_code == 400 and resp.mimetype == "application/problem+json"
+    assert resp.json["field"] in ("after", "Last-Event-ID")
+    assert str(2**63 - 1) in resp.json["detail"].replace(",", "")
+
+
+def test_an_unexpected_failure_is_a_problem_with_the_request_id_and_writes_nothing(api):
+    """A storage failure the broker did not expect (here: a table gone) answers RFC 7807
+    JSON quoting the request's id (never a plain-text page), on a plain request and
+    inside an event stream that has begun; the failed submit left no job and no hold."""
+    from sqlalchemy import text
+
+    client, services = api
+    who = services.auth.authenticate(client.environ_base["HTTP_AUTHORIZATION"].split()[1])
+    job = client.post("/v1/jobs", json=_ECHO).json
+    balances = services.ledger.balances(who.account_id)
+    with services.engine.begin() as c:
+        c.execute(text("DROP TABLE job_events"))
+    resp = client.post("/v1/jobs", json=_ECHO, headers={"X-Request-Id": "req-42"})
+    assert resp.status_code == 500 and resp.mimetype == "application/problem+json"
+    assert resp.json["code"] == "internal" and resp.json["request_id"] == "req-42"
+    assert "req-42" in resp.json["detail"] and resp.headers["X-Request-Id"] == "req-42"
+    assert services.ledger.balances(who.account_id) == balances  # no hold of its own
+    assert [j.id for j in services.jobs.repo.list_for_account(who.account_id)] == [job["id"]]
+    stream = client.get(f"/v1/jobs/{job['id']}/events", headers={"X-Request-Id": "req-43"})
+    assert stream.status_code == 200  # the stream began before the failure
+    text_ = stream.get_data(as_text=True)
+    assert "event: error" in text_ and '"code": "internal"' in text_ and "req-43" in text_
+
+
+def test_every_answer_carries_a_request_id(api):
+    client, _ = api
+    assert len(client.get("/v1/account").headers["X-Request-Id"]) >= 16
+    assert client.get("/v1/account", headers={"X-Request-Id": "mine"}).headers[
+        "X-Request-Id"] == "mine"
+    assert client.get("/v1/nothing").json["request_id"]
+
+
+# ---- roles ------------------------------------------------------------------------------
+@pytest.mark.parametrize("role", ["provider", "publisher"])
+def test_a_role_that_cannot_submit_gets_403_naming_the_role_and_nothing_is_opened(api, role):
+    from broker.ledger.model import AccountKind
+
+    client, services = api
+    key, who = services.auth.create_account_with_key(role)
+    resp = client.post("/v1/jobs", json=_ECHO, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 403 and resp.json["code"] == "role_cannot_submit"
+    assert f"a {role} key" in resp.json["detail"] and "client key" in resp.json["detail"]
+    _no_jobs(services)
+    assert AccountKind.CLIENT_AVAILABLE not in services.ledger.balances(who.account_id)
+
+
+def test_an_admin_may_submit_and_is_told_when_its_balance_is_short(api):
+    client, services = api
+    key, _ = services.auth.create_account_with_key("admin")
+    resp = client.post("/v1/jobs", json=_ECHO, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 402 and resp.json["code"] == "insufficient_credits"
+
+
+@pytest.mark.parametrize("role,claimed", [("provider", "client"), ("client", "admin"),
+                                          ("publisher", "provider")])
+def test_a_key_whose_prefix_is_not_its_role_is_refused(api, role, claimed):
+    client, services = api
+    key, _ = services.auth.create_account_with_key(role)
+    forged = key.replace(f"sc_{role}_", f"sc_{claimed}_", 1)
+    resp = client.get("/v1/account", headers={"Authorization": f"Bearer {forged}"})
+    assert resp.status_code == 401 and resp.json["code"] == "unauthenticated"
+    assert f"issued as a {role} key" in resp.json["detail"]
+    assert client.get("/v1/account", headers={"Authorization": f"Bearer {key}"}).json[
+        "role"] == role
+
+
+def test_a_new_provider_is_told_in_its_own_terms_why_it_cannot_stake_yet(api):
+    """README: ``provider.stake(5_000_000)``. A new provider has no available (vested)
+    credits: the refusal says so in GET /v1/account's words, never a ledger account."""
+    client, services = api
+    key, who = services.auth.create_account_with_key("provider")
+    h = {"Authorization": f"Bearer {key}"}
+    resp = client.post("/v1/account/stake", json={"amount_micro": 5_000_000}, headers=h)
+    assert resp.status_code == 402 and resp.json["code"] == "insufficient_credits"
+    detail = resp.json["detail"]
+    assert "provider_available" not in detail and who.account_id not in detail
+    assert "5 credits" in detail and "0 credits available" in detail and "vest" in detail
+    assert resp.json["field"] == "amount_micro" and resp.json["available_micro"] == 0
+
+
+def _earn(services, client, provider_account: str, micro: int, job: str, **post) -> None:
+    """The provider earns ``micro`` from a job of the api client (a settled hold)."""
+    from broker.ledger.model import Splits
+
+    payer = services.auth.authenticate(client.environ_base["HTTP_AUTHORIZATION"].split()[1])
+    hold = services.ledger.hold(payer.account_id, micro, job, idempotency_key=f"job:{job}:hold")
+    services.ledger.post(hold.id, Splits(provider=provider_account, provider_micro=micro),
+                         idempotency_key=f"job:{job}:post", **post)
+
+
+def test_a_provider_with_vesting_earnings_is_told_when_they_vest(api):
+    client, services = api
+    key, who = services.auth.create_account_with_key("provider")
+    _earn(services, client, who.account_id, 2_500_000, "job-1")
+    resp = client.post("/v1/account/stake", json={"amount_micro": 1_000_000},
+                       headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 402
+    assert "2.5 credits vesting" in resp.json["detail"] and " UTC" in resp.json["detail"]
+
+
+def test_one_key_on_stake_and_unstake_is_refused_the_second_time(api):
+    client, services = api
+    key, who = services.auth.create_account_with_key("provider")
+    services.ledger.open_provider(who.account_id)
+    h = {"Authorization": f"Bearer {key}", "Idempotency-Key": "S"}
+    first = client.post("/v1/account/stake", json={"amount_micro": 1}, headers=h)
+    assert first.status_code == 402  # nothing to stake: refused, and the key stays free
+    from broker.ledger.model import AccountId, AccountKind
+
+    _earn(services, client, who.account_id, 2_000_000, "job-2", vesting_window_s=0)
+    services.ledger.vest(who.account_id)
+    assert services.ledger.balance(AccountId(AccountKind.PROVIDER_AVAILABLE, who.account_id))
+    assert client.post("/v1/account/stake", json={"amount_micro": 1_000_000},
+                       headers=h).status_code == 200
+    again = client.post("/v1/account/stake", json={"amount_micro": 1_000_000}, headers=h)
+    assert again.status_code == 200 and again.json["stake_micro"] == 1_000_000  # a replay
+    other = client.post("/v1/account/unstake", json={"amount_micro": 1_000_000}, headers=h)
+    assert other.status_code == 409 and other.json["code"] == "idempotency_conflict"
+    assert client.get("/v1/account", headers={"Authorization": f"Bearer {key}"}).json[
+        "stake_micro"] == 1_000_000
