@@ -5,7 +5,7 @@ from flask import Flask, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from broker.errors import BrokerError
-from .api.common import REQUEST_ID, internal_problem, request_id
+from .api.common import REQUEST_ID, check_url_text, internal_problem, request_id
 
 PUBLIC = ("/livez", "/readyz", "/openapi.json", "/v1/stripe/webhook")
 
@@ -30,6 +30,7 @@ def create_app(services) -> Flask:
     def authenticate():
         if request.path in PUBLIC or not request.path.startswith("/v1"):
             return None
+        check_url_text()
         header = request.headers.get("Authorization", "")
         token = header[7:].strip() if header.lower().startswith("bearer ") else ""
         g.principal = services.auth.authenticate(token)

@@ -4,7 +4,7 @@ bodies, numeric query arguments.
 Everything a client sends is checked here once, before any service sees it, so that no
 input can reach storage that storage cannot hold: a JSON body must be UTF-8 text whose
 strings are all Unicode text (no lone surrogates, which no database stores and UTF-8
-cannot encode), nested at most ``MAX_JSON_DEPTH`` deep, with integers that fit 64 bits and
+cannot encode, and no NUL, which PostgreSQL's text refuses), nested at most ``MAX_JSON_DEPTH`` deep, with integers that fit 64 bits and
 no NaN or infinities; numeric query arguments and headers are read by one helper with
 bounds (:func:`int_arg`, :func:`seconds_arg`), at most 64-bit."""
 from __future__ import annotations
@@ -86,9 +86,9 @@ def idempotency_key(max_chars: int = 200) -> str | None:
     """The request's ``Idempotency-Key`` (None when it sent none): 1 to ``max_chars``
     characters, else a 400 naming the header."""
     key = request.headers.get("Idempotency-Key")
-    if key is not None and not 0 < len(key) <= max_chars:
-        raise InvalidRequest(f"Idempotency-Key must be 1 to {max_chars} characters, got "
-                             f"{len(key)}", field="Idempotency-Key")
+    if key is not None and (not 0 < len(key) <= max_chars or not key.isprintable()):
+        raise InvalidRequest(f"Idempotency-Key must be 1 to {max_chars} printable "
+                             f"characters, got {len(key)}", field="Idempotency-Key")
     return key
 
 
@@ -199,7 +199,8 @@ def parse_json(raw: bytes):
     Unicode (no lone surrogate escapes such as "\\ud800"), nested at most MAX_JSON_DEPTH
     deep. Anything else is a 400 (``malformed_json``; ``invalid_text`` naming the field of
     a string that is not text; ``nested_too_deep``), so nothing recursive over a body
-    (canonical encoding, schema checks, the database's JSON) ever meets it."""
+    (canonical encoding, schema checks, the database's JSON) ever meets it. A NUL
+    character (\\u0000) is refused too: PostgreSQL's text columns cannot hold it."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -241,8 +242,7 @@ def _check_tree(value) -> None:
             if isinstance(node, dict):
                 for key, item in node.items():
                     where = f"{path}.{key}" if path else key
-                    if not key.isascii():
-                        _check_text(key, path or "(the body)", key=True)
+                    _check_text(key, path or "the body", key=True)
                     if isinstance(item, (str, dict, list)):
                         stack.append((item, depth + 1, where))
             else:
@@ -252,18 +252,30 @@ def _check_tree(value) -> None:
 
 
 def _check_text(text: str, path: str, *, key: bool = False) -> None:
+    what = f"a key in {path}" if key else (path or "the body")
+    field = None if key or not path else _printable(path)
+    if "\x00" in text:  # PostgreSQL's text holds no NUL; no input needs one
+        raise InvalidRequest(f"{what} holds a NUL character (\\u0000), which the broker "
+                             "does not store; leave it out", field=field,
+                             code_override="invalid_text")
     if text.isascii():
         return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         bad = f"\\u{ord(text[exc.start]):04x}"
-        what = f"a key in {path}" if key else (path or "the body")
         raise InvalidRequest(f"{what} holds a lone surrogate ({bad}), which is not text: "
                              "escape characters outside the BMP as a surrogate pair "
-                             "(\\ud83d\\ude00) or send them as UTF-8",
-                             field=None if key or not path else _printable(path),
+                             "(\\ud83d\\ude00) or send them as UTF-8", field=field,
                              code_override="invalid_text") from None
+
+
+def check_url_text() -> None:
+    """Refuse a path or query string holding a NUL character (``%00``), which no column
+    stores (PostgreSQL's text refuses it): ids, names and versions come from there."""
+    if "\x00" in request.path or b"%00" in request.query_string:
+        raise InvalidRequest("the URL holds a NUL character (%00), which no id, name or "
+                             "argument may contain", code_override="invalid_text")
 
 
 def _printable(path: str) -> str:

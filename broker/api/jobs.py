@@ -8,8 +8,8 @@ from flask import Blueprint, Response, request, stream_with_context
 
 from broker.errors import BrokerError
 from broker.jobs.model import Job, JobOutput
-from .common import (int_arg, internal_problem, json_body, output_response, principal,
-                     request_id, seconds_arg, services)
+from .common import (idempotency_key, int_arg, internal_problem, json_body, output_response,
+                     principal, request_id, seconds_arg, services)
 
 bp = Blueprint("jobs", __name__)
 
@@ -80,7 +80,7 @@ def create_job():
     job, or every sibling of a split request (n > 1), to end, saving the client a second
     request; ``Preference-Applied`` then says so.
     """
-    key = request.headers.get("Idempotency-Key")
+    key = idempotency_key()
     wait_s = _preferred_wait(request.headers.get("Prefer"))  # checked before any row exists
     svc, who = services(), principal()
     job, created = svc.jobs.submit(who, json_body(), idempotency_key=key)

@@ -238,6 +238,7 @@ def test_one_idempotency_key_never_makes_two_charged_requests(api, first, second
     ('{"plugin": "echo", "inputs": {"text": "\\ud800"}}', "invalid_text", "inputs.text"),
     ('{"plugin": "echo", "inputs": {"text": "a\\udfffb"}}', "invalid_text", "inputs.text"),
     ('{"plugin": "echo", "inputs": {"\\ud800": "x"}}', "invalid_text", None),
+    ('{"plugin": "echo", "inputs": {"text": "a\\u0000b"}}', "invalid_text", "inputs.text"),
     ('{"plugin": "echo", "inputs": {"text": "' + "\\\\ud800" + '"}}', None, None),  # text
     ('{"plugin": "echo", "x": ' + "[" * 1000 + "]" * 1000 + "}", "nested_too_deep", None),
     ('{"plugin": "echo", "x": ' + "[" * 100000 + "]" * 100000 + "}", "nested_too_deep", None),
