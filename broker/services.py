@@ -29,6 +29,7 @@ from broker.market.canary import CanaryService
 from broker.market.wiring import attach_market, manifests_of
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
+from broker.providers.presence import Presence
 from broker.providers.service import ProviderService
 from broker.registry.service import RegistryService
 from broker.settings import Settings
@@ -141,6 +142,12 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                         dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,
                         catalog=catalog, auth=auth)
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
+    if settings.unserved_expiry_s > 0:  # no provider for a build: refuse, then expire
+        presence = Presence(providers.repo, dispatcher.served,
+                            window_s=settings.unserved_expiry_s)
+        jobs.presence = presence
+        dispatcher.on_left = presence.left
+        maintenance.tasks += [presence.refresh, jobs.expire_unserved]
     verification = None
     if settings.verification:
         verification = _attach_verification(settings, sessions, accounts, jobs, catalog, ledger,

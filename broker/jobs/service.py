@@ -23,14 +23,15 @@ from broker.auth.service import Principal
 from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
-from .errors import JobNotCancellable, JobNotFound, OutputNotFound, ReceiptRefused
+from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, ReceiptRefused
 from .hub import EventHub
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
-from .ports import BlobStore, JobRepository
+from .ports import BlobStore, JobRepository, Presence
 
 log = logging.getLogger(__name__)
 ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
 BAD_INPUT = "bad_input"            # a failure code: the plugin refused the job's input
+NO_PROVIDER = "no_provider"        # a failure code: no provider served the build for long
 INPUT_DISPUTED = "input_disputed"  # a requeue: another operator's provider tries that input
 
 
@@ -72,6 +73,10 @@ class JobService:
         # The market (set by the wiring): admission of a job's terms before any row or hold
         # (raises CannotMeetTerms), and the timings of every verified receipt (θ).
         self.check_terms = None                  # callable(job, n_slots) -> None
+        # Whether anybody could run a build (set by the wiring): a job for a build no
+        # provider known to the broker serves is refused at submit (409 no_provider), and
+        # expire_unserved() gives up queued jobs whose build has had none for the window.
+        self.presence: Presence | None = None
         self.on_receipt = lambda job, receipt: None
         # A run that failed in a way that counts against the provider's reliability.
         self.on_failure = lambda provider_id, plugin: None
@@ -175,6 +180,14 @@ class JobService:
         written nothing, when an earlier request with the same idempotency key has it."""
         work_units = manifest.work_units_for(inputs)
         n = terms["n"]
+        if self.presence is not None and not self.presence.serves(manifest.name,
+                                                                   manifest.version):
+            raise NoProvider(
+                f"no provider serves {manifest.ref}: none is connected, and none that "
+                f"serves it was seen in the last {self.presence.window_s:g} s, so nobody "
+                "could run this job; nothing was queued or held. Submit it once a provider "
+                "serving it is online (GET /readyz counts providers online)",
+                field="plugin", plugin=manifest.name, version=manifest.version)
         if self.check_terms is not None:
             # Refused up front (no row, no hold) when no eligible provider meets the terms.
             self.check_terms(Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
@@ -699,6 +712,31 @@ class JobService:
             self.hub.notify(job.id)
             self.on_queued(moved)
         return moved
+
+    def expire_unserved(self, limit: int = 500) -> list[Job]:
+        """Fail the queued jobs (oldest ``limit``) whose build has had no provider for the
+        presence window: no provider connected now serves it and none that does was seen
+        within the window. Each fails ``no_provider`` with its hold voided (a full refund)
+        and a ``failed`` event; the maintenance thread calls it every pass."""
+        if self.presence is None:
+            return []
+        served: dict[tuple[str, str], bool] = {}
+        gone = []
+        for job in self.repo.queued(limit):
+            build = (job.plugin, job.plugin_version)
+            if build not in served:
+                served[build] = self.presence.serves(*build)
+            if served[build]:
+                continue
+            moved = self._fail(job, NO_PROVIDER,
+                               f"no provider has served {job.plugin}@{job.plugin_version} for "
+                               f"{self.presence.window_s:g} s (none connected, none seen), so "
+                               "the job was given up and its hold released in full")
+            if moved is not None:
+                log.info("job %s failed: no provider served %s@%s for %gs", job.id,
+                         job.plugin, job.plugin_version, self.presence.window_s)
+                gone.append(moved)
+        return gone
 
     def give_up(self, job: Job, code: str, message: str) -> Job | None:
         """Fail a queued job the broker will not run after all (a check no provider of

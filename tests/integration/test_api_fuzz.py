@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from broker.app import create_app
 from broker.services import build_services
 from broker.settings import Settings
+from tests.integration.conftest import seen_provider
 
 ROUTES = [  # (method, path, role, a plausible body whose values the fuzzer replaces)
     ("POST", "/v1/jobs", "client", {"plugin": "echo", "inputs": {"text": "hi", "steps": 2},
@@ -87,6 +88,7 @@ def api(request, tmp_path_factory):
             engine.dispose()
     services = build_services(Settings(data_dir=tmp_path_factory.mktemp("fuzz"), db_url=url))
     app = create_app(services)
+    seen_provider(services, ["echo", "sd15", "llama"])  # jobs for them are admitted
     keys = {}
     for role in ("client", "provider", "publisher", "admin"):
         keys[role], who = services.auth.create_account_with_key(role)

@@ -13,6 +13,7 @@ from flask import request_finished
 from broker.app import create_app
 from broker.services import build_services
 from broker.settings import Settings
+from tests.integration.conftest import seen_provider
 
 ROLES = ("client", "provider", "publisher", "admin")
 
@@ -36,10 +37,7 @@ def world(tmp_path_factory):
     request_finished.connect(record, app)
     client = app.test_client()
     # A job of the client's to address (GET, DELETE, events, outputs).
-    services.providers.connect(services.auth.authenticate(keys["provider"]), "ab" * 32,
-                               "seen-a-moment-ago", sandboxed=True, hardware={},
-                               plugins=[{"name": "echo", "version": "1.0.0",
-                                         "weights_digest": "", "warm": True}])
+    seen_provider(services, ["echo"])  # echo jobs are admitted (and stay queued)
     job = client.post("/v1/jobs", json={"plugin": "echo", "inputs": {"text": "x"}},
                       headers=_auth(keys["client"])).json
     ended = client.post("/v1/jobs", json={"plugin": "echo", "inputs": {"text": "y"}},

@@ -4,6 +4,7 @@ import pytest
 from broker.app import create_app
 from broker.services import build_services
 from broker.settings import Settings
+from tests.integration.conftest import seen_provider
 
 
 @pytest.fixture
@@ -12,6 +13,9 @@ def api(tmp_path):
     app = create_app(services)
     key, who = services.auth.create_account_with_key("client")
     services.payments.grant(who.account_id, 1000 * 1_000_000, by="test")
+    # An echo agent was connected a moment ago (none is now): echo jobs are admitted and
+    # stay queued; nobody serves sd15.
+    seen_provider(services, ["echo"])
     client = app.test_client()
     client.environ_base["HTTP_AUTHORIZATION"] = f"Bearer {key}"
     yield client, services
@@ -401,3 +405,65 @@ def test_one_key_on_stake_and_unstake_is_refused_the_second_time(api):
     assert other.status_code == 409 and other.json["code"] == "idempotency_conflict"
     assert client.get("/v1/account", headers={"Authorization": f"Bearer {key}"}).json[
         "stake_micro"] == 1_000_000
+
+
+# ---- a job nobody could run ---------------------------------------------------------------
+def test_a_job_no_provider_serves_is_refused_at_once_and_holds_nothing(api):
+    client, services = api
+    who = services.auth.authenticate(client.environ_base["HTTP_AUTHORIZATION"].split()[1])
+    before = services.ledger.balances(who.account_id)
+    resp = client.post("/v1/jobs", json={"plugin": "sd15", "inputs": {"prompt": "a cube"}},
+                       headers={"Prefer": "wait=30"})
+    assert resp.status_code == 409 and resp.json["code"] == "no_provider"
+    assert resp.json["plugin"] == "sd15" and resp.json["version"] == "1.0.0"
+    assert "no provider serves sd15@1.0.0" in resp.json["detail"]
+    assert "nothing was queued or held" in resp.json["detail"]
+    assert services.jobs.repo.counts_by_state() == {}
+    assert services.ledger.balances(who.account_id) == before
+    seen_provider(services, ["sd15"])  # an sd15 agent connected (and dropped) a moment ago
+    later = client.post("/v1/jobs", json={"plugin": "sd15", "inputs": {"prompt": "a cube"}})
+    assert later.status_code == 202 and later.json["state"] == "queued"
+
+
+def test_queued_jobs_whose_plugin_has_had_no_provider_for_the_window_fail_refunded(tmp_path):
+    """SPARECYCLES_UNSERVED_EXPIRY_S: once no provider has served a plugin for that long,
+    its queued jobs fail ``no_provider`` and their holds are voided."""
+    import time
+
+    services = build_services(Settings(data_dir=tmp_path, unserved_expiry_s=1.0,
+                                       maintenance_interval_s=0))
+    try:
+        client = create_app(services).test_client()
+        key, who = services.auth.create_account_with_key("client")
+        services.payments.grant(who.account_id, 10 * 1_000_000, by="test")
+        seen_provider(services, ["echo"])
+        funded = services.ledger.balances(who.account_id)
+        h = {"Authorization": f"Bearer {key}"}
+        job = client.post("/v1/jobs", json=_ECHO, headers=h).json
+        batch = client.post("/v1/jobs", json={**_ECHO, "n": 2}, headers=h).json
+        assert services.maintenance.run_once() is not None
+        assert client.get(f"/v1/jobs/{job['id']}", headers=h).json["state"] == "queued"
+        time.sleep(1.2)  # the provider was last seen longer ago than the window
+        services.maintenance.run_once()
+        for job_id in [job["id"]] + [j["id"] for j in batch["jobs"]]:
+            got = client.get(f"/v1/jobs/{job_id}", headers=h).json
+            assert got["state"] == "failed" and got["error"]["code"] == "no_provider"
+            assert "released in full" in got["error"]["message"]
+        assert services.ledger.balances(who.account_id) == funded  # every hold voided
+        events = client.get(f"/v1/jobs/{job['id']}/events", headers=h).get_data(as_text=True)
+        assert "event: failed" in events and "no_provider" in events
+    finally:
+        services.close()
+
+
+def test_unserved_expiry_zero_turns_the_check_off(tmp_path):
+    services = build_services(Settings(data_dir=tmp_path, unserved_expiry_s=0))
+    try:
+        client = create_app(services).test_client()
+        key, who = services.auth.create_account_with_key("client")
+        services.payments.grant(who.account_id, 10 * 1_000_000, by="test")
+        resp = client.post("/v1/jobs", json={"plugin": "sd15", "inputs": {"prompt": "x"}},
+                           headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 202
+    finally:
+        services.close()
