@@ -143,7 +143,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                         catalog=catalog, auth=auth)
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
     if settings.unserved_expiry_s > 0:  # no provider for a build: refuse, then expire
-        presence = Presence(providers.repo, dispatcher.served,
+        presence = Presence(providers.repo, dispatcher.serving, dispatcher.connected_ids,
                             window_s=settings.unserved_expiry_s)
         jobs.presence = presence
         dispatcher.on_left = presence.left

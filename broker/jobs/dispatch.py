@@ -155,11 +155,16 @@ class Dispatcher:
         with self._cond:
             return list(self._sessions.values())
 
-    def served(self) -> dict[str, set[tuple[str, str]]]:
-        """The (plugin, version) builds each connected agent serves, by provider id."""
+    def serving(self, plugin: str, version: str) -> bool:
+        """Whether an agent connected here serves ``plugin@version`` (broker.providers.
+        presence: asked on every submit, so one dictionary look-up per agent)."""
+        key = f"{plugin}@{version}"
         with self._cond:
-            return {pid: {tuple(key.split("@", 1)) for key in s.plugins}
-                    for pid, s in self._sessions.items()}
+            return any(key in s.plugins for s in self._sessions.values())
+
+    def connected_ids(self) -> list[str]:
+        with self._cond:
+            return list(self._sessions)
 
     def set_paused(self, provider_id: str, paused: bool) -> bool:
         """Pause (no new jobs; running ones finish) or resume a connected provider; False

@@ -40,12 +40,14 @@ def served_builds(provider: Provider) -> set[tuple[str, str]]:
 
 class Presence:
     """``repo``: the providers' storage (``seen_since(t) -> [Provider]``, ``touch(ids, t)``).
-    ``connected``: the builds each provider connected to this process serves now, as
-    ``{provider_id: {(plugin, version), ...}}`` (the dispatcher's sessions)."""
+    ``serving(plugin, version)``: whether an agent connected to this process serves the
+    build now; ``connected()``: their provider ids (both the dispatcher's sessions)."""
 
-    def __init__(self, repo, connected: Callable[[], dict[str, Iterable[tuple[str, str]]]], *,
-                 window_s: float, clock: Callable[[], float] = time.time):
+    def __init__(self, repo, serving: Callable[[str, str], bool],
+                 connected: Callable[[], Iterable[str]], *, window_s: float,
+                 clock: Callable[[], float] = time.time):
         self.repo = repo
+        self.serving = serving
         self.connected = connected
         self.window_s = float(window_s)
         self.cache_s = min(CACHE_S, self.window_s / 10)
@@ -57,9 +59,9 @@ class Presence:
     def serves(self, plugin: str, version: str) -> bool:
         """Whether a provider connected here serves ``plugin@version``, or one that any
         replica saw within the window did."""
-        build = (plugin, version)
-        if any(build in builds for builds in self.connected().values()):
+        if self.serving(plugin, version):
             return True
+        build = (plugin, version)
         now = self.clock()
         with self._lock:
             if self._yes.get(build, 0.0) > now:
@@ -79,7 +81,7 @@ class Presence:
         than a quarter of the window (the maintenance thread calls it each pass), so other
         replicas count them as present; returns how many were written."""
         now = self.clock()
-        due = [pid for pid in self.connected()
+        due = [pid for pid in set(self.connected())
                if now - self._touched.get(pid, float("-inf")) >= self.window_s / 4]
         if due:
             self.repo.touch(due, now)

@@ -29,7 +29,8 @@ def test_a_build_is_served_while_a_provider_is_connected_or_seen_within_the_wind
     engine, repo = _repo(db_url)
     clock = FakeClock(1000.0)
     connected: dict = {}
-    presence = Presence(repo, lambda: connected, window_s=60, clock=clock)
+    presence = Presence(repo, lambda p, v: any((p, v) in b for b in connected.values()),
+                        lambda: connected, window_s=60, clock=clock)
     assert not presence.serves("echo", "1.0.0")
     repo.add(_provider("p1", seen=990.0))
     assert presence.serves("echo", "1.0.0") and not presence.serves("echo", "2.0.0")
@@ -48,8 +49,9 @@ def test_refresh_keeps_connected_providers_present_for_other_replicas(db_url):
     clock = FakeClock(1000.0)
     repo.add(_provider("p1", seen=1000.0))
     connected = {"p1": {("echo", "1.0.0")}}
-    here = Presence(repo, lambda: connected, window_s=60, clock=clock)
-    elsewhere = Presence(repo, lambda: {}, window_s=60, clock=clock)  # another replica
+    here = Presence(repo, lambda p, v: False, lambda: connected, window_s=60, clock=clock)
+    elsewhere = Presence(repo, lambda p, v: False, lambda: [], window_s=60,
+                         clock=clock)  # another replica
     assert here.refresh() == 1
     for _ in range(10):  # connected for ten minutes: refreshed every quarter window
         clock.advance(60)
