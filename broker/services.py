@@ -118,6 +118,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing)
+    jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)

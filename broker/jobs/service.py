@@ -77,6 +77,9 @@ class JobService:
         # provider known to the broker serves is refused at submit (409 no_provider), and
         # expire_unserved() gives up queued jobs whose build has had none for the window.
         self.presence: Presence | None = None
+        # Input checks that need more than the manifest (set by the wiring): the registry
+        # refuses adapters published for another plugin. callable(plugin, inputs) -> None
+        self.check_inputs = lambda plugin, inputs: None
         self.on_receipt = lambda job, receipt: None
         # A run that failed in a way that counts against the provider's reliability.
         self.on_failure = lambda provider_id, plugin: None
@@ -136,6 +139,7 @@ class JobService:
         except InputError as exc:
             raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
                                plugin=manifest.ref) from None
+        self.check_inputs(manifest.name, inputs)
         if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
             raise InvalidRequest("Idempotency-Key must be 1 to 200 characters",
                                  field="Idempotency-Key")

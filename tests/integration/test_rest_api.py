@@ -467,3 +467,77 @@ def test_unserved_expiry_zero_turns_the_check_off(tmp_path):
         assert resp.status_code == 202
     finally:
         services.close()
+
+
+# ---- what the manifest and the registry can tell, refused at submit -----------------------
+@pytest.mark.parametrize("inputs,field,fragment", [
+    ({"prompt": " ".join(["castle"] * 80)}, "inputs.prompt", "at least 80 tokens"),
+    ({"prompt": "a cube", "negative_prompt": "blurry " * 90}, "inputs.negative_prompt",
+     "at most 75"),
+    ({"prompt": "a cube", "init_image": "iVBORw0KGgo=", "steps": 3, "strength": 0.2},
+     "inputs.strength", "3 × 0.2"),
+    ({"prompt": "a cube", "adapters": "ink:1.0.0"}, "inputs.adapters", "give a number"),
+    ({"prompt": "a cube", "adapters": "a,b,c,d,e"}, "inputs.adapters", "at most 4"),
+    ({"prompt": "a cube", "adapters": "ink:9"}, "inputs.adapters", "between -4 and 4"),
+    ({"prompt": "a cube", "adapters": "ink, ink"}, "inputs.adapters", "given twice"),
+])
+def test_inputs_a_provider_would_refuse_are_refused_at_submit(api, inputs, field, fragment):
+    client, services = api
+    seen_provider(services, ["sd15"])
+    resp = client.post("/v1/jobs", json={"plugin": "sd15", "inputs": inputs})
+    assert resp.status_code == 422 and resp.json["code"] == "invalid_input", resp.json
+    assert resp.json["field"] == field and fragment in resp.json["detail"]
+    _no_jobs(services)
+    quote = client.post("/v1/quotes", json={"plugin": "sd15", "inputs": inputs})
+    assert quote.status_code == 422 and quote.json["field"] == field
+
+
+def test_what_the_rules_allow_is_accepted(api):
+    client, services = api
+    seen_provider(services, ["sd15", "llama"])
+    for plugin, inputs in (("sd15", {"prompt": " ".join(["castle"] * 75)}),
+                           ("sd15", {"prompt": "a", "init_image": "iVBORw0KGgo=", "steps": 5,
+                                     "strength": 0.2, "adapters": "ink:0.8,film"}),
+                           ("llama", {"messages": '[{"role": "user", "content": "hi"}]'})):
+        resp = client.post("/v1/jobs", json={"plugin": plugin, "inputs": inputs})
+        assert resp.status_code == 202, resp.json
+
+
+def test_a_llama_job_with_both_or_neither_prompt_and_messages_is_refused(api):
+    client, services = api
+    for inputs in ({}, {"prompt": "hi", "messages": '[{"role": "user", "content": "hi"}]'}):
+        resp = client.post("/v1/jobs", json={"plugin": "llama", "inputs": inputs})
+        assert resp.status_code == 422 and resp.json["field"] == "inputs.prompt"
+        assert "exactly one of prompt" in resp.json["detail"]
+
+
+def test_the_served_schema_carries_the_rules_and_the_sdk_checks_them(api):
+    from sdk.protocol.schema import InputError, InputSchema
+
+    client, _ = api
+    schema = client.get("/v1/plugins/sd15").json["input_schema"]
+    assert {r["field"] for r in schema["x-rules"]} >= {"prompt", "strength", "adapters"}
+    with pytest.raises(InputError, match="at most 75"):
+        InputSchema.from_json_schema(schema).validate({"prompt": "castle " * 80})
+
+
+def test_an_adapter_published_for_another_plugin_is_refused_at_submit(api, tmp_path):
+    from tests.marketplace_helpers import adapter_folder, publish, register
+
+    client, services = api
+    seen_provider(services, ["sd15", "sdxl"])
+    _, publisher = services.auth.create_account_with_key("publisher")
+    keys = register(services.registry, publisher)
+    publish(services.registry, publisher, keys, adapter_folder(tmp_path, name="ink", base="sdxl"))
+    resp = client.post("/v1/jobs", json={"plugin": "sd15",
+                                         "inputs": {"prompt": "a cube", "adapters": "ink:0.8"}})
+    assert resp.status_code == 422 and resp.json["field"] == "inputs.adapters"
+    assert "'ink' is an adapter for sdxl, not for sd15" in resp.json["detail"]
+    _no_jobs(services)
+    ok = client.post("/v1/jobs", json={"plugin": "sdxl",
+                                       "inputs": {"prompt": "a cube", "adapters": "ink:0.8"}})
+    assert ok.status_code == 202
+    # a name the registry does not know may be a provider's own adapter: left to it
+    own = client.post("/v1/jobs", json={"plugin": "sd15",
+                                        "inputs": {"prompt": "a cube", "adapters": "mine"}})
+    assert own.status_code == 202
