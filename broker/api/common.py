@@ -9,6 +9,7 @@ no NaN or infinities; numeric query arguments and headers are read by one helper
 bounds (:func:`int_arg`, :func:`seconds_arg`), at most 64-bit."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -35,6 +36,10 @@ SAFE_OUTPUT_TYPES = {"image/png": "image/png", "image/jpeg": "image/jpeg",
 
 REQUEST_ID = "X-Request-Id"
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# New ids: random per process, then a counter (unique across replicas, and no system call
+# per request as uuid4 makes).
+_ID_PREFIX = uuid.uuid4().hex[:12]
+_ID_COUNTER = itertools.count(1)
 
 
 def request_id() -> str:
@@ -44,7 +49,8 @@ def request_id() -> str:
     rid = g.get("request_id")
     if rid is None:
         sent = request.headers.get(REQUEST_ID, "")
-        rid = g.request_id = sent if _REQUEST_ID_RE.fullmatch(sent) else uuid.uuid4().hex
+        rid = g.request_id = (sent if sent and _REQUEST_ID_RE.fullmatch(sent)
+                              else f"{_ID_PREFIX}{next(_ID_COUNTER):08x}")
     return rid
 
 
@@ -174,21 +180,6 @@ class _Refused(ValueError):
     """A number in a JSON text that the broker does not take (see parse_json)."""
 
 
-def _int64(text: str) -> int:
-    value = int(text) if len(text) <= 20 else None  # (more digits: out of range anyway)
-    if value is None or not -INT64_MAX - 1 <= value <= INT64_MAX:
-        raise _Refused(f"the integer {text[:30]}{'…' if len(text) > 30 else ''} is out of "
-                       f"range: integers must fit 64 bits (at most {INT64_MAX:,})")
-    return value
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if value - value != 0.0:  # 1e999 parses as infinity
-        raise _Refused(f"the number {text[:30]} is out of range for a 64-bit float")
-    return value
-
-
 def _no_constant(name: str):
     raise _Refused(f"{name} is not a JSON number; send a finite number")
 
@@ -208,8 +199,7 @@ def parse_json(raw: bytes):
                              "UTF-8); send JSON encoded as UTF-8",
                              code_override="malformed_json") from None
     try:
-        value = json.loads(text, parse_int=_int64, parse_float=_finite,
-                           parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise _too_deep() from None
     except _Refused as exc:
@@ -229,26 +219,55 @@ def _too_deep() -> InvalidRequest:
 
 
 def _check_tree(value) -> None:
-    """Refuse a parsed body nested deeper than MAX_JSON_DEPTH or holding a string (or key)
-    that is not valid Unicode text; a walk with a stack of its own, not recursion."""
-    stack = [(value, 1, "")]
+    """Refuse a parsed body nested deeper than MAX_JSON_DEPTH, holding a string (or key)
+    that is not text the broker stores, an integer beyond 64 bits or a number that is not
+    finite (1e999 parses as infinity); a walk with a stack of its own, not recursion. A
+    value's path (``inputs.text``) is only spelled out for containers and errors."""
+    stack: list = [(value, 1, "", None)]
     while stack:
-        node, depth, path = stack.pop()
-        if isinstance(node, str):
-            _check_text(node, path)
-        elif isinstance(node, (dict, list)):
+        node, depth, parent, key = stack.pop()
+        t = type(node)
+        if t is str:
+            if "\x00" in node or not node.isascii():
+                _check_text(node, _path(parent, key))
+        elif t is int:
+            if not -INT64_MAX - 1 <= node <= INT64_MAX:
+                digits = str(node)
+                raise _out_of_range(_path(parent, key), f"the integer {digits[:24]}"
+                                    f"{'…' if len(digits) > 24 else ''}",
+                                    f"fit 64 bits (at most {INT64_MAX:,})")
+        elif t is float:
+            if node - node != 0.0:
+                raise _out_of_range(_path(parent, key), "a number",
+                                    "be finite (at most about 1.8e308)")
+        elif t is dict or t is list:
             if depth > MAX_JSON_DEPTH:
                 raise _too_deep()
-            if isinstance(node, dict):
-                for key, item in node.items():
-                    where = f"{path}.{key}" if path else key
-                    _check_text(key, path or "the body", key=True)
-                    if isinstance(item, (str, dict, list)):
-                        stack.append((item, depth + 1, where))
+            path = _path(parent, key)
+            if t is dict:
+                for k, item in node.items():
+                    if "\x00" in k or not k.isascii():
+                        _check_text(k, path or "the body", key=True)
+                    if item is not None and type(item) is not bool:
+                        stack.append((item, depth + 1, path, k))
             else:
                 for i, item in enumerate(node):
-                    if isinstance(item, (str, dict, list)):
-                        stack.append((item, depth + 1, f"{path}[{i}]"))
+                    if item is not None and type(item) is not bool:
+                        stack.append((item, depth + 1, path, i))
+
+
+def _path(parent: str, key) -> str:
+    if key is None:
+        return parent
+    if type(key) is int:
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
+
+
+def _out_of_range(path: str, what: str, must: str) -> InvalidRequest:
+    return InvalidRequest(f"{_printable(path) or 'the body'} is {what} out of range: numbers "
+                          f"must {must}", field=_printable(path) or None,
+                          code_override="malformed_json")
 
 
 def _check_text(text: str, path: str, *, key: bool = False) -> None:
