@@ -28,9 +28,9 @@ def create_app(services) -> Flask:
 
     @app.before_request
     def authenticate():
+        check_url_text()  # every route, the console's too: no column stores a NUL
         if request.path in PUBLIC or not request.path.startswith("/v1"):
             return None
-        check_url_text()
         header = request.headers.get("Authorization", "")
         token = header[7:].strip() if header.lower().startswith("bearer ") else ""
         g.principal = services.auth.authenticate(token)
