@@ -1,14 +1,12 @@
 """create_app: the Flask application over a Services object."""
 from __future__ import annotations
 
-import logging
-
 from flask import Flask, g, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from broker.errors import BrokerError
+from .api.common import REQUEST_ID, check_url_text, internal_problem, request_id
 
-log = logging.getLogger(__name__)
 PUBLIC = ("/livez", "/readyz", "/openapi.json", "/v1/stripe/webhook")
 
 
@@ -30,6 +28,7 @@ def create_app(services) -> Flask:
 
     @app.before_request
     def authenticate():
+        check_url_text()  # every route, the console's too: no column stores a NUL
         if request.path in PUBLIC or not request.path.startswith("/v1"):
             return None
         header = request.headers.get("Authorization", "")
@@ -37,9 +36,14 @@ def create_app(services) -> Flask:
         g.principal = services.auth.authenticate(token)
         return None
 
+    @app.after_request
+    def tag_request(response):
+        response.headers[REQUEST_ID] = request_id()
+        return response
+
     def problem(body: dict, status: int):
-        resp = app.response_class(app.json.dumps(body), status=status,
-                                  mimetype="application/problem+json")
+        resp = app.response_class(app.json.dumps({**body, "request_id": request_id()}),
+                                  status=status, mimetype="application/problem+json")
         if status == 401:
             resp.headers["WWW-Authenticate"] = 'Bearer realm="sparecycles"'
         return resp
@@ -52,14 +56,14 @@ def create_app(services) -> Flask:
     def http_error(exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed",
                 413: "payload_too_large"}.get(exc.code, "http_error")
-        return problem({"type": f"https://sparecycles.dev/errors/{code}", "title": exc.name,
+        resp = problem({"type": f"https://sparecycles.dev/errors/{code}", "title": exc.name,
                         "status": exc.code, "code": code, "detail": exc.description}, exc.code)
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:  # RFC 9110 §15.5.6
+            resp.headers["Allow"] = ", ".join(sorted(exc.valid_methods))
+        return resp
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return problem({"type": "https://sparecycles.dev/errors/internal", "title": "Internal error",
-                        "status": 500, "code": "internal",
-                        "detail": "the broker hit an unexpected error; it is logged"}, 500)
+        return problem(internal_problem(exc), 500)
 
     return app

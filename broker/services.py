@@ -30,6 +30,7 @@ from broker.market.canary import CanaryService
 from broker.market.wiring import attach_market, manifests_of
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
+from broker.providers.presence import Presence
 from broker.providers.service import ProviderService
 from broker.registry.service import RegistryService
 from broker.settings import Settings
@@ -121,6 +122,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
                       input_defaults=WeightsDefaults(catalog))
+    jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
@@ -145,6 +147,12 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                         dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,
                         catalog=catalog, auth=auth)
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
+    if settings.unserved_expiry_s > 0:  # no provider for a build: refuse, then expire
+        presence = Presence(providers.repo, dispatcher.serving, dispatcher.connected_ids,
+                            window_s=settings.unserved_expiry_s)
+        jobs.presence = presence
+        dispatcher.on_left = presence.left
+        maintenance.tasks += [presence.refresh, jobs.expire_unserved]
     verification = None
     if settings.verification:
         verification = _attach_verification(settings, sessions, accounts, jobs, catalog, ledger,

@@ -25,6 +25,7 @@ credit_price_cents           SPARECYCLES_CREDIT_PRICE_CENTS      1 (one credit c
 currency                     SPARECYCLES_CURRENCY                usd
 hold_ttl_s                   SPARECYCLES_HOLD_TTL_S              86400
 maintenance_interval_s       SPARECYCLES_MAINTENANCE_INTERVAL_S  5
+unserved_expiry_s            SPARECYCLES_UNSERVED_EXPIRY_S       300 (0: never refuse or expire)
 market_claim_factor          SPARECYCLES_MARKET_CLAIM_FACTOR     0 (unmeasured claims ineligible)
 market_canary_interval_s     SPARECYCLES_MARKET_CANARY_INTERVAL_S 600 (0: first canary only)
 market_reputation_floor      SPARECYCLES_MARKET_REPUTATION_FLOOR 0.5 (admins may change it live)
@@ -86,6 +87,9 @@ class Settings:
     currency: str = "usd"
     hold_ttl_s: int = 24 * 3600
     maintenance_interval_s: float = 5.0
+    # A build no provider connected now or seen this long ago serves: refused at submit
+    # (409 no_provider), and its queued jobs fail (refunded) once it has had none this long.
+    unserved_expiry_s: float = 300.0
     market_claim_factor: float = 0.0
     market_canary_interval_s: float = 600.0
     market_reputation_floor: float = 0.5
@@ -108,6 +112,9 @@ class Settings:
             raise ValueError(f"credit_price_cents must divide 1,000,000, got {self.credit_price_cents}")
         if self.lease_timeout_s <= 0:
             raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        if not self.unserved_expiry_s >= 0:
+            raise ValueError(f"unserved_expiry_s must be >= 0 (0: off), got "
+                             f"{self.unserved_expiry_s}")
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -139,6 +146,7 @@ class Settings:
             "currency": ("SPARECYCLES_CURRENCY", str),
             "hold_ttl_s": ("SPARECYCLES_HOLD_TTL_S", int),
             "maintenance_interval_s": ("SPARECYCLES_MAINTENANCE_INTERVAL_S", float),
+            "unserved_expiry_s": ("SPARECYCLES_UNSERVED_EXPIRY_S", float),
             "market_claim_factor": ("SPARECYCLES_MARKET_CLAIM_FACTOR", float),
             "market_canary_interval_s": ("SPARECYCLES_MARKET_CANARY_INTERVAL_S", float),
             "market_reputation_floor": ("SPARECYCLES_MARKET_REPUTATION_FLOOR", float),

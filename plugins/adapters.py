@@ -33,18 +33,15 @@ This module is shared by built-in plugins only (like ``plugins.diffusion``).
 from __future__ import annotations
 
 import json
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from plugins.api import BadInput, PluginError
-from sdk.protocol.package import ADAPTER_INPUT_NAME_RE as _NAME
-from sdk.protocol.package import adapter_pairs
-
-MAX_ADAPTERS_PER_JOB = 4
-SCALE_LIMITS = (-4.0, 4.0)
+from sdk.protocol.adapters import ADAPTER_INPUT_NAME_RE as _NAME
+from sdk.protocol.adapters import ADAPTER_SCALE_LIMITS as SCALE_LIMITS
+from sdk.protocol.adapters import MAX_ADAPTERS_PER_JOB, check_adapters
 DEFAULT_CACHE_SIZE = 8  # adapters kept loaded in the warm model (least recently used go)
 DECLARATION = "adapter.json"
 
@@ -57,46 +54,16 @@ class AdapterRequest:
 
 def parse_adapters(text: str | None) -> list[AdapterRequest]:
     """The ``adapters`` input as a list of (name, scale) in name order; empty for "" or None.
+    The check is sdk.protocol.package.check_adapters, the one the broker runs at submit;
+    here its refusal is the plugin's BadInput.
 
     Name order, not the order given: the LoRA deltas are summed in list order and float
     sums depend on order, so "ink,film" and "film,ink" must reach the model the same way
     to give the same bytes (newer peft no longer sorts them itself)."""
     try:
-        pairs = adapter_pairs(text)
-    except json.JSONDecodeError as exc:
-        raise BadInput(f"adapters is not valid JSON ({exc.msg} at character {exc.pos}); "
-                       f'send {{"name": scale}} or "name:scale,name2:scale"') from None
-    except ValueError as exc:  # JSON, but not an object
+        return [AdapterRequest(name, scale) for name, scale in check_adapters(text)]
+    except ValueError as exc:
         raise BadInput(str(exc)) from None
-    requests: list[AdapterRequest] = []
-    for name, raw in pairs:
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise BadInput(f"adapters: {name!r} is not an adapter name (letters, digits, '.', "
-                           f"'_' and '-', starting with a letter or digit); write "
-                           f'"name:scale,name2:scale", e.g. "ink:0.8"')
-        scale = _scale(name, raw)
-        if any(r.name == name for r in requests):
-            raise BadInput(f"adapters: {name!r} is given twice; give each adapter once")
-        requests.append(AdapterRequest(name, scale))
-    if len(requests) > MAX_ADAPTERS_PER_JOB:
-        raise BadInput(f"adapters: {len(requests)} adapters given; at most "
-                       f"{MAX_ADAPTERS_PER_JOB} per job")
-    return sorted(requests, key=lambda r: r.name)
-
-
-def _scale(name: str, raw) -> float:
-    lo, hi = SCALE_LIMITS
-    if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
-        raise BadInput(f"adapters: the scale of {name!r} is {raw!r}; give a number")
-    try:
-        scale = float(raw)
-    except ValueError:
-        raise BadInput(f"adapters: the scale of {name!r} is {raw!r}; give a number, as in "
-                       f'"{name}:0.8"') from None
-    if not math.isfinite(scale) or not lo <= scale <= hi:
-        raise BadInput(f"adapters: the scale of {name!r} is {raw!r}; it must be between "
-                       f"{lo:g} and {hi:g}")
-    return scale
 
 
 def adapter_roots(weights_dir: Path, family: str) -> list[Path]:

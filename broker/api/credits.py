@@ -7,7 +7,8 @@ from flask import Blueprint, request
 from broker.errors import InvalidRequest
 from broker.payments.service import credits_to_micro, payout_to_json
 from broker.pricing.service import price_to_json
-from .common import json_body, json_object, require_role, services
+from .common import (idempotency_key, json_body, json_object, one_request_per_key,
+                     require_role, services)
 
 bp = Blueprint("credits", __name__)
 
@@ -19,7 +20,7 @@ def create_checkout():
     who = require_role("client", "admin")
     body = json_object(("credits",), '{"credits": 10}')
     return services().payments.checkout(who.account_id, body.get("credits"),
-                                        idempotency_key=request.headers.get("Idempotency-Key")), 201
+                                        idempotency_key=idempotency_key()), 201
 
 
 @bp.post(WEBHOOK_PATH)
@@ -43,8 +44,9 @@ def create_payout():
     if ("credits" in body) == ("amount_micro" in body):
         raise InvalidRequest('send either "credits" or "amount_micro"')
     amount = (credits_to_micro(body["credits"]) if "credits" in body else body["amount_micro"])
-    payout = services().payments.payout(who.account_id, amount,
-                                        idempotency_key=request.headers.get("Idempotency-Key"))
+    key = idempotency_key(150)
+    with one_request_per_key(key):
+        payout = services().payments.payout(who.account_id, amount, idempotency_key=key)
     return payout_to_json(payout), 201
 
 
@@ -87,7 +89,9 @@ def grant_credits():
     if not isinstance(account, str) or not account:
         raise InvalidRequest("account_id is required", field="account_id")
     amount_micro = credits_to_micro(body.get("credits"))
-    txn = services().payments.grant(account, amount_micro, by=who.account_id,
-                                    idempotency_key=request.headers.get("Idempotency-Key"))
+    key = idempotency_key(150)
+    with one_request_per_key(key):
+        txn = services().payments.grant(account, amount_micro, by=who.account_id,
+                                        idempotency_key=key)
     return {"object": "grant", "account_id": account, "transaction_id": txn.id,
             "amount_micro": amount_micro}, 201

@@ -6,8 +6,10 @@ import time
 
 from flask import Blueprint, Response, request, stream_with_context
 
+from broker.errors import BrokerError
 from broker.jobs.model import Job, JobOutput
-from .common import int_arg, json_body, output_response, principal, seconds_arg, services
+from .common import (idempotency_key, int_arg, internal_problem, json_body, output_response,
+                     principal, request_id, seconds_arg, services)
 
 bp = Blueprint("jobs", __name__)
 
@@ -78,7 +80,7 @@ def create_job():
     job, or every sibling of a split request (n > 1), to end, saving the client a second
     request; ``Preference-Applied`` then says so.
     """
-    key = request.headers.get("Idempotency-Key")
+    key = idempotency_key()
     wait_s = _preferred_wait(request.headers.get("Prefer"))  # checked before any row exists
     svc, who = services(), principal()
     job, created = svc.jobs.submit(who, json_body(), idempotency_key=key)
@@ -165,11 +167,23 @@ def job_events(job_id):
     svc = services().jobs
     who = principal()
     svc.get(who, job_id)  # 404 before the stream starts
-    after = int_arg("after", 0, 0, None, header="Last-Event-ID")
+    after = int_arg("after", 0, 0, header="Last-Event-ID")
     terminal = {"done", "failed", "cancelled", "refunded"}
 
     def stream():
-        last = after
+        # A comment first, so that the status line and headers go out now, not with the
+        # first event (which may be a while: a stream resumed after the last one).
+        yield f": events of job {job_id}\n\n"
+        try:
+            yield from follow(after)
+        except Exception as exc:  # noqa: BLE001 - the answer has begun: say so in the stream
+            # The status line went out with the first event: an error now is one more
+            # event, an RFC 7807 body, and the end of the stream (never a torn connection
+            # or a server's plain-text page).
+            body = exc.problem() if isinstance(exc, BrokerError) else internal_problem(exc)
+            yield f"event: error\ndata: {json.dumps({**body, 'request_id': request_id()})}\n\n"
+
+    def follow(last):
         idle_since = time.monotonic()
         while True:
             version = svc.hub.version(job_id)

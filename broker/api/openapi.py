@@ -1,7 +1,12 @@
-"""The OpenAPI 3.1 document of the client API, served at /openapi.json."""
+"""The OpenAPI 3.1 document of the client API, served at /openapi.json.
+
+It states every status a route answers for the inputs it is sent (tests/integration/
+test_openapi_contract.py drives the app and checks the answers against this document)
+and the bounds the server enforces on parameters (``limit``, ``wait``, ``after``...)."""
 from flask import Blueprint
 
 from . import registry as registry_api
+from .common import INT64_MAX, MAX_WAIT_S
 
 bp = Blueprint("openapi", __name__)
 
@@ -12,21 +17,51 @@ def _stake_move(operation: str, summary: str) -> dict:
     """POST /v1/account/stake and /unstake: the same request and answers."""
     return {"post": {
         "summary": summary, "operationId": operation,
-        "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
+        "parameters": [_key(120)],
         "requestBody": {"required": True, "content": {"application/json": {
             "schema": {"type": "object", "required": ["amount_micro"],
                        "properties": {"amount_micro": {"type": "integer", "minimum": 1}}}}}},
         "responses": {"200": {"description": "Stake and available balances"},
-                      **_errors(400, 401, 403, 409)}}}
+                      **_errors(400, 401, 402, 403, 409, 422)}}}
+
+
+def _key(max_chars: int = 200) -> dict:
+    return {"name": "Idempotency-Key", "in": "header",
+            "description": "names exactly one request: the same key with the same request "
+                           "gives the first answer, with any other request a 409",
+            "schema": {"type": "string", "minLength": 1, "maxLength": max_chars}}
+
+
+def _limit(default: int, most: int) -> dict:
+    return {"name": "limit", "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": most, "default": default}}
+
+
+_WAIT = {"name": "wait", "in": "query", "description": "long-poll: answer once it ends or "
+         "this many seconds pass", "schema": {"type": "number", "minimum": 0,
+                                              "maximum": MAX_WAIT_S}}
 
 
 def _errors(*codes):
     return {str(c): {"description": d, "content": {"application/problem+json": {"schema": _PROBLEM}}}
             for c, d in ((400, "Malformed request"), (401, "Missing or bad API key"),
-                         (403, "Not allowed for this API key"),
+                         (402, "Not enough credits"),
+                         (403, "Not allowed for this API key's role"),
                          (404, "No such job, output or plugin"), (409, "Conflict"),
                          (413, "Payload too large"),
-                         (422, "Inputs outside the plugin's schema")) if c in codes}
+                         (422, "Inputs outside the plugin's schema"),
+                         (502, "The payment provider failed; nothing was charged"),
+                         (503, "Not ready")) if c in codes}
+
+
+def _with_auth_errors(paths: dict) -> dict:
+    """Every operation that needs an API key also answers 401 (no key, a bad one): added
+    here once rather than route by route."""
+    for path, operations in paths.items():
+        for op in operations.values():
+            if path.startswith("/v1") and op.get("security") != []:
+                op["responses"].setdefault("401", _errors(401)["401"])
+    return paths
 
 
 def document() -> dict:
@@ -45,11 +80,12 @@ def document() -> dict:
                                            "status": {"type": "integer"},
                                            "code": {"type": "string"},
                                            "detail": {"type": "string"},
-                                           "field": {"type": "string"}}},
+                                           "field": {"type": "string"},
+                                           "request_id": {"type": "string"}}},
                 "JobRequest": {"type": "object", "required": ["plugin"],
                                "additionalProperties": False,
                                "properties": {
-                                   "plugin": {"type": "string"},
+                                   "plugin": {"type": "string", "minLength": 1},
                                    "version": {"type": "string"},
                                    "inputs": {"type": "object"},
                                    "priority": {"type": "string",
@@ -96,11 +132,10 @@ def document() -> dict:
             },
         },
         "security": [{"apiKey": []}],
-        "paths": {
+        "paths": _with_auth_errors({
             "/v1/jobs": {
                 "post": {"summary": "Submit a job", "operationId": "createJob",
-                         "parameters": [{"name": "Idempotency-Key", "in": "header",
-                                         "schema": {"type": "string", "maxLength": 200}},
+                         "parameters": [_key(200),
                                         {"name": "Prefer", "in": "header",
                                          "description": "wait=N (RFC 7240): answer "
                                                         "once the job (a split request: "
@@ -112,14 +147,14 @@ def document() -> dict:
                          "responses": {"202": {"description": "Queued", "content": {
                              "application/json": {"schema": {"$ref": "#/components/schemas/Job"}}}},
                              "200": {"description": "Same Idempotency-Key: the first job"},
-                             **_errors(400, 401, 404, 409, 422)}},
+                             **_errors(400, 401, 402, 403, 404, 409, 413, 422)}},
                 "get": {"summary": "Your recent jobs", "operationId": "listJobs",
-                        "responses": {"200": {"description": "Jobs"}, **_errors(401)}},
+                        "parameters": [_limit(50, 500)],
+                        "responses": {"200": {"description": "Jobs"}, **_errors(400, 401)}},
             },
             "/v1/jobs/{job_id}": {
                 "get": {"summary": "A job (long-poll with ?wait=seconds)", "operationId": "getJob",
-                        "parameters": [job_id, {"name": "wait", "in": "query",
-                                                "schema": {"type": "number", "maximum": 60}}],
+                        "parameters": [job_id, _WAIT],
                         "responses": {"200": {"description": "The job", "content": {
                             "application/json": {"schema": {"$ref": "#/components/schemas/Job"}}}},
                             **_errors(400, 401, 404)}},
@@ -129,10 +164,17 @@ def document() -> dict:
                                          **_errors(401, 404, 409)}},
             },
             "/v1/jobs/{job_id}/events": {
-                "get": {"summary": "Server-sent events of a job", "operationId": "jobEvents",
-                        "parameters": [job_id],
+                "get": {"summary": "Server-sent events of a job (an error after the stream "
+                                   "began comes as an `error` event with a problem body)",
+                        "operationId": "jobEvents",
+                        "parameters": [job_id] + [
+                            {"name": name, "in": where, "description": "resume after "
+                             "this event id", "schema": {"type": "integer", "minimum": 0,
+                                                         "maximum": INT64_MAX}}
+                            for name, where in (("after", "query"),
+                                                ("Last-Event-ID", "header"))],
                         "responses": {"200": {"description": "text/event-stream"},
-                                      **_errors(401, 404)}}},
+                                      **_errors(400, 401, 404)}}},
             "/v1/jobs/{job_id}/outputs/{index}": {
                 "get": {"summary": "One output's bytes", "operationId": "getOutput",
                         "parameters": [job_id, {"name": "index", "in": "path", "required": True,
@@ -158,9 +200,7 @@ def document() -> dict:
                            "(long-poll until all end with ?wait=seconds)",
                 "operationId": "getBatch",
                 "parameters": [{"name": "batch_id", "in": "path", "required": True,
-                                "schema": {"type": "string"}},
-                               {"name": "wait", "in": "query",
-                                "schema": {"type": "number", "maximum": 60}}],
+                                "schema": {"type": "string"}}, _WAIT],
                 "responses": {"200": {"description": "The batch"}, **_errors(400, 401, 404)}}},
             "/v1/asks": {"get": {
                 "summary": "Standing asks: a provider sees its own, an admin all",
@@ -168,12 +208,16 @@ def document() -> dict:
                 "parameters": [{"name": "provider_id", "in": "query",
                                 "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "Asks with claimed and measured "
-                                                     "throughput"}, **_errors(401)}}},
+                                                     "throughput"}, **_errors(401, 403)}}},
             "/v1/quotes": {"post": {
                 "summary": "What a job would cost (min, expected, max micro-credits), without "
                            "running it", "operationId": "quote",
                 "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/JobRequest"}}}},
+                    "schema": {"type": "object", "required": ["plugin"],
+                               "additionalProperties": False,
+                               "properties": {"plugin": {"type": "string", "minLength": 1},
+                                              "version": {"type": "string"},
+                                              "inputs": {"type": "object"}}}}}},
                 "responses": {"200": {"description": "The quote"}, **_errors(400, 401, 404, 422)}}},
             "/v1/account": {"get": {"summary": "Balances: available, held, vesting, paid out; "
                                               "funding mode", "operationId": "account",
@@ -181,8 +225,8 @@ def document() -> dict:
                                                   **_errors(401)}}},
             "/v1/account/transactions": {"get": {
                 "summary": "Ledger history of your accounts", "operationId": "transactions",
-                "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer"}}],
-                "responses": {"200": {"description": "Transactions"}, **_errors(401)}}},
+                "parameters": [_limit(100, 1000)],
+                "responses": {"200": {"description": "Transactions"}, **_errors(400, 401)}}},
             "/v1/account/stake": _stake_move(
                 "stake", "Put available credits at stake (providers; verification slashes "
                          "part of it when the provider is outvoted)"),
@@ -192,45 +236,49 @@ def document() -> dict:
             "/v1/credits/checkout": {"post": {
                 "summary": "Buy credits: a Stripe Checkout session URL",
                 "operationId": "checkout",
-                "parameters": [{"name": "Idempotency-Key", "in": "header",
-                                "schema": {"type": "string"}}],
+                "parameters": [_key(200)],
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": {"type": "object", "required": ["credits"],
                                "properties": {"credits": {"type": "integer", "minimum": 1}}}}}},
-                "responses": {"200": {"description": "The session"}, **_errors(400, 401, 409)}}},
+                "responses": {"201": {"description": "The session"},
+                              **_errors(400, 401, 403, 409, 502)}}},
             "/v1/stripe/webhook": {"post": {
-                "summary": "Stripe events (signature checked on the raw body)", "security": [],
+                "summary": "Stripe events (signature checked on the raw body; 409 when this "
+                           "broker has no Stripe keys)", "security": [],
                 "operationId": "stripeWebhook",
-                "responses": {"200": {"description": "Handled"}, **_errors(400)}}},
+                "responses": {"200": {"description": "Handled"}, **_errors(400, 409, 502)}}},
             "/v1/payouts": {
                 "get": {"summary": "Your payouts", "operationId": "listPayouts",
-                        "responses": {"200": {"description": "Payouts"}, **_errors(401)}},
+                        "responses": {"200": {"description": "Payouts"}, **_errors(401, 403)}},
                 "post": {"summary": "Pay out available credits through Stripe Connect",
-                         "operationId": "payout",
-                         "responses": {"200": {"description": "The payout"},
-                                       **_errors(400, 401, 409)}}},
+                         "operationId": "payout", "parameters": [_key(150)],
+                         "responses": {"201": {"description": "The payout"},
+                                       **_errors(400, 401, 402, 403, 409, 422, 502)}}},
             "/v1/payouts/onboarding": {"post": {
                 "summary": "A Stripe Connect onboarding link", "operationId": "onboarding",
-                "responses": {"200": {"description": "The link"}, **_errors(401)}}},
+                "responses": {"201": {"description": "The link"},
+                              **_errors(401, 403, 409, 502)}}},
             "/v1/admin/prices": {"get": {"summary": "Prices of every plugin (admin)",
                                          "operationId": "listPrices",
                                          "responses": {"200": {"description": "Prices"},
-                                                       **_errors(401)}}},
+                                                       **_errors(401, 403)}}},
             "/v1/admin/prices/{plugin}": {
                 "get": {"summary": "One plugin's price (admin)", "operationId": "getPrice",
                         "parameters": [{"name": "plugin", "in": "path", "required": True,
                                         "schema": {"type": "string"}}],
-                        "responses": {"200": {"description": "The price"}, **_errors(401, 404)}},
+                        "responses": {"200": {"description": "The price"},
+                                      **_errors(401, 403, 404)}},
                 "put": {"summary": "Set a plugin's price; applies to the next job (admin)",
                         "operationId": "setPrice",
                         "parameters": [{"name": "plugin", "in": "path", "required": True,
                                         "schema": {"type": "string"}}],
                         "responses": {"200": {"description": "The new price"},
-                                      **_errors(400, 401, 404, 422)}}},
+                                      **_errors(400, 401, 403, 404, 422)}}},
             "/v1/admin/market": {
                 "get": {"summary": "The market's rules: reputation floor and more (admin)",
                         "operationId": "getMarketRules",
-                        "responses": {"200": {"description": "The rules"}, **_errors(401, 404)}},
+                        "responses": {"200": {"description": "The rules"},
+                                      **_errors(401, 403, 404)}},
                 "put": {"summary": "Set the reputation floor (0..1; stored and audited; admin)",
                         "operationId": "setMarketRules",
                         "requestBody": {"required": True, "content": {"application/json": {
@@ -238,17 +286,19 @@ def document() -> dict:
                                        "properties": {"reputation_floor": {
                                            "type": "number", "minimum": 0, "maximum": 1}}}}}},
                         "responses": {"200": {"description": "The new rules"},
-                                      **_errors(400, 401, 404, 422)}}},
+                                      **_errors(400, 401, 403, 404, 422)}}},
             "/v1/admin/grants": {"post": {
                 "summary": "Grant credits (dev funding mode only; admin)",
-                "operationId": "grant",
-                "responses": {"200": {"description": "The deposit"}, **_errors(400, 401, 409)}}},
+                "operationId": "grant", "parameters": [_key(150)],
+                "responses": {"201": {"description": "The deposit"},
+                              **_errors(400, 401, 403, 404, 409, 422)}}},
             **registry_api.openapi_paths(_errors),  # the marketplace (broker/api/registry.py)
             "/livez": {"get": {"summary": "Liveness", "security": [],
                                "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness", "security": [],
-                                "responses": {"200": {"description": "ready"}}}},
-        },
+                                "responses": {"200": {"description": "ready"},
+                                              **_errors(503)}}},
+        }),
     }
 
 

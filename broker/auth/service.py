@@ -91,6 +91,10 @@ class ApiKeyService:
                 or not hmac.compare_digest(record.secret_sha256, _sha(parts[3]))):
             raise Unauthenticated("API key not recognised or revoked; create a new one with "
                                   "`sparecycles broker create-key`")
+        if record.role != parts[1]:  # a key is only valid exactly as it was issued
+            raise Unauthenticated(f"this key says sc_{parts[1]}_… but was issued as a "
+                                  f"{record.role} key (sc_{record.role}_…); send the key "
+                                  "exactly as `sparecycles broker create-key` printed it")
         principal = Principal(record.account_id, record.role, record.id)
         with self._lock:
             if len(self._cache) > 10_000:

@@ -95,6 +95,8 @@ class Dispatcher:
         # something the job names (an adapter it has not installed). Such providers are
         # avoided while one that holds everything can take the job.
         self.needs_download = lambda provider_id, job: False
+        # An agent's stream ended (broker.providers.presence: it was seen until now).
+        self.on_left = lambda provider_id: None
         jobs.on_queued = self._queued
         jobs.on_released = self._released
         jobs.second_opinion = self.second_opinion
@@ -142,6 +144,8 @@ class Dispatcher:
                 gone = False
         if gone and self.market is not None:
             self.market.disconnect(session.provider_id)
+        if gone:
+            self.on_left(session.provider_id)
 
     def session(self, provider_id: str) -> AgentSession | None:
         with self._cond:
@@ -150,6 +154,17 @@ class Dispatcher:
     def sessions(self) -> list[AgentSession]:
         with self._cond:
             return list(self._sessions.values())
+
+    def serving(self, plugin: str, version: str) -> bool:
+        """Whether an agent connected here serves ``plugin@version`` (broker.providers.
+        presence: asked on every submit, so one dictionary look-up per agent)."""
+        key = f"{plugin}@{version}"
+        with self._cond:
+            return any(key in s.plugins for s in self._sessions.values())
+
+    def connected_ids(self) -> list[str]:
+        with self._cond:
+            return list(self._sessions)
 
     def set_paused(self, provider_id: str, paused: bool) -> bool:
         """Pause (no new jobs; running ones finish) or resume a connected provider; False

@@ -23,3 +23,9 @@ class ReceiptRefused(BrokerError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+class NoProvider(Conflict):
+    """Nobody could run the job: no provider known to the broker serves its build."""
+
+    code, title = "no_provider", "No provider serves this plugin"

@@ -61,6 +61,15 @@ class JobRepository(Protocol):
     def checks_of(self, job_id: str) -> list[Job]: ...
 
 
+class Presence(Protocol):
+    """Whether some provider known to the broker serves a plugin build (connected now, or
+    seen within ``window_s``): broker.providers.presence.Presence."""
+
+    window_s: float
+
+    def serves(self, plugin: str, version: str) -> bool: ...
+
+
 class BlobStore(Protocol):
     def put(self, data: bytes) -> str:
         """Store ``data``; returns its key (its sha256 hex)."""

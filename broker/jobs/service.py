@@ -22,15 +22,16 @@ from sdk.protocol.signing import KeyPair
 from broker.auth.service import Principal
 from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
-from broker.errors import IdempotencyConflict, InvalidInput, InvalidRequest
-from .errors import JobNotCancellable, JobNotFound, OutputNotFound, ReceiptRefused
+from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
+from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, ReceiptRefused
 from .hub import EventHub
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
-from .ports import BlobStore, JobRepository
+from .ports import BlobStore, JobRepository, Presence
 
 log = logging.getLogger(__name__)
 ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
 BAD_INPUT = "bad_input"            # a failure code: the plugin refused the job's input
+NO_PROVIDER = "no_provider"        # a failure code: no provider served the build for long
 INPUT_DISPUTED = "input_disputed"  # a requeue: another operator's provider tries that input
 
 
@@ -81,6 +82,13 @@ class JobService:
         # The market (set by the wiring): admission of a job's terms before any row or hold
         # (raises CannotMeetTerms), and the timings of every verified receipt (θ).
         self.check_terms = None                  # callable(job, n_slots) -> None
+        # Whether anybody could run a build (set by the wiring): a job for a build no
+        # provider known to the broker serves is refused at submit (409 no_provider), and
+        # expire_unserved() gives up queued jobs whose build has had none for the window.
+        self.presence: Presence | None = None
+        # Input checks that need more than the manifest (set by the wiring): the registry
+        # refuses adapters published for another plugin. callable(plugin, inputs) -> None
+        self.check_inputs = lambda plugin, inputs: None
         self.on_receipt = lambda job, receipt: None
         # A run that failed in a way that counts against the provider's reliability.
         self.on_failure = lambda provider_id, plugin: None
@@ -101,6 +109,12 @@ class JobService:
     def submit(self, who: Principal, body: Any, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """Validate and queue a job. Returns (job, created); a repeated idempotency key with
         the same request returns the first job, with another request raises."""
+        if who.role not in SUBMIT_ROLES:
+            raise Forbidden(
+                f"submitting jobs needs a client key; yours is {_a(who.role)} key, and "
+                f"{_ROLE_USES.get(who.role, 'that role does not pay for jobs')}. Submit "
+                "with a client key (an admin creates one with `sparecycles broker "
+                "create-key --role client`)", code_override="role_cannot_submit")
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object like "
                                  '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
@@ -130,6 +144,7 @@ class JobService:
             raise InvalidRequest("version must be a string like 1.0.0", field="version")
         manifest = self.catalog.get(plugin, version)
         asked, inputs = self._inputs(manifest, body.get("inputs", {}), weights)
+        self.check_inputs(manifest.name, inputs)
         if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
             raise InvalidRequest("Idempotency-Key must be 1 to 200 characters",
                                  field="Idempotency-Key")
@@ -145,10 +160,13 @@ class JobService:
             hashed["n"] = terms["n"]
         request_hash = sha256_hex(canonical_bytes(hashed))
         now = self.clock()
-        # With an idempotency key the job id is derived from it: a resubmit's hold is the
-        # first one (the ledger's key derives from the job id) and its row conflicts with
-        # the first job's, so a replay writes nothing and needs no read before it; one that
-        # is refused (the terms or the balance are not what they were, say) is looked up.
+        # With an idempotency key the job id is derived from it (a split's first sibling
+        # gets that same id): a resubmit's hold is the first one (the ledger's key derives
+        # from the job id) and its row conflicts with the first job's, so a replay writes
+        # nothing and needs no read before it, and any other request with the key, split
+        # or not, meets the first one's row and is refused on its request hash; one that
+        # is refused on the way (the terms, the balance or the hold are not what they
+        # were, say) is looked up.
         job_id = (str(uuid.uuid5(_JOB_IDS, f"{who.account_id}:{idempotency_key}"))
                   if idempotency_key is not None else str(uuid.uuid4()))
         try:
@@ -197,6 +215,14 @@ class JobService:
         written nothing, when an earlier request with the same idempotency key has it."""
         work_units = manifest.work_units_for(inputs)
         n = terms["n"]
+        if self.presence is not None and not self.presence.serves(manifest.name,
+                                                                   manifest.version):
+            raise NoProvider(
+                f"no provider serves {manifest.ref}: none is connected, and none that "
+                f"serves it was seen in the last {self.presence.window_s:g} s, so nobody "
+                "could run this job; nothing was queued or held. Submit it once a provider "
+                "serving it is online (GET /readyz counts providers online)",
+                field="plugin", plugin=manifest.name, version=manifest.version)
         if self.check_terms is not None:
             # Refused up front (no row, no hold) when no eligible provider meets the terms.
             self.check_terms(Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
@@ -234,24 +260,26 @@ class JobService:
             return job
 
     def _submit_batch(self, who: Principal, manifest, inputs: dict, work_units: float,
-                      terms: dict, batch_id: str, idempotency_key: str | None,
+                      terms: dict, first_id: str, idempotency_key: str | None,
                       request_hash: str, now: float, verify: str = "sampled",
                       weights: str | None = None) -> Job:
-        """A split request: ``n`` sibling jobs sharing ``batch_id`` (their ids derive from
-        it), each with its own hold for its share of the client's max price. Sibling ``i``
-        gets ``seed + i`` when the inputs carry an integer seed. Returns the first sibling
-        (raises _Taken when an earlier request with the same key made them); the dispatcher
-        clears the siblings together."""
+        """A split request: ``n`` sibling jobs sharing one batch id, each with its own hold
+        for its share of the client's max price. The first sibling's id is ``first_id``
+        (with an idempotency key, the id a one-job request with that key would get, and the
+        key itself: whichever request comes second conflicts with the first on that row
+        and its hold, so one key never makes two requests); the batch id and the other
+        siblings' ids derive from it. Sibling ``i`` gets ``seed + i`` when the inputs carry
+        an integer seed. Returns the first sibling (raises _Taken, having written nothing,
+        when an earlier request with the same key has its row); the dispatcher clears the
+        siblings together."""
         n = terms["n"]
         cap = terms["max_price_micro"]
         share = None if cap is None else cap // n
-        existing = self.repo.get(str(uuid.uuid5(_JOB_IDS, f"{batch_id}:0")))
-        if existing is not None:
-            raise _Taken(existing)
+        batch_id = str(uuid.uuid5(_JOB_IDS, f"batch:{first_id}"))
         created: list[Job] = []
         with self.repo.atomic():  # all siblings with their holds, or none
             for i in range(n):
-                job_id = str(uuid.uuid5(_JOB_IDS, f"{batch_id}:{i}"))
+                job_id = first_id if i == 0 else str(uuid.uuid5(_JOB_IDS, f"{batch_id}:{i}"))
                 sib_inputs = dict(inputs)
                 if isinstance(sib_inputs.get("seed"), int) and not isinstance(
                         sib_inputs["seed"], bool):
@@ -265,16 +293,18 @@ class JobService:
                           plugin_version=manifest.version, inputs=sib_inputs,
                           state=JobState.QUEUED, max_attempts=self.settings.max_attempts,
                           work_units=work_units,
-                          idempotency_key=(f"{idempotency_key}#{i}" if idempotency_key
-                                           else None),
+                          # the key names the request: the first sibling carries it
+                          idempotency_key=idempotency_key if i == 0 else None,
                           request_hash=request_hash, created_at=now, updated_at=now,
                           hold_id=hold_id, max_price_micro=max_price,
                           priority=terms["priority"], deadline_s=terms["deadline_s"],
                           batch_id=batch_id, batch_index=i, verify=verify,
                           weights_digest=weights)
-                job, _ = self.repo.create(job, ("queued", {"plugin": manifest.ref,
-                                                           "batch_id": batch_id,
-                                                           "batch_index": i}))
+                job, fresh = self.repo.create(job, ("queued", {"plugin": manifest.ref,
+                                                               "batch_id": batch_id,
+                                                               "batch_index": i}))
+                if not fresh:  # rolls back the block: every sibling and hold written so far
+                    raise _Taken(job)
                 created.append(job)
         for job in created:
             self.hub.notify(job.id)
@@ -718,6 +748,31 @@ class JobService:
             self.on_queued(moved)
         return moved
 
+    def expire_unserved(self, limit: int = 500) -> list[Job]:
+        """Fail the queued jobs (oldest ``limit``) whose build has had no provider for the
+        presence window: no provider connected now serves it and none that does was seen
+        within the window. Each fails ``no_provider`` with its hold voided (a full refund)
+        and a ``failed`` event; the maintenance thread calls it every pass."""
+        if self.presence is None:
+            return []
+        served: dict[tuple[str, str], bool] = {}
+        gone = []
+        for job in self.repo.queued(limit):
+            build = (job.plugin, job.plugin_version)
+            if build not in served:
+                served[build] = self.presence.serves(*build)
+            if served[build]:
+                continue
+            moved = self._fail(job, NO_PROVIDER,
+                               f"no provider has served {job.plugin}@{job.plugin_version} for "
+                               f"{self.presence.window_s:g} s (none connected, none seen), so "
+                               "the job was given up and its hold released in full")
+            if moved is not None:
+                log.info("job %s failed: no provider served %s@%s for %gs", job.id,
+                         job.plugin, job.plugin_version, self.presence.window_s)
+                gone.append(moved)
+        return gone
+
     def give_up(self, job: Job, code: str, message: str) -> Job | None:
         """Fail a queued job the broker will not run after all (a check no provider of
         another operator took in time): its hold is released, ``on_ended`` runs."""
@@ -831,6 +886,18 @@ def check_receipt_shape(rec: dict) -> None:
         raise ReceiptRefused("malformed_receipt", "receipt repro must be an object of strings")
 
 
+# Who pays for jobs: clients, and admins (their accounts get client ledger accounts, see
+# broker/services.py, so an operator can try the broker with a granted balance). Provider
+# and publisher accounts earn credits; they have nothing a job could be held against.
+SUBMIT_ROLES = ("client", "admin")
+_ROLE_USES = {"provider": "provider keys connect agents that run jobs and earn credits",
+              "publisher": "publisher keys publish plugins and adapters and earn royalties"}
+
+
+def _a(word: str) -> str:
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
 MARKET_FIELDS = ("priority", "max_price_micro", "deadline_s", "n")
 MAX_SPLIT = 64
 
@@ -865,7 +932,9 @@ def _replayed(existing: Job, request_hash: str, idempotency_key: str | None) -> 
     if existing.request_hash != request_hash:
         what = f"batch {existing.batch_id}" if existing.batch_id else f"job {existing.id}"
         raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was used for another "
-                                  f"request ({what}); use a new key for a new job")
+                                  f"request ({what}); a key names exactly one request (the "
+                                  "same plugin, inputs, n and options): send that request "
+                                  "again to get its answer, or use a new key for a new job")
     return existing
 
 

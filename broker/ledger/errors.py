@@ -103,7 +103,7 @@ class IdempotencyConflict(LedgerError):
     """The idempotency key was used before with another operation or other arguments."""
 
     code = "ledger.idempotency_conflict"
-    http_status = 422
+    http_status = 409
     grpc_status = "ALREADY_EXISTS"
 
     def __init__(self, key: str, operation: str):

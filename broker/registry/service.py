@@ -474,6 +474,23 @@ class RegistryService:
             out.append(rec)
         return out[:limit]
 
+    # ---- jobs --------------------------------------------------------------------------
+    def check_job_adapters(self, plugin: str, inputs: dict | None) -> None:
+        """Refuse (422, ``inputs.adapters``) a job naming an adapter that the registry
+        publishes only for other plugins: agents resolve a published name in the registry
+        and refuse an adapter of another base, so no provider would run the job. (A name
+        the registry does not know may be an adapter a provider holds privately: that is
+        the provider's to judge.) The broker calls it at submit, after the input rules
+        have checked the adapters input's form."""
+        for name in adapter_names((inputs or {}).get("adapters")):
+            versions = self.repo.versions("adapter", name)
+            if versions and not any(r.base_plugin == plugin for r in versions):
+                bases = sorted({r.base_plugin for r in versions})
+                raise InvalidInput(f"adapters: {name!r} is an adapter for "
+                                   f"{' and '.join(bases)}, not for {plugin}; use one made for "
+                                   f"{plugin} (GET /v1/adapters?base={plugin} lists them)",
+                                   field="inputs.adapters", plugin=plugin, adapter=name)
+
     # ---- royalties ---------------------------------------------------------------------
     def royalties_for(self, plugin: str, inputs: dict | None,
                       as_of: float | None = None) -> list[Royalty]:

@@ -74,6 +74,19 @@ class SqlProviderRepository:
         with self.sessions.begin() as s:
             s.execute(update(ProviderRow).where(ProviderRow.id == provider_id).values(**fields))
 
+    def seen_since(self, t: float) -> list[Provider]:
+        """Providers whose ``last_seen_at`` is ``t`` or later (broker.providers.presence)."""
+        with self.sessions() as s:
+            return [_provider(r) for r in s.scalars(
+                select(ProviderRow).where(ProviderRow.last_seen_at >= t))]
+
+    def touch(self, provider_ids: list[str], t: float) -> None:
+        """Set ``last_seen_at`` of these providers to ``t`` (never back in time)."""
+        with self.sessions.begin() as s:
+            s.execute(update(ProviderRow).where(ProviderRow.id.in_(provider_ids),
+                                                ProviderRow.last_seen_at < t)
+                      .values(last_seen_at=t))
+
     def all(self) -> list[Provider]:
         with self.sessions() as s:
             return [_provider(r) for r in s.scalars(select(ProviderRow).order_by(ProviderRow.created_at))]

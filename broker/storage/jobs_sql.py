@@ -111,6 +111,9 @@ class SqlJobRepository:
         self.engine = sessions.kw["bind"]
         self.clock = clock
         self._returning = bool(self.engine.dialect.update_returning)
+        # The largest id an event can have: job_events.id is an INTEGER column, 32 bits on
+        # PostgreSQL (which refuses a larger parameter for it), 64 on SQLite.
+        self._max_event_id = 2**31 - 1 if self.engine.dialect.name == "postgresql" else 2**63 - 1
 
     def atomic(self):
         """One transaction for the block's writes here and in the ledger and audit log
@@ -210,8 +213,10 @@ class SqlJobRepository:
             return int(result.inserted_primary_key[0])
 
     def events_after(self, job_id: str, after_id: int, limit: int = 500) -> list[JobEvent]:
+        """Events after ``after_id`` (any integer; one past every id there can be: none)."""
         with read_only(self.engine) as c:
-            rows = c.execute(_EVENTS_AFTER, {"w_id": job_id, "w_after": after_id,
+            rows = c.execute(_EVENTS_AFTER, {"w_id": job_id,
+                                             "w_after": min(after_id, self._max_event_id),
                                              "w_limit": limit})
             return [JobEvent(*r) for r in rows]
 

@@ -15,25 +15,34 @@ import json
 from typing import Any
 
 
+#: Objects and lists inside each other: deeper documents have no canonical encoding
+#: (nothing signed needs more, and the walks below recurse).
+MAX_DEPTH = 64
+
+
 class CanonicalEncodingError(ValueError):
-    """A value cannot be encoded canonically (NaN, a non-string key, bytes...)."""
+    """A value cannot be encoded canonically (NaN, a non-string key, bytes, a string that
+    is not Unicode text, nesting deeper than MAX_DEPTH...)."""
 
 
-def _encodable(value: Any) -> bool:
-    """Whether ``value`` has a canonical encoding: a walk with no paths built, since
-    documents are nearly always fine (every envelope and receipt, on both sides, passes
-    here). :func:`_check` says what is wrong when it is not."""
+def _encodable(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` has a canonical encoding (strings aside: a lone surrogate is
+    found when the text is encoded): a walk with no paths built, since documents are
+    nearly always fine (every envelope and receipt, on both sides, passes here).
+    :func:`_check` says what is wrong when it is not."""
     t = type(value)
     if t is str or t is int or t is bool or value is None:
         return True
+    if depth >= MAX_DEPTH:
+        return t is float and value - value == 0.0
     if t is dict:
         for key, item in value.items():
-            if type(key) is not str or not _encodable(item):
+            if type(key) is not str or not _encodable(item, depth + 1):
                 return False
         return True
     if t is list or t is tuple:
         for item in value:
-            if not _encodable(item):
+            if not _encodable(item, depth + 1):
                 return False
         return True
     if t is float:
@@ -41,8 +50,15 @@ def _encodable(value: Any) -> bool:
     return False  # subclasses and other types: _check decides, with the path
 
 
-def _check(value: Any, path: str) -> None:
-    if value is None or isinstance(value, (bool, str)):
+def _check(value: Any, path: str, depth: int = 0) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CanonicalEncodingError(f"{path or 'value'} holds a lone surrogate, which is "
+                                         "not Unicode text and has no UTF-8 encoding") from None
+        return
+    if value is None or isinstance(value, bool):
         return
     if isinstance(value, int):
         return
@@ -51,15 +67,19 @@ def _check(value: Any, path: str) -> None:
             raise CanonicalEncodingError(f"{path or 'value'} is {value!r}; only finite numbers "
                                          "have a canonical encoding")
         return
+    if isinstance(value, (list, tuple, dict)) and depth >= MAX_DEPTH:
+        raise CanonicalEncodingError(f"{path or 'value'} nests objects and lists more than "
+                                     f"{MAX_DEPTH} levels deep")
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _check(item, f"{path}[{i}]")
+            _check(item, f"{path}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CanonicalEncodingError(f"{path or 'value'} has a non-string key {key!r}")
-            _check(item, f"{path}.{key}" if path else key)
+            _check(key, f"{path or 'value'} (a key)")
+            _check(item, f"{path}.{key}" if path else key, depth + 1)
         return
     raise CanonicalEncodingError(f"{path or 'value'} has type {type(value).__name__}, "
                                  "which has no canonical encoding")
@@ -79,7 +99,12 @@ def canonical_text(value: Any) -> str:
 
 def canonical_bytes(value: Any) -> bytes:
     """Encode ``value`` canonically; raises CanonicalEncodingError for unencodable values."""
-    return canonical_text(value).encode("utf-8")
+    text = canonical_text(value)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate somewhere: _check names where
+        _check(value, "")
+        raise
 
 
 def loads(data: bytes) -> Any:
@@ -88,6 +113,9 @@ def loads(data: bytes) -> Any:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CanonicalEncodingError(f"not canonical JSON: {exc}") from None
+    except (RecursionError, ValueError) as exc:  # nested past the stack; 5,000-digit ints
+        raise CanonicalEncodingError(f"not canonical JSON: {type(exc).__name__}: "
+                                     f"{str(exc)[:100]}") from None
     if canonical_bytes(value) != data:
         raise CanonicalEncodingError("bytes are JSON but not in canonical form")
     return value

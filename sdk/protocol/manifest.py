@@ -19,6 +19,11 @@
     type = "string"
     required = true
 
+    [[rules]]                           # what else the plugin refuses (sdk.protocol.schema)
+    field = "prompt"
+    require = "clip_tokens(prompt) <= 75"
+    message = "is at least {clip_tokens(prompt)} tokens long; this model reads at most 75"
+
     [benchmark]                         # the payload the agent times itself on
     inputs = { prompt = "a lighthouse", steps = 10 }
 
@@ -29,8 +34,6 @@
 """
 from __future__ import annotations
 
-import ast
-import functools
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .canonical import is_sha256_hex
+from .formula import compile_formula, evaluate_formula
 from .schema import InputError, InputSchema, SchemaDeclarationError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -46,7 +50,7 @@ MAX_VERSION_LEN = 64  # the registry's and the jobs' version columns are String(
 ENTRY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 OUTPUTS = ("images", "text", "json")
 _TOP = {"name", "version", "publisher", "entrypoint", "output", "description", "work_units",
-        "wall_clock_s", "hardware", "inputs", "benchmark", "weights"}
+        "wall_clock_s", "hardware", "inputs", "rules", "benchmark", "weights"}
 
 
 def version_key(version: str) -> tuple:
@@ -161,7 +165,7 @@ def _parse(data: Mapping[str, Any]) -> Manifest:
     if output not in OUTPUTS:
         raise ManifestError(f"output is {output!r}; must be one of {list(OUTPUTS)}")
     try:
-        inputs = InputSchema.from_tables(data.get("inputs", {}))
+        inputs = InputSchema.from_tables(data.get("inputs", {}), rules=data.get("rules", []))
     except SchemaDeclarationError as exc:
         raise ManifestError(str(exc)) from None
     work_units = _req(data, "work_units", str)
@@ -217,39 +221,6 @@ def load_manifest(folder: Path | str) -> Manifest:
     return parse_manifest(data, source=str(path))
 
 
-# -- work-unit formulas: arithmetic over input names, nothing else ---------------------
-_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load,
-            ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub,
-            ast.UAdd, ast.Call)
-_FUNCS = {"min": min, "max": max, "abs": abs}
-
-
+# -- work-unit formulas: arithmetic over input names, nothing else (sdk.protocol.formula)
 def _compile_formula(expr: str, names: set[str]):
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError as exc:
-        raise ValueError(f"not an arithmetic expression: {exc.msg}") from None
-    for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED):
-            raise ValueError(f"{type(node).__name__} is not allowed; use + - * / and numbers")
-        if isinstance(node, ast.Call):
-            if not (isinstance(node.func, ast.Name) and node.func.id in _FUNCS) or node.keywords:
-                raise ValueError("only min(), max() and abs() may be called")
-        elif isinstance(node, ast.Name) and node.id not in names and node.id not in _FUNCS:
-            raise ValueError(f"{node.id!r} is not an input; inputs: {sorted(names)}")
-        elif isinstance(node, ast.Constant) and not isinstance(node.value, (int, float)):
-            raise ValueError(f"constant {node.value!r} is not a number")
-    return compile(tree, "<work_units>", "eval")
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled_formula(expr: str, names: frozenset[str]):
-    """:func:`_compile_formula`, once per formula and set of input names (every job
-    evaluates its plugin's formula; parsing and checking it each time is wasted work)."""
-    return _compile_formula(expr, set(names))
-
-
-def evaluate_formula(expr: str, inputs: Mapping[str, Any]) -> float:
-    code = _compiled_formula(expr, frozenset(inputs))
-    value = eval(code, {"__builtins__": {}}, {**_FUNCS, **inputs})  # noqa: S307 - AST-checked
-    return float(value)
+    return compile_formula(expr, names)

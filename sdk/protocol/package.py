@@ -405,42 +405,7 @@ def publisher_proof_document(account_id: str, public_key: str) -> dict:
 
 
 # ---- jobs ------------------------------------------------------------------------------
-# An adapter name in a job's ``adapters`` input (plugins.adapters checks it with fullmatch).
-ADAPTER_INPUT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-
-
-def adapter_pairs(text: str | None) -> list[tuple[Any, Any]]:
-    """A job's ``adapters`` input split into (name, raw scale) pairs, unchecked:
-    ``"ink:0.8, film"`` gives ``[("ink", "0.8"), ("film", 1.0)]`` and ``'{"ink": 0.8}'``
-    gives ``[("ink", 0.8)]``; "" or None gives []. Raises json.JSONDecodeError for bad
-    JSON and ValueError for JSON that is not an object. plugins.adapters.parse_adapters
-    checks the pairs strictly; :func:`adapter_names` leaves out what it would refuse."""
-    text = (text or "").strip()
-    if not text:
-        return []
-    if text.startswith("{"):
-        table = json.loads(text)
-        if not isinstance(table, dict):
-            raise ValueError('adapters as JSON must be an object like {"ink": 0.8}')
-        return list(table.items())
-    pairs: list[tuple[Any, Any]] = []
-    for part in text.split(","):
-        name, sep, scale = part.strip().partition(":")
-        pairs.append((name.strip(), scale.strip() if sep else 1.0))
-    return pairs
-
-
-def adapter_names(value: Any) -> list[str]:
-    """The adapter names a job's ``adapters`` input asks for (``"ink:0.8,film"`` or
-    ``{"ink": 0.8}``), leniently: whatever the plugin would refuse is left out."""
-    if not isinstance(value, str):
-        return []
-    try:
-        pairs = adapter_pairs(value)
-    except ValueError:
-        return []
-    out: list[str] = []
-    for name, _ in pairs:
-        if isinstance(name, str) and ADAPTER_INPUT_NAME_RE.fullmatch(name) and name not in out:
-            out.append(name)
-    return out
+# A job's ``adapters`` input: parsed and checked in sdk.protocol.adapters (which the input
+# rules call too); named here as well, where the marketplace's code looks for them.
+from .adapters import (ADAPTER_INPUT_NAME_RE, ADAPTER_SCALE_LIMITS,  # noqa: E402,F401
+                       MAX_ADAPTERS_PER_JOB, adapter_names, adapter_pairs, check_adapters)

@@ -25,11 +25,28 @@ agent sends them with its capabilities, and the broker fills an input the client
 with the value every provider that could run the job agrees on, before it prices the job,
 so the job's inputs (and its work units) are explicit from then on. ``validate(inputs,
 defaults=...)`` applies such values; :meth:`InputSchema.weights_defaults` checks a report.
+
+Rules (``[[rules]]`` tables, top level in plugin.toml) say what else a plugin refuses,
+across fields or beyond a type, so that every side refuses it before a provider does::
+
+    field    the input the error names
+    require  a condition over the inputs (sdk.protocol.formula): comparisons, and/or/not,
+             arithmetic, min max abs floor ceil given() clip_tokens() adapter_count()
+    when     optional condition: the rule applies only when it holds (by default, when
+             every input ``require`` names outside given() was sent or has a default)
+    message  what is wrong and what is allowed; ``{expression}`` parts are replaced by
+             their value (``"is at least {clip_tokens(prompt)} tokens long; at most 75"``)
+
+The served JSON Schema carries them as ``x-rules`` (top level, which JSON Schema readers
+and older SDKs ignore), so the SDK checks them too.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from . import formula
 
 TYPES = ("string", "integer", "number", "boolean")
 _KEYS = {"type", "required", "default", "minimum", "maximum", "multiple_of", "min_length",
@@ -160,15 +177,106 @@ class InputSpec:
         return js
 
 
+_RULE_KEYS = {"field", "require", "when", "message"}
+_PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
+
+
+@dataclass(frozen=True)
+class InputRule:
+    """One ``[[rules]]`` table: ``require`` must hold (when ``when`` does) or the inputs are
+    refused with ``message``, naming ``field``."""
+
+    field: str
+    require: str
+    message: str
+    when: str | None = None
+    _code: Any = field(default=None, compare=False, repr=False)
+    _when: Any = field(default=None, compare=False, repr=False)
+    _needs: frozenset = field(default=frozenset(), compare=False, repr=False)
+    _parts: tuple = field(default=(), compare=False, repr=False)
+
+    @classmethod
+    def from_table(cls, i: int, table: Any, names: set[str]) -> "InputRule":
+        where = f"rules[{i}]"
+        if not isinstance(table, Mapping):
+            raise SchemaDeclarationError(f"{where} must be a table")
+        unknown = set(table) - _RULE_KEYS
+        if unknown:
+            raise SchemaDeclarationError(f"{where} has unknown keys {sorted(unknown)}; "
+                                         f"allowed: {sorted(_RULE_KEYS)}")
+        for key in ("field", "require", "message"):
+            if not isinstance(table.get(key), str) or not table[key]:
+                raise SchemaDeclarationError(f"{where}.{key} must be a non-empty string")
+        if table["field"] not in names:
+            raise SchemaDeclarationError(f"{where}.field {table['field']!r} is not an input; "
+                                         f"inputs: {sorted(names)}")
+        when = table.get("when")
+        if when is not None and not isinstance(when, str):
+            raise SchemaDeclarationError(f"{where}.when must be a condition (a string)")
+        try:
+            code = formula.compile_formula(table["require"], names, condition=True)
+            when_code = (formula.compile_formula(when, names, condition=True)
+                         if when else None)
+            parts = tuple((m.group(0), formula.compile_formula(m.group(1), names,
+                                                               condition=True))
+                          for m in _PLACEHOLDER.finditer(table["message"]))
+        except ValueError as exc:
+            raise SchemaDeclarationError(f"{where}: {exc}") from None
+        needs = frozenset() if when else frozenset(
+            formula.names_outside_given(table["require"]))
+        return cls(table["field"], table["require"], table["message"], when, code, when_code,
+                   needs, parts)
+
+    def check(self, values: Mapping[str, Any]) -> None:
+        """Raise InputError unless the rule holds for ``values`` (every input, None when
+        absent), or does not apply to them."""
+        if any(values.get(n) is None for n in self._needs):
+            return
+        try:
+            if self._when is not None and not formula.evaluate(self._when, values,
+                                                                condition=True):
+                return
+            if formula.evaluate(self._code, values, condition=True):
+                return
+        except ValueError as exc:  # a checking function (adapter_count()) said what is wrong
+            detail = str(exc)
+            raise InputError(self.field, detail.removeprefix(f"{self.field}: ")) from None
+        except (TypeError, ArithmeticError):
+            return  # inputs the rule cannot judge (another check refuses them if need be)
+        message = self.message
+        for text, code in self._parts:
+            try:
+                message = message.replace(text, str(formula.evaluate(code, values,
+                                                                     condition=True)))
+            except Exception:  # noqa: BLE001 - the message without the value still says why
+                pass
+        raise InputError(self.field, message)
+
+    def to_json(self) -> dict:
+        out = {"field": self.field, "require": self.require, "message": self.message}
+        if self.when:
+            out["when"] = self.when
+        return out
+
+
 @dataclass(frozen=True)
 class InputSchema:
     fields: tuple[InputSpec, ...] = field(default_factory=tuple)
+    rules: tuple[InputRule, ...] = field(default_factory=tuple)
 
     @classmethod
-    def from_tables(cls, tables: Mapping[str, Any]) -> "InputSchema":
+    def from_tables(cls, tables: Mapping[str, Any], rules: Any = ()) -> "InputSchema":
         if not isinstance(tables, Mapping):
             raise SchemaDeclarationError("inputs must be a table of [inputs.NAME] tables")
-        return cls(tuple(InputSpec.from_table(name, t) for name, t in tables.items()))
+        specs = tuple(InputSpec.from_table(name, t) for name, t in tables.items())
+        if not isinstance(rules, (list, tuple)):
+            raise SchemaDeclarationError("rules must be an array of [[rules]] tables")
+        names = {s.name for s in specs}
+        clash = names & set(formula.RULE_FUNCS)
+        if clash:
+            raise SchemaDeclarationError(f"inputs may not be named like a function of the "
+                                         f"rules: {sorted(clash)}")
+        return cls(specs, tuple(InputRule.from_table(i, r, names) for i, r in enumerate(rules)))
 
     @classmethod
     def from_json_schema(cls, schema: Mapping[str, Any]) -> "InputSchema":
@@ -183,7 +291,7 @@ class InputSchema:
                  if k in back or not k.startswith("x-")}
             t["required"] = name in required
             tables[name] = t
-        return cls.from_tables(tables)
+        return cls.from_tables(tables, rules=schema.get("x-rules", []))
 
     @property
     def names(self) -> list[str]:
@@ -235,12 +343,19 @@ class InputSchema:
                 out[spec.name] = spec.default
             elif spec.required:
                 raise InputError(spec.name, "is required")
+        if self.rules:
+            values = {spec.name: out.get(spec.name) for spec in self.fields}
+            for rule in self.rules:
+                rule.check(values)
         return out
 
     def json_schema(self) -> dict:
-        return {
+        out = {
             "type": "object",
             "additionalProperties": False,
             "properties": {f.name: f.json_schema() for f in self.fields},
             "required": [f.name for f in self.fields if f.required and f.default is None],
         }
+        if self.rules:
+            out["x-rules"] = [r.to_json() for r in self.rules]
+        return out

@@ -10,6 +10,20 @@ from broker.server import BrokerServer
 from broker.settings import Settings
 
 
+def seen_provider(services, plugins=("echo",), name: str = "seen-a-moment-ago"):
+    """A provider whose agent connected a moment ago advertising ``plugins`` (as the
+    gateway records one) and is not connected now: a provider the broker knows, so jobs
+    for those plugins are admitted (see broker/providers/presence.py) and stay queued."""
+    from sdk.protocol.signing import KeyPair
+
+    _, who = services.auth.create_account_with_key("provider")
+    refs = [services.catalog.get(p) for p in plugins]
+    return services.providers.connect(
+        who, KeyPair.generate().public_key_hex, name, sandboxed=True, hardware={},
+        plugins=[{"name": m.name, "version": m.version, "weights_digest": "", "warm": True}
+                 for m in refs])
+
+
 class LiveBroker:
     def __init__(self, tmp_path, db_url=None, lease_timeout_s=5.0, plugin_dirs=None,
                  max_attempts=None, **settings):

@@ -70,6 +70,7 @@ def test_buy_run_settle_vest_and_pay_out(money):
                        "min_charge_micro": 100_000, "vesting_window_s": 0})
     assert r.status_code == 200, r.text
 
+    _start_agent(broker, pkey, agents)  # a provider first: a job nobody could run is a 409
     with Client(broker.url, ckey) as client:
         # No credits yet: refused up front, no job.
         with pytest.raises(InsufficientCreditsError) as exc:
@@ -90,7 +91,6 @@ def test_buy_run_settle_vest_and_pay_out(money):
         quote = client.quote("echo", sleep_ms=500)
         assert (quote["expected_micro"], quote["max_micro"]) == (3_750_000, 3_750_000)
 
-        _start_agent(broker, pkey, agents)
         assert client.generate("echo", text="a", timeout=60).json
         assert client.generate("echo", text="b", sleep_ms=500, timeout=60).json
 

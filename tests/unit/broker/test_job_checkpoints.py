@@ -34,8 +34,11 @@ def world(tmp_path):
     for name in ("first", "second"):
         _, acct = services.auth.create_account_with_key("provider")
         key = KeyPair.generate()
+        # connected as the gateway records it (advertising echo), so jobs are admitted
         provider = services.providers.connect(acct, key.public_key_hex, name, sandboxed=True,
-                                              hardware={}, plugins=[])
+                                              hardware={}, plugins=[{
+                                                  "name": "echo", "version": "1.0.0",
+                                                  "weights_digest": "", "warm": True}])
         agents.append((RecordingSession(provider_id=provider.id, public_key=key.public_key_hex,
                                         account_id=acct.account_id,
                                         plugins={"echo@1.0.0": ""}), key, acct))

@@ -99,9 +99,16 @@ def test_cancellation_stops_generation(run, make_ctx):
     assert ctx.progress_calls[-1] == (3, 50)
 
 
+@pytest.mark.parametrize("inputs", [
+    {"max_new_tokens": 5}, {"prompt": "hi", "messages": '[{"role": "user", "content": "hi"}]'}])
+def test_prompt_or_messages_is_the_manifests_rule_on_every_side(run, inputs):
+    # refused by the manifest's rule before the plugin runs (the broker, at submit)
+    with pytest.raises(InputError, match="exactly one of prompt") as err:
+        run(**inputs)
+    assert err.value.field == "prompt"
+
+
 @pytest.mark.parametrize("inputs,message", [
-    ({"max_new_tokens": 5}, "exactly one of prompt"),
-    ({"prompt": "hi", "messages": '[{"role": "user", "content": "hi"}]'}, "exactly one of"),
     ({"messages": "not json"}, "not valid JSON"),
     ({"messages": '[{"role": "robot", "content": "hi"}]'}, "messages\\[0\\]"),
     ({"prompt": "word " * 300, "max_new_tokens": 400}, "context of 512 tokens"),

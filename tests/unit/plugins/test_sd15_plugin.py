@@ -147,11 +147,21 @@ def test_bad_inputs_are_refused_by_the_schema(sd15, field, value, message):
 
 
 def test_a_prompt_longer_than_the_text_encoder_reads_is_refused(run):
+    # 80 words: at least 80 tokens whatever the vocabulary, refused by the manifest's
+    # rule on every side (the broker at submit, before any provider sees it)
     long_prompt = " ".join(["lighthouse"] * 80)
-    with pytest.raises(BadInput, match="at most 75 tokens"):
+    with pytest.raises(InputError, match="at most 75") as err:
         run(prompt=long_prompt)
-    with pytest.raises(BadInput, match="negative_prompt"):
+    assert err.value.field == "prompt"
+    with pytest.raises(InputError, match="at most 75") as err:
         run(negative_prompt=long_prompt)
+    assert err.value.field == "negative_prompt"
+    # 40 words this tiny vocabulary spells byte by byte: only the tokenizer can tell
+    spelled = " ".join(["zqxv"] * 40)
+    with pytest.raises(BadInput, match="at most 75 tokens"):
+        run(prompt=spelled)
+    with pytest.raises(BadInput, match="negative_prompt"):
+        run(negative_prompt=spelled)
 
 
 def test_benchmark_payload_is_valid_and_small(sd15):

@@ -69,5 +69,11 @@ def test_cancellation(run, make_ctx):
 
 
 def test_a_prompt_too_long_for_the_encoders_is_refused(run):
-    with pytest.raises(BadInput, match="at most 75 tokens"):
+    # 90 words: at least 90 tokens whatever the vocabulary, refused by the manifest's
+    # rule on every side (the broker at submit)
+    with pytest.raises(InputError, match="at most 75") as err:
         run(prompt="castle " * 90)
+    assert err.value.field == "prompt"
+    # 40 words this tiny vocabulary spells byte by byte: only the tokenizer can tell
+    with pytest.raises(BadInput, match="at most 75 tokens"):
+        run(prompt="zqxv " * 40)

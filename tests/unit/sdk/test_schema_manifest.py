@@ -62,3 +62,41 @@ def test_missing_field_is_named():
     del data["entrypoint"]
     with pytest.raises(ManifestError, match="entrypoint is missing"):
         parse_manifest(data)
+
+
+RULES = {**BASE, "rules": [
+    {"field": "size", "when": "given(prompt)", "require": "floor(size / steps) >= 2",
+     "message": "size over steps is {size / steps}; it must be at least 2"},
+    {"field": "prompt", "require": "clip_tokens(prompt) <= 2",
+     "message": "is at least {clip_tokens(prompt)} tokens; at most 2"}]}
+
+
+@pytest.mark.parametrize("inputs,field,fragment", [
+    ({"prompt": "a", "size": 8, "steps": 8}, "size", "size over steps is 1.0"),
+    ({"prompt": "a b c"}, "prompt", "is at least 3 tokens; at most 2"),
+])
+def test_rules_refuse_what_the_plugin_would_with_the_values_quoted(inputs, field, fragment):
+    schema = parse_manifest(RULES).inputs
+    with pytest.raises(InputError) as exc:
+        schema.validate(inputs)
+    assert exc.value.field == field and fragment in str(exc.value)
+    again = InputSchema.from_json_schema(schema.json_schema())  # what the SDK rebuilds
+    with pytest.raises(InputError, match=fragment.replace("(", r"\(")):
+        again.validate(inputs)
+    assert again.validate({"prompt": "a b", "size": 64}) == schema.validate({"prompt": "a b",
+                                                                           "size": 64})
+
+
+@pytest.mark.parametrize("rule,fragment", [
+    ({"field": "nope", "require": "steps > 1", "message": "m"}, "not an input"),
+    ({"field": "steps", "require": "__import__('os')", "message": "m"}, "rules\\[0\\]"),
+    ({"field": "steps", "require": "steps.real > 1", "message": "m"}, "Attribute"),
+    ({"field": "steps", "require": "open(prompt)", "message": "m"}, "may be called"),
+    ({"field": "steps", "require": "steps > 1"}, "message"),
+    ({"field": "steps", "require": "steps > 1", "message": "m", "why": 1}, "unknown keys"),
+    ({"field": "steps", "require": "steps > 1", "message": "{steps.x}"}, "Attribute"),
+    ({"field": "steps", "require": "steps > 20", "message": "m"}, "benchmark"),
+])
+def test_a_malformed_rule_names_where(rule, fragment):
+    with pytest.raises(ManifestError, match=fragment):
+        parse_manifest({**BASE, "rules": [rule]})

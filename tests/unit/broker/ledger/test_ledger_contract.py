@@ -66,7 +66,7 @@ class LedgerContract:
         before = snapshot(ledger)
         with pytest.raises(IdempotencyConflict) as err:
             ledger.deposit("alice", 11 * C, idempotency_key="k")
-        assert err.value.http_status == 422 and "new key" in err.value.message
+        assert err.value.http_status == 409 and "new key" in err.value.message
         with pytest.raises(IdempotencyConflict):  # another operation with the same key
             ledger.hold("alice", C, "job-1", idempotency_key="k")
         assert snapshot(ledger) == before
