@@ -404,7 +404,7 @@ class ScratchCleaner:
         self.devs = {os.stat(r).st_dev for r in self.roots}
         self.keep: dict[str, tuple[int, int]] = {}
         for root in self.roots:
-            self._record(root)
+            self._record(root, os.stat(root).st_dev)
         self.keep_open = {(st.st_dev, st.st_ino) for st in self._open_files()}
         self.keep_ipc = {kind: set(ids) for kind, ids in self._ipc_ids().items()}
 
@@ -426,7 +426,10 @@ class ScratchCleaner:
         return cls([p for p in WRITABLE_PLACES if mounts.get(p) == "tmpfs"])
 
     # ---- what setup() left ---------------------------------------------------------------
-    def _record(self, folder: str) -> None:
+    # Only the writable place's own filesystem is walked: a read-only bind that shows
+    # through it (a checkout or a venv below /tmp, bound at its own path) is another
+    # device, which no job can write and whose walk would cost seconds after every job.
+    def _record(self, folder: str, dev: int) -> None:
         try:
             entries = list(os.scandir(folder))
         except OSError:
@@ -437,8 +440,8 @@ class ScratchCleaner:
             except OSError:
                 continue
             self.keep[entry.path] = (st.st_ino, st.st_ctime_ns)
-            if stat.S_ISDIR(st.st_mode):
-                self._record(entry.path)
+            if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
+                self._record(entry.path, dev)
 
     def _open_files(self) -> list[os.stat_result]:
         """The regular files on the writable places this process holds open (raw calls:
@@ -480,12 +483,12 @@ class ScratchCleaner:
     # ---- after a job ---------------------------------------------------------------------
     def clean(self) -> int:
         """Remove what the last job left; the number of things removed or emptied."""
-        removed = sum(self._clean_folder(root) for root in self.roots)
+        removed = sum(self._clean_folder(root, os.stat(root).st_dev) for root in self.roots)
         removed += self._truncate_orphans()
         removed += self._remove_ipc()
         return removed
 
-    def _clean_folder(self, folder: str) -> int:
+    def _clean_folder(self, folder: str, dev: int) -> int:
         removed = 0
         try:
             entries = list(os.scandir(folder))
@@ -496,10 +499,12 @@ class ScratchCleaner:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
+            if st.st_dev != dev:
+                continue  # a mount point: a bind, not this place's (see _record)
             kept = self.keep.get(entry.path)
             if stat.S_ISDIR(st.st_mode):
                 if kept is not None and kept[0] == st.st_ino:
-                    removed += self._clean_folder(entry.path)
+                    removed += self._clean_folder(entry.path, dev)
                 else:
                     removed += self._remove_tree(entry.path)
             elif kept != (st.st_ino, st.st_ctime_ns):

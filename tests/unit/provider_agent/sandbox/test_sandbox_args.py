@@ -392,3 +392,29 @@ def test_after_a_job_the_writable_places_are_as_setup_left_them(tmp_path):
         assert cleaner.clean() == 0  # nothing more to do
     finally:
         held.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_the_cleaner_leaves_a_bind_below_a_writable_place_alone(tmp_path):
+    """A checkout (and its venv) below /tmp is bound into the sandbox's own /tmp: the
+    cleaner walks only the tmpfs itself, never the tens of thousands of files of a bind
+    (that walk took seconds after every job, past the next job's wall clock)."""
+    import subprocess
+
+    from provider_agent.host.main import ScratchCleaner
+
+    tmp = tmp_path / "tmp"
+    bound = tmp / "checkout"
+    bound.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(bound)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (bound / "module.py").write_text("bound")
+        cleaner = ScratchCleaner([str(tmp)])
+        assert not any(p.startswith(str(bound) + "/") for p in cleaner.keep)
+        (bound / "changed-outside.py").write_text("the host's, not a job's")
+        (tmp / "job.txt").write_text("client A")
+        assert cleaner.clean() == 1
+        assert sorted(p.name for p in bound.iterdir()) == ["changed-outside.py", "module.py"]
+    finally:
+        subprocess.run(["umount", str(bound)], check=True)
