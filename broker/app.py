@@ -12,6 +12,15 @@ log = logging.getLogger(__name__)
 PUBLIC = ("/livez", "/readyz", "/openapi.json", "/v1/stripe/webhook")
 
 
+def problem_response(app: Flask, body: dict, status: int):
+    """An RFC 7807 answer (problem JSON), as every error of the API is rendered."""
+    resp = app.response_class(app.json.dumps(body), status=status,
+                              mimetype="application/problem+json")
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="sparecycles"'
+    return resp
+
+
 def create_app(services) -> Flask:
     app = Flask("broker")
     app.extensions["sparecycles"] = services
@@ -38,11 +47,7 @@ def create_app(services) -> Flask:
         return None
 
     def problem(body: dict, status: int):
-        resp = app.response_class(app.json.dumps(body), status=status,
-                                  mimetype="application/problem+json")
-        if status == 401:
-            resp.headers["WWW-Authenticate"] = 'Bearer realm="sparecycles"'
-        return resp
+        return problem_response(app, body, status)
 
     @app.errorhandler(BrokerError)
     def broker_error(exc: BrokerError):

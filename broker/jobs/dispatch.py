@@ -151,6 +151,10 @@ class Dispatcher:
         with self._cond:
             return list(self._sessions.values())
 
+    def session_count(self) -> int:
+        """How many agents are connected (without copying the sessions)."""
+        return len(self._sessions)
+
     def set_paused(self, provider_id: str, paused: bool) -> bool:
         """Pause (no new jobs; running ones finish) or resume a connected provider; False
         when it is not connected (its stored status applies when it connects)."""

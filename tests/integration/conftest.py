@@ -1,4 +1,5 @@
-"""A real broker (waitress + gRPC + dispatcher) in this process, on loopback ports."""
+"""A real broker (uvicorn + grpc.aio on one event loop, dispatcher) in this process, on
+loopback ports."""
 from __future__ import annotations
 
 import threading
