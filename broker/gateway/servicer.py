@@ -483,6 +483,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                     self.market.refresh(pid)  # its cold-start term may have changed
         elif kind == "drain":
             session.draining = True
+            self.dispatcher.changed(session)  # no new jobs: the market hears of it
             log.info("provider %s is draining: %s", pid, msg.drain.reason)
         else:
             log.warning("unexpected %s from %s after the handshake", kind, pid)

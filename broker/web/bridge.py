@@ -50,9 +50,9 @@ class _StreamingInput(io.RawIOBase):
         if not self._more:
             return False
         msg = asyncio.run_coroutine_threadsafe(self._receive(), self._loop).result()
-        if msg["type"] != "http.request":
+        if msg["type"] != "http.request":  # the client went away: the body ends short
             self._more = False
-            raise OSError("the client disconnected while sending the request body")
+            return False
         self._buf += msg.get("body", b"")
         self._more = msg.get("more_body", False)
         return True
@@ -98,8 +98,6 @@ def build_environ(scope: dict, body) -> dict:
         "wsgi.version": (1, 0), "wsgi.url_scheme": scope.get("scheme", "http"),
         "wsgi.input": body, "wsgi.errors": sys.stderr, "wsgi.multithread": True,
         "wsgi.multiprocess": False, "wsgi.run_once": False,
-        # The input ends where the body does (also a chunked one, with no length).
-        "wsgi.input_terminated": True,
     }
     client = scope.get("client")
     if client:
@@ -118,6 +116,10 @@ def build_environ(scope: dict, body) -> dict:
         if key in environ:
             value = environ[key] + ("; " if key == "HTTP_COOKIE" else ",") + value
         environ[key] = value
+    if "CONTENT_LENGTH" not in environ:
+        # A chunked body has no length: the input ends where the body does. (With a
+        # length, a body that ends short is the client's disconnect, as werkzeug says.)
+        environ["wsgi.input_terminated"] = True
     return environ
 
 
