@@ -6,7 +6,7 @@ import time
 
 from flask import Blueprint, request
 
-from broker.jobs.hub import HubWait
+from broker.jobs.hub import HubWait, quiet_slice_s
 from broker.jobs.model import Job, JobOutput
 from . import waiting
 from .common import int_arg, json_body, output_response, principal, seconds_arg, services
@@ -191,7 +191,7 @@ def job_events(job_id):
             elif time.monotonic() - idle_since > 15:
                 idle_since = time.monotonic()
                 yield ": keep-alive\n\n"
-            yield HubWait(job_id, version, 5.0)
+            yield HubWait(job_id, version, quiet_slice_s())
 
     return waiting.stream(stream(), mimetype="text/event-stream",
                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

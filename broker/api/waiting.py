@@ -28,12 +28,13 @@ class Handover:
     ``may_wait``: the replica has room for one more waiting client (else a ``Prefer:
     wait`` is ignored, as RFC 7240 allows). The view sets ``steps`` and ``then`` (a long
     poll), or ``chunks`` (a stream whose response headers the view's answer gives)."""
-    __slots__ = ("may_wait", "steps", "then", "chunks")
+    __slots__ = ("may_wait", "steps", "then", "wait", "chunks")
 
     def __init__(self, may_wait: bool = True):
         self.may_wait = may_wait
         self.steps: Waiting | None = None
         self.then: Callable[[Any], Any] | None = None
+        self.wait: HubWait | None = None  # the first wait ``steps`` yielded
         self.chunks: Iterator[str | HubWait] | None = None
 
 
@@ -54,7 +55,11 @@ def answer_after(steps: Waiting, then: Callable[[Any], Any]):
     h = _handover()
     if h is None:
         return then(drive(steps, services().jobs.hub))
-    h.steps, h.then = steps, then
+    try:
+        wait = next(steps)
+    except StopIteration as stop:  # it needed no wait (the job had ended): answer now
+        return then(stop.value)
+    h.steps, h.then, h.wait = steps, then, wait
     return Response(status=204)  # the front answers with what ``then`` returns instead
 
 

@@ -83,7 +83,7 @@ class Dispatcher:
         self._ring: list[str] = []     # every session, in the order the slices visit them
         self._ring_at = 0
         self._owed = 0.0
-        self._tended_at = time.monotonic()
+        self._tended_at = self._busy_tended_at = time.monotonic()
         self._cond = threading.Condition()
         self._kicked = True
         self._stop = False
@@ -461,7 +461,12 @@ class Dispatcher:
                                  / TEND_PERIOD_S, float(len(sessions)))
                 batch = self._slice(int(self._owed))
                 self._owed -= int(self._owed)
-                batch += [sessions[p] for p in chain(self._due, self._busy) if p in sessions]
+                batch += [sessions[p] for p in self._due if p in sessions]
+                if now - self._busy_tended_at >= self.reap_interval_s:
+                    # Their queue estimates follow the clock (re-posted when they drift by
+                    # a second): every reap interval is often enough, not every pass.
+                    self._busy_tended_at = now
+                    batch += [sessions[p] for p in self._busy if p in sessions]
             self._tended_at = now
             self._due.clear()
         seen = set()

@@ -21,6 +21,7 @@ stream): :func:`drive` runs such a generator in a thread, the asyncio front
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections import OrderedDict
 from collections.abc import Generator
@@ -40,6 +41,15 @@ class HubWait:
 
 
 Waiting = Generator[HubWait, int, T]
+
+QUIET_SLICE_S = 5.0
+
+
+def quiet_slice_s() -> float:
+    """How long a waiter waits before it re-reads without a notification (the job may
+    have changed on another replica): 4 to 6 s at random, so that clients that started
+    waiting together do not all re-read together."""
+    return QUIET_SLICE_S * (0.8 + 0.4 * random.random())
 
 
 class _LoopWaiter:

@@ -24,7 +24,7 @@ from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import IdempotencyConflict, InvalidInput, InvalidRequest
 from .errors import JobNotCancellable, JobNotFound, OutputNotFound, ReceiptRefused
-from .hub import EventHub, HubWait, Waiting, drive
+from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
 from .ports import BlobStore, JobRepository
 
@@ -320,7 +320,7 @@ class JobService:
             if left <= 0:
                 return job if fresh else self.get(who, job_id)
             seen = version
-            version = yield HubWait(job_id, seen, min(left, 5.0))
+            version = yield HubWait(job_id, seen, min(left, quiet_slice_s()))
             # Every change here wakes the waiter (assigned, running, progress…); the hub
             # says whether it was the end. A quiet slice re-reads the row: the job may
             # have ended on another broker replica.

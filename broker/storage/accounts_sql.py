@@ -74,6 +74,12 @@ class SqlProviderRepository:
         with self.sessions.begin() as s:
             s.execute(update(ProviderRow).where(ProviderRow.id == provider_id).values(**fields))
 
+    def owners(self) -> list[str]:
+        """The distinct accounts that own machines, sorted."""
+        with self.sessions() as s:
+            return list(s.scalars(select(ProviderRow.account_id).distinct()
+                                  .order_by(ProviderRow.account_id)))
+
     def all(self) -> list[Provider]:
         with self.sessions() as s:
             return [_provider(r) for r in s.scalars(select(ProviderRow).order_by(ProviderRow.created_at))]

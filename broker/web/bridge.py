@@ -148,6 +148,7 @@ class WsgiBridge:
         self.app = app
         self.pool = pool
         self.hub = hub
+        self.starting = 0  # requests in or waiting for their first pool step (the app)
 
     async def __call__(self, scope: dict, receive, send, handover: Handover,
                        on_wait: Callable[[bool], None] = lambda waiting: None) -> None:
@@ -157,7 +158,11 @@ class WsgiBridge:
                       else io.BytesIO(body))
         environ = build_environ(scope, wsgi_input)
         environ[HANDOVER] = handover
-        reply = await self.pool.run(self._start, environ)
+        self.starting += 1
+        try:
+            reply = await self.pool.run(self._start, environ)
+        finally:
+            self.starting -= 1
         if reply.wait is None and reply.chunks is None:
             await self._send_response(send, reply)
             return
@@ -204,8 +209,8 @@ class WsgiBridge:
                 reply.headers = [(k, v) for k, v in reply.headers if k != b"content-length"]
                 reply.chunks = h.chunks
                 return self._pull_chunks(reply)
-            reply.steps, reply.then = h.steps, h.then
-            return self._advance(environ, reply, None, first=True)
+            reply.steps, reply.then, reply.wait = h.steps, h.then, h.wait
+            return reply
         reply.iterable = iterable
         self._pull(reply)
         return reply
@@ -215,11 +220,10 @@ class WsgiBridge:
             return self._pull_chunks(reply)
         return self._advance(environ, reply, version)
 
-    def _advance(self, environ: dict, reply: _Reply, version: int | None,
-                 first: bool = False) -> _Reply:
+    def _advance(self, environ: dict, reply: _Reply, version: int) -> _Reply:
         """One step of a handed-over wait; at its end, the view's answer."""
         try:
-            reply.wait = next(reply.steps) if first else reply.steps.send(version)
+            reply.wait = reply.steps.send(version)
             return reply
         except StopIteration as stop:
             outcome, error = stop.value, None

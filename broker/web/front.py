@@ -8,7 +8,9 @@
   ``GET /v1/jobs/<id>/events``, ``POST /v1/jobs`` with ``Prefer: wait``) hand their wait
   over to the loop and hold no thread while they wait.
 * Limits: at most ``max_waiting_clients`` such requests at once and ``max_pool_requests``
-  requests running in or queued for the pool; past them the answer is a 503
+  requests running in or queued for the pool (their first step: the app's view; the
+  re-reads of waiting requests, bounded by the first limit, do not count); past them the
+  answer is a 503
   ``replica_full`` with ``Retry-After`` (a ``Prefer: wait`` is ignored instead, as RFC 7240
   allows: the job is submitted and answered at once).
 """
@@ -76,11 +78,11 @@ class Front:
             if path == "/metrics":
                 await self._metrics(send, method)
                 return
-        if self.pool.load >= self.limits.max_pool_requests:
+        if self.bridge.starting >= self.limits.max_pool_requests:
             self.refused["pool"] += 1
             await self._refuse(send, ReplicaFull(
-                f"this broker replica has {self.pool.load} requests in or waiting for its "
-                f"thread pool (max_pool_requests {self.limits.max_pool_requests}); retry "
+                f"this broker replica has {self.bridge.starting} requests in or waiting for "
+                f"its thread pool (max_pool_requests {self.limits.max_pool_requests}); retry "
                 f"after {RETRY_AFTER_S} s, or send it to another replica"))
             return
         handover = Handover()
@@ -157,8 +159,10 @@ class Front:
         lines = [
             "# TYPE sparecycles_http_waiting_clients gauge",
             f"sparecycles_http_waiting_clients {self.waiting}",
-            "# TYPE sparecycles_http_pool_load gauge",
+            "# TYPE sparecycles_http_pool_load gauge",  # every step: requests, waits' re-reads
             f"sparecycles_http_pool_load {self.pool.load}",
+            "# TYPE sparecycles_http_pool_requests gauge",  # what max_pool_requests limits
+            f"sparecycles_http_pool_requests {self.bridge.starting}",
             "# TYPE sparecycles_http_refused_total counter",
             *(f'sparecycles_http_refused_total{{limit="{k}"}} {v}'
               for k, v in self.refused.items()),
