@@ -26,6 +26,7 @@ from broker.jobs.hub import EventHub, HubWait
 log = logging.getLogger(__name__)
 
 BODY_PREFETCH_BYTES = 1 << 20   # bodies up to this are read on the loop before the pool
+BODY_IDLE_TIMEOUT_S = 60.0      # a body that sends nothing for this long has ended
 RESPONSE_CHUNK_BYTES = 256 << 10  # response bytes pulled per pool step
 
 
@@ -49,7 +50,12 @@ class _StreamingInput(io.RawIOBase):
     def _fill(self) -> bool:
         if not self._more:
             return False
-        msg = asyncio.run_coroutine_threadsafe(self._receive(), self._loop).result()
+        pending = asyncio.run_coroutine_threadsafe(self._receive(), self._loop)
+        try:
+            msg = pending.result(BODY_IDLE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - silent client, or the broker stopping: it ends
+            pending.cancel()
+            msg = {"type": "http.disconnect"}
         if msg["type"] != "http.request":  # the client went away: the body ends short
             self._more = False
             return False
