@@ -13,8 +13,9 @@ Refusal; the stream stays.
 Limits: at most ``max_streams`` streams (the next agent is refused with RESOURCE_EXHAUSTED
 and retries with backoff); each outbox holds at most ``outbox_max`` messages and
 OUTBOX_MAX_BYTES: an agent that stops reading its stream while messages for it pile up is
-cut off (RESOURCE_EXHAUSTED), its queued messages dropped. What it sends is read only as
-fast as it is handled, so gRPC's flow control holds back an agent that sends faster.
+cut off (RESOURCE_EXHAUSTED), its queued messages dropped. What it sends is read at most
+INBOX_MAX messages ahead of its handling, so gRPC's flow control holds back an agent that
+sends faster.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ _CLOSE = object()
 HANDSHAKE_TIMEOUT_S = 30.0  # for each handshake message: a silent connection is let go
 ABORT_TIMEOUT_S = 5.0       # a cut-off agent that reads nothing gets no status: the call ends
 OUTBOX_MAX_BYTES = 64 << 20  # per stream (a larger message alone is still taken)
+INBOX_MAX = 32  # messages read ahead of their handling, per stream (then reading stops)
 
 
 class GatewayStats:
@@ -323,24 +325,53 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         log.info("agent %s (provider %s) disconnected", name, session.provider_id)
 
     async def _read(self, context, session: GatewaySession) -> None:
-        """The agent's messages, handled one at a time and in order."""
+        """The agent's messages, handled one at a time and in order: the loop reads them
+        into an inbox that one pool job at a time drains, so that messages arriving
+        together cost one hop into the pool, not one each. A full inbox (INBOX_MAX) stops
+        the reading until it drains: gRPC's flow control then holds the agent back."""
         loop = asyncio.get_running_loop()
         stats = self.stats
+        inbox: deque = deque()
+        lock = threading.Lock()
+        state = {"draining": False}
+        drained = None  # the latest pool job draining the inbox
         try:
             while True:
                 msg = await context.read()
                 if msg is grpc.aio.EOF:
-                    return
+                    break
                 stats.messages += 1
                 if msg.WhichOneof("body") == "heartbeat":
                     stats.heartbeats += 1
                     if not msg.heartbeat.running_job_ids:
                         continue  # it renews no lease: nothing to write, no thread needed
-                await loop.run_in_executor(self.executor, self._handle_safely, msg, session)
+                with lock:
+                    inbox.append(msg)
+                    start = not state["draining"]
+                    state["draining"] = True
+                    full = len(inbox) >= INBOX_MAX
+                if start:
+                    drained = loop.run_in_executor(self.executor, self._drain, session,
+                                                   inbox, lock, state)
+                if full:
+                    await asyncio.wait({drained})
+            if drained is not None:  # what was read is handled before the stream ends
+                await asyncio.wait({drained})
         except grpc.RpcError:
             pass
         finally:
             session.close()
+
+    def _drain(self, session: GatewaySession, inbox: deque, lock: threading.Lock,
+               state: dict) -> None:
+        """In the pool: handle the inbox's messages in order until it is empty."""
+        while True:
+            with lock:
+                if not inbox:
+                    state["draining"] = False
+                    return
+                msg = inbox.popleft()
+            self._handle_safely(msg, session)
 
     def _handle_safely(self, msg: pb.AgentMessage, session: GatewaySession) -> None:
         try:
