@@ -151,6 +151,13 @@ def _adapters(adapters) -> list[dict]:
             for a in adapters]
 
 
+def _retrieved(task: asyncio.Task) -> None:
+    """Take a finished task's exception (a write to an agent that went away), so that
+    asyncio does not report it as never retrieved: the stream's end says enough."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("agent stream task ended: %r", task.exception())
+
+
 def _code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
@@ -251,6 +258,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             for task in (reader, writer):
                 if task is not None:
                     task.cancel()
+                    task.add_done_callback(_retrieved)
             self.executor.submit(self._leave, session, hello.name)
         if session.cut_off:
             self.stats.cut_off += 1

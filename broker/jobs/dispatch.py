@@ -16,7 +16,6 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from itertools import chain
 
 from broker.auction.errors import NoMatch
 

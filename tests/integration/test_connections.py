@@ -9,7 +9,6 @@ import json
 import queue
 import re
 import socket
-import threading
 import time
 
 import grpc
