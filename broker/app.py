@@ -10,6 +10,15 @@ from .api.common import REQUEST_ID, check_url_text, internal_problem, request_id
 PUBLIC = ("/livez", "/readyz", "/openapi.json", "/v1/stripe/webhook")
 
 
+def problem_response(app: Flask, body: dict, status: int):
+    """An RFC 7807 answer (problem JSON), as every error of the API is rendered."""
+    resp = app.response_class(app.json.dumps(body), status=status,
+                              mimetype="application/problem+json")
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="sparecycles"'
+    return resp
+
+
 def create_app(services) -> Flask:
     app = Flask("broker")
     app.extensions["sparecycles"] = services
@@ -42,11 +51,7 @@ def create_app(services) -> Flask:
         return response
 
     def problem(body: dict, status: int):
-        resp = app.response_class(app.json.dumps({**body, "request_id": request_id()}),
-                                  status=status, mimetype="application/problem+json")
-        if status == 401:
-            resp.headers["WWW-Authenticate"] = 'Bearer realm="sparecycles"'
-        return resp
+        return problem_response(app, {**body, "request_id": request_id()}, status)
 
     @app.errorhandler(BrokerError)
     def broker_error(exc: BrokerError):

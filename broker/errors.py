@@ -75,3 +75,11 @@ class NotReady(BrokerError):
 class PayloadTooLarge(BrokerError):
     code, http_status, grpc_status, title = ("payload_too_large", 413, "RESOURCE_EXHAUSTED",
                                              "Payload too large")
+
+
+class ReplicaFull(BrokerError):
+    """This broker replica holds as many connections (agent streams, waiting clients,
+    requests in its thread pool) as its limits allow; another replica, or this one a moment
+    later, can take the request. HTTP answers carry ``Retry-After``."""
+    code, http_status, grpc_status, title = ("replica_full", 503, "RESOURCE_EXHAUSTED",
+                                             "Replica full")

@@ -1,22 +1,37 @@
-"""Runs the broker: HTTP (waitress) and gRPC in one process sharing one set of services."""
+"""Runs the broker: HTTP and gRPC on one asyncio event loop, in one process sharing one set
+of services (docs/architecture.md, *Runtime*).
+
+The loop (uvloop, thread ``broker-io``) serves agents' streams on grpc's asyncio server
+and HTTP on uvicorn (httptools), whose ASGI app (:class:`broker.web.front.Front`) answers
+health and metrics itself, holds waiting clients as futures and runs the Flask app for the
+rest in a bounded thread pool (``http_threads``). Agents' messages are handled in a pool of
+their own (``agent_threads``). Nothing is a thread per connection.
+"""
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import logging
+import resource
 import signal
+import socket
 import threading
-from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-from waitress import create_server
+import uvicorn
+import uvloop
 
 from sdk.protocol import agent_pb2_grpc as pb_grpc
 
 from broker.app import create_app
-from broker.gateway.servicer import AgentGatewayServicer
+from broker.gateway.servicer import AgentGatewayServicer, GatewayStats
 from broker.services import Services, build_services
 from broker.settings import Settings
+from broker.web.bridge import Pool
+from broker.web.front import Front, FrontLimits
 
 log = logging.getLogger("broker")
 
@@ -27,6 +42,10 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
+HTTP_IDLE_TIMEOUT_S = 120  # an idle keep-alive connection is closed after this
+SHUTDOWN_GRACE_S = 2.0
+# Young collections every 50,000 allocations, full ones rarely: see tune_gc.
+GC_THRESHOLDS = (50_000, 20, 100)
 
 
 def _split(addr: str) -> tuple[str, int]:
@@ -36,80 +55,184 @@ def _split(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit of open files to the hard limit (each agent stream
+    and each waiting client is a socket; 1,024 is a common soft limit); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.info("open files limit raised from %d to %d (agent streams and waiting "
+                     "clients each hold a socket)", soft, hard)
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit from %d: %s", soft, exc)
+    else:
+        log.info("open files limit: %d", soft)
+    return soft
+
+
+def tune_gc() -> None:
+    """Keep the garbage collector's pauses short with thousands of connections. A full
+    collection walks every tracked object (about 110 per agent stream, most of them
+    grpc's): with 10,000 streams it took 1 to 3 s here, every few seconds while streams
+    kept connecting, and every pause stops the event loop. What start-up built is moved
+    out of the collector's sight (``gc.freeze``), and the thresholds are raised so that
+    objects living a few seconds (a waiting client's futures) die young instead of
+    piling up in the oldest generation, which is walked rarely."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    log.info("garbage collector: %d objects frozen, thresholds %s", gc.get_freeze_count(),
+             GC_THRESHOLDS)
+
+
+def _listen(addr: str) -> socket.socket:
+    host, port = _split(addr)
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"cannot listen for HTTP on {addr}: {exc}") from None
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
 class BrokerServer:
     def __init__(self, settings: Settings, services: Services | None = None):
         self.settings = settings
         self.services = services or build_services(settings)
-        svc = self.services
-        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=256,
-                                                                  thread_name_prefix="grpc"),
-                                       options=GRPC_OPTIONS)
-        pb_grpc.add_AgentGatewayServicer_to_server(AgentGatewayServicer(
+        self.app = create_app(self.services)
+        self.http_pool = ThreadPoolExecutor(settings.http_threads, thread_name_prefix="http")
+        self.agent_pool = ThreadPoolExecutor(settings.agent_threads,
+                                             thread_name_prefix="agent")
+        self.health_pool = ThreadPoolExecutor(1, thread_name_prefix="health")
+        self.gateway_stats = GatewayStats()
+        self._stopped = threading.Event()
+        self._done = threading.Event()
+        self._http_socket = _listen(settings.http)
+        self.http_port = self._http_socket.getsockname()[1]
+        self.loop = uvloop.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._run_loop, name="broker-io",
+                                             daemon=True)
+        self._loop_thread.start()
+        try:
+            self._on_loop(self._setup())
+        except BaseException:
+            self._close_loop()
+            raise
+
+    # ---- the event loop ----------------------------------------------------------------
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _on_loop(self, coro, timeout_s: float | None = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _setup(self) -> None:
+        svc, settings = self.services, self.settings
+        self.grpc_server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.gateway = AgentGatewayServicer(
             jobs=svc.jobs, providers=svc.providers, auth=svc.auth, dispatcher=svc.dispatcher,
             signer=svc.signer, heartbeat_interval_s=settings.heartbeat_interval_s,
             lease_timeout_s=settings.lease_timeout_s, market=svc.market,
-            canaries=svc.canaries, warm=svc.registry.warm), self.grpc_server)
+            canaries=svc.canaries, warm=svc.registry.warm, executor=self.agent_pool,
+            max_streams=settings.max_agent_streams, outbox_max=settings.agent_outbox_max,
+            stats=self.gateway_stats)
+        pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, self.grpc_server)
         self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:
             raise SystemExit(f"cannot listen for agents on {settings.grpc}: address in use?")
-        host, port = _split(settings.http)
-        self.app = create_app(svc)
-        self.http = create_server(self.app, host=host, port=port,
-                                  threads=settings.http_threads, channel_timeout=120,
-                                  connection_limit=1000, ident="sparecycles")
-        self.http_port = self.http.effective_port
-        self._stopped = threading.Event()
+        self.front = Front(self.app, svc, Pool(self.http_pool, self.loop), self.health_pool,
+                           FrontLimits(max_waiting_clients=settings.max_waiting_clients,
+                                       max_pool_requests=settings.max_pool_requests),
+                           gateway_stats=self.gateway_stats)
+        self.http = uvicorn.Server(uvicorn.Config(
+            self.front, http="httptools", ws="none", lifespan="off", interface="asgi3",
+            log_config=None, access_log=False, proxy_headers=False, server_header=False,
+            headers=[("server", "sparecycles")], timeout_keep_alive=HTTP_IDLE_TIMEOUT_S,
+            backlog=4096, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
 
+    # ---- running -----------------------------------------------------------------------
     def start_background(self) -> None:
-        """Start dispatcher and gRPC; HTTP runs in :meth:`serve_forever`."""
+        """Start the dispatcher, maintenance and gRPC; HTTP starts in :meth:`serve_forever`."""
         self.services.dispatcher.start()
         self.services.maintenance.start()
-        self.grpc_server.start()
+        self._on_loop(self.grpc_server.start())
 
     def serve_forever(self, ready_file: Path | None = None) -> None:
-        self.start_background()
-        host = self.settings.http.rpartition(":")[0]
-        info = {"http": f"http://{host}:{self.http_port}",
-                "grpc": f"{self.settings.grpc.rpartition(':')[0]}:{self.grpc_port}",
-                "broker_public_key": self.services.signer.public_key_hex,
-                "db_url": self.settings.db_url if "@" not in self.settings.db_url else "(hidden)"}
-        log.info("broker ready: HTTP %s, agents on %s, key %s…", info["http"], info["grpc"],
-                 info["broker_public_key"][:16])
-        if ready_file:
-            tmp = Path(ready_file).with_suffix(".tmp")
-            tmp.write_text(json.dumps(info))
-            tmp.replace(ready_file)
         try:
-            self.http.run()
-        except (OSError, ValueError):
-            if not self._stopped.is_set():
-                raise
+            self.start_background()
+            self._http_task = asyncio.run_coroutine_threadsafe(
+                self.http.serve(sockets=[self._http_socket]), self.loop)
+            while not self.http.started and not self._http_task.done():
+                if self._stopped.wait(0.01):
+                    return
+            if self._http_task.done():
+                self._http_task.result()  # it failed to start: say why
+                return
+            host = self.settings.http.rpartition(":")[0]
+            info = {"http": f"http://{host}:{self.http_port}",
+                    "grpc": f"{self.settings.grpc.rpartition(':')[0]}:{self.grpc_port}",
+                    "broker_public_key": self.services.signer.public_key_hex,
+                    "db_url": self.settings.db_url if "@" not in self.settings.db_url
+                    else "(hidden)"}
+            log.info("broker ready: HTTP %s, agents on %s, key %s…", info["http"],
+                     info["grpc"], info["broker_public_key"][:16])
+            if ready_file:
+                tmp = Path(ready_file).with_suffix(".tmp")
+                tmp.write_text(json.dumps(info))
+                tmp.replace(ready_file)
+            self._stopped.wait()
         finally:
             self.stop()
 
     def stop(self) -> None:
         if self._stopped.is_set():
+            self._done.wait(30)
             return
         self._stopped.set()
         log.info("broker stopping")
-        self.grpc_server.stop(grace=2).wait(3)
+        try:
+            self._on_loop(self._shutdown(), timeout_s=SHUTDOWN_GRACE_S * 3 + 5)
+        except Exception:  # noqa: BLE001 - go on closing the rest
+            log.exception("the event loop did not shut down cleanly")
         self.services.dispatcher.stop()
         self.services.maintenance.stop()
         if self.services.verification is not None:
             self.services.verification.close()
-        self.http.close()
-        # Idle keep-alive connections would keep waitress's loop alive until they time out.
-        for channel in list(getattr(self.http, "_map", {}).values()):
-            try:
-                channel.close()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-        self.http.task_dispatcher.shutdown(timeout=2)
+        for pool in (self.http_pool, self.agent_pool, self.health_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._close_loop()
         self.services.engine.dispose()
+        self._done.set()
+
+    async def _shutdown(self) -> None:
+        self.http.should_exit = True
+        await self.grpc_server.stop(grace=SHUTDOWN_GRACE_S)
+        task = getattr(self, "_http_task", None)
+        if task is not None:
+            await asyncio.wait_for(asyncio.wrap_future(task), SHUTDOWN_GRACE_S * 2 + 1)
+        else:
+            self._http_socket.close()
+
+    def _close_loop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._loop_thread.join(10)
+        if not self.loop.is_running() and not self.loop.is_closed():
+            self.loop.close()
 
 
 def serve(settings: Settings, ready_file: Path | None = None) -> None:
+    raise_open_files_limit()
     server = BrokerServer(settings)
+    tune_gc()
 
     def _signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)

@@ -16,7 +16,12 @@ max_attempts                 SPARECYCLES_MAX_ATTEMPTS            3
 checkpoint_min_steps         SPARECYCLES_CHECKPOINT_MIN_STEPS    8 (shorter jobs never checkpoint)
 checkpoint_every_steps       SPARECYCLES_CHECKPOINT_EVERY_STEPS  0 (about 4 per job)
 stall_factor                 SPARECYCLES_STALL_FACTOR            1.5 (× max(wall clock, expected))
-http_threads                 SPARECYCLES_HTTP_THREADS            48
+http_threads                 SPARECYCLES_HTTP_THREADS            48 (the pool the Flask app runs in)
+agent_threads                SPARECYCLES_AGENT_THREADS           16 (the pool agents' messages run in)
+max_agent_streams            SPARECYCLES_MAX_AGENT_STREAMS       20000 (more: RESOURCE_EXHAUSTED)
+agent_outbox_max             SPARECYCLES_AGENT_OUTBOX_MAX        256 (messages; more: cut off)
+max_waiting_clients          SPARECYCLES_MAX_WAITING_CLIENTS     10000 (more: 503 replica_full)
+max_pool_requests            SPARECYCLES_MAX_POOL_REQUESTS       1024 (more: 503 replica_full)
 public_url                   SPARECYCLES_PUBLIC_URL              http://<http>
 stripe_secret_key            SPARECYCLES_STRIPE_SECRET_KEY       (none: dev funding mode)
 stripe_webhook_secret        SPARECYCLES_STRIPE_WEBHOOK_SECRET   (none)
@@ -40,6 +45,13 @@ admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 else ``~/.local/share``, on Linux. The default lies outside any source tree on purpose: the
 data dir holds the broker key, the admin session key and the database (API keys), and a
 checkout may be readable to code that must not see them (plugin hosts bind parts of it).
+Connections cost sockets, not threads (docs/architecture.md, *Runtime*): ``max_agent_streams``
+caps the agents one replica holds; ``agent_outbox_max`` the messages waiting to be written to
+one agent (an agent that stops reading is cut off past it); ``max_waiting_clients`` the
+requests waiting for a job at once (long polls, ``Prefer: wait``, event streams; past it a
+``Prefer: wait`` is answered at once); ``max_pool_requests`` the requests running in or
+queued for the ``http_threads`` pool. ``sparecycles broker serve`` raises its open-files
+limit to the hard limit at start.
 
 The registry's package files live in a blob store of their own, ``<blob_dir>/registry``, apart
 from job outputs. A package file uploaded with PUT /v1/blobs may be at most 8 GiB
@@ -78,6 +90,11 @@ class Settings:
     checkpoint_every_steps: int = 0
     stall_factor: float = 1.5
     http_threads: int = 48
+    agent_threads: int = 16
+    max_agent_streams: int = 20_000
+    agent_outbox_max: int = 256
+    max_waiting_clients: int = 10_000
+    max_pool_requests: int = 1024
     envelope_ttl_s: float = 60.0
     public_url: str = ""
     stripe_secret_key: str = ""
@@ -115,6 +132,10 @@ class Settings:
         if not self.unserved_expiry_s >= 0:
             raise ValueError(f"unserved_expiry_s must be >= 0 (0: off), got "
                              f"{self.unserved_expiry_s}")
+        for name in ("http_threads", "agent_threads", "max_agent_streams", "agent_outbox_max",
+                     "max_waiting_clients", "max_pool_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -138,6 +159,11 @@ class Settings:
             "checkpoint_every_steps": ("SPARECYCLES_CHECKPOINT_EVERY_STEPS", int),
             "stall_factor": ("SPARECYCLES_STALL_FACTOR", float),
             "http_threads": ("SPARECYCLES_HTTP_THREADS", int),
+            "agent_threads": ("SPARECYCLES_AGENT_THREADS", int),
+            "max_agent_streams": ("SPARECYCLES_MAX_AGENT_STREAMS", int),
+            "agent_outbox_max": ("SPARECYCLES_AGENT_OUTBOX_MAX", int),
+            "max_waiting_clients": ("SPARECYCLES_MAX_WAITING_CLIENTS", int),
+            "max_pool_requests": ("SPARECYCLES_MAX_POOL_REQUESTS", int),
             "public_url": ("SPARECYCLES_PUBLIC_URL", str),
             "stripe_secret_key": ("SPARECYCLES_STRIPE_SECRET_KEY", str),
             "stripe_webhook_secret": ("SPARECYCLES_STRIPE_WEBHOOK_SECRET", str),

@@ -54,12 +54,17 @@ def request_id() -> str:
     return rid
 
 
-def internal_problem(exc: BaseException) -> dict:
+def internal_problem(exc: BaseException, rid: str | None = None) -> dict:
     """The RFC 7807 body of an error the broker did not expect (logged with the request's
-    id, which the body quotes): never a traceback, never a server's plain-text page."""
-    rid = request_id()
-    log.error("unhandled error on %s %s (request %s)", request.method, request.path, rid,
-              exc_info=exc)
+    id, which the body quotes): never a traceback, never a server's plain-text page.
+    ``rid``: the request's id where there is no request context any more (a streamed
+    answer's generator)."""
+    if rid is None:
+        rid = request_id()
+        log.error("unhandled error on %s %s (request %s)", request.method, request.path, rid,
+                  exc_info=exc)
+    else:
+        log.error("unhandled error in a streamed answer (request %s)", rid, exc_info=exc)
     return {"type": "https://sparecycles.dev/errors/internal", "title": "Internal error",
             "status": 500, "code": "internal",
             "detail": f"the broker hit an unexpected error handling request {rid}; it is "

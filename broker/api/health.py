@@ -1,4 +1,7 @@
-"""/livez and /readyz for process supervisors and load balancers (no authentication)."""
+"""/livez and /readyz for process supervisors and load balancers (no authentication).
+
+The broker's asyncio front (broker.web) answers both on its event loop, with the same
+bodies, so they never wait behind job traffic; these views serve other WSGI servers."""
 from flask import Blueprint
 from sqlalchemy import text
 
@@ -15,11 +18,20 @@ def livez():
 
 @bp.get("/readyz")
 def readyz():
-    svc = services()
+    check_database(services())
+    return readiness(services())
+
+
+def check_database(svc) -> None:
+    """A statement on the database, or NotReady saying why not."""
     try:
         with svc.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
     except Exception as exc:  # noqa: BLE001
         raise NotReady(f"database unreachable: {exc}") from None
-    return {"status": "ok", "providers_online": len(svc.dispatcher.sessions()),
+
+
+def readiness(svc) -> dict:
+    """/readyz's answer once the database answered."""
+    return {"status": "ok", "providers_online": svc.dispatcher.session_count(),
             "broker_public_key": svc.signer.public_key_hex}

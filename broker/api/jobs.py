@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import time
 
-from flask import Blueprint, Response, request, stream_with_context
+from flask import Blueprint, request
 
 from broker.errors import BrokerError
+from broker.jobs.hub import HubWait, quiet_slice_s
 from broker.jobs.model import Job, JobOutput
+from . import waiting
 from .common import (idempotency_key, int_arg, internal_problem, json_body, output_response,
                      principal, request_id, seconds_arg, services)
 
@@ -82,19 +84,23 @@ def create_job():
     """
     key = idempotency_key()
     wait_s = _preferred_wait(request.headers.get("Prefer"))  # checked before any row exists
+    if wait_s is not None and not waiting.may_wait():
+        wait_s = None  # the replica holds all the waiting clients it may: answer at once
     svc, who = services(), principal()
     job, created = svc.jobs.submit(who, json_body(), idempotency_key=key)
     status = 202 if created else 200
+    applied = {"Preference-Applied": f"wait={wait_s:g}"} if wait_s is not None else {}
     if job.batch_id:
         siblings = svc.jobs.batch(who, job.batch_id)
         if wait_s is None:
             return _render_batch(siblings), status
-        siblings = svc.jobs.wait_batch(who, job.batch_id, wait_s, jobs=siblings)
-        return _render_batch(siblings), status, {"Preference-Applied": f"wait={wait_s:g}"}
+        return waiting.answer_after(
+            svc.jobs.waiting_batch(who, job.batch_id, wait_s, jobs=siblings),
+            lambda siblings: (_render_batch(siblings), status, applied))
     if wait_s is None:
         return _render(job), status
-    job = svc.jobs.wait(who, job.id, wait_s, job=job)
-    return _render(job), status, {"Preference-Applied": f"wait={wait_s:g}"}
+    return waiting.answer_after(svc.jobs.waiting(who, job.id, wait_s, job=job),
+                                lambda job: (_render(job), status, applied))
 
 
 def _preferred_wait(prefer: str | None) -> float | None:
@@ -125,7 +131,8 @@ def get_batch(batch_id):
     wait_s = seconds_arg(request.args.get("wait"), "wait")
     svc, who = services(), principal()
     if wait_s is not None:
-        return _render_batch(svc.jobs.wait_batch(who, batch_id, wait_s))
+        return waiting.answer_after(svc.jobs.waiting_batch(who, batch_id, wait_s),
+                                    _render_batch)
     return _render_batch(svc.jobs.batch(who, batch_id))
 
 
@@ -140,10 +147,9 @@ def list_jobs():
 def get_job(job_id):
     wait_s = seconds_arg(request.args.get("wait"), "wait")
     if wait_s is not None:
-        job = services().jobs.wait(principal(), job_id, wait_s)
-    else:
-        job = services().jobs.get(principal(), job_id)
-    return _render(job)
+        return waiting.answer_after(services().jobs.waiting(principal(), job_id, wait_s),
+                                    _render)
+    return _render(services().jobs.get(principal(), job_id))
 
 
 @bp.delete("/v1/jobs/<job_id>")
@@ -170,6 +176,8 @@ def job_events(job_id):
     after = int_arg("after", 0, 0, header="Last-Event-ID")
     terminal = {"done", "failed", "cancelled", "refunded"}
 
+    rid = request_id()  # the generators below run after the view returned: no context
+
     def stream():
         # A comment first, so that the status line and headers go out now, not with the
         # first event (which may be a while: a stream resumed after the last one).
@@ -180,8 +188,8 @@ def job_events(job_id):
             # The status line went out with the first event: an error now is one more
             # event, an RFC 7807 body, and the end of the stream (never a torn connection
             # or a server's plain-text page).
-            body = exc.problem() if isinstance(exc, BrokerError) else internal_problem(exc)
-            yield f"event: error\ndata: {json.dumps({**body, 'request_id': request_id()})}\n\n"
+            body = exc.problem() if isinstance(exc, BrokerError) else internal_problem(exc, rid)
+            yield f"event: error\ndata: {json.dumps({**body, 'request_id': rid})}\n\n"
 
     def follow(last):
         idle_since = time.monotonic()
@@ -199,8 +207,8 @@ def job_events(job_id):
             elif time.monotonic() - idle_since > 15:
                 idle_since = time.monotonic()
                 yield ": keep-alive\n\n"
-            svc.hub.wait(job_id, version, 5.0)
+            yield HubWait(job_id, version, quiet_slice_s())
 
-    return Response(stream_with_context(stream()), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return waiting.stream(stream(), mimetype="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

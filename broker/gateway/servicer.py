@@ -1,17 +1,30 @@
-"""AgentGatewayServicer: one bidirectional stream per agent.
+"""AgentGatewayServicer: one bidirectional stream per agent, on grpc's asyncio server.
 
 The handshake proves the agent holds its Ed25519 key (a fresh challenge signed with the
 purpose "challenge"); the provider API key in the call metadata says which provider account
-it belongs to. After that a reader thread feeds the agent's messages to the job service and
-the handler's generator drains the session's outbox back to the agent. A refused message
-(a forged receipt, progress for a job it no longer holds) gets a Refusal; the stream stays.
+it belongs to. After that the stream is two tasks on the event loop: a reader hands the
+agent's messages, one at a time and in order, to the job service in a bounded thread pool
+(the domain is synchronous; a heartbeat that renews no lease costs no thread at all), and
+a writer drains the session's outbox, into which the dispatcher and the job service put
+messages from any thread. A connected agent costs a socket and a little memory, no thread.
+A refused message (a forged receipt, progress for a job it no longer holds) gets a
+Refusal; the stream stays.
+
+Limits: at most ``max_streams`` streams (the next agent is refused with RESOURCE_EXHAUSTED
+and retries with backoff); each outbox holds at most ``outbox_max`` messages and
+OUTBOX_MAX_BYTES: an agent that stops reading its stream while messages for it pile up is
+cut off (RESOURCE_EXHAUSTED), its queued messages dropped. What it sends is read at most
+INBOX_MAX messages ahead of its handling, so gRPC's flow control holds back an agent that
+sends faster.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
 import secrets
 import threading
+from collections import deque
+from concurrent.futures import Executor
 
 import grpc
 
@@ -28,15 +41,65 @@ from broker.providers.service import ProviderService
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
+HANDSHAKE_TIMEOUT_S = 30.0  # for each handshake message: a silent connection is let go
+ABORT_TIMEOUT_S = 5.0       # a cut-off agent that reads nothing gets no status: the call ends
+OUTBOX_MAX_BYTES = 64 << 20  # per stream (a larger message alone is still taken)
+INBOX_MAX = 32  # messages read ahead of their handling, per stream (then reading stops)
+
+
+class GatewayStats:
+    """Counters of the gateway (shown at /metrics); changed on the event loop only."""
+
+    def __init__(self):
+        self.streams = 0      # open now, handshakes included
+        self.heartbeats = 0
+        self.messages = 0     # from agents, heartbeats included
+        self.refused = 0      # streams refused: the replica held max_streams
+        self.cut_off = 0      # streams cut off: the agent stopped reading
+        self.outbox_peak = 0  # the most messages any outbox held
+        self.cut_offs: deque[tuple[str, str]] = deque(maxlen=64)  # (provider id, why)
 
 
 class GatewaySession(AgentSession):
-    def __init__(self, *args, **kwargs):
+    """An agent's session; :meth:`send` may be called from any thread."""
+
+    def __init__(self, *args, loop: asyncio.AbstractEventLoop, outbox_max: int = 256,
+                 stats: GatewayStats | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.outbox: queue.Queue = queue.Queue()
+        self._loop = loop
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._queued = 0       # messages sent and not yet handed to gRPC
+        self._bytes = 0
+        self._outbox_max = outbox_max
+        self._stats = stats or GatewayStats()
+        self._closed = False
+        self.cut_off: str | None = None  # why the broker cut the stream off
+        self._writer: asyncio.Task | None = None
 
     def send(self, msg: pb.BrokerMessage) -> None:
-        self.outbox.put(msg)
+        size = msg.ByteSize()
+        with self._lock:
+            if self._closed:
+                return  # as with a dead stream: a job sent now comes back with its lease
+            full = self._queued >= self._outbox_max or (
+                self._queued and self._bytes + size > OUTBOX_MAX_BYTES)
+            if full:
+                self._closed = True
+                why = (f"the agent stopped reading its stream: {self._queued} messages "
+                       f"({self._bytes} bytes) wait for it, the limit is {self._outbox_max} "
+                       f"messages and {OUTBOX_MAX_BYTES} bytes; reconnect and read the "
+                       "stream")
+            else:
+                self._queued += 1
+                self._bytes += size
+                peak = self._queued
+        if full:
+            self._loop.call_soon_threadsafe(self._cut, why)
+            return
+        if peak > self._stats.outbox_peak:
+            self._stats.outbox_peak = peak  # (a racy max: a gauge, not an account)
+        self._loop.call_soon_threadsafe(self._outbox.put_nowait, (msg, size))
 
     def send_assignment(self, envelope_bytes: bytes, signature: str) -> None:
         self.send(pb.BrokerMessage(assignment=pb.Assignment(envelope=envelope_bytes,
@@ -46,7 +109,40 @@ class GatewaySession(AgentSession):
         self.send(pb.BrokerMessage(cancel=pb.Cancel(job_id=job_id, attempt=attempt, reason=reason)))
 
     def close(self) -> None:
-        self.outbox.put(_CLOSE)
+        """End the stream once what is queued is written (any thread)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._loop.call_soon_threadsafe(self._outbox.put_nowait, (_CLOSE, 0))
+
+    def queued(self) -> int:
+        """Messages waiting to be written to the agent."""
+        with self._lock:
+            return self._queued
+
+    # ---- on the event loop ---------------------------------------------------------
+    def _cut(self, why: str) -> None:
+        self.cut_off = why
+        while not self._outbox.empty():  # drop what was queued: that memory goes now
+            self._outbox.get_nowait()
+        with self._lock:
+            self._queued = self._bytes = 0
+        if self._writer is not None:
+            self._writer.cancel()
+        else:
+            self._outbox.put_nowait((_CLOSE, 0))
+
+    async def write_all(self, context) -> None:
+        """Write the outbox to the agent until the session closes."""
+        while True:
+            msg, size = await self._outbox.get()
+            if msg is _CLOSE:
+                return
+            await context.write(msg)
+            with self._lock:
+                self._queued -= 1
+                self._bytes -= size
 
 
 def _adapters(adapters) -> list[dict]:
@@ -55,14 +151,29 @@ def _adapters(adapters) -> list[dict]:
             for a in adapters]
 
 
+def _retrieved(task: asyncio.Task) -> None:
+    """Take a finished task's exception (a write to an agent that went away), so that
+    asyncio does not report it as never retrieved: the stream's end says enough."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("agent stream task ended: %r", task.exception())
+
+
 def _code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
     def __init__(self, *, jobs: JobService, providers: ProviderService, auth: ApiKeyService,
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
-                 lease_timeout_s: float, market=None, canaries=None, warm=None):
+                 lease_timeout_s: float, executor: Executor, market=None, canaries=None,
+                 warm=None, max_streams: int = 20_000, outbox_max: int = 256,
+                 stats: GatewayStats | None = None):
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
         self.canaries = canaries    # broker.market.canary.CanaryService
@@ -73,124 +184,223 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.signer = signer
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lease_timeout_s = lease_timeout_s
+        self.executor = executor    # the bounded pool agents' messages are handled in
+        self.max_streams = max_streams
+        self.outbox_max = outbox_max
+        self.stats = stats or GatewayStats()
 
-    def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
+    async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
+        if self.stats.streams >= self.max_streams:
+            self.stats.refused += 1
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this broker replica holds its limit of {self.max_streams} agent streams "
+                "(max_agent_streams); retry with backoff, or connect to another replica")
+        self.stats.streams += 1
+        try:
+            await self._serve(context)
+        except _Refused as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            self.stats.streams -= 1
+
+    async def _call(self, fn, *args):
+        """``fn(*args)`` in the pool; a BrokerError refuses the stream with its status."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        except BrokerError as exc:
+            raise _Refused(_code(exc.grpc_status), exc.message) from None
+
+    async def _serve(self, context) -> None:
+        loop = asyncio.get_running_loop()
         metadata = dict(context.invocation_metadata())
         token = metadata.get("authorization", "").removeprefix("Bearer ").strip()
-        try:
-            principal = self.auth.authenticate(token)
-        except BrokerError as exc:
-            context.abort(_code(exc.grpc_status), exc.message)
+        principal = await self._call(self.auth.authenticate, token)
 
-        hello = self._next(request_iterator, context, "hello")
-        agent_key = hello.hello.public_key
-        if len(agent_key) != 64:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "hello.public_key must be a 64-hex-digit Ed25519 public key")
+        hello = (await self._next(context, "hello")).hello
+        if len(hello.public_key) != 64:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           "hello.public_key must be a 64-hex-digit Ed25519 public key")
         nonce = secrets.token_hex(32)
-        yield pb.BrokerMessage(challenge=pb.Challenge(nonce=nonce,
-                                                      broker_public_key=self.signer.public_key_hex))
-        answer = self._next(request_iterator, context, "challenge_response")
+        await context.write(pb.BrokerMessage(challenge=pb.Challenge(
+            nonce=nonce, broker_public_key=self.signer.public_key_hex)))
+        answer = await self._next(context, "challenge_response")
         try:
-            verify(agent_key, "challenge",
-                   challenge_document(nonce, agent_key, self.signer.public_key_hex),
+            verify(hello.public_key, "challenge",
+                   challenge_document(nonce, hello.public_key, self.signer.public_key_hex),
                    answer.challenge_response.signature)
         except SignatureError as exc:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"challenge failed: {exc}; the agent must sign with its own key")
-        caps = self._next(request_iterator, context, "capabilities").capabilities
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
+                           f"challenge failed: {exc}; the agent must sign with its own key")
+        caps = (await self._next(context, "capabilities")).capabilities
+
+        admitted = loop.run_in_executor(self.executor, self._admit, principal, hello, caps,
+                                        loop)
+        try:
+            session, greeting = await asyncio.shield(admitted)
+        except asyncio.CancelledError:  # the agent left meanwhile: leave once admitted
+            admitted.add_done_callback(lambda f: f.cancelled() or f.exception() or
+                                       self.executor.submit(self._leave, f.result()[0],
+                                                            hello.name))
+            raise
+        except BrokerError as exc:
+            raise _Refused(_code(exc.grpc_status), exc.message) from None
+        except _Refused:
+            raise
+        writer = reader = None
+        try:
+            for msg in greeting:
+                await context.write(msg)
+            writer = session._writer = asyncio.ensure_future(session.write_all(context))
+            reader = asyncio.ensure_future(self._read(context, session))
+            await asyncio.wait({writer})  # ends: closed, cut off, or the agent is gone
+        finally:
+            for task in (reader, writer):
+                if task is not None:
+                    task.cancel()
+                    task.add_done_callback(_retrieved)
+            self.executor.submit(self._leave, session, hello.name)
+        if session.cut_off:
+            self.stats.cut_off += 1
+            self.stats.cut_offs.append((session.provider_id, session.cut_off))
+            log.warning("cut off agent %s (provider %s): %s", hello.name, session.provider_id,
+                        session.cut_off)
+            # The status waits behind what the agent does not read; past a bound the call
+            # just ends (gRPC resets the stream) and its buffers go with it.
+            await asyncio.wait_for(context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                 session.cut_off), ABORT_TIMEOUT_S)
+
+    @staticmethod
+    async def _next(context, want: str) -> pb.AgentMessage:
+        try:
+            msg = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"no {want} within {HANDSHAKE_TIMEOUT_S:g} s; agents send hello, "
+                           "the challenge's answer and capabilities as they connect") from None
+        if msg is grpc.aio.EOF:
+            raise _Refused(grpc.StatusCode.CANCELLED, f"stream closed before {want}")
+        if msg.WhichOneof("body") != want:
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"expected {want}, got {msg.WhichOneof('body')}")
+        return msg
+
+    def _admit(self, principal, hello, caps, loop) -> tuple[GatewaySession, list]:
+        """In the pool: the provider's record, its session in the market and with the
+        dispatcher; returns the session and the messages that greet the agent."""
         plugins = [{"name": p.name, "version": p.version, "weights_digest": p.weights_digest,
                     "warm": p.warm} for p in caps.plugins]
         hardware = {"device": caps.hardware.device, "gpu_name": caps.hardware.gpu_name,
                     "vram_gb": caps.hardware.vram_gb, "cpu_count": caps.hardware.cpu_count,
                     "memory_gb": caps.hardware.memory_gb}
-        try:
-            provider = self.providers.connect(principal, agent_key, hello.hello.name,
-                                              sandboxed=caps.sandboxed, hardware=hardware,
-                                              plugins=plugins)
-        except BrokerError as exc:
-            context.abort(_code(exc.grpc_status), exc.message)
+        provider = self.providers.connect(principal, hello.public_key, hello.name,
+                                          sandboxed=caps.sandboxed, hardware=hardware,
+                                          plugins=plugins)
         if caps.slots < 1 or caps.slots > 64:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"capabilities.slots is {caps.slots}; must be between 1 and 64")
-
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"capabilities.slots is {caps.slots}; must be between 1 and 64")
         if self.warm is not None:
             self.warm.update(provider.id, plugins, _adapters(caps.adapters))
         session = GatewaySession(
-            provider_id=provider.id, public_key=agent_key, account_id=provider.account_id,
+            provider_id=provider.id, public_key=hello.public_key,
+            account_id=provider.account_id,
             plugins={f"{p['name']}@{p['version']}": p["weights_digest"] for p in plugins},
-            slots=caps.slots, paused=provider.status != "active")
+            slots=caps.slots, paused=provider.status != "active", loop=loop,
+            outbox_max=self.outbox_max, stats=self.stats)
         session.resumed = {j.id: j for j in self.jobs.repo.leased_to(provider.id)}
         resumed = list(session.resumed)
         session.active.update(resumed)
         if not caps.sandboxed:
             log.warning("provider %s (%s) runs plugins WITHOUT a sandbox", provider.id,
-                        hello.hello.name)
-        log.info("agent %s connected: provider %s, plugins %s, %d slot(s)%s", hello.hello.name,
+                        hello.name)
+        log.info("agent %s connected: provider %s, plugins %s, %d slot(s)%s", hello.name,
                  provider.id, sorted(session.plugins), caps.slots,
                  f", resuming {len(resumed)} job(s)" if resumed else "")
-        yield pb.BrokerMessage(welcome=pb.Welcome(
+        greeting = [pb.BrokerMessage(welcome=pb.Welcome(
             provider_id=provider.id, heartbeat_interval_s=self.heartbeat_interval_s,
-            lease_timeout_s=self.lease_timeout_s, resume_job_ids=resumed))
+            lease_timeout_s=self.lease_timeout_s, resume_job_ids=resumed))]
         if self.market is not None:
-            for msg in self._join_market(session, caps):
-                yield msg
-
-        reader = threading.Thread(target=self._read, args=(request_iterator, session),
-                                  name=f"agent-{provider.id[:8]}", daemon=True)
-        # What its weights give inputs declared default_from = "weights" (image sizes),
-        # from here to the finally below: no yield in between, so it is always forgotten.
+            greeting += self._join_market(session, caps)
+        # What its weights give inputs declared default_from = "weights" (image sizes);
+        # _leave forgets it.
         if self.jobs.input_defaults is not None:
             self.jobs.input_defaults.update(provider.id, [
                 {"name": p.name, "version": p.version, "weights_digest": p.weights_digest,
                  "input_defaults": p.input_defaults} for p in caps.plugins], session=session)
+        # Whatever the dispatcher sends from now on queues behind the greeting: the outbox
+        # is written only once the greeting is.
         self.dispatcher.register(session)
-        reader.start()
-        context.add_callback(session.close)
+        return session, greeting
+
+    def _leave(self, session: GatewaySession, name: str) -> None:
+        self.dispatcher.unregister(session)
+        if self.warm is not None:
+            self.warm.forget(session.provider_id)
+        if self.jobs.input_defaults is not None:
+            self.jobs.input_defaults.forget(session.provider_id, session=session)
+        log.info("agent %s (provider %s) disconnected", name, session.provider_id)
+
+    async def _read(self, context, session: GatewaySession) -> None:
+        """The agent's messages, handled one at a time and in order: the loop reads them
+        into an inbox that one pool job at a time drains, so that messages arriving
+        together cost one hop into the pool, not one each. A full inbox (INBOX_MAX) stops
+        the reading until it drains: gRPC's flow control then holds the agent back."""
+        loop = asyncio.get_running_loop()
+        stats = self.stats
+        inbox: deque = deque()
+        lock = threading.Lock()
+        state = {"draining": False}
+        drained = None  # the latest pool job draining the inbox
         try:
             while True:
-                msg = session.outbox.get()
-                if msg is _CLOSE:
-                    return
-                yield msg
-        finally:
-            self.dispatcher.unregister(session)
-            if self.warm is not None:
-                self.warm.forget(provider.id)
-            if self.jobs.input_defaults is not None:
-                self.jobs.input_defaults.forget(provider.id, session=session)
-            log.info("agent %s (provider %s) disconnected", hello.hello.name, provider.id)
-
-    @staticmethod
-    def _next(it, context, want: str) -> pb.AgentMessage:
-        try:
-            msg = next(it)
-        except StopIteration:
-            context.abort(grpc.StatusCode.CANCELLED, f"stream closed before {want}")
-        if msg.WhichOneof("body") != want:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"expected {want}, got {msg.WhichOneof('body')}")
-        return msg
-
-    def _read(self, it, session: GatewaySession) -> None:
-        try:
-            for msg in it:
-                try:
-                    self._handle(msg, session)
-                except BrokerError as exc:
-                    job_id = getattr(getattr(msg, msg.WhichOneof("body") or "", None),
-                                     "job_id", "")
-                    log.warning("refused %s from %s: %s", msg.WhichOneof("body"),
-                                session.provider_id, exc)
-                    session.send(pb.BrokerMessage(refusal=pb.Refusal(
-                        job_id=job_id, code=exc.code, message=exc.message)))
-                except Exception:  # noqa: BLE001 - one bad message must not drop the agent
-                    log.exception("error handling %s from %s", msg.WhichOneof("body"),
-                                  session.provider_id)
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
+                stats.messages += 1
+                if msg.WhichOneof("body") == "heartbeat":
+                    stats.heartbeats += 1
+                    if not msg.heartbeat.running_job_ids:
+                        continue  # it renews no lease: nothing to write, no thread needed
+                with lock:
+                    inbox.append(msg)
+                    start = not state["draining"]
+                    state["draining"] = True
+                    full = len(inbox) >= INBOX_MAX
+                if start:
+                    drained = loop.run_in_executor(self.executor, self._drain, session,
+                                                   inbox, lock, state)
+                if full:
+                    await asyncio.wait({drained})
+            if drained is not None:  # what was read is handled before the stream ends
+                await asyncio.wait({drained})
         except grpc.RpcError:
             pass
         finally:
             session.close()
+
+    def _drain(self, session: GatewaySession, inbox: deque, lock: threading.Lock,
+               state: dict) -> None:
+        """In the pool: handle the inbox's messages in order until it is empty."""
+        while True:
+            with lock:
+                if not inbox:
+                    state["draining"] = False
+                    return
+                msg = inbox.popleft()
+            self._handle_safely(msg, session)
+
+    def _handle_safely(self, msg: pb.AgentMessage, session: GatewaySession) -> None:
+        try:
+            self._handle(msg, session)
+        except BrokerError as exc:
+            job_id = getattr(getattr(msg, msg.WhichOneof("body") or "", None), "job_id", "")
+            log.warning("refused %s from %s: %s", msg.WhichOneof("body"),
+                        session.provider_id, exc)
+            session.send(pb.BrokerMessage(refusal=pb.Refusal(
+                job_id=job_id, code=exc.code, message=exc.message)))
+        except Exception:  # noqa: BLE001 - one bad message must not drop the agent
+            log.exception("error handling %s from %s", msg.WhichOneof("body"),
+                          session.provider_id)
 
     # ---- the market ----------------------------------------------------------------------
     def _join_market(self, session: GatewaySession, caps) -> list[pb.BrokerMessage]:
@@ -320,6 +530,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                     self.market.refresh(pid)  # its cold-start term may have changed
         elif kind == "drain":
             session.draining = True
+            self.dispatcher.changed(session)  # no new jobs: the market hears of it
             log.info("provider %s is draining: %s", pid, msg.drain.reason)
         else:
             log.warning("unexpected %s from %s after the handshake", kind, pid)

@@ -24,6 +24,13 @@ from .service import JobService
 
 log = logging.getLogger(__name__)
 
+# Tending a session (telling the market its free slots, sending the canaries due to it):
+# up to TEND_ALL_UP_TO sessions, every matching pass tends each; beyond, a pass tends the
+# sessions that changed or hold jobs and a slice of the others, so that each is tended at
+# least every TEND_PERIOD_S and a pass costs the same with 10,000 idle agents as with 10.
+TEND_ALL_UP_TO = 64
+TEND_PERIOD_S = 10.0
+
 
 @dataclass(eq=False)
 class AgentSession:
@@ -67,6 +74,15 @@ class Dispatcher:
         self.reap_interval_s = reap_interval_s
         self.rng = rng or random.Random()
         self._sessions: dict[str, AgentSession] = {}
+        # Who serves what ("name@version" -> provider ids), so that placing a job looks
+        # only at the agents that could run it, however many others are connected.
+        self._serving: dict[str, set[str]] = {}
+        self._due: set[str] = set()    # sessions to tend on the next pass (they changed)
+        self._busy: set[str] = set()   # sessions holding jobs (their queue estimate moves)
+        self._ring: list[str] = []     # every session, in the order the slices visit them
+        self._ring_at = 0
+        self._owed = 0.0
+        self._tended_at = self._busy_tended_at = time.monotonic()
         self._cond = threading.Condition()
         self._kicked = True
         self._stop = False
@@ -108,11 +124,18 @@ class Dispatcher:
             session.quota_factor = self.quota(session.provider_id)
         except Exception:  # noqa: BLE001 - a DB blip: full quota until the next change
             log.exception("could not read the quota of %s", session.provider_id)
+        pid = session.provider_id
         with self._cond:
-            old = self._sessions.get(session.provider_id)
-            self._sessions[session.provider_id] = session
+            old = self._sessions.get(pid)
+            self._sessions[pid] = session
             if old is not None:
                 session.active |= old.active
+                self._unserve(old)
+            else:
+                self._ring.append(pid)
+            for build in session.plugins:
+                self._serving.setdefault(build, set()).add(pid)
+            self._due.add(pid)
         if self.market is not None:
             self.market.mark_online(session.provider_id)
             self._lease_resumed(session)
@@ -135,10 +158,28 @@ class Dispatcher:
                 self.market.lease(session.provider_id, job.id, job.plugin, job.work_units,
                                   since=job.started_at or job.matched_at)
 
+    def _unserve(self, session: AgentSession) -> None:
+        """Forget what ``session`` serves (the caller holds the lock)."""
+        for build in session.plugins:
+            ids = self._serving.get(build)
+            if ids is not None:
+                ids.discard(session.provider_id)
+                if not ids:
+                    del self._serving[build]
+
+    def changed(self, session: AgentSession) -> None:
+        """Something about ``session`` that the market sees changed (e.g. it drains): it
+        is tended on the next pass."""
+        with self._cond:
+            self._due.add(session.provider_id)
+        self.kick()
+
     def unregister(self, session: AgentSession) -> None:
         with self._cond:
             if self._sessions.get(session.provider_id) is session:
                 del self._sessions[session.provider_id]
+                self._unserve(session)
+                self._busy.discard(session.provider_id)
                 gone = True
             else:
                 gone = False
@@ -157,14 +198,17 @@ class Dispatcher:
 
     def serving(self, plugin: str, version: str) -> bool:
         """Whether an agent connected here serves ``plugin@version`` (broker.providers.
-        presence: asked on every submit, so one dictionary look-up per agent)."""
-        key = f"{plugin}@{version}"
+        presence: asked on every submit, so one look-up in the per-build index)."""
         with self._cond:
-            return any(key in s.plugins for s in self._sessions.values())
+            return bool(self._serving.get(f"{plugin}@{version}"))
 
     def connected_ids(self) -> list[str]:
         with self._cond:
             return list(self._sessions)
+
+    def session_count(self) -> int:
+        """How many agents are connected (without copying the sessions)."""
+        return len(self._sessions)
 
     def set_paused(self, provider_id: str, paused: bool) -> bool:
         """Pause (no new jobs; running ones finish) or resume a connected provider; False
@@ -173,6 +217,7 @@ class Dispatcher:
             s = self._sessions.get(provider_id)
             if s is not None:
                 s.paused = paused
+                self._due.add(provider_id)
         if s is not None and not paused:
             self.kick()
         return s is not None
@@ -203,6 +248,7 @@ class Dispatcher:
             s = self._sessions.get(provider_id) if provider_id else None
             if s is not None:
                 s.active.discard(job_id)
+                self._due.add(provider_id)  # a freed slot may take a canary due
         if self.market is not None and provider_id:
             # The slot it freed and the queue it left, in one update of the book.
             self.market.release(provider_id, job_id, free=None if s is None else s.free)
@@ -286,6 +332,7 @@ class Dispatcher:
             if session.free <= 0:
                 return False
             session.active.add(job.id)
+            self._busy.add(session.provider_id)
         if self.market is not None:  # before the envelope goes: a fast job may end at once
             self.market.lease(session.provider_id, job.id, job.plugin, job.work_units,
                               free=session.free)
@@ -326,8 +373,7 @@ class Dispatcher:
         first = jobs[0]
         excluded = frozenset().union(*(j.excluded_providers for j in jobs))
         caps = [j.max_price_micro for j in jobs]
-        with self._cond:
-            sessions = dict(self._sessions)
+        sessions = self._serving_sessions(first)
         # Providers short of the plugin's minimum stake never bid; a check never runs on
         # the operator it checks (hard), other exclusions are soft (failed it before).
         barred = frozenset(p for p, s in sessions.items()
@@ -405,14 +451,70 @@ class Dispatcher:
                 log.exception("dispatcher iteration failed; retrying")
                 time.sleep(0.2)
 
+    def _serving_sessions(self, job: Job) -> dict[str, AgentSession]:
+        """The connected sessions that serve ``job``'s plugin build (any weights)."""
+        with self._cond:
+            ids = self._serving.get(f"{job.plugin}@{job.plugin_version}", ())
+            return {pid: self._sessions[pid] for pid in ids if pid in self._sessions}
+
+    def _any_free(self) -> bool:
+        with self._cond:
+            return any(s.free > 0 for s in self._sessions.values())
+
+    def _tend(self) -> None:
+        """Sync the market with the sessions that changed, those holding jobs and a slice
+        of the rest (all of them while there are few), and send the canaries due."""
+        now = time.monotonic()
+        with self._cond:
+            sessions = self._sessions
+            if len(sessions) <= TEND_ALL_UP_TO:
+                batch = list(sessions.values())
+            else:
+                self._owed = min(self._owed + len(sessions) * (now - self._tended_at)
+                                 / TEND_PERIOD_S, float(len(sessions)))
+                batch = self._slice(int(self._owed))
+                self._owed -= int(self._owed)
+                batch += [sessions[p] for p in self._due if p in sessions]
+                if now - self._busy_tended_at >= self.reap_interval_s:
+                    # Their queue estimates follow the clock (re-posted when they drift by
+                    # a second): every reap interval is often enough, not every pass.
+                    self._busy_tended_at = now
+                    batch += [sessions[p] for p in self._busy if p in sessions]
+            self._tended_at = now
+            self._due.clear()
+        seen = set()
+        for s in batch:
+            if s.provider_id in seen:
+                continue
+            seen.add(s.provider_id)
+            self._sync(s)
+            if self.canary_sender is not None and s.free > 0:
+                self.canary_sender(s)
+            with self._cond:
+                if s.active:
+                    self._busy.add(s.provider_id)
+                else:
+                    self._busy.discard(s.provider_id)
+
+    def _slice(self, k: int) -> list[AgentSession]:
+        """The next ``k`` sessions of the ring (the caller holds the lock)."""
+        if len(self._ring) > 2 * len(self._sessions) + 64:  # drop those that left
+            self._ring = list(dict.fromkeys(p for p in self._ring if p in self._sessions))
+            self._ring_at = 0
+        out, ring = [], self._ring
+        for _ in range(min(k, len(ring))):
+            self._ring_at %= len(ring)
+            s = self._sessions.get(ring[self._ring_at])
+            self._ring_at += 1
+            if s is not None:
+                out.append(s)
+        return out
+
     def match_once(self) -> int:
         """Assign as many queued jobs as there are free slots; returns how many."""
         if self.market is not None:
-            for s in self.sessions():
-                self._sync(s)
-                if self.canary_sender is not None and s.free > 0:
-                    self.canary_sender(s)
-        if not any(s.free > 0 for s in self.sessions()):
+            self._tend()
+        if not self._any_free():
             self._backlog = True
             return 0
         self._backlog = True
@@ -440,15 +542,15 @@ class Dispatcher:
                     cleared |= siblings
                 assigned += len(placed)
                 progress = True
-                if not any(s.free > 0 for s in self.sessions()):
+                if not self._any_free():
                     return assigned
             if not progress or len(batch) < 256:
                 self._backlog = left > 0
                 return assigned
 
     def _choose(self, job: Job, allow=None) -> AgentSession | None:
-        with self._cond:
-            able = [s for s in self._sessions.values() if s.free > 0 and s.serves(job)]
+        able = [s for s in self._serving_sessions(job).values()
+                if s.free > 0 and s.serves(job)]
         able = [s for s in able if self.eligible(s.provider_id, job.plugin)
                 and not _checked_operator(job, s)]
         if allow is not None:

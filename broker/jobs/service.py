@@ -24,7 +24,7 @@ from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
 from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, ReceiptRefused
-from .hub import EventHub
+from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
 from .ports import BlobStore, JobRepository, Presence
 
@@ -362,7 +362,13 @@ class JobService:
 
     def wait(self, who: Principal, job_id: str, timeout_s: float, job: Job | None = None) -> Job:
         """The job once it is terminal, or as it is when ``timeout_s`` passes (``job``: the
-        caller's fresh copy, e.g. just submitted)."""
+        caller's fresh copy, e.g. just submitted). Blocks this thread while it waits."""
+        return drive(self.waiting(who, job_id, timeout_s, job), self.hub)
+
+    def waiting(self, who: Principal, job_id: str, timeout_s: float,
+                job: Job | None = None) -> Waiting[Job]:
+        """:meth:`wait` as a generator that yields each wait on the hub instead of blocking
+        (see :mod:`.hub`): the asyncio front waits on its event loop, holding no thread."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         version = self.hub.version(job_id)
         # A caller's copy is from before the version was read: a fast job may have ended in
@@ -375,7 +381,7 @@ class JobService:
             if left <= 0:
                 return job if fresh else self.get(who, job_id)
             seen = version
-            version = self.hub.wait(job_id, seen, min(left, 5.0))
+            version = yield HubWait(job_id, seen, min(left, quiet_slice_s()))
             # Every change here wakes the waiter (assigned, running, progress…); the hub
             # says whether it was the end. A quiet slice re-reads the row: the job may
             # have ended on another broker replica.
@@ -391,9 +397,17 @@ class JobService:
                    jobs: list[Job] | None = None) -> list[Job]:
         """A split request's siblings once all are terminal, or as they are when
         ``timeout_s`` passes (``jobs``: the caller's fresh copies, e.g. just submitted)."""
+        return drive(self.waiting_batch(who, batch_id, timeout_s, jobs), self.hub)
+
+    def waiting_batch(self, who: Principal, batch_id: str, timeout_s: float,
+                      jobs: list[Job] | None = None) -> Waiting[list[Job]]:
+        """:meth:`wait_batch` as a waiting generator (see :meth:`waiting`)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
-        return [self.wait(who, job.id, deadline - time.monotonic(), job=job)
-                for job in (jobs or self.batch(who, batch_id))]
+        out = []
+        for job in (jobs or self.batch(who, batch_id)):
+            out.append((yield from self.waiting(who, job.id, deadline - time.monotonic(),
+                                                job=job)))
+        return out
 
     def _ended_copy(self, who: Principal, job_id: str) -> Job | None:
         """The job as its settlement wrote it, while nothing has happened to it since

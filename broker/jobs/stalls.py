@@ -9,6 +9,8 @@ refund once attempts or the deadline run out.
 Bound of an attempt = ``factor`` × max(the manifest's ``wall_clock_s``, the expected
 duration) + the lease timeout. The expected duration comes from ``expected_s(job)``: work
 units over the throughput θ the broker measured for the provider (None while unknown).
+The leased jobs are scanned every ``scan_interval_s`` (5 s), so a stalled job is taken
+back up to that long after its bound.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 class StallSettings:
     factor: float = 1.5
     min_bound_s: float = 5.0
+    # Leased jobs are read at most this often (bounds are minutes; reading thousands of
+    # leased jobs on every half-second reap cost a busy replica more than its heartbeats).
+    scan_interval_s: float = 5.0
 
 
 class StallWatch:
@@ -38,6 +43,7 @@ class StallWatch:
         self.settings = settings or StallSettings()
         self.clock = clock
         self.leased = leased  # all leased jobs (SQL: one query); None: nothing to watch
+        self._scanned_at = float("-inf")
 
     def bound_s(self, job: Job, lease_timeout_s: float) -> float:
         wall = self.wall_clock_s(job) or 0.0
@@ -50,6 +56,9 @@ class StallWatch:
         if self.leased is None:
             return []
         now, moved = self.clock(), []
+        if now - self._scanned_at < self.settings.scan_interval_s:
+            return []
+        self._scanned_at = now
         for job in self.leased():
             if job.state not in LEASED:
                 continue

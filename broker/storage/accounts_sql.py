@@ -86,6 +86,11 @@ class SqlProviderRepository:
             s.execute(update(ProviderRow).where(ProviderRow.id.in_(provider_ids),
                                                 ProviderRow.last_seen_at < t)
                       .values(last_seen_at=t))
+    def owners(self) -> list[str]:
+        """The distinct accounts that own machines, sorted."""
+        with self.sessions() as s:
+            return list(s.scalars(select(ProviderRow.account_id).distinct()
+                                  .order_by(ProviderRow.account_id)))
 
     def all(self) -> list[Provider]:
         with self.sessions() as s:

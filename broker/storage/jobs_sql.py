@@ -46,10 +46,12 @@ _UPDATE_JOB = update(JOBS).where(JOBS.c.id == bindparam("w_id"))
 _QUEUED = Prepared(_SELECT.where(JOBS.c.state == JobState.QUEUED.value,
                          or_(JOBS.c.not_before.is_(None), JOBS.c.not_before <= bindparam("w_now")))
            .order_by(JOBS.c.created_at).limit(bindparam("w_limit")))
-_EVENTS_AFTER = (select(EVENTS.c.id, EVENTS.c.job_id, EVENTS.c.kind, EVENTS.c.data,
-                        EVENTS.c.created_at)
-                 .where(EVENTS.c.job_id == bindparam("w_id"), EVENTS.c.id > bindparam("w_after"))
-                 .order_by(EVENTS.c.id).limit(bindparam("w_limit")))
+# (every event stream reads it again after each quiet slice, thousands of them at once)
+_EVENTS_AFTER = Prepared(select(EVENTS.c.id, EVENTS.c.job_id, EVENTS.c.kind, EVENTS.c.data,
+                                EVENTS.c.created_at)
+                         .where(EVENTS.c.job_id == bindparam("w_id"),
+                                EVENTS.c.id > bindparam("w_after"))
+                         .order_by(EVENTS.c.id).limit(bindparam("w_limit")))
 _OUTPUTS_OF = Prepared(select(OUTPUTS.c.job_id, OUTPUTS.c.index, OUTPUTS.c.sha256,
                               OUTPUTS.c.media_type, OUTPUTS.c.size)
                        .where(OUTPUTS.c.job_id == bindparam("w_id")).order_by(OUTPUTS.c.index))
@@ -215,9 +217,9 @@ class SqlJobRepository:
     def events_after(self, job_id: str, after_id: int, limit: int = 500) -> list[JobEvent]:
         """Events after ``after_id`` (any integer; one past every id there can be: none)."""
         with read_only(self.engine) as c:
-            rows = c.execute(_EVENTS_AFTER, {"w_id": job_id,
-                                             "w_after": min(after_id, self._max_event_id),
-                                             "w_limit": limit})
+            rows = _EVENTS_AFTER.run(c, {"w_id": job_id,
+                                         "w_after": min(after_id, self._max_event_id),
+                                         "w_limit": limit})
             return [JobEvent(*r) for r in rows]
 
     def expired_leases(self, now: float, limit: int = 100) -> list[Job]:

@@ -1,4 +1,5 @@
-"""A real broker (waitress + gRPC + dispatcher) in this process, on loopback ports."""
+"""A real broker (uvicorn + grpc.aio on one event loop, dispatcher) in this process, on
+loopback ports."""
 from __future__ import annotations
 
 import threading
@@ -32,12 +33,13 @@ class LiveBroker:
         # it off so that every job runs once (the verification tests turn it on).
         extra.setdefault("verification", False)
         extra.setdefault("check_delay_max_s", 0.0)
+        extra.setdefault("http_threads", 16)
         extra.update(settings)  # any other Settings field (e.g. Stripe against a stub)
         if max_attempts is not None:
             extra["max_attempts"] = max_attempts
         self.settings = Settings(data_dir=tmp_path / "broker", db_url=db_url or "",
                                  http="127.0.0.1:0", grpc="127.0.0.1:0",
-                                 lease_timeout_s=lease_timeout_s, http_threads=16, **extra)
+                                 lease_timeout_s=lease_timeout_s, **extra)
         self.server = BrokerServer(self.settings)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

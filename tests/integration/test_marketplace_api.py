@@ -1,4 +1,4 @@
-"""The marketplace through a real broker (waitress + gRPC, in-process): `sparecycles
+"""The marketplace through a real broker (uvicorn + gRPC, in-process): `sparecycles
 publisher init` and `sparecycles publish` over HTTP, search and downloads, immutability,
 quotes with royalties, and an agent that installs a published plugin from the registry
 (signature and sha256 checked) and runs a job on it through the SDK."""

@@ -1,4 +1,4 @@
-"""Regressions from the marketplace review, through a real broker (waitress): blob uploads
+"""Regressions from the marketplace review, through a real broker (uvicorn): blob uploads
 are checked before the body is read and capped (413), streamed to a registry store of its
 own (job outputs cannot be listed in a package), downloads are streamed, and malformed
 signatures, NaN documents and over-long versions are 4xx, never 500."""
