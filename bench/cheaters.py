@@ -64,6 +64,12 @@ BEHAVIOURS = {
     "truncate-text": ("llama", {}),
     "pad-text": ("llama", {}),
     "other-text-model": ("llama", {}),
+    # issue #20, text: sampled as the job asked, ended where its own parameters say
+    "greedy-as-sampled": ("llama", {}),
+    "colder-sampling": ("llama", {"max_new_tokens": 64}),
+    "narrow-top-p": ("llama", {"max_new_tokens": 64}),
+    "early-stop": ("llama", {"stop": "<END>", "ignore_eos": True}),
+    "altered-text": ("llama", {}),
 }
 FINAL = {CheckStatus.VERIFIED, CheckStatus.OVERTURNED, CheckStatus.NONDETERMINISTIC,
          CheckStatus.UNCHECKED}
@@ -189,7 +195,7 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
             # half greedy (all 16 tokens: a tiny random model often ends at once, and a
             # one-token answer leaves a text cheat nothing to change), half sampled
             inputs.update(temperature=0.0, ignore_eos=True)
-        job = client.jobs.create(plugin, **inputs, **extra, seed=1000 + i)
+        job = client.jobs.create(plugin, **{**inputs, **extra}, seed=1000 + i)
         ids.append(job.id)
         job.wait(timeout=300)
     net.stop_agent(name)
