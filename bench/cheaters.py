@@ -53,6 +53,7 @@ from sdk.localnet import cli  # noqa: E402
 
 IMAGE = {"prompt": "a lighthouse at dusk", "steps": 4, "width": 64, "height": 64}
 TEXT = {"prompt": "Once upon a time", "max_new_tokens": 16, "temperature": 0.7}
+LONG_PROMPT = "Once upon a time there was a lighthouse"
 # behaviour -> (plugin, extra inputs)
 BEHAVIOURS = {
     "wrong-seed": ("sd15", {}),
@@ -64,10 +65,12 @@ BEHAVIOURS = {
     "truncate-text": ("llama", {}),
     "pad-text": ("llama", {}),
     "other-text-model": ("llama", {}),
-    # issue #20, text: sampled as the job asked, ended where its own parameters say
-    "greedy-as-sampled": ("llama", {}),
-    "colder-sampling": ("llama", {"max_new_tokens": 64}),
-    "narrow-top-p": ("llama", {"max_new_tokens": 64}),
+    # issue #20, text: sampled as the job asked, ended where its own parameters say. (On
+    # "Once upon a time" the tiny llama's greedy answer is its end-of-text token alone: a
+    # one-token claim shows nothing of how it was sampled.)
+    "greedy-as-sampled": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 32}),
+    "colder-sampling": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 64}),
+    "narrow-top-p": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 64}),
     "early-stop": ("llama", {"stop": "<END>", "ignore_eos": True}),
     "altered-text": ("llama", {}),
 }

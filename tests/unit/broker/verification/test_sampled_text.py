@@ -81,11 +81,11 @@ PATHS = [(("float32", 2), "float32"), (("bfloat16", 1), "float32"), (("float32",
 @pytest.mark.parametrize("model", ["flat", "sharp"])
 @pytest.mark.parametrize("claim_path,checker_dtype", PATHS)
 @pytest.mark.parametrize("temperature,top_p,seed", [(0.7, 0.95, 1), (1.0, 1.0, 2),
-                                                    (0.7, 0.9, 3), (1.3, 0.8, 4)])
+                                                    (1.3, 0.8, 4)])
 def test_honest_sampled_claims_pass_across_numeric_paths(paths, model, claim_path,
                                                          checker_dtype, temperature, top_p,
                                                          seed):
-    inputs = job(temperature=temperature, top_p=top_p, seed=seed)
+    inputs = job(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=64)
     dtype, threads = claim_path
     claim = run(paths[model, dtype], inputs, threads)
     result = judged(claim, paths[model, checker_dtype], inputs)
