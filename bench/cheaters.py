@@ -67,9 +67,12 @@ BEHAVIOURS = {
     "other-text-model": ("llama", {}),
     # issue #20, text: sampled as the job asked, ended where its own parameters say. (On
     # "Once upon a time" the tiny llama's greedy answer is its end-of-text token alone: a
-    # one-token claim shows nothing of how it was sampled.)
+    # one-token claim shows nothing of how it was sampled.) The cheat mode
+    # colder-sampling is left out: on this tiny llama, whose next-token distributions are
+    # nearly flat, half the temperature changes nothing a test could see (0 of 5 caught)
+    # and saves nothing, yet its q of 0 would floor llama's q in thresholds.json;
+    # bench/text_checks.py measures it on a sharpened model.
     "greedy-as-sampled": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 32}),
-    "colder-sampling": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 64}),
     "narrow-top-p": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 64}),
     "early-stop": ("llama", {"stop": "<END>", "ignore_eos": True}),
     "altered-text": ("llama", {}),
