@@ -445,8 +445,8 @@ def _r6(x: float) -> float:
 
 def _score(logp: torch.Tensor, token: int, dist, eos: torch.Tensor) -> dict[str, Any]:
     """One token's entry of meta["scores"] (see the module docstring). Costs a top-k and a
-    few element reads beside the sort the sampler already did (no other vocabulary-wide
-    pass but one comparison count)."""
+    few element reads beside the sort the sampler already did, one comparison count and,
+    for a sampled token, the passes of its place in the distribution (below)."""
     top_lp, top_ids = torch.topk(logp, min(TOP_SCORES, logp.numel()))
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
     eos_lp = float(torch.logsumexp(logp[eos], dim=0)) if eos.numel() else float("-inf")
@@ -478,13 +478,17 @@ def _score(logp: torch.Tensor, token: int, dist, eos: torch.Tensor) -> dict[str,
     near_ids = [int(order[i]) for i in (pos - 1, pos + 1) if 0 <= i < kept]
     near = [[i, _r6(float(logp[i])), _r6(p)] for i, p in zip(near_ids, sampled_p(near_ids))]
     # The chosen token's band in the descending order sampled from, and the nucleus: what
-    # the verifier's test of the sampling needs (one more comparison over the order, and a
-    # few sums over the kept head).
-    tied = int(torch.count_nonzero(sorted_probs >= probs[token])) - above
-    mass_tied = float(sorted_probs[above:above + tied].sum())
-    top_mass = float(sorted_probs[sorted_probs == sorted_probs[0]].sum())
-    kept_probs = sorted_probs[:kept].double() / total if total > 0 else sorted_probs[:0].double()
-    tilts = [[g, _r6(torch.log(torch.sum(kept_probs ** g)))] for g in TILTS]
+    # the verifier's test of the sampling needs (two binary searches of the order, a log
+    # over the kept head and a logsumexp per tilt: about 3 ms a token on one CPU thread for
+    # a 128k vocabulary, a third of the sort the sampler does anyway).
+    ascending = -sorted_probs
+    upto = int(torch.searchsorted(ascending, -probs[token:token + 1], right=True))
+    mass_tied = float(sorted_probs[above:upto].sum())
+    top_mass = float(sorted_probs[:int(torch.searchsorted(ascending, ascending[:1],
+                                                          right=True))].sum())
+    log_kept = torch.log(sorted_probs[:kept]) - math.log(total) if total > 0 else None
+    tilts = [[g, _r6(torch.logsumexp(g * log_kept, dim=0)) if log_kept is not None
+              else LOGPROB_FLOOR] for g in TILTS]
     return {"top": top, "eos_lp": _r6(eos_lp), "eos_p": _r6(eos_p),
             "mass_above": _r6(mass_above), "near": near,
             "lp_t": _r6(math.log(float(probs[token]))) if float(probs[token]) > 0
