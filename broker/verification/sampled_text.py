@@ -38,11 +38,13 @@ Two bounds: ``reject`` (α = 1e-9: a clear mismatch, grounds for a slash once a 
 agrees) and ``doubt`` (α = 1e-4: a grey zone, which brings a third run and never a slash).
 
 **Power.** A short claim, or one whose positions are nearly certain, cannot show how it was
-sampled: the test cannot reject it even if every token is the likeliest. Its evidence can
-still reach ``doubt`` (a third run, and if that agrees the provider loses the job's credits
-and its run of valid checks, so that it is checked more often: the escalation), never
-``reject``; the figures say ``power: "low"``. Positions where the likeliest tokens hold all
-but ``1 − CERTAIN_SHARE`` of the mass are not tested: every sampler takes them there.
+sampled: the test could not reject it even were every token the likeliest (the figures say
+``power: "low"``). Greedy output there is not rejected; its evidence can still reach
+``doubt`` (a third run, and if that agrees the provider loses the job's credits and its run
+of valid checks, so that it is checked more often: the escalation). Positions where the
+likeliest tokens hold all but ``1 − CERTAIN_SHARE`` of the mass are not tested: every
+sampler takes them there. Nor are positions the checker did not score by teacher forcing
+(a re-run's, from where it parts from the claim: the scoring run that follows tests them).
 
 V comes from a hash of ``salt`` (the broker passes the id of the run it judges the claim
 against, which the claiming provider never sees) and the position, so a judgement can be
