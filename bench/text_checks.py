@@ -338,6 +338,9 @@ def main() -> int:
             print(f"  false dispute: {line}")
     print(f"\nAn honest claim that does not pass is a false dispute; a cheat that passes is "
           f"missed. ({time.monotonic() - t0:.0f} s)")
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
