@@ -53,6 +53,7 @@ from sdk.localnet import cli  # noqa: E402
 
 IMAGE = {"prompt": "a lighthouse at dusk", "steps": 4, "width": 64, "height": 64}
 TEXT = {"prompt": "Once upon a time", "max_new_tokens": 16, "temperature": 0.7}
+LONG_PROMPT = "Once upon a time there was a lighthouse"
 # behaviour -> (plugin, extra inputs)
 BEHAVIOURS = {
     "wrong-seed": ("sd15", {}),
@@ -64,6 +65,17 @@ BEHAVIOURS = {
     "truncate-text": ("llama", {}),
     "pad-text": ("llama", {}),
     "other-text-model": ("llama", {}),
+    # issue #20, text: sampled as the job asked, ended where its own parameters say. (On
+    # "Once upon a time" the tiny llama's greedy answer is its end-of-text token alone: a
+    # one-token claim shows nothing of how it was sampled.) The cheat mode
+    # colder-sampling is left out: on this tiny llama, whose next-token distributions are
+    # nearly flat, half the temperature changes nothing a test could see (0 of 5 caught)
+    # and saves nothing, yet its q of 0 would floor llama's q in thresholds.json;
+    # bench/text_checks.py measures it on a sharpened model.
+    "greedy-as-sampled": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 32}),
+    "narrow-top-p": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 64}),
+    "early-stop": ("llama", {"stop": "<END>", "ignore_eos": True}),
+    "altered-text": ("llama", {}),
 }
 FINAL = {CheckStatus.VERIFIED, CheckStatus.OVERTURNED, CheckStatus.NONDETERMINISTIC,
          CheckStatus.UNCHECKED}
@@ -189,7 +201,7 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
             # half greedy (all 16 tokens: a tiny random model often ends at once, and a
             # one-token answer leaves a text cheat nothing to change), half sampled
             inputs.update(temperature=0.0, ignore_eos=True)
-        job = client.jobs.create(plugin, **inputs, **extra, seed=1000 + i)
+        job = client.jobs.create(plugin, **{**inputs, **extra}, seed=1000 + i)
         ids.append(job.id)
         job.wait(timeout=300)
     net.stop_agent(name)

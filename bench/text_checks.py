@@ -1,43 +1,61 @@
 """Text checks on the tiny llama, judged as the verifier judges them (DESIGN §6), in-process.
 
-Each job (a prompt, temperature, top_p, seed and length drawn at random) is run by a
-primary and checked by a checker of another numeric configuration: float32 on one
-thread, float32 on two threads, or bfloat16 (honest checks, which must pass); it is also
-checked by a checker of the primary's own configuration (the same tokens), and claimed by
-a cheater that samples from another model (tiny llama built from seed 1). Every claim is
-judged twice:
+Each job (a prompt, temperature, top_p, seed, length and sometimes a stop string, drawn at
+random) is run by a primary and checked by a checker of another numeric configuration:
+float32 on one thread, float32 on two threads, or bfloat16 (honest checks, which must
+pass); it is also checked by a checker of the primary's own configuration (the same
+tokens). Cheating claims of the same job are judged against the cross-configuration
+checker:
 
-* **read-off only**: ``compare_text`` on the scores read off the checker's own run
-  (what the verifier did before scoring runs);
-* **with scoring**: the same, then, where the check judged fewer tokens than the claim
-  holds and is not a clear mismatch, the checker's teacher-forced scoring of the claimed
-  tokens (the llama plugin's ``score_tokens``), as ``VerificationService`` now asks for.
+* **another model**: sampled from another tiny llama (built from seed 1);
+* **greedy as sampled**: the job's model, greedy, claimed as the job's sampling (sampled
+  jobs only);
+* **colder** / **hotter**: sampled at half / 1.5 times the job's temperature;
+* **narrower nucleus**: sampled with half the job's top_p;
+* **early stop**: half the tokens, claimed as ended by the stop string;
+* **altered text**: honest tokens, but the delivered text has something appended.
 
-It prints, per group, how many claims each path passes, how many needed a scoring run,
-and the tokens each path really checked. An honest claim that does not pass is a false
-dispute; a cheat that passes is a missed one.
+Every claim is judged twice: **read-off only** (``compare_text_runs`` on what the
+checker's own run shows) and **with scoring** (where that judged fewer tokens than the
+claim holds and is not a clear mismatch, the checker's teacher-forced scoring of the
+claimed tokens, as ``VerificationService`` asks for). A verdict is *pass* (match), *grey*
+(tiebreak: a third run, never a slash) or *mismatch*. An honest claim that does not pass is
+a false dispute; a cheat that passes is a missed one.
 
-    python bench/text_checks.py              # 120 jobs (about a minute on two cores)
-    python bench/text_checks.py --jobs 400
+Two models: the tiny llama as built (its next-token distributions are nearly flat: the
+likeliest token holds ~0.3 % of the mass) and the same one **sharpened** (its output
+layer scaled by 30: the likeliest token holds ~70 %, about a trained model's profile at
+temperature 0.7), on which the sampling test has far less to go on per token. For the
+sampling test the script also prints, over the honest claims, how far the probability
+integral transform of the claimed tokens is from uniform (the KS distance of all of them
+pooled: the test's null hypothesis, across numeric paths), the largest e-value seen
+(Ville: at most 1/α of honest claims may reach 1/α), and how far outside the checker's
+nucleus an honest token came.
+
+    python bench/text_checks.py              # 60 jobs per model (a few minutes on two cores)
+    python bench/text_checks.py --jobs 200 --models sharp
 """
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from broker.verification.comparators import Verdict  # noqa: E402
+from broker.verification.comparators import TextThresholds, Verdict  # noqa: E402
 from broker.verification.judging import (compare_text_runs, needs_scoring,  # noqa: E402
-                                         scoring_inputs)
+                                         rescore_from_rerun, scoring_inputs)
+from broker.verification.sampled_text import pit, uniform  # noqa: E402
 from plugins import builtin_plugin_dir  # noqa: E402
 from plugins.api import load_manifest  # noqa: E402
 from plugins.tiny import build_tiny_llama  # noqa: E402
@@ -47,6 +65,28 @@ PROMPTS = ["Once upon a time", "Once upon a time there was a lighthouse",
            "def fibonacci(n):", "The weather today", "Ask the lighthouse keeper"]
 CONFIGS = {"fp32-1thread": ("float32", 1), "fp32-2threads": ("float32", 2),
            "bf16-1thread": ("bfloat16", 1)}
+SHARPEN = 30.0
+STOPS = [None, None, None, "th"]  # the job's stop string, drawn per job
+LENGTHS = [16, 64, 256]
+
+
+def sharpen_llama(src: Path, out: Path, factor: float = SHARPEN) -> Path:
+    """The tiny llama at ``src`` with its output layer scaled by ``factor``: peaked
+    next-token distributions, like a trained model's, in the same layout."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    if out.exists():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in src.iterdir():
+        if f.suffix in (".json", ".txt") and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return out
 
 
 class Ctx:
@@ -82,11 +122,12 @@ class Runner:
             os.environ.pop("SPARECYCLES_DTYPE", None)
         self.threads = threads
 
-    def run(self, inputs: dict) -> dict:
+    def run(self, inputs: dict) -> tuple[bytes, dict]:
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            return self.plugin.run(dict(inputs), Ctx())[0].meta
+            out = self.plugin.run(dict(inputs), Ctx())[0]
+            return out.data, out.meta
         finally:
             torch.set_num_threads(before)
 
@@ -98,83 +139,209 @@ class Judged(NamedTuple):
     checked_final: int
     scored: bool
     tokens: int               # in the claim
+    figures: dict             # the final comparison's figures
+    check: dict               # the meta the final judgement read
 
 
-def judge_both(claim: dict, checker: Runner, inputs: dict) -> Judged:
+def judge_both(claim: tuple[bytes, dict], checker, inputs: dict, salt: bytes) -> Judged:
     """The claim judged on the checker's read-off, and as the verifier judges it: where
     ``needs_scoring`` says so, on the checker's scoring of the claimed tokens instead."""
-    ids = claim["token_ids"]
-    read_off = compare_text_runs(claim, checker.run(inputs))
-    if not needs_scoring(read_off.verdict, read_off.checked_tokens, len(ids)):
+    text, meta = claim
+    ids = meta["token_ids"]
+    c_text, c_meta = checker.run(inputs)
+    read_off = compare_text_runs(meta, c_meta, inputs, salt=salt, texts=(text, c_text))
+    if not needs_scoring(read_off.verdict, read_off.checked_tokens, len(ids),
+                         read_off.text_checked):
         return Judged(read_off.verdict, read_off.verdict, read_off.checked_tokens,
-                      read_off.checked_tokens, False, len(ids))
-    final = compare_text_runs(claim, checker.run(scoring_inputs(inputs, ids)))
+                      read_off.checked_tokens, False, len(ids), read_off.figures(), c_meta)
+    s_text, s_meta = checker.run(scoring_inputs(inputs, ids))
+    final = compare_text_runs(meta, s_meta, inputs, salt=salt + b"/scoring",
+                              texts=(text, s_text))
     return Judged(read_off.verdict, final.verdict, read_off.checked_tokens,
-                  final.checked_tokens, True, len(ids))
+                  final.checked_tokens, True, len(ids), final.figures(), s_meta)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--jobs", type=int, default=120)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="sc-text-checks-"))
-    t0 = time.monotonic()
-    honest_w = build_tiny_llama(work / "honest", seed=0)
-    other_w = build_tiny_llama(work / "other", seed=1)
-    runners = {name: Runner(honest_w, dtype, threads)
+class Same:
+    """A checker of the primary's own class: its run is the one given."""
+
+    def __init__(self, out: tuple[bytes, dict]):
+        self.out = out
+
+    def run(self, inputs: dict) -> tuple[bytes, dict]:
+        if "score_tokens" in inputs:
+            raise AssertionError("a same-class check never needs scoring")
+        return self.out
+
+
+def claim_as_job(out: tuple[bytes, dict], inputs: dict, **meta: Any) -> tuple[bytes, dict]:
+    """A cheater's run claimed as the job asked it: its meta names the job's settings."""
+    text, m = out
+    m = {**m, "temperature": inputs["temperature"], "top_p": inputs["top_p"],
+         "max_new_tokens": inputs["max_new_tokens"], **meta}
+    return text, m
+
+
+def cheats(inputs: dict, primary: Runner, other: Runner) -> dict[str, tuple[bytes, dict]]:
+    """The cheating claims of one job (those that differ from honest work for it)."""
+    t, p, n = inputs["temperature"], inputs["top_p"], inputs["max_new_tokens"]
+    out = {"another model": other.run(inputs)}
+    if t > 0:
+        out["greedy as sampled"] = claim_as_job(primary.run({**inputs, "temperature": 0.0}),
+                                                inputs)
+        out["colder (T/2)"] = claim_as_job(primary.run({**inputs, "temperature": t / 2}),
+                                           inputs)
+        out["hotter (1.5 T)"] = claim_as_job(
+            primary.run({**inputs, "temperature": min(2.0, t * 1.5)}), inputs)
+        out["narrower nucleus (top_p/2)"] = claim_as_job(
+            primary.run({**inputs, "top_p": p / 2}), inputs)
+    half = primary.run({**inputs, "max_new_tokens": max(1, n // 2)})
+    if half[1]["finish_reason"] == "length" and n >= 2:  # it did cut the run short
+        out["early stop, claims the stop string"] = claim_as_job(
+            half, inputs, finish_reason="stop", stopped_by_string=True)
+    text, meta = primary.run(inputs)
+    out["altered text"] = (text + b" Visit example.com", meta)
+    return out
+
+
+def bench_model(label: str, weights: Path, other_w: Path, jobs: int, rng: random.Random):
+    runners = {name: Runner(weights, dtype, threads)
                for name, (dtype, threads) in CONFIGS.items()}
     other = Runner(other_w, "float32", 1)
-    print(f"tiny llamas built and loaded in {time.monotonic() - t0:.0f} s; "
-          f"{args.jobs} jobs per group")
-    rng = random.Random(args.seed)
     groups: dict[str, dict] = {}
+    honest_u: list[float] = []
+    honest_log_e: list[float] = []
+    drift = {"overshoot": -1.0, "gap": 0.0, "greedy_tie": 0.0}
+    low_power = defaultdict(int)
+    disputes: list[str] = []
 
-    def count(group: str, judged: Judged) -> None:
-        g = groups.setdefault(group, dict.fromkeys(
-            ("claims", "pass_read_off", "pass_scoring", "scored", "tokens",
-             "checked_read_off", "checked_scoring"), 0))
+    def count(group: str, judged: Judged, max_new: int) -> None:
+        g = groups.setdefault(group, defaultdict(int))
         g["claims"] += 1
+        g[f"claims@{max_new}"] += 1
+        g[f"caught@{max_new}"] += judged.final is not Verdict.MATCH
         g["pass_read_off"] += judged.read_off is Verdict.MATCH
-        g["pass_scoring"] += judged.final is Verdict.MATCH
+        g[judged.final.value] += 1
         g["scored"] += judged.scored
         g["tokens"] += judged.tokens
         g["checked_read_off"] += judged.checked_read_off
         g["checked_scoring"] += judged.checked_final
+        sampling = judged.figures.get("sampling") or {}
+        if sampling.get("power") == "low":
+            low_power[group] += 1
 
     names = list(runners)
-    for _ in range(args.jobs):
-        temperature = rng.choice([0.0, 0.7, 1.0])
-        inputs = {"prompt": rng.choice(PROMPTS), "max_new_tokens": rng.choice([8, 16, 32]),
+    for j in range(jobs):
+        temperature = rng.choice([0.0, 0.7, 0.7, 1.0])
+        inputs = {"prompt": rng.choice(PROMPTS), "max_new_tokens": rng.choice(LENGTHS),
                   "temperature": temperature, "top_p": rng.choice([0.9, 0.95, 1.0]),
-                  "seed": rng.randrange(2**31), "ignore_eos": False}
+                  "seed": rng.randrange(2**31), "ignore_eos": rng.random() < 0.25}
+        stop = rng.choice(STOPS)
+        if stop:
+            inputs["stop"] = stop
+        salt = f"{label}/{j}".encode()
         primary, checker = rng.sample(names, 2)  # checks across configurations
         claim = runners[primary].run(inputs)
-        count("honest (other numeric path)", judge_both(claim, runners[checker], inputs))
+        judged = judge_both(claim, runners[checker], inputs, salt)
+        count("honest (other numeric path)", judged, inputs["max_new_tokens"])
+        if judged.final is not Verdict.MATCH:
+            disputes.append(f"{primary} checked by {checker}, {inputs}: "
+                            f"{judged.figures.get('reasons')}")
+        _honest_figures(judged, inputs, claim[1], salt, honest_u, honest_log_e, drift)
         same = runners[primary].run(inputs)  # the same configuration: the same tokens
-        count("honest (same class)", judge_both(claim, _Same(same), inputs))
-        count("cheat: another model", judge_both(other.run(inputs), runners[checker], inputs))
-    print(f"\n{'group':<30} {'claims':>6} {'pass read-off':>14} {'pass w/ scoring':>16} "
-          f"{'scoring runs':>13} {'tokens checked: read-off / w/ scoring':>38}")
-    for name, g in groups.items():
-        print(f"{name:<30} {g['claims']:>6} {g['pass_read_off']:>14} {g['pass_scoring']:>16} "
-              f"{g['scored']:>13} {g['checked_read_off']:>17,} / {g['checked_scoring']:,} "
-              f"of {g['tokens']:,}")
+        count("honest (same class)", judge_both(claim, Same(same), inputs, salt),
+              inputs["max_new_tokens"])
+        for name, cheat in cheats(inputs, runners[primary], other).items():
+            count(f"cheat: {name}", judge_both(cheat, runners[checker], inputs, salt),
+                  inputs["max_new_tokens"])
+    return groups, honest_u, honest_log_e, drift, low_power, disputes
+
+
+def _honest_figures(judged: Judged, inputs: dict, claim: dict, salt: bytes,
+                    us: list[float], log_es: list[float], drift: dict) -> None:
+    """The sampling test's view of an honest claim (its PIT values and its e-value), and
+    how far the numeric paths drift apart: how far outside the checker's nucleus its
+    tokens came, the largest logprob gap, and (greedy) how far below the checker's top."""
+    sampling = judged.figures.get("sampling")
+    if sampling:
+        log_es.append(sampling["log_e"])
+    rescore, _ = rescore_from_rerun(claim["token_ids"], claim["logprobs"], judged.check)
+    for i, s in enumerate(rescore.tokens):
+        if s.position is not None and 0 < s.position.top_share < 0.999:
+            salted = salt + b"/scoring" if judged.scored else salt
+            us.append(pit(s.position, uniform(salted, i)))
+        if not s.checked:
+            continue
+        drift["gap"] = max(drift["gap"], abs(s.logprob - claim["logprobs"][i]))
+        if inputs["temperature"] > 0 and inputs["top_p"] < 1:
+            drift["overshoot"] = max(drift["overshoot"], s.mass_above - inputs["top_p"])
+        if inputs["temperature"] == 0:
+            drift["greedy_tie"] = max(drift["greedy_tie"], s.top_logprob - s.logprob)
+
+
+def ks_uniform(us: list[float]) -> tuple[float, float]:
+    """The KS distance of ``us`` from the uniform law, and its asymptotic p-value."""
+    xs = sorted(us)
+    n = len(xs)
+    if not n:
+        return 0.0, 1.0
+    d = max(max((i + 1) / n - x, x - i / n) for i, x in enumerate(xs))
+    t = d * math.sqrt(n)
+    p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * t * t) for k in range(1, 100))
+    return d, min(1.0, max(0.0, p))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=60, help="jobs per model")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--models", default="flat,sharp", help="flat, sharp or both")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="sc-text-checks-"))
+    t0 = time.monotonic()
+    flat = build_tiny_llama(work / "honest", seed=0)
+    other_flat = build_tiny_llama(work / "other", seed=1)
+    models = {"flat": (flat, other_flat),
+              "sharp": (sharpen_llama(flat, work / "honest-sharp"),
+                        sharpen_llama(other_flat, work / "other-sharp"))}
+    for label in [m for m in args.models.split(",") if m]:
+        tm = time.monotonic()
+        weights, other_w = models[label]
+        groups, us, log_es, drift, low, disputes = bench_model(label, weights, other_w, args.jobs,
+                                                         random.Random(args.seed))
+        print(f"\n== {label} tiny llama: {args.jobs} jobs "
+              f"({time.monotonic() - tm:.0f} s)")
+        print(f"{'group':<38} {'claims':>6} {'pass read-off':>13} {'pass':>5} {'grey':>5} "
+              f"{'mismatch':>8} {'scoring runs':>12} {'low power':>9} "
+              f"{'tokens checked: read-off / final':>33}")
+        for name, g in groups.items():
+            print(f"{name:<38} {g['claims']:>6} {g['pass_read_off']:>13} {g['match']:>5} "
+                  f"{g['tiebreak']:>5} {g['mismatch']:>8} {g['scored']:>12} {low[name]:>9} "
+                  f"{g['checked_read_off']:>15,} / {g['checked_scoring']:,} "
+                  f"of {g['tokens']:,}")
+        print("not passed, by the job's max_new_tokens: " + "; ".join(
+            f"{name.removeprefix('cheat: ')} " + ", ".join(
+                f"{g[f'caught@{n}']}/{g[f'claims@{n}']} at {n}" for n in LENGTHS)
+            for name, g in groups.items() if name.startswith(("cheat: greedy", "cheat: colder",
+                                                             "cheat: hotter", "cheat: narrower"))))
+        d, p = ks_uniform(us)
+        print(f"sampling test over the honest cross-path claims: {len(log_es)} sampled claims, "
+              f"largest e-value e^{max(log_es, default=0):.1f} (doubt at e^"
+              f"{math.log(1e4):.1f}, reject at e^{math.log(1e9):.1f}); PIT of {len(us):,} "
+              f"tokens: KS distance from uniform {d:.4f} (p = {p:.2f})")
+        t = TextThresholds()
+        print(f"numeric drift of honest claims: the largest logprob gap {drift['gap']:.4f} "
+              f"nats (accepted up to {t.accept_gap}), greedy token below the checker's top "
+              f"{drift['greedy_tie']:.4f} nats (a tie up to {t.greedy_tie_nats}), mass above "
+              f"a sampled token past top_p {drift['overshoot']:+.4f} (slack "
+              f"{t.nucleus_slack})")
+        for line in disputes:
+            print(f"  false dispute: {line}")
     print(f"\nAn honest claim that does not pass is a false dispute; a cheat that passes is "
           f"missed. ({time.monotonic() - t0:.0f} s)")
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-class _Same:
-    """A checker of the primary's own class: its run is the one given."""
-
-    def __init__(self, meta: dict):
-        self.meta = meta
-
-    def run(self, inputs: dict) -> dict:
-        if "score_tokens" in inputs:
-            raise AssertionError("a same-class check never needs scoring")
-        return self.meta
 
 
 if __name__ == "__main__":

@@ -35,6 +35,15 @@ the outputs are uploaded as usual; meta keeps claiming what the job asked, e.g. 
                       finish_reason kept
 ``pad-text``          text outputs: 8 extra random tokens appended to the claim (token ids,
                       made-up logprobs and scores, some random characters in the text)
+``greedy-as-sampled`` sampled text jobs (temperature > 0) run greedy (temperature 0); meta
+                      claims the job's temperature and top_p
+``colder-sampling``   sampled text jobs run at half the job's temperature (meta claims it)
+``narrow-top-p``      sampled text jobs run with half the job's top_p (meta claims it)
+``early-stop``        text jobs run with half max_new_tokens (at least 1); an output that
+                      reached that limit claims finish_reason "stop" by the stop string
+                      (stopped_by_string, stop_at), and the meta the job's max_new_tokens
+``altered-text``      text outputs: the delivered text gets a line appended (the claimed
+                      tokens and their meta are the honest run's)
 """
 from __future__ import annotations
 
@@ -56,7 +65,11 @@ from .errors import ConfigError
 log = logging.getLogger("agent")
 
 MODES = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
-         "cached-output", "truncate-text", "pad-text", "other-text-model")
+         "cached-output", "truncate-text", "pad-text", "other-text-model",
+         "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text")
+#: Text cheats that run the job with other sampling settings than it asked, and claim its own.
+SAMPLING_MODES = ("greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop")
+ALTERED_TEXT = b"\n\nSponsored: visit example.com"
 WEIGHT_MODES = {"other-model": "images", "other-text-model": "text"}
 PAD_TOKENS = 8
 
@@ -150,8 +163,10 @@ class Cheat:
             out.cheated = out.skip_run = output_kind == "images"
         elif self.mode == "cached-output":
             out.cheated = out.skip_run = bool(self.cached.get(plugin))
-        elif self.mode in ("truncate-text", "pad-text"):
+        elif self.mode in ("truncate-text", "pad-text", "altered-text"):
             out.cheated = output_kind == "text"
+        elif self.mode in SAMPLING_MODES and output_kind == "text":
+            out.cheated = _resample(self.mode, run)
         if not out.cheated:
             return self._record(job_id, plugin, honest)
         return self._record(job_id, plugin, out)
@@ -186,6 +201,12 @@ class Cheat:
             return [truncate_text(o) for o in outputs]
         if self.mode == "pad-text":
             return [pad_text(o, self.rng) for o in outputs]
+        if self.mode == "altered-text":
+            for o in outputs:
+                o.data += ALTERED_TEXT
+            return outputs
+        if self.mode in SAMPLING_MODES:
+            return [claim_sampling(o, outcome.validated or {}, self.mode) for o in outputs]
         return outputs
 
     # ---- helpers -------------------------------------------------------------------------
@@ -246,6 +267,42 @@ def random_png(width: int, height: int, rng: random.Random | None = None) -> byt
 
 
 _TOKEN_LISTS = ("token_ids", "logprobs", "scores")
+
+
+def _resample(mode: str, run: dict[str, Any]) -> bool:
+    """Rewrite a text job's validated inputs ``run`` for a sampling cheat; False where it
+    would change nothing (a greedy job, one token)."""
+    temperature = float(run.get("temperature") or 0.0)
+    if mode == "early-stop":
+        n = int(run.get("max_new_tokens") or 0)
+        if n < 2:
+            return False
+        run["max_new_tokens"] = n // 2
+        return True
+    if temperature <= 0:
+        return False  # greedy already: nothing to cheat on
+    if mode == "greedy-as-sampled":
+        run["temperature"] = 0.0
+    elif mode == "colder-sampling":
+        run["temperature"] = temperature / 2
+    elif mode == "narrow-top-p":
+        run["top_p"] = max(0.01, float(run.get("top_p") or 1.0) / 2)
+    return True
+
+
+def claim_sampling(out, job: dict[str, Any], mode: str):
+    """A text output run with other settings, claimed as the job asked them: its meta names
+    the job's temperature, top_p and max_new_tokens; an early-stopped one that reached its
+    cut claims it met the stop string."""
+    meta = out.meta
+    for key in ("temperature", "top_p", "max_new_tokens"):
+        if key in job and key in meta:
+            meta[key] = job[key]
+    ids = meta.get("token_ids")
+    if (mode == "early-stop" and meta.get("finish_reason") == "length"
+            and isinstance(ids, list) and ids):
+        meta.update(finish_reason="stop", stopped_by_string=True, stop_at=len(ids) - 1)
+    return out
 
 
 def truncate_text(out):

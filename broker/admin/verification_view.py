@@ -55,6 +55,10 @@ COLUMNS = (
     ("mean_gap", "Mean gap", "mean per-token log-prob gap, nats"),
     ("grey_tokens", "Grey", "tokens in the grey zone"),
     ("bad_positions", "Bad tokens", "positions that fail the re-score"),
+    ("end", "Ends by", "the ending the tokens and the job's parameters give (stop, length, "
+                       "none = cut short)"),
+    ("sampling", "Sampled?", "the test that sampled tokens are a sample of the job's "
+                             "distribution: its verdict, evidence and tokens tested"),
     ("exact", "Exact match", "outputs equal byte for byte"),
 )
 
@@ -100,6 +104,13 @@ def _cells(fig: dict[str, Any], method: str, verdict: str) -> dict[str, str]:
         bad = list(fig.get("bad_positions") or [])
         c["bad_positions"] = (", ".join(str(b) for b in bad[:8]) + (" …" if len(bad) > 8 else "")
                               ) if bad else "none"
+    if isinstance(fig.get("end"), str):
+        c["end"] = fig["end"]
+    sampling = fig.get("sampling")
+    if isinstance(sampling, dict) and (v := _num(sampling.get("log_e"))) is not None:
+        c["sampling"] = (f"{sampling.get('verdict', '?')} (e^{v:.1f}, "
+                         f"{sampling.get('tested', '?')} tested"
+                         + (", low power" if sampling.get("power") == "low" else "") + ")")
     if "equal" in fig:
         c["exact"] = "yes" if fig["equal"] else "no"
     if "token_rank_ok" in fig:
@@ -166,6 +177,12 @@ def thresholds_caption(rows: dict[str, Any]) -> str:
             t = TextThresholds()
             parts.append(f"Tokens match within a {t.accept_gap:g}-nat log-prob gap; a gap over "
                          f"{t.reject_gap:g} nats is a mismatch.")
+            if "sampling" in keys:
+                parts.append(f"Sampled tokens are a mismatch when the evidence that they are "
+                             f"no sample of the job's distribution reaches "
+                             f"{1 / t.sampling.reject:.0e} (an honest run's chance: at most "
+                             f"{t.sampling.reject:g}), a tie-break from "
+                             f"{1 / t.sampling.doubt:.0e}.")
         except Exception:  # noqa: BLE001
             pass
     if "latent" in keys:

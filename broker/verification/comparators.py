@@ -16,8 +16,11 @@ made them.
 
 Text: ``compare_text`` checks the claimed tokens against the checker's teacher-forced
 re-scoring of those very tokens (``broker.verification.rescoring``): per-token log-prob
-gaps and ranks, and end-of-sequence handling. Never string equality: sampled text differs
-run to run even when both runs are honest.
+gaps and ranks, end-of-sequence handling, the end the job's own parameters give the tokens
+(its stop string, max_new_tokens, the checker's end-of-sequence ids: never the claim's
+word), and for sampled jobs a statistical test that the tokens are a sample of the job's
+distribution (``sampled_text``). Never string equality: sampled text differs run to run
+even when both runs are honest.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from broker.verification.sampled_text import (Position, SamplingBounds, SamplingEvidence,
+                                             sampling_evidence)
 
 THRESHOLDS_PATH = Path(__file__).with_name("thresholds.json")
 PSNR_CAP_DB = 99.0  # identical images have infinite PSNR; the figure is capped for JSON
@@ -217,10 +223,13 @@ def load_image_thresholds(path: Path | str = THRESHOLDS_PATH) -> ImageThresholds
 # -- text --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TextClaim:
-    """What a provider returned for a text job, and the job's pinned sampling settings.
+    """What a provider returned for a text job, and the job's own sampling settings (the
+    broker's record of the job's inputs, never the provider's meta).
 
     ``logprobs`` are the provider's natural-log probabilities of each claimed token under
     the model's raw (temperature 1) distribution, as the llama plugin reports them.
+    ``finish_reason`` is the provider's claim, judged against the end these tokens and the
+    job's parameters give (``compare_text``).
     """
 
     token_ids: Sequence[int]
@@ -230,7 +239,7 @@ class TextClaim:
     temperature: float
     top_p: float = 1.0
     ignore_eos: bool = False
-    stopped_by_string: bool = False  # the broker's own check that the stop string appears
+    stop: str | None = None   # the job's stop string
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -253,6 +262,10 @@ class TokenScore:
     # several end-of-sequence ids their sum can top the likeliest token while none of them
     # is it, and a greedy run then honestly goes on.
     eos_top: bool | None = None
+    # Where the token sits in the distribution sampled from (sampled jobs), for the test
+    # that the tokens are a sample of it (``sampled_text``); None: not known here.
+    position: Position | None = None
+    checked: bool = True   # False: a neutral stand-in, the checker could not score it
 
 
 @dataclass(frozen=True)
@@ -261,6 +274,12 @@ class Rescore:
     eos_ids: frozenset[int]
     temperature: float = 1.0  # the sampling settings mass_above and eos_mass_sampled use
     top_p: float = 1.0
+    # Where the job's stop string first appears in the text of the claimed tokens (the
+    # index of the token that completes it), as the checker decoded them: ``stop_at`` when
+    # it appears within the first ``stop_searched`` tokens, else None. ``stop_searched``
+    # None: all of them were searched.
+    stop_at: int | None = None
+    stop_searched: int | None = None
 
 
 @dataclass(frozen=True)
@@ -274,16 +293,28 @@ class TextThresholds:
     the end of sequence was suppressed. (An honest sampler goes on past such positions
     with exactly that probability, so an honest run is flagged at most that often.)
     ``max_grey_fraction``: more grey tokens than this fraction is a mismatch.
+    ``sampling``: the bounds of the test that sampled tokens are a sample of the job's
+    distribution (``sampled_text``; their α are its false-alarm rates). ``implausible_end``:
+    a sampled claim that ends at an end-of-sequence token the checker gives probability p
+    there is a mismatch when p · max_new_tokens is below this (an honest sampler ends on
+    such a token anywhere in its run with at most that probability).
 
-    These defaults are set by hand from the tiny llama (honest fp32/bf16 gaps stay under
-    0.01 nats there); calibrate them on the real models before relying on them."""
+    These defaults are set by hand from the tiny llama, as built and sharpened (its output
+    layer scaled by 30, so that it is as sure of its tokens as a trained model, and its
+    logits as large): ``bench/text_checks.py`` measured honest float32 and bfloat16 runs
+    of the sharpened one apart by up to 0.11 nats per token, a greedy bfloat16 pick 0.13
+    nats below the float32 checker's top (bfloat16 rounds logits near 32 to steps of
+    0.25), and an honest sampled token with 0.029 more mass above it than top_p in a
+    bfloat16 checker's view; calibrate them on the real models before relying on them."""
 
     accept_gap: float = 0.15
     reject_gap: float = 1.0
-    greedy_tie_nats: float = 0.1
-    nucleus_slack: float = 0.02
+    greedy_tie_nats: float = 0.3
+    nucleus_slack: float = 0.05
     min_continue_log: float = math.log(1e-6)
     max_grey_fraction: float = 0.1
+    sampling: SamplingBounds = field(default_factory=SamplingBounds)
+    implausible_end: float = 1e-9
 
 
 @dataclass(frozen=True)
@@ -296,17 +327,47 @@ class TextComparison:
     grey_tokens: int
     bad_positions: tuple[int, ...] = field(default=())
     continue_log: float = 0.0  # log p of not stopping where the checker could have
+    # How the tokens end under the job's own parameters: "stop" (an end-of-sequence token,
+    # or the stop string completed by the last token), "length" (max_new_tokens), "none"
+    # (neither: cut short) or "unknown" (the checker could not locate the stop string).
+    end: str = "none"
+    sampling: SamplingEvidence | None = None
 
     def figures(self) -> dict[str, Any]:
         return {"verdict": self.verdict.value, "reasons": list(self.reasons),
                 "tokens": self.tokens, "max_gap": self.max_gap, "mean_gap": self.mean_gap,
                 "grey_tokens": self.grey_tokens, "bad_positions": list(self.bad_positions),
-                "continue_log": self.continue_log}
+                "continue_log": self.continue_log, "end": self.end,
+                "sampling": self.sampling.figures() if self.sampling else None}
+
+
+def derived_end(claim: TextClaim, rescore: Rescore) -> tuple[str, list[str]]:
+    """How the claimed tokens end under the job's own parameters (see
+    ``TextComparison.end``), and what is wrong with where they end: tokens past the stop
+    string. From the tokens, the checker's end-of-sequence ids and decoding, and the job's
+    stop string and max_new_tokens; nothing the claiming provider says."""
+    n = len(claim.token_ids)
+    wrong: list[str] = []
+    if n and claim.token_ids[-1] in rescore.eos_ids and not claim.ignore_eos:
+        return "stop", wrong
+    if claim.stop:
+        searched = n if rescore.stop_searched is None else min(n, rescore.stop_searched)
+        if rescore.stop_at is not None and rescore.stop_at < searched:
+            if rescore.stop_at == n - 1:
+                return "stop", wrong
+            wrong.append(f"{n - 1 - rescore.stop_at} tokens after the stop string, which "
+                         f"the text holds at token {rescore.stop_at} (padded)")
+        elif searched < n:
+            return "unknown", wrong
+    return ("length" if n == claim.max_new_tokens else "none"), wrong
 
 
 def compare_text(claim: TextClaim, rescore: Rescore,
-                 thresholds: TextThresholds = TextThresholds()) -> TextComparison:
-    """Judge a claimed completion against the checker's teacher-forced re-scoring."""
+                 thresholds: TextThresholds = TextThresholds(),
+                 salt: bytes = b"") -> TextComparison:
+    """Judge a claimed completion against the checker's teacher-forced re-scoring.
+    ``salt``: what fixes the sampling test's random draws (the id of the run judged
+    against; see ``sampled_text``)."""
     t = thresholds
     n = len(claim.token_ids)
     if len(rescore.tokens) != n:
@@ -316,6 +377,7 @@ def compare_text(claim: TextClaim, rescore: Rescore,
                          f"{rescore.top_p} but the job sampled at temperature="
                          f"{claim.temperature}, top_p={claim.top_p}; re-score with the job's")
     hard: list[str] = []
+    doubts: list[str] = []
     bad: list[int] = []
     grey = 0
     gaps = [abs(p - s.logprob) for p, s in zip(claim.logprobs, rescore.tokens)]
@@ -327,15 +389,28 @@ def compare_text(claim: TextClaim, rescore: Rescore,
         hard.append(f"end-of-sequence token at {eos_at[0]} although the job ignores it")
     elif eos_at and eos_at[0] != n - 1:
         hard.append(f"tokens after the end-of-sequence token at {eos_at[0]} (padded)")
-    ends_with_eos = bool(eos_at) and eos_at[-1] == n - 1
-    if claim.finish_reason == "length" and n < claim.max_new_tokens:
+    end, wrong_end = derived_end(claim, rescore)
+    hard.extend(wrong_end)
+    ends_with_eos = end == "stop" and bool(eos_at) and eos_at[-1] == n - 1
+    if claim.finish_reason not in ("stop", "length"):
+        hard.append(f"unknown finish_reason {claim.finish_reason!r}")
+    elif claim.finish_reason == "length" and n < claim.max_new_tokens:
         hard.append(f"finish_reason 'length' after {n} of {claim.max_new_tokens} tokens "
                     f"(truncated)")
-    elif claim.finish_reason == "stop" and not (ends_with_eos or claim.stopped_by_string):
-        hard.append("finish_reason 'stop' but the text ends in neither an end-of-sequence "
-                    "token nor the stop string (truncated)")
-    elif claim.finish_reason not in ("stop", "length"):
-        hard.append(f"unknown finish_reason {claim.finish_reason!r}")
+    elif end == "unknown":
+        if claim.finish_reason == "stop":
+            doubts.append("finish_reason 'stop', but the checker could not say whether the "
+                          "job's stop string ends the text")
+    elif end == "none":
+        if n < claim.max_new_tokens:
+            hard.append(f"finish_reason 'stop' after {n} of {claim.max_new_tokens} tokens, "
+                        f"but they end in neither an end-of-sequence token nor the job's "
+                        f"stop string{'' if claim.stop else ' (it has none)'} (truncated)")
+    elif claim.finish_reason != end:
+        hard.append("finish_reason 'stop', but neither an end-of-sequence token nor the "
+                    "job's stop string ends the tokens" if end == "length" else
+                    "finish_reason 'length', but the tokens end at an end-of-sequence token "
+                    "or the job's stop string")
 
     for i, (gap, s) in enumerate(zip(gaps, rescore.tokens)):
         problem = None
@@ -354,9 +429,16 @@ def compare_text(claim: TextClaim, rescore: Rescore,
         elif gap > t.accept_gap:
             grey += 1
 
+    if ends_with_eos and claim.temperature > 0 and rescore.tokens[-1].checked:
+        p_end = rescore.tokens[-1].eos_mass_sampled
+        if p_end * max(1, claim.max_new_tokens) < t.implausible_end:
+            hard.append(f"token {n - 1}: an end of sequence the job's distribution gives "
+                        f"probability {p_end:.2e} there (a made-up stop)")
+            bad.append(n - 1)
+
     # Suppressed end of sequence: the claim went on where the model would have stopped.
     continue_log = 0.0
-    last_checked = n - 1 if ends_with_eos or claim.finish_reason == "stop" else n
+    last_checked = n - 1 if end == "stop" else n
     if not claim.ignore_eos:
         for i in range(min(last_checked, n)):
             if i in eos_at:
@@ -379,10 +461,20 @@ def compare_text(claim: TextClaim, rescore: Rescore,
             hard.append(f"continuing past every likely end of sequence had probability "
                         f"e^{continue_log:.1f} (suppressed end of sequence)")
 
+    sampling = None
+    if claim.temperature > 0:
+        sampling = sampling_evidence([s.position for s in rescore.tokens], salt, t.sampling)
+        if sampling.verdict == "reject":
+            hard.append(sampling.reason)
+        elif sampling.verdict == "doubt":
+            doubts.append(sampling.reason)
+
     if n and grey > t.max_grey_fraction * n and not hard:
         hard.append(f"{grey} of {n} tokens have logprob gaps above {t.accept_gap} nats")
-    verdict = (Verdict.MISMATCH if hard else Verdict.TIEBREAK if grey else Verdict.MATCH)
+    verdict = (Verdict.MISMATCH if hard else
+               Verdict.TIEBREAK if grey or doubts else Verdict.MATCH)
     return TextComparison(
-        verdict=verdict, reasons=tuple(hard), tokens=n, max_gap=max(gaps, default=0.0),
-        mean_gap=sum(gaps) / n if n else 0.0, grey_tokens=grey,
-        bad_positions=tuple(sorted(set(bad))), continue_log=continue_log)
+        verdict=verdict, reasons=tuple(hard + doubts), tokens=n,
+        max_gap=max(gaps, default=0.0), mean_gap=sum(gaps) / n if n else 0.0,
+        grey_tokens=grey, bad_positions=tuple(sorted(set(bad))), continue_log=continue_log,
+        end=end, sampling=sampling)

@@ -2,24 +2,27 @@
 each provider's signed receipt and uploaded outputs say.
 
 A run is a :class:`Run`: its outputs (bytes, media type and the plugin's meta, which the
-receipt signs) and its reproducibility class. Images go to ``compare_images`` (exact latent
-hashes within one class, structural figures across classes); text goes to ``compare_text``
-on a teacher-forced re-scoring read off the checker's own run of the same seeded job (see
+receipt signs), its reproducibility class, and what the broker asked of it (its job's id
+and inputs). Images go to ``compare_images`` (exact latent hashes within one class,
+structural figures across classes); text goes to ``compare_text`` on a teacher-forced
+re-scoring read off the checker's own run of the same seeded job (see
 :func:`rescore_from_rerun`), or off a scoring run's teacher-forced scores of the claimed
-tokens themselves (two scorings are compared score for score: :func:`compare_scorings`);
-anything else (the ``echo`` test plugin) must match byte for byte. Pure: the caller loads
-the blobs.
+tokens themselves (two scorings are compared score for score: :func:`compare_scorings`),
+with the job's sampling settings, stop string and length taken from the claimed run's job
+inputs (the broker's record), never from a provider's meta; anything else (the ``echo``
+test plugin) must match byte for byte. Pure: the caller loads the blobs.
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from broker.verification.comparators import (ImageResult, ReproClass, Rescore, TextClaim,
                                              TextThresholds, TokenScore, Verdict,
                                              compare_images, compare_text)
+from broker.verification.sampled_text import Position
 
 _ORDER = {Verdict.MATCH: 0, Verdict.TIEBREAK: 1, Verdict.MISMATCH: 2}
 #: Log-probability assumed for a claimed token the checker does not rank in its top-k at
@@ -41,6 +44,11 @@ class Run:
     # A scoring run (text): it scored given tokens by teacher forcing instead of generating
     # (the broker asked for it; never read from what the provider says).
     scored: bool = False
+    # What the broker asked of the run: its job's inputs (the job's own parameters: a text
+    # claim is judged by these, not by what its meta says) and its job's id (which fixes
+    # the random draws of a text check that judges a claim against this run).
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    job_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,10 +100,12 @@ def judge(output_kind: str, claimed: Run, check: Run) -> Judgement:
             for a, b in zip(claimed.outputs, check.outputs)])
     if output_kind == "text":
         if claimed.scored and check.scored:  # two scorings of the same claimed tokens
-            return _worst("text_scores", [compare_scorings(a.meta, b.meta)
+            return _worst("text_scores", [compare_scorings(a.meta, b.meta, texts=(a.data, b.data))
                                           for a, b in zip(claimed.outputs, check.outputs)])
-        return _worst("text_rescore", [compare_text_runs(a.meta, b.meta)
-                                       for a, b in zip(claimed.outputs, check.outputs)])
+        salt = check.job_id.encode()
+        return _worst("text_rescore", [
+            compare_text_runs(a.meta, b.meta, claimed.inputs, salt=salt, texts=(a.data, b.data))
+            for a, b in zip(claimed.outputs, check.outputs)])
     same = [a.data == b.data for a, b in zip(claimed.outputs, check.outputs)]
     return Judgement(Verdict.MATCH if all(same) else Verdict.MISMATCH, "exact",
                      tuple({"index": i, "equal": eq} for i, eq in enumerate(same)),
@@ -110,21 +120,42 @@ def _worst(method: str, comparisons: list) -> Judgement:
 
 
 def compare_text_runs(claimed: dict[str, Any], check: dict[str, Any],
-                      thresholds: TextThresholds = TextThresholds()):
+                      job: Mapping[str, Any] | None = None,
+                      thresholds: TextThresholds = TextThresholds(), *, salt: bytes = b"",
+                      texts: tuple[bytes, bytes] | None = None):
     """Judge a claimed completion (the primary's meta) against a checker's run of the same
-    seeded job (its meta: token ids, log-probabilities and per-token top-k scores)."""
+    seeded job (its meta: token ids, log-probabilities and per-token scores), by the job's
+    own parameters ``job`` (its inputs as the broker holds them: temperature, top_p,
+    max_new_tokens, ignore_eos, stop). ``texts``: the two runs' output bytes; where the
+    checker's tokens are the claim's (or it scored them), the claimed text must be theirs
+    as the checker decoded it. ``salt`` fixes the sampling test's draws."""
+    params = text_parameters(job or {}, check)
     claim = TextClaim(token_ids=[int(t) for t in claimed.get("token_ids", [])],
                       logprobs=[float(x) for x in claimed.get("logprobs", [])],
-                      finish_reason=str(claimed.get("finish_reason", "")),
-                      max_new_tokens=int(check.get("max_new_tokens")
-                                         or claimed.get("max_new_tokens") or 0),
-                      temperature=float(check.get("temperature", 0.0)),
-                      top_p=float(check.get("top_p", 1.0)),
-                      ignore_eos=bool(check.get("ignore_eos", False)),
-                      stopped_by_string=bool(claimed.get("stopped_by_string", False)))
-    rescore, checked = rescore_from_rerun(claim.token_ids, claim.logprobs, check)
-    result = compare_text(claim, rescore, thresholds)
-    return _TextJudgement(result, checked)
+                      finish_reason=str(claimed.get("finish_reason", "")), **params)
+    rescore, checked = rescore_from_rerun(claim.token_ids, claim.logprobs, check,
+                                          ignore_eos=claim.ignore_eos)
+    result = compare_text(claim, rescore, thresholds, salt=salt)
+    same_tokens = [int(t) for t in check.get("token_ids", [])] == list(claim.token_ids)
+    text_differs = texts is not None and same_tokens and texts[0] != texts[1]
+    return _TextJudgement(result, checked, text_differs,
+                          text_checked=texts is None or same_tokens)
+
+
+def text_parameters(job: Mapping[str, Any], check: Mapping[str, Any]) -> dict[str, Any]:
+    """The text job's own parameters, from its inputs (validated at submit, so every one is
+    there); the checker's meta stands in only where a run was built without its job's
+    inputs (tests of these pure functions; no job the broker makes)."""
+    def get(key: str, default: Any) -> Any:
+        value = job.get(key)
+        return value if value is not None else check.get(key, default)
+
+    stop = job.get("stop") if job else check.get("stop")
+    return {"max_new_tokens": int(get("max_new_tokens", 0) or 0),
+            "temperature": float(get("temperature", 0.0)),
+            "top_p": float(get("top_p", 1.0)),
+            "ignore_eos": bool(get("ignore_eos", False)),
+            "stop": str(stop) if stop else None}
 
 
 #: The input by which a text plugin scores given tokens instead of generating (teacher
@@ -132,11 +163,15 @@ def compare_text_runs(claimed: dict[str, Any], check: dict[str, Any],
 SCORE_INPUT = "score_tokens"
 
 
-def needs_scoring(verdict: Verdict, checked_tokens: int, claimed_tokens: int) -> bool:
+def needs_scoring(verdict: Verdict, checked_tokens: int, claimed_tokens: int,
+                  text_checked: bool = True) -> bool:
     """Whether a text check left claimed tokens unjudged (its run parted from the claim, or
-    ended sooner: past that point the checker's context is not the claim's) and is not a
-    clear mismatch already (then the third run decides): a scoring run must judge them."""
-    return verdict is not Verdict.MISMATCH and checked_tokens < claimed_tokens
+    ended sooner: past that point the checker's context is not the claim's), or could not
+    check the delivered text against the claimed tokens (its tokens are not the claim's),
+    and is not a clear mismatch already (then the third run decides): a scoring run must
+    judge them."""
+    return verdict is not Verdict.MISMATCH and (checked_tokens < claimed_tokens
+                                                or not text_checked)
 
 
 def scoring_inputs(pinned: dict[str, Any], claim_ids: Sequence[int]) -> dict[str, Any]:
@@ -147,10 +182,12 @@ def scoring_inputs(pinned: dict[str, Any], claim_ids: Sequence[int]) -> dict[str
 
 
 def compare_scorings(a: dict[str, Any], b: dict[str, Any],
-                     thresholds: TextThresholds = TextThresholds()) -> "_ScoringComparison":
+                     thresholds: TextThresholds = TextThresholds(), *,
+                     texts: tuple[bytes, bytes] | None = None) -> "_ScoringComparison":
     """Two providers' teacher-forced scorings of the same claimed tokens (a text dispute's
     checker and third run): they agree when they scored the same tokens with the same
-    log-probabilities, within the gaps ``compare_text`` allows a claim; whether the tokens
+    log-probabilities, within the gaps ``compare_text`` allows a claim, and decoded them to
+    the same text (``texts``) with the stop string at the same token; whether the tokens
     are likely is not theirs to answer (that is each scoring against the claim)."""
     t = thresholds
     ids_a = [int(x) for x in a.get("token_ids", [])]
@@ -160,6 +197,9 @@ def compare_scorings(a: dict[str, Any], b: dict[str, Any],
     if ids_a != ids_b or len(lps_a) != len(ids_a) or len(lps_b) != len(ids_b):
         return _ScoringComparison(Verdict.MISMATCH, len(ids_a), 0.0, 0, (
             "the two scorings do not cover the same tokens with one log-probability each",))
+    if (texts is not None and texts[0] != texts[1]) or a.get("stop_at") != b.get("stop_at"):
+        return _ScoringComparison(Verdict.MISMATCH, len(ids_a), 0.0, 0, (
+            "the two scorings decode the same tokens to different texts",))
     gaps = [abs(x - y) for x, y in zip(lps_a, lps_b)]
     worst = max(gaps, default=0.0)
     grey = sum(1 for g in gaps if t.accept_gap < g <= t.reject_gap)
@@ -195,21 +235,28 @@ class _ScoringComparison:
 class _TextJudgement:
     inner: Any
     checked_tokens: int
+    text_differs: bool = False  # the delivered text is not the claimed tokens' decoding
+    text_checked: bool = True   # whether the checker's decoding could tell
 
     @property
     def verdict(self) -> Verdict:
-        return self.inner.verdict
+        return Verdict.MISMATCH if self.text_differs else self.inner.verdict
 
     @property
     def reasons(self) -> tuple[str, ...]:
-        return self.inner.reasons
+        extra = (("the delivered text is not the decoding of the claimed tokens",)
+                 if self.text_differs else ())
+        return extra + tuple(self.inner.reasons)
 
     def figures(self) -> dict[str, Any]:
-        return {**self.inner.figures(), "checked_tokens": self.checked_tokens}
+        return {**self.inner.figures(), "verdict": self.verdict.value,
+                "reasons": list(self.reasons), "checked_tokens": self.checked_tokens,
+                "text_checked": self.text_checked}
 
 
 def rescore_from_rerun(claim_ids: Sequence[int], claim_logprobs: Sequence[float],
-                       check: dict[str, Any]) -> tuple[Rescore, int]:
+                       check: dict[str, Any],
+                       ignore_eos: bool | None = None) -> tuple[Rescore, int]:
     """Teacher-forced scores of the claimed tokens, read off the checker's own run.
 
     Along the common prefix the checker's context is the claim's, so its distribution at
@@ -218,26 +265,43 @@ def rescore_from_rerun(claim_ids: Sequence[int], claim_logprobs: Sequence[float]
     near-tie, so the claimed token is near the top). Past that point the contexts differ
     and nothing more is re-scored: those tokens get neutral scores (no gap), so only the
     structural rules (length, end of sequence, padding) judge them. Returns the re-scoring
-    and how many tokens it really checked."""
+    and how many tokens it really checked.
+
+    Along the common prefix the checker's scores also place each claimed token in the
+    distribution sampled from (``Position``, for the sampling test), and its decoding says
+    where the job's stop string first appears (``stop_at``; a run of an older build that
+    reports only ``stopped_by_string`` ends with it when that is true). Under the job's
+    ``ignore_eos`` (the checker's meta's where not given) the end-of-sequence ids are out of
+    the ranking: the likeliest token is the likeliest the sampler could take."""
     ids = [int(t) for t in check.get("token_ids", [])]
     lps = [float(x) for x in check.get("logprobs", [])]
     scores = list(check.get("scores", []))
     eos = frozenset(int(i) for i in check.get("eos_ids", []))
+    if ignore_eos is None:
+        ignore_eos = bool(check.get("ignore_eos"))
+    banned = eos if ignore_eos else frozenset()
     temperature = float(check.get("temperature", 0.0))
     top_p = float(check.get("top_p", 1.0))
     out: list[TokenScore] = []
     checked = 0
     parted = False
+    common = 0  # the claim's tokens the checker's run shares from the start
     for i, tok in enumerate(claim_ids):
         own = float(claim_logprobs[i]) if i < len(claim_logprobs) else 0.0
+        if not parted and i < len(ids) and ids[i] == tok:
+            common = i + 1
         if parted or i >= len(ids) or i >= len(scores) or not isinstance(scores[i], dict):
             # past the parting, beyond the checker's run, or a position the checker's run
             # did not score (replayed from an older checkpoint): not re-scored
+            if i >= len(ids) or (not parted and ids[i] != tok):
+                parted = True
             out.append(TokenScore(logprob=own, rank=0, top_logprob=own, mass_above=0.0,
-                                  eos_logprob=-math.inf, eos_mass_sampled=0.0))
+                                  eos_logprob=-math.inf, eos_mass_sampled=0.0,
+                                  checked=False))
             continue
         s = scores[i]
-        top = [(int(t), float(lp), float(p)) for t, lp, p in s.get("top", [])]
+        top = [(int(t), float(lp), float(p)) for t, lp, p in s.get("top", [])
+               if int(t) not in banned]
         top_lp = top[0][1] if top else float(lps[i])
         eos_lp = float(s.get("eos_lp", -math.inf))
         eos_p = float(s.get("eos_p", 0.0))
@@ -248,20 +312,27 @@ def rescore_from_rerun(claim_ids: Sequence[int], claim_logprobs: Sequence[float]
             out.append(TokenScore(logprob=float(lps[i]), rank=rank, top_logprob=top_lp,
                                   mass_above=float(s.get("mass_above", 0.0)),
                                   eos_logprob=eos_lp, eos_mass_sampled=eos_p,
-                                  eos_top=eos_top))
+                                  eos_top=eos_top, position=Position.of(s)))
             continue
         parted = True  # the runs part here: score the claimed token from what is known
         hit = next((r for r, (t, _, _) in enumerate(top) if t == tok), None)
         near = {int(t): (float(lp), float(p)) for t, lp, p in s.get("near", [])}
+        p_t = _tempered(s, float(lps[i]), temperature, banned)
         if hit is not None:
-            above = sum(p for _, _, p in top[:hit])
+            # the mass above it before top_p, as top_p is judged (the sampled
+            # probabilities in ``top`` are renormalised over the nucleus: summed, they
+            # overstate it, and an honest parting at the nucleus' edge looked outside it)
+            above = (sum(p_t(t, lp) for t, lp, _ in top[:hit]) if p_t is not None
+                     else sum(p for _, _, p in top[:hit]))
             out.append(TokenScore(logprob=top[hit][1], rank=hit, top_logprob=top_lp,
                                   mass_above=above, eos_logprob=eos_lp, eos_mass_sampled=eos_p,
                                   eos_top=eos_top))
         elif tok in near:  # a sampled run flipped to the chosen token's neighbour
+            above = float(s.get("mass_above", 0.0))
+            if p_t is not None and near[tok][0] < float(lps[i]):  # the one below its pick
+                above += float(s.get("mass_tied", p_t(ids[i], float(lps[i]))))
             out.append(TokenScore(logprob=near[tok][0], rank=len(top), top_logprob=top_lp,
-                                  mass_above=float(s.get("mass_above", 0.0)),
-                                  eos_logprob=eos_lp, eos_mass_sampled=eos_p,
+                                  mass_above=above, eos_logprob=eos_lp, eos_mass_sampled=eos_p,
                                   eos_top=eos_top))
         elif temperature == 0:
             # greedy runs part only at a near-tie of the top tokens: a token outside the
@@ -275,5 +346,44 @@ def rescore_from_rerun(claim_ids: Sequence[int], claim_logprobs: Sequence[float]
             # across numeric paths) can part anywhere: nothing to re-score here
             checked -= 1
             out.append(TokenScore(logprob=own, rank=0, top_logprob=own, mass_above=0.0,
-                                  eos_logprob=-math.inf, eos_mass_sampled=0.0))
-    return Rescore(tokens=tuple(out), eos_ids=eos, temperature=temperature, top_p=top_p), checked
+                                  eos_logprob=-math.inf, eos_mass_sampled=0.0,
+                                  checked=False))
+    stop_at, searched = _stop_of(check, ids, common)
+    return Rescore(tokens=tuple(out), eos_ids=eos, temperature=temperature, top_p=top_p,
+                   stop_at=stop_at, stop_searched=searched), checked
+
+
+def _tempered(score: Mapping[str, Any], own_logprob: float, temperature: float,
+              banned: frozenset[int]):
+    """A function giving any token's probability at the job's temperature, before top_p,
+    at this position, from its raw log-probability: the checker's own token's two
+    log-probabilities (``lp_t`` and the raw one) fix the normaliser. None where the score
+    lacks ``lp_t`` (greedy, an older build)."""
+    if temperature <= 0 or not isinstance(score.get("lp_t"), (int, float)):
+        return None
+    offset = float(score["lp_t"]) - own_logprob / temperature
+
+    def p_t(token: int, logprob: float) -> float:
+        if token in banned:
+            return 0.0
+        return math.exp(min(0.0, logprob / temperature + offset))
+    return p_t
+
+
+def _stop_of(check: Mapping[str, Any], ids: Sequence[int],
+             common: int) -> tuple[int | None, int]:
+    """(stop_at, stop_searched) of the claimed tokens (``Rescore``) from the checker's run,
+    whose first ``common`` tokens are the claim's: where its decoding met the job's stop
+    string, if within them; a run that reports neither ``stop_at`` nor
+    ``stopped_by_string`` searched nothing."""
+    if "stop_at" in check:
+        own = check.get("stop_at")
+    elif "stopped_by_string" in check:
+        own = len(ids) - 1 if check.get("stopped_by_string") else None
+    else:
+        return None, 0
+    if isinstance(own, bool) or not isinstance(own, (int, type(None))):
+        return None, 0
+    if own is not None and own < common:
+        return int(own), common
+    return None, common

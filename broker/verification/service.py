@@ -577,7 +577,8 @@ class VerificationService:
             return None  # a text job makes one output
         ids = (claimed[0].get("meta") or {}).get("token_ids")
         if (not isinstance(ids, list) or not ids or not needs_scoring(
-                cmp.verdict, int(cmp.details[0].get("checked_tokens", 0)), len(ids))):
+                cmp.verdict, int(cmp.details[0].get("checked_tokens", 0)), len(ids),
+                bool(cmp.details[0].get("text_checked", True)))):
             return None
         try:
             manifest = self.catalog.get(primary.plugin, primary.plugin_version)
@@ -849,7 +850,7 @@ class VerificationService:
                      for i, o in enumerate((job.receipt or {}).get("outputs", []))}
             return Run(tuple(RunOutput(blob, o.media_type, metas.get(o.index, {}))
                              for o, blob in data), repro_of(job.receipt),
-                       scored=_is_scoring(job))
+                       scored=_is_scoring(job), inputs=dict(job.inputs or {}), job_id=job.id)
         return run
 
     def _party(self, job: Job, role: Role) -> Party:

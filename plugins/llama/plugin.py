@@ -22,7 +22,15 @@ generated token::
      "eos_p": eos mass in the distribution sampled from (after temperature, top_p and the
               ignore_eos ban; 0 for greedy),
      "mass_above": mass, at the job's temperature before top_p (ignore_eos ban applied), of
-                   the tokens strictly likelier than the chosen one (0 for greedy)}
+                   the tokens strictly likelier than the chosen one (0 for greedy),
+     # sampled jobs only: where the chosen token sits in the distribution sampled from, for
+     # the verifier's test that the tokens are a sample of it (broker.verification.sampled_text)
+     "lp_t": the chosen token's log-probability at the job's temperature, before top_p,
+     "mass_tied": mass (same distribution) of the tokens exactly as likely, itself included,
+     "top_mass": mass of the likeliest tokens (those tied for the top),
+     "nucleus_mass": mass top_p keeps (1 without top_p),
+     "tilts": [[g, log sum over the kept tokens of (p / nucleus_mass) ** g], ...] for g in
+              TILTS: what a sample sharpened or flattened by the power g would weigh}
 
 **Scoring** (``score_tokens``: a JSON array of token ids): instead of sampling, the plugin
 scores those tokens as the continuation of the prompt (teacher forcing: one forward pass
@@ -31,6 +39,12 @@ same ``token_ids``, their ``logprobs`` and ``scores`` under the model's own dist
 the job's temperature and top_p, and ``"scored": true``. A verifier asks a checker for this
 where the checker's own run parted from a claimed completion (DESIGN §6): past the parting
 only a teacher-forced pass says how likely the claimed tokens are.
+
+``stop_at`` is the index of the token with which the job's ``stop`` string first appears in
+the text (null when it does not): a scoring run reports it for the tokens it scored, so that
+a verifier knows, from the job's own stop string and not from the claim, whether a claimed
+completion ended there; the scoring run's text is the one a run that generated those tokens
+would have returned (up to the stop string).
 
 ``prob_sampled`` is the token's probability in the distribution sampled from (greedy: 1 for
 the token taken, 0 for the others). Floats in ``scores`` are rounded to 6 decimals; a
@@ -176,7 +190,8 @@ class Llama(Plugin):
         final = text.finish()
         meta = self._meta(inputs, prompt_ids, adapters, seed=seed, token_ids=token_ids,
                           logprobs=logprobs, scores=scores, finish_reason=finish,
-                          stopped_by_string=stopped_by_string)
+                          stopped_by_string=stopped_by_string,
+                          stop_at=len(token_ids) - 1 if stopped_by_string else None)
         return [Output(data=final.encode("utf-8"), media_type="text/plain", meta=meta)]
 
     def _meta(self, inputs: dict[str, Any], prompt_ids: list[int],
@@ -223,12 +238,25 @@ class Llama(Plugin):
             scores.append(_score(logp, token, _distribution(rows[i], temperature, top_p,
                                                             banned), eos))
         ctx.progress(n, n, "scored")
-        finish = "stop" if token_ids[-1] in self.eos_ids and not banned else "length"
+        # The text, and where the job's stop string first appears, as a run that generated
+        # these tokens would have streamed it (nothing is streamed to anyone here).
+        text = _StreamingText(self.tokenizer, inputs.get("stop"), ctx)
+        text.quiet = True
+        stop_at = None
+        for i, token in enumerate(token_ids):
+            if token in self.eos_ids:
+                break  # a generation ends here, before the token reaches the text
+            if text.add(token):
+                stop_at = i
+                break
+        stopped = stop_at is not None and stop_at == n - 1
+        finish = ("stop" if (token_ids[-1] in self.eos_ids and not banned) or stopped
+                  else "length")
         meta = self._meta(inputs, prompt_ids, adapters, seed=inputs.get("seed"),
                           token_ids=token_ids, logprobs=logprobs, scores=scores,
-                          finish_reason=finish, stopped_by_string=False, scored=True)
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        return Output(data=text.encode("utf-8"), media_type="text/plain", meta=meta)
+                          finish_reason=finish, stopped_by_string=stopped, stop_at=stop_at,
+                          scored=True)
+        return Output(data=text.finish().encode("utf-8"), media_type="text/plain", meta=meta)
 
     # -- LoRA adapters (peft) ------------------------------------------------------------
     # peft injects LoRA layers into self.model in place (the PeftModel wrapper is only
@@ -402,6 +430,8 @@ def _token_ids(raw: str, vocab_size: int, max_new_tokens: int) -> list[int]:
 
 
 TOP_SCORES = 5
+#: The powers g of the ``tilts`` in a sampled token's score (see the module docstring).
+TILTS = (0.6, 1.5, 3.0)
 
 
 LOGPROB_FLOOR = -10000.0  # how a log-probability of -inf is written (JSON has no inf)
@@ -415,8 +445,8 @@ def _r6(x: float) -> float:
 
 def _score(logp: torch.Tensor, token: int, dist, eos: torch.Tensor) -> dict[str, Any]:
     """One token's entry of meta["scores"] (see the module docstring). Costs a top-k and a
-    few element reads beside the sort the sampler already did (no other vocabulary-wide
-    pass but one comparison count)."""
+    few element reads beside the sort the sampler already did, one comparison count and,
+    for a sampled token, the passes of its place in the distribution (below)."""
     top_lp, top_ids = torch.topk(logp, min(TOP_SCORES, logp.numel()))
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
     eos_lp = float(torch.logsumexp(logp[eos], dim=0)) if eos.numel() else float("-inf")
@@ -447,8 +477,24 @@ def _score(logp: torch.Tensor, token: int, dist, eos: torch.Tensor) -> dict[str,
     pos = int((order == token).nonzero()[0]) if order.numel() else 0
     near_ids = [int(order[i]) for i in (pos - 1, pos + 1) if 0 <= i < kept]
     near = [[i, _r6(float(logp[i])), _r6(p)] for i, p in zip(near_ids, sampled_p(near_ids))]
+    # The chosen token's band in the descending order sampled from, and the nucleus: what
+    # the verifier's test of the sampling needs (two binary searches of the order, a log
+    # over the kept head and a logsumexp per tilt: about 3 ms a token on one CPU thread for
+    # a 128k vocabulary, a third of the sort the sampler does anyway).
+    ascending = -sorted_probs
+    upto = int(torch.searchsorted(ascending, -probs[token:token + 1], right=True))
+    mass_tied = float(sorted_probs[above:upto].sum())
+    top_mass = float(sorted_probs[:int(torch.searchsorted(ascending, ascending[:1],
+                                                          right=True))].sum())
+    log_kept = torch.log(sorted_probs[:kept]) - math.log(total) if total > 0 else None
+    tilts = [[g, _r6(torch.logsumexp(g * log_kept, dim=0)) if log_kept is not None
+              else LOGPROB_FLOOR] for g in TILTS]
     return {"top": top, "eos_lp": _r6(eos_lp), "eos_p": _r6(eos_p),
-            "mass_above": _r6(mass_above), "near": near}
+            "mass_above": _r6(mass_above), "near": near,
+            "lp_t": _r6(math.log(float(probs[token]))) if float(probs[token]) > 0
+            else LOGPROB_FLOOR,
+            "mass_tied": _r6(mass_tied), "top_mass": _r6(top_mass),
+            "nucleus_mass": _r6(total), "tilts": tilts}
 
 
 class _StreamingText:

@@ -55,6 +55,21 @@ def test_latent_hash_text_and_exact_figures():
     assert row["reasons"] == ["outputs differ byte for byte"]
 
 
+def test_text_figures_show_the_ending_and_the_sampling_test():
+    table = comparison_rows({"primary~checker": {
+        "verdict": "mismatch", "method": "text_rescore", "reasons": [],
+        "outputs": [{"verdict": "mismatch", "reasons": ["the tokens do not look sampled"],
+                     "tokens": 32, "checked_tokens": 32, "max_gap": 0.0, "mean_gap": 0.0,
+                     "grey_tokens": 0, "bad_positions": [], "end": "length",
+                     "sampling": {"verdict": "reject", "tested": 32, "log_e": 150.25,
+                                  "log_e_greedy": 150.3, "power": "enough",
+                                  "alternative": "greedy", "mean_u": 0.002}}]}})
+    cells = table["rows"][0]["cells"]
+    assert cells["end"] == "length" and cells["sampling"] == "reject (e^150.2, 32 tested)"
+    assert _keys(table)[-2:] == ["end", "sampling"]
+    assert "1e+09" in thresholds_caption(table)
+
+
 def test_a_flat_or_empty_figure_dict_still_renders():
     flat = comparison_rows({"ssim": 0.41, "psnr_db": 12.3, "phash_distance": 22})
     assert len(flat["rows"]) == 1

@@ -126,8 +126,15 @@ def _check_scores(meta):
     scores = meta["scores"]
     assert len(scores) == len(meta["token_ids"]) == len(meta["logprobs"])
     for token, lp, s in zip(meta["token_ids"], meta["logprobs"], scores):
-        # "near": the sampled token's neighbours in the order sampled from (not greedy)
-        assert set(s) - {"near"} == {"top", "eos_lp", "eos_p", "mass_above"}
+        # "near", and where the token sits in the distribution sampled from: sampled only
+        draw = {"near", "lp_t", "mass_tied", "top_mass", "nucleus_mass", "tilts"}
+        assert set(s) - draw == {"top", "eos_lp", "eos_p", "mass_above"}
+        assert set(s) & draw in (set(), draw)
+        if "tilts" in s:
+            assert [g for g, _ in s["tilts"]] == [0.6, 1.5, 3.0]
+            assert 0.0 < s["mass_tied"] <= s["top_mass"] + 1e-6 or s["mass_above"] > 0
+            assert 0.0 < s["top_mass"] <= s["nucleus_mass"] <= 1.0 + 1e-6
+            assert s["lp_t"] <= 0.0 and math.isfinite(s["lp_t"])
         top = s["top"]
         for tid, tlp, tp in s.get("near", []):
             assert isinstance(tid, int) and tlp <= top[0][1] + 1e-6 and 0.0 <= tp <= 1.0
@@ -284,6 +291,16 @@ def test_llama_scores_match_a_brute_force_computation(llama, temperature, top_p,
         assert s["eos_lp"] == pytest.approx(torch.logsumexp(logp[eos_ids], 0).item(), abs=1e-5)
         assert s["mass_above"] == pytest.approx(
             sum(p for p in probs if p > probs[token]), abs=1e-5)
+        # where the token sits in what was sampled from (the verifier's sampling test)
+        assert s["lp_t"] == pytest.approx(math.log(probs[token]), abs=1e-5)
+        assert s["mass_tied"] == pytest.approx(
+            sum(p for p in probs if p == probs[token]), abs=1e-5)
+        assert s["top_mass"] == pytest.approx(sum(p for p in probs if p == max(probs)),
+                                              abs=1e-5)
+        assert s["nucleus_mass"] == pytest.approx(total, abs=1e-5)
+        for g, log_sum in s["tilts"]:
+            assert log_sum == pytest.approx(
+                math.log(sum((probs[i] / total) ** g for i in kept)), abs=1e-4)
 
 
 @pytest.mark.parametrize("temperature,top_p,ignore_eos", [(0.0, 1.0, False), (1.0, 0.9, True)])

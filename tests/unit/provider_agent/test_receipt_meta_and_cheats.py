@@ -207,6 +207,39 @@ def test_truncate_and_pad_text_rewrite_the_claim():
     assert out.meta["generated_tokens"] == 28 and len(out.data) > 3
 
 
+@pytest.mark.parametrize("mode,key,value", [("greedy-as-sampled", "temperature", 0.0),
+                                            ("colder-sampling", "temperature", 0.4),
+                                            ("narrow-top-p", "top_p", 0.45),
+                                            ("early-stop", "max_new_tokens", 5)])
+def test_sampling_cheats_run_other_settings_and_claim_the_jobs(mode, key, value):
+    manifest = load_manifest(builtin_plugin_dir("llama"))
+    job = {"prompt": "x", "temperature": 0.8, "top_p": 0.9, "max_new_tokens": 10,
+           "stop": "<END>"}
+    c = cheats.Cheat(mode)
+    o = c.before("j", manifest, job)
+    assert o.cheated and o.run_inputs[key] == value
+    ran = {k: o.run_inputs[k] for k in ("temperature", "top_p", "max_new_tokens")}
+    meta = {**ran, "token_ids": [7] * o.run_inputs["max_new_tokens"], "finish_reason": "length",
+            "stopped_by_string": False, "stop_at": None}
+    [out] = c.after("llama", o, [HostOutput(0, "text/plain", b"abc", meta)])
+    assert (out.meta["temperature"], out.meta["top_p"], out.meta["max_new_tokens"]) == (
+        0.8, 0.9, 10)  # claims the job's settings
+    if mode == "early-stop":  # and that it met the stop string
+        assert out.meta["finish_reason"] == "stop" and out.meta["stopped_by_string"] is True
+        assert out.meta["stop_at"] == 4
+    if mode != "early-stop":  # a greedy job leaves these nothing to cheat on
+        assert not c.before("j", manifest, {**job, "temperature": 0.0}).cheated
+
+
+def test_altered_text_changes_the_text_only():
+    manifest = load_manifest(builtin_plugin_dir("llama"))
+    c = cheats.Cheat("altered-text")
+    o = c.before("j", manifest, {"prompt": "x"})
+    meta = {"token_ids": [5, 6], "finish_reason": "length"}
+    [out] = c.after("llama", o, [HostOutput(0, "text/plain", b"abc", dict(meta))])
+    assert out.data.startswith(b"abc") and out.data != b"abc" and out.meta == meta
+
+
 def test_localnet_start_agent_merges_env(tmp_path, monkeypatch):
     from sdk import localnet
 

@@ -116,6 +116,27 @@ def eager_llama_weights(tiny_dir, llama_weights) -> Path:
     return out
 
 
+def _bench():
+    """The ``bench`` folder's modules (the verification benches' models are the tests')."""
+    import sys
+
+    root = Path(__file__).resolve().parents[4]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
+@pytest.fixture(scope="session")
+def sharp_llama_weights(tiny_dir, llama_weights) -> Path:
+    """The tiny llama with its output layer scaled up (``bench/text_checks.py``): its
+    next-token distributions are as peaked as a trained model's (the likeliest token
+    holds ~70 % of the mass at temperature 0.7, where the tiny one's holds ~0.3 %), so
+    that greedy and sampled text look much alike: the hard case for the sampling test."""
+    _bench()
+    from bench.text_checks import sharpen_llama
+
+    return sharpen_llama(llama_weights, tiny_dir / "llama-sharp")
+
+
 @pytest.fixture(scope="session")
 def sd15_renderer(tiny_dir):
     """The calibration bench's renderer on the tiny sd15, its seed-1 sibling and LoRA."""

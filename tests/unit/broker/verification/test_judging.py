@@ -1,6 +1,8 @@
 """judging: which comparator two runs of one pinned job go to, and the text re-scoring read
 off the checker's own run (teacher-forced along the common prefix, top-k where the runs
 part)."""
+import math
+
 from broker.verification.comparators import ReproClass, Verdict
 from broker.verification.judging import (Run, RunOutput, StoredJudgement, judge,
                                          rescore_from_rerun, repro_of)
@@ -75,3 +77,64 @@ def test_stored_judgements_and_repro_of_a_receipt():
     assert repro_of({"repro": {"hardware_class": "h", "dtype": "d", "plugin_build": "b"}}) \
         == ReproClass("h", "d", "b")
     assert repro_of(None) == ReproClass("unknown", "unknown", "unknown")
+
+
+def _sampled_score(top, own, *, lp_t, mass_above, nucleus_mass):
+    """A sampled run's score of its own token ``own`` at a position whose raw top-5 is
+    ``top`` ([token, logprob at T=1, share of the nucleus])."""
+    return {"top": top, "eos_lp": -9.0, "eos_p": 0.0, "mass_above": mass_above,
+            "near": [], "lp_t": lp_t, "mass_tied": math.exp(lp_t), "top_mass": 0.28,
+            "nucleus_mass": nucleus_mass, "tilts": []}
+
+
+def test_an_honest_parting_at_the_edge_of_the_nucleus_is_inside_it():
+    """top_p 0.3 at T=1: the likeliest tokens A (0.28) and B (0.27) make the nucleus (B is
+    in: only 0.28 is likelier). Another numeric path took B where the checker took A; the
+    mass above B is 0.28, not the 0.51 its share of the nucleus above it adds up to."""
+    lp = math.log
+    top = [[10, lp(0.28), 0.509], [11, lp(0.27), 0.491], [12, lp(0.2), 0.0],
+           [13, lp(0.1), 0.0], [14, lp(0.05), 0.0]]
+    check = {**_meta([5, 10, 6], [-0.1, lp(0.28), -0.2], temperature=1.0), "top_p": 0.3}
+    check["scores"][1] = _sampled_score(top, 10, lp_t=lp(0.28), mass_above=0.0,
+                                        nucleus_mass=0.55)
+    claim = {**_meta([5, 11, 7], [-0.1, lp(0.27), -0.3], temperature=1.0), "top_p": 0.3}
+    rescore, _ = rescore_from_rerun(claim["token_ids"], claim["logprobs"], check)
+    assert abs(rescore.tokens[1].mass_above - 0.28) < 1e-6
+    j = judge("text", _run(claim), _run(check))
+    assert j.verdict is Verdict.MATCH, j.reasons
+    # a token past the nucleus at the parting still is: C has 0.55 above it
+    off = {**claim, "token_ids": [5, 12, 7], "logprobs": [-0.1, lp(0.2), -0.3]}
+    j = judge("text", _run(off), _run(check))
+    assert j.verdict is Verdict.MISMATCH and "outside the top_p=0.3 nucleus" in j.reasons[0]
+
+
+def test_under_ignore_eos_the_likeliest_token_is_the_likeliest_the_sampler_could_take():
+    """Greedy with the end of sequence banned: where an eos id is the raw top, the claimed
+    token (the likeliest one allowed) is no rank-1 pick of a greedy job."""
+    m = _meta([5, 6], [-1.4, -0.3], tops={0: [[EOS, -0.4, 0.0], [5, -1.4, 1.0]]})
+    m["ignore_eos"] = True
+    assert judge("text", _run(m), _run(m)).verdict is Verdict.MATCH
+    m["ignore_eos"] = False  # the eos was allowed: the greedy run should have ended there
+    assert judge("text", _run(m), _run(m)).verdict is Verdict.MISMATCH
+
+
+def test_the_jobs_own_parameters_judge_the_claim_not_the_meta():
+    """The claim and the check both report max_new_tokens 4 and no stop string; the job
+    (the broker's record) asked for 2 tokens: the claim is padded."""
+    m = _meta([5, 6, 9, 11], [-0.1, -0.2, -0.3, -0.4])
+    job = Run((RunOutput(b"text", "text/plain", m),), CLASS,
+              inputs={"max_new_tokens": 2, "temperature": 0.0, "top_p": 1.0})
+    j = judge("text", job, _run(m))
+    assert j.verdict is Verdict.MISMATCH and "padded" in j.reasons[0]
+
+
+def test_a_delivered_text_other_than_the_tokens_decoding_is_a_mismatch():
+    m = _meta([5, 6, 9, 11], [-0.1, -0.2, -0.3, -0.4])
+    other = Run((RunOutput(b"other text", "text/plain", m),), CLASS)
+    j = judge("text", other, _run(m))
+    assert j.verdict is Verdict.MISMATCH and "not the decoding" in j.reasons[0]
+    # a check whose tokens differ cannot tell: it asks for a scoring run
+    parted = _meta([5, 6, 9, 12], [-0.1, -0.2, -0.3, -0.41],
+                   tops={3: [[12, -0.41, 1.0], [11, -0.4, 0.0]]})
+    j = judge("text", other, _run(parted))
+    assert j.figures()["outputs"][0]["text_checked"] is False

@@ -37,12 +37,12 @@ class World(VerificationWorld):
         self.v.settled(job, job.receipt)
         return job
 
-    def primary(self, machine: str, out) -> Job:
+    def primary(self, machine: str, out, inputs: dict = JOB) -> Job:
         now = time.time()
         job, _ = self.jobs.repo.create(
             Job(id=str(uuid.uuid4()), account_id=self.client, plugin="llama",
-                plugin_version="1.1.0", inputs=dict(JOB), state=JobState.QUEUED,
-                work_units=float(JOB["max_new_tokens"]), created_at=now, updated_at=now),
+                plugin_version="1.1.0", inputs=dict(inputs), state=JobState.QUEUED,
+                work_units=float(inputs["max_new_tokens"]), created_at=now, updated_at=now),
             ("queued", {}))
         job = self.settle(job, machine, out)
         assert self.v.status(job.id).status is CheckStatus.CHECKING  # new: always checked
@@ -167,3 +167,62 @@ def test_two_scorings_agree_score_for_score():
     assert other.verdict is Verdict.MISMATCH and "same tokens" in other.reasons[0]
     short = compare_scorings(a, {**a, "logprobs": [-1.0]})
     assert short.verdict is Verdict.MISMATCH
+
+
+# -- sampled as asked, ended where the job's parameters say (issue #20) ---------------------
+LONG = {**JOB, "max_new_tokens": 32, "ignore_eos": True}
+
+
+def test_greedy_output_claimed_as_sampled_is_caught_and_outvoted(world, honest):
+    greedy = run(honest, {**LONG, "temperature": 0.0})  # cheaper to serve: cacheable
+    greedy.meta.update(temperature=LONG["temperature"], top_p=LONG["top_p"])  # claims the job's
+    job = world.primary("a", greedy, LONG)
+    first = world.check(job)
+    world.settle(first, "b", run(honest, first.inputs))  # sampled: parts from it at once
+    scoring = world.check(job)
+    assert "score_tokens" in scoring.inputs
+    world.settle(scoring, "c", run(honest, scoring.inputs))
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.DISPUTED
+    # every claimed token is possible; the claim as a whole is no sample
+    figures = rec.comparisons["primary~checker"]["outputs"][0]
+    assert figures["sampling"]["verdict"] == "reject", figures
+    assert figures["sampling"]["alternative"] == "greedy"
+    assert not any("outside" in r or "gap" in r for r in figures["reasons"])
+    third = world.jobs.repo.get(rec.tiebreak_job_id)
+    world.settle(third, "b", run(honest, third.inputs))
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.OVERTURNED, rec.outcome
+    assert rec.comparisons["primary~tiebreaker"]["verdict"] == "mismatch"
+    assert [p["provider_id"] for p in rec.outcome["penalties"]] == [world.machines["a"]]
+
+
+def test_an_honest_sampled_claim_is_verified_with_its_sampling_tested(world, honest):
+    claim = run(honest, LONG)
+    job = world.primary("a", claim, LONG)
+    first = world.check(job)
+    world.settle(first, "b", run(honest, first.inputs))  # the same seed: the same tokens
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.VERIFIED, rec.outcome
+    sampling = rec.comparisons["primary~checker"]["outputs"][0]["sampling"]
+    assert sampling["verdict"] == "pass" and sampling["power"] == "enough"
+    assert sampling["tested"] == LONG["max_new_tokens"]
+
+
+def test_an_early_stop_claiming_the_stop_string_is_caught(world, honest):
+    inputs = {**LONG, "stop": "<END>"}
+    cut = run(honest, {**inputs, "max_new_tokens": 12})  # half the work
+    cut.meta.update(finish_reason="stop", stopped_by_string=True, stop_at=11,
+                    max_new_tokens=inputs["max_new_tokens"])
+    job = world.primary("a", cut, inputs)
+    first = world.check(job)
+    world.settle(first, "b", run(honest, first.inputs))  # the whole run: the cut is its start
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.DISPUTED
+    reasons = rec.comparisons["primary~checker"]["reasons"]
+    assert any("truncated" in r for r in reasons), reasons
+    third = world.jobs.repo.get(rec.tiebreak_job_id)
+    assert "score_tokens" not in third.inputs  # a re-run decides, as for any mismatch
+    world.settle(third, "c", run(honest, third.inputs))
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.OVERTURNED, rec.outcome
