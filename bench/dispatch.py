@@ -285,9 +285,14 @@ def write_svg(rows: list[dict], path: Path, cores: int, db: str = "SQLite") -> N
         out.append(f'<text x="{x0 + left + (w - left) / 2}" y="{h - 4}" '
                    'text-anchor="middle" fill="#444">agents</text>')
 
-    top_rate = max([TARGET_JOBS_PER_S] + [r["jobs_per_s"] for r in rows]) * 1.15
-    panel(0, f"jobs/s (echo, sandbox, {db})", top_rate,
-          [(str(r["agents"]), [(r["jobs_per_s"], "#3b6ea5")]) for r in rows],
+    # Beside each of our bars, the raw durable queue's (grey) from the same moment.
+    rate_bars = []
+    for r in rows:
+        rate_bars.append((str(r["agents"]), [(r["jobs_per_s"], "#3b6ea5")]))
+        if "raw_jobs_per_s" in r:
+            rate_bars.append((f"raw {r['agents']}", [(r["raw_jobs_per_s"], "#bdc3c7")]))
+    top_rate = max([TARGET_JOBS_PER_S] + [v for _, st in rate_bars for v, _ in st]) * 1.15
+    panel(0, f"jobs/s (echo, sandbox, {db}; grey: raw queue)", top_rate, rate_bars,
           TARGET_JOBS_PER_S, f"target: {TARGET_JOBS_PER_S} jobs/s", ".0f")
     top_cpu = max([budget] + [sum(r["cpu_ms"].values()) for r in rows]) * 1.2
     panel(w, "CPU ms per job, by process", top_cpu,
