@@ -64,6 +64,9 @@ class RunningJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Installer keys of the registry adapters the job uses: kept from eviction while it runs.
     held: list[str] = field(default_factory=list)
+    # When the assignment arrived (perf_counter): the wait before a worker ran it is the
+    # receipt's "queue" timing, which the broker deducts (within a bound) from the run it times.
+    received: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -625,7 +628,8 @@ class Agent:
                                provider_key=self.identity.public_key_hex, outputs=outputs,
                                work_units=result.work_units,
                                timings_ms={"run": run_ms,
-                                           "total": int((time.perf_counter() - t0) * 1000)},
+                                           "total": int((time.perf_counter() - t0) * 1000),
+                                           "queue": max(0, int((t0 - rj.received) * 1000))},
                                extra={"repro": repro_class(served, outputs)})
         data = canonical_bytes(receipt)
         messages.append(pb.AgentMessage(receipt=pb.Receipt(

@@ -361,8 +361,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                     stats.heartbeats += 1
                     if not msg.heartbeat.running_job_ids:
                         continue  # it renews no lease: nothing to write, no thread needed
-                with lock:
-                    inbox.append(msg)
+                with lock:  # with when it arrived: a receipt ends the run the market times
+                    inbox.append((msg, self.jobs.clock()))
                     start = not state["draining"]
                     state["draining"] = True
                     full = len(inbox) >= INBOX_MAX
@@ -386,12 +386,13 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 if not inbox:
                     state["draining"] = False
                     return
-                msg = inbox.popleft()
-            self._handle_safely(msg, session)
+                msg, arrived = inbox.popleft()
+            self._handle_safely(msg, session, arrived)
 
-    def _handle_safely(self, msg: pb.AgentMessage, session: GatewaySession) -> None:
+    def _handle_safely(self, msg: pb.AgentMessage, session: GatewaySession,
+                       arrived: float | None = None) -> None:
         try:
-            self._handle(msg, session)
+            self._handle(msg, session, arrived)
         except BrokerError as exc:
             job_id = getattr(getattr(msg, msg.WhichOneof("body") or "", None), "job_id", "")
             log.warning("refused %s from %s: %s", msg.WhichOneof("body"),
@@ -446,7 +447,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 plugin=ask.plugin, accepted=False, code=exc.code, message=exc.message,
                 standing_price_micro_per_unit=standing))
 
-    def _canary(self, msg: pb.AgentMessage, kind: str, session: GatewaySession) -> bool:
+    def _canary(self, msg: pb.AgentMessage, kind: str, session: GatewaySession,
+                arrived: float | None = None) -> bool:
         """Messages about a canary job go to the canary service, not the job service."""
         if self.canaries is None or kind not in ("accepted", "progress", "output", "receipt",
                                                  "failed", "give_back"):
@@ -457,7 +459,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             if not (self.canaries.out_to(session.provider_id)
                     and self.canaries.owns(receipt_job_id(msg.receipt.receipt) or "")):
                 return False
-            job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature)
+            job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature,
+                                           received_at=arrived)
             if job_id is None:
                 return False
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what="receipt")))
@@ -472,10 +475,14 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.dispatcher.kick()
         return True
 
-    def _handle(self, msg: pb.AgentMessage, session: GatewaySession) -> None:
+    def _handle(self, msg: pb.AgentMessage, session: GatewaySession,
+                arrived: float | None = None) -> None:
+        """One message of the agent's; ``arrived``: when the stream read it (the broker's
+        clock), so a receipt's run is timed to its arrival, not to when a pool thread got
+        to it."""
         kind = msg.WhichOneof("body")
         pid = session.provider_id
-        if self._canary(msg, kind, session):
+        if self._canary(msg, kind, session, arrived):
             return
         if kind == "post_asks" and self.market is not None:
             for ask in msg.post_asks.asks:
@@ -498,7 +505,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         elif kind == "receipt":
             r = msg.receipt
             job = self.jobs.receipt(pid, session.public_key, r.receipt, r.signature,
-                                    uploads=[(o.data, o.sha256) for o in r.outputs])
+                                    uploads=[(o.data, o.sha256) for o in r.outputs],
+                                    received_at=arrived)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job.id, what="receipt")))
         elif kind == "failed":
             f = msg.failed

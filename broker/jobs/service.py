@@ -89,7 +89,9 @@ class JobService:
         # Input checks that need more than the manifest (set by the wiring): the registry
         # refuses adapters published for another plugin. callable(plugin, inputs) -> None
         self.check_inputs = lambda plugin, inputs: None
-        self.on_receipt = lambda job, receipt: None
+        # Every settled receipt, with when it reached the broker (epoch seconds): the market
+        # times the run from the assignment (``matched_at``) to then (θ, DESIGN §4).
+        self.on_receipt = lambda job, receipt, received_at: None
         # A run that failed in a way that counts against the provider's reliability.
         self.on_failure = lambda provider_id, plugin: None
         # (job, provider id) -> that provider's operator (account id) when a provider of
@@ -557,10 +559,13 @@ class JobService:
         return self.blobs.put(data)
 
     def receipt(self, provider_id: str, provider_key: str, data: bytes, signature: str,
-                uploads: list[tuple[bytes, str]] = ()) -> Job:
+                uploads: list[tuple[bytes, str]] = (), received_at: float | None = None) -> Job:
         """Verify a signed receipt and settle the job; idempotent for the same receipt.
         ``uploads``: (data, sha256) of outputs that came with the receipt, stored once it
-        verifies and the job's lease is the sender's (each must be one the receipt names)."""
+        verifies and the job's lease is the sender's (each must be one the receipt names).
+        ``received_at``: when the receipt reached the broker (the gateway stamps it as it
+        reads the message; now when not given) — the end of the run the market times."""
+        received_at = self.clock() if received_at is None else received_at
         try:
             rec = open_receipt(data, signature, provider_key=provider_key)
         except EnvelopeError as exc:
@@ -578,7 +583,8 @@ class JobService:
                 copy = None
         if copy is not None:
             try:
-                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1])
+                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1],
+                                    received_at=received_at)
             except _Moved:
                 pass
         job = self.repo.get(job_id) if _is_uuid(job_id) else None
@@ -591,10 +597,10 @@ class JobService:
             self._charge(job, rec)
             return job
         job = self._leased(provider_id, job_id, attempt, job)
-        return self._settle(job, rec, signature, uploads)
+        return self._settle(job, rec, signature, uploads, received_at=received_at)
 
     def _settle(self, job: Job, rec: dict, signature: str, uploads,
-                envelope_sha: str | None = None) -> Job:
+                envelope_sha: str | None = None, received_at: float | None = None) -> Job:
         """Settle ``job`` (leased to the receipt's sender) on its verified receipt ``rec``.
         ``envelope_sha``: ``job`` is assign()'s copy and this the hash of its envelope as
         signed; a job that has moved since then raises _Moved instead of being refused."""
@@ -648,7 +654,7 @@ class JobService:
                 self.blobs.put(blob)
             self._charge(settled, rec)
         try:
-            self.on_receipt(settled, rec)
+            self.on_receipt(settled, rec, self.clock() if received_at is None else received_at)
             if _input_disputed(settled):  # whoever called this input bad was wrong
                 for refuser in self._input_refusers(job.id):
                     self.on_failure(refuser, job.plugin)

@@ -2,8 +2,8 @@
 
 A canary is the plugin manifest's benchmark payload in an ordinary signed envelope, so the
 agent cannot tell it from a client's job. It has no job row, account or hold: the gateway
-hands its messages here (``owns``), the receipt's ``run`` timing becomes a θ sample, and
-nobody is charged or paid. One goes out when a provider connects with a plugin the broker
+hands its messages here (``owns``), the time the broker saw from sending it to its receipt
+arriving becomes a θ sample (``throughput.timed_sample``), and nobody is charged or paid. One goes out when a provider connects with a plugin the broker
 has not measured, then every ``canary_interval_s``.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sdk.protocol.signing import KeyPair
 from broker.catalog.registry import PluginCatalog
 
 from .service import Canary, MarketService
-from .throughput import run_sample
+from .throughput import timed_sample
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,11 @@ class CanaryService:
         """Whether a canary is out to the provider: only then can a receipt be a canary's."""
         return self.market.has_canary(provider_id)
 
-    def receipt(self, session, data: bytes, signature: str) -> str | None:
-        """A receipt for a canary: verify it, record its timing; returns the job id (None
-        when it is not a canary)."""
+    def receipt(self, session, data: bytes, signature: str,
+                received_at: float | None = None) -> str | None:
+        """A receipt for a canary: verify it, time it (sent → ``received_at``, the broker's
+        clock; now when not given); returns the job id (None when it is not a canary)."""
+        received_at = self.market.clock() if received_at is None else received_at
         try:
             rec = open_receipt(data, signature, provider_key=session.public_key)
         except EnvelopeError:
@@ -100,10 +102,10 @@ class CanaryService:
                                canary.inputs, rec)
             except Exception:  # noqa: BLE001 - a check must never lose the measurement
                 log.exception("canary %s: comparing with the known answer failed", canary.job_id)
-        sample = run_sample(rec, canary.work_units)
+        sample = timed_sample(rec, canary.work_units, canary.sent_at, received_at)
         if sample is None:
-            log.warning("canary %s on %s: the receipt carries no run time; not measured",
-                        canary.plugin, session.provider_id)
+            log.warning("canary %s on %s: its receipt came before it was sent by the "
+                        "broker's clock; not measured", canary.plugin, session.provider_id)
             return canary.job_id
         self.market.observe(session.provider_id, canary.plugin, *sample)
         log.info("canary %s on %s: %s units in %.0f ms", canary.plugin, session.provider_id,

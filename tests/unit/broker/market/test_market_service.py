@@ -90,13 +90,14 @@ def test_split_goes_to_four_operators_and_terms_refusal_names_the_best_terms():
                              deadline_s=0.001))
 
 
-def test_a_receipt_without_a_run_time_measures_nothing():
-    from broker.market.throughput import run_sample
+def test_a_run_the_broker_did_not_time_measures_nothing():
+    from broker.market.throughput import timed_sample
 
-    assert run_sample({"work_units": "2.000000"}, 1.0) is None          # no timings at all
-    assert run_sample({"timings_ms": {"run": "fast"}}, 1.0) is None     # not a number
-    assert run_sample({"timings_ms": {"run": 0}, "work_units": "x"}, 3.0) == (3.0, 0.0)
-    assert run_sample({"timings_ms": {"total": 40}, "work_units": "2.5"}, 1.0) == (2.5, 40.0)
+    assert timed_sample({"work_units": "2.000000"}, 1.0, None, 5.0) is None  # never sent
+    assert timed_sample({"timings_ms": {"run": 0}}, 0.0, 1.0, 2.0) is None     # no units
+    assert timed_sample({"timings_ms": {"run": 0}, "work_units": "x"}, 3.0, 1.0, 1.0) == (3.0, 0.0)
+    assert timed_sample({"timings_ms": {"total": 40}, "work_units": "2.5"}, 3.0,
+                        1.0, 1.04) == pytest.approx((2.5, 40.0))
 
 
 def test_an_ask_outlives_a_plugin_dropped_and_served_again():
