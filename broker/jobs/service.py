@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +25,7 @@ from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
 from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, ReceiptRefused
+from .checkpoints import steps_of
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
 from .ports import BlobStore, JobRepository, Presence
@@ -451,12 +453,14 @@ class JobService:
                     error_code="cancelled", error_message=reason)
                 if moved is not None:
                     parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
+                    shown = self.shown_fraction(job)
                     if parts:  # resumed: earlier providers keep their shares
                         resumed = self.checkpoints.base_fraction(job)
                         self._money("cancel", job, lambda: cancel_shared(
-                            self.billing, job, parts, resumed, reason))
+                            self.billing, job, parts, resumed, reason, shown))
                     else:
-                        self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
+                        self._money("cancel", job,
+                                    lambda: self.billing.cancelled(job, reason, shown))
             if moved is not None:
                 if job.state in LEASED and job.provider_id:
                     self.cancel_hook(job)
@@ -469,6 +473,49 @@ class JobService:
             return job
         raise JobNotCancellable(f"job {job_id} is already {job.state.value}; only jobs that "
                                 "have not finished can be cancelled")
+
+    def shown_fraction(self, job: Job) -> Fraction:
+        """The share of ``job`` (0..1, of its whole work) that its current attempt has
+        *shown* it did: the step of the latest checkpoint the broker received from that
+        attempt, or the tokens it streamed (one ``token`` event each, counted from the
+        resume step, over the job's steps: Llama's ``max_new_tokens``), whichever reaches
+        further. What a cancelled job pays its current provider for; reported progress
+        is not counted (a provider says 100 % as easily as 10 %). 0 for a job no provider
+        holds now."""
+        if job.state not in LEASED or not job.provider_id:
+            return Fraction(0)
+        shown = Fraction(0)
+        resumed = Fraction(0)
+        if self.checkpoints is not None:
+            resumed = self.checkpoints.base_fraction(job)
+            shown = resumed
+            for rec in self.checkpoints.repo.for_job(job.id):
+                if rec.attempt == job.attempt and rec.total > 0:
+                    shown = max(shown, Fraction(min(rec.step, rec.total), rec.total))
+        steps = steps_of(job)
+        if steps > 0:
+            tokens = self._tokens_streamed(job, limit=steps)
+            if tokens:
+                shown = max(shown, min(Fraction(1), resumed + Fraction(tokens, steps)))
+        return min(Fraction(1), shown)
+
+    def _tokens_streamed(self, job: Job, limit: int) -> int:
+        """``token`` events of the job's current attempt (after its ``assigned`` event),
+        counted up to ``limit``."""
+        count, after, attempt_started = 0, 0, False
+        while True:
+            events = self.repo.events_after(job.id, after)
+            if not events:
+                return count
+            for e in events:
+                if e.kind == "assigned":
+                    attempt_started = e.data.get("attempt") == job.attempt
+                    count = 0
+                elif e.kind == "token" and attempt_started:
+                    count += 1
+            if count >= limit and attempt_started:
+                return limit
+            after = events[-1].id
 
     # ---- dispatch --------------------------------------------------------------------
     def queued(self, limit: int = 200) -> list[Job]:
