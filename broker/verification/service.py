@@ -74,6 +74,7 @@ class VerificationSettings:
     check_delay_s: tuple[float, float] = (0.0, 5.0)  # a check is queued after this random wait
     check_timeout_s: float = 3600.0  # a check no other operator ran by then is given up
     tiebreak_tries: int = 3          # third runs queued before a dispute waits for an admin
+    check_tries: int = 4             # check runs queued (each failed one re-issued elsewhere)
     new_provider_checks: int = 10
     # Outvoted 2 to 1 on two clear mismatches: half the stake goes, and every credit not
     # vested yet goes back to its client. What a caught cheat loses is what the sampling's
@@ -156,14 +157,8 @@ class VerificationService:
             v = self.repo.by_check_job(job.id)
             if v is None:
                 return
-            if job.id == v.checker_job_id:
-                moved = self.repo.update(v.job_id, {CheckStatus.CHECKING},
-                                         status=CheckStatus.UNCHECKED,
-                                         outcome={"note": "no second provider could run the "
-                                                          f"check ({job.error_code})"})
-                if moved is not None:
-                    self._event(v.job_id, CheckStatus.UNCHECKED,
-                                "the check could not run; the output stands unchecked")
+            if job.id == v.checker_job_id and v.status is CheckStatus.CHECKING:
+                self._check_ended(v, job)
             elif job.id == v.tiebreak_job_id and v.status is CheckStatus.DISPUTED:
                 self._tiebreak_ended(v, job)
             self._audit("verification.check_ended", v.job_id,
@@ -171,6 +166,46 @@ class VerificationService:
                          "error": job.error_code})
         except Exception:  # noqa: BLE001
             log.exception("verification: recording the end of check %s failed", job.id)
+
+    def _check_ended(self, v: Verification, check: Job) -> None:
+        """The check run failed or was given up (its provider failed it, even as
+        "non-retryable"; nobody of another operator took it in time): it is re-issued as a
+        fresh check, with the operator of every provider that failed it excluded as well as
+        the primary's, up to ``check_tries`` runs in all. A check partner that fails the
+        check so that the job stays unchecked only sends it to somebody else. Only when
+        every try failed does the output stand unchecked (and the audit log says why)."""
+        record = dict(v.outcome or {})
+        tries = int(record.get("check_tries", 1))
+        failed_by = sorted(set(record.get("check_failed_by") or [])
+                           | ({self.providers.owner_of(check.provider_id) or ""}
+                              if check.provider_id else set()) - {""})
+        primary = self.jobs.repo.get(v.job_id)
+        if primary is not None and tries < self.settings.check_tries:
+            with self.jobs.repo.atomic():
+                moved = self.repo.update(v.job_id, {CheckStatus.CHECKING},
+                                         expect_checker=check.id,  # once per failed run
+                                         outcome={**record, "check_tries": tries + 1,
+                                                  "check_failed_by": failed_by})
+                if moved is not None:
+                    owner = self.providers.owner_of(primary.provider_id) or ""
+                    again = self._spawn(moved, primary, Role.CHECKER,
+                                        ({owner} | set(failed_by)) - {""},
+                                        client_pays=primary.verify == "always",
+                                        **_rerun_of(check))
+                    if again is not None:
+                        self._audit("verification.check_reissued", v.job_id,
+                                    {"failed_check": check.id, "error": check.error_code,
+                                     "state": check.state.value, "new_check": again.id,
+                                     "try": tries + 1, "excluded_operators": failed_by})
+            return
+        moved = self.repo.update(v.job_id, {CheckStatus.CHECKING}, expect_checker=check.id,
+                                 status=CheckStatus.UNCHECKED,
+                                 outcome={**record, "check_failed_by": failed_by,
+                                          "note": f"no second provider could run the check "
+                                                  f"({tries} tries, last: {check.error_code})"})
+        if moved is not None:
+            self._event(v.job_id, CheckStatus.UNCHECKED,
+                        "the check could not run; the output stands unchecked")
 
     def _tiebreak_ended(self, v: Verification, tiebreak: Job) -> None:
         """The third run failed: queue another, twice at most; then the dispute waits for
@@ -890,6 +925,15 @@ def _judge(kind: str, claimed: Callable[[], Run], check: Callable[[], Run]) -> J
 
 #: Keys of a judged record's ``outcome`` that only serve applying its effects (``_apply``).
 _PENDING = ("done", "sides", "slash_plan", "claw_plan")
+
+
+def _rerun_of(check: Job) -> dict[str, Any]:
+    """How a failed check is queued again: the same inputs when it was a scoring run (the
+    primary's claimed tokens), at once; else a re-run like the first (``_spawn``'s
+    defaults, with a fresh delay)."""
+    if _is_scoring(check):
+        return {"inputs": dict(check.inputs), "delay_s": 0.0}
+    return {}
 
 
 def _third_run_of(checker: Job) -> dict[str, Any]:
