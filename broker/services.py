@@ -136,7 +136,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                            store=SqlAskStore(sessions), manifest_of=manifests_of(catalog))
     market.on_rule_changed = audit_market_rules(audit)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
-                             envelope_ttl_s=settings.envelope_ttl_s)
+                             envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints)
     attach_market(market, canaries, jobs, dispatcher)
     # The market's cold-start term asks the registry's warm index whether the provider's
     # plugin host has the model loaded (providers it has no report from count as warm).

@@ -451,7 +451,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 arrived: float | None = None) -> bool:
         """Messages about a canary job go to the canary service, not the job service."""
         if self.canaries is None or kind not in ("accepted", "progress", "output", "receipt",
-                                                 "failed", "give_back"):
+                                                 "failed", "give_back", "checkpoint"):
             return False
         if kind == "receipt":
             # Opened (decoded, signature checked) once, by the service whose job it is; not

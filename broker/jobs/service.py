@@ -171,7 +171,7 @@ class JobService:
         # or not, meets the first one's row and is refused on its request hash; one that
         # is refused on the way (the terms, the balance or the hold are not what they
         # were, say) is looked up.
-        job_id = (str(uuid.uuid5(_JOB_IDS, f"{who.account_id}:{idempotency_key}"))
+        job_id = (_derived_id(f"{who.account_id}:{idempotency_key}")
                   if idempotency_key is not None else str(uuid.uuid4()))
         try:
             job = self._create(who, manifest, inputs, terms, job_id, idempotency_key,
@@ -279,11 +279,11 @@ class JobService:
         n = terms["n"]
         cap = terms["max_price_micro"]
         share = None if cap is None else cap // n
-        batch_id = str(uuid.uuid5(_JOB_IDS, f"batch:{first_id}"))
+        batch_id = _derived_id(f"batch:{first_id}")
         created: list[Job] = []
         with self.repo.atomic():  # all siblings with their holds, or none
             for i in range(n):
-                job_id = first_id if i == 0 else str(uuid.uuid5(_JOB_IDS, f"{batch_id}:{i}"))
+                job_id = first_id if i == 0 else _derived_id(f"{batch_id}:{i}")
                 sib_inputs = dict(inputs)
                 if isinstance(sib_inputs.get("seed"), int) and not isinstance(
                         sib_inputs["seed"], bool):
@@ -1006,6 +1006,14 @@ def _replayed(existing: Job, request_hash: str, idempotency_key: str | None) -> 
 
 
 _JOB_IDS = uuid.UUID("6f1c0c5e-8a39-4c3e-9a55-5d0b3e2f7a11")  # namespace of derived job ids
+
+
+def _derived_id(name: str) -> str:
+    """A job (or batch) id derived from ``name`` (an idempotency key, a batch and index),
+    shaped as a random (version 4) UUID: the agents see job ids, and a derived id whose
+    version said 5 told client jobs from checks and canaries (uuid4), which must look the
+    same (issue #20). The bits come from the namespaced SHA-1 of ``name`` as before."""
+    return str(uuid.UUID(bytes=uuid.uuid5(_JOB_IDS, name).bytes, version=4))
 
 
 def _input_disputed(job: Job) -> bool:

@@ -380,6 +380,12 @@ class MarketService:
         with self._lock:
             return provider_id in self._providers
 
+    def operator_of(self, provider_id: str) -> str | None:
+        """The operator (account) of a provider the market knows, else None."""
+        with self._lock:
+            state = self._providers.get(provider_id)
+            return state.operator_id if state is not None else None
+
     def flagged(self, provider_id: str, plugin: str) -> bool:
         with self._lock:
             return self.tracker.record_of(provider_id, plugin).flagged

@@ -49,6 +49,9 @@ def attach_market(market: MarketService, canaries: CanaryService | None, jobs: J
         sample = timed_sample(receipt, job.work_units, job.matched_at, received_at)
         if sample is not None and job.provider_id is not None:
             market.observe(job.provider_id, job.plugin, *sample)
+        if canaries is not None and not job.check_of and job.provider_id is not None:
+            canaries.remember(job.plugin, job.plugin_version,
+                              market.operator_of(job.provider_id) or "", job.inputs)
 
     jobs.check_terms = check_terms
     jobs.on_receipt = on_receipt

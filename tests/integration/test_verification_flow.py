@@ -85,6 +85,8 @@ def test_a_check_job_and_a_normal_job_look_the_same_on_the_wire(vbroker, agents)
     assert check.envelope["inputs"] == primary.envelope["inputs"]
     assert check.envelope["attempt"] == primary.envelope["attempt"] == 0
     assert uuid.UUID(check.id).version == 4 and check.id != primary.id
+    # the client's job id, derived from its Idempotency-Key, is shaped as a random one too
+    assert primary.idempotency_key and uuid.UUID(primary.id).version == 4
     assert primary.id not in repr(check.envelope)
 
 
