@@ -35,6 +35,7 @@ from .benchmark import benchmark_plugin, throttle
 from .cheats import Cheat
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
+from .fingerprint import machine_fingerprint
 from .host.manager import HostResult, PluginHost
 from .weights import folder_digest
 
@@ -328,7 +329,8 @@ class Agent:
             hardware=pb.Hardware(device=hw.get("device", "cpu"), gpu_name=hw.get("gpu_name", ""),
                                  vram_gb=float(hw.get("vram_gb", 0.0)),
                                  cpu_count=int(hw.get("cpu_count", os.cpu_count() or 1)),
-                                 memory_gb=_memory_gb()),
+                                 memory_gb=_memory_gb(),
+                                 fingerprint=machine_fingerprint()),
             slots=self.cfg.slots, sandboxed=self.sandboxed,
             benchmarks=[pb.PluginBenchmark(plugin=p, units_per_s=u, runs=3,
                                            cold_start_s=self._cold_start_s(p))

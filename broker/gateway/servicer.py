@@ -173,7 +173,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
-                 stats: GatewayStats | None = None):
+                 stats: GatewayStats | None = None, links=None):
+        self.links = links          # broker.links.LinkService: address and hardware link accounts
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
         self.canaries = canaries    # broker.market.canary.CanaryService
@@ -235,7 +236,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         caps = (await self._next(context, "capabilities")).capabilities
 
         admitted = loop.run_in_executor(self.executor, self._admit, principal, hello, caps,
-                                        loop)
+                                        loop, context.peer())
         try:
             session, greeting = await asyncio.shield(admitted)
         except asyncio.CancelledError:  # the agent left meanwhile: leave once admitted
@@ -285,7 +286,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                            f"expected {want}, got {msg.WhichOneof('body')}")
         return msg
 
-    def _admit(self, principal, hello, caps, loop) -> tuple[GatewaySession, list]:
+    def _admit(self, principal, hello, caps, loop, peer: str = "") -> tuple[GatewaySession, list]:
         """In the pool: the provider's record, its session in the market and with the
         dispatcher; returns the session and the messages that greet the agent."""
         plugins = [{"name": p.name, "version": p.version, "weights_digest": p.weights_digest,
@@ -296,6 +297,9 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         provider = self.providers.connect(principal, hello.public_key, hello.name,
                                           sandboxed=caps.sandboxed, hardware=hardware,
                                           plugins=plugins)
+        if self.links is not None:  # where it connects from, and on which machine
+            self.links.agent_seen(provider.account_id, peer=peer,
+                                  fingerprint=caps.hardware.fingerprint[:128])
         if caps.slots < 1 or caps.slots > 64:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"capabilities.slots is {caps.slots}; must be between 1 and 64")

@@ -143,3 +143,15 @@ def test_a_changed_reputation_floor_is_reported_with_before_and_after():
     m.set_reputation_floor(0.2, by="admin-2")
     assert seen == [("reputation_floor", 0.5, 0.7, "admin-1"),
                     ("reputation_floor", 0.7, 0.2, "admin-2")]
+
+
+def test_a_provider_never_wins_the_job_of_a_client_linked_to_its_operator():
+    m = MarketService(lambda plugin: RESERVE, MarketSettings(), rng=random.Random(1),
+                      clock=lambda: 1_000.0,
+                      linked_to=lambda op: {"client-x"} if op == "op-cheap" else set())
+    join(m, "cheap", ask=100, measured=10.0)
+    join(m, "dear", ask=900, measured=10.0)
+    spec = lambda client: m.spec(plugin="echo", version="1.0.0", work_units=1.0,  # noqa: E731
+                                 client_id=client)
+    assert m.clear(spec("client-y")).awards[0].provider_id == "cheap"
+    assert m.clear(spec("client-x")).awards[0].provider_id == "dear"
