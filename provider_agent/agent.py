@@ -582,8 +582,16 @@ class Agent:
         inputs, cheated = env["inputs"], None
         try:
             if self.cheat is not None:  # the verification harness's cheating agent
-                cheated = self.cheat.before(job_id, served.manifest, env["inputs"])
+                cheated = self.cheat.before(job_id, served.manifest, env["inputs"],
+                                            envelope=env)
                 inputs = cheated.run_inputs
+                if cheated.fail:
+                    raise HostError("out_of_memory", "the GPU ran out of memory",
+                                    retryable=False)
+                if self.cheat.fake_progress(cheated):
+                    total = int((cheated.validated or {}).get("steps")
+                                or (cheated.validated or {}).get("max_new_tokens") or 1)
+                    progress_with_total(total, total, "")
             if cheated is not None and cheated.skip_run:
                 result = HostResult(self.cheat.fake_outputs(env["plugin"], cheated,
                                                             repro_class(served, [])["dtype"]),
@@ -616,6 +624,9 @@ class Agent:
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
                                               float(result.work_units or 0)))
+        if cheated is not None:  # inflated-units: the receipt's own figures lie
+            result.work_units, run_ms = self.cheat.receipt_figures(cheated, result.work_units,
+                                                                   run_ms)
         messages, outputs, chunks = [], [], []
         for out in result.outputs:
             sha = sha256_hex(out.data)
