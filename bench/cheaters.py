@@ -12,7 +12,17 @@ behaviour:
   its jobs) is caught and slashed, simulated with the broker's own sampling rule and the
   q and slash rates just measured;
 
-then runs ``--honest`` honest jobs, every one of them checked (``verify="always"``),
+The behaviours are the cheat modes of ``provider_agent/cheats.py`` (``MODES``), so a mode
+appended there is run here; a few run their own scenario (issue #20): ``inflated-units``
+against an honest rival of the same speed in the auction, ``fake-progress`` with the client
+cancelling mid-run, the account pairs ``collude`` (linked by a payout account the broker
+sees) and ``fail-checks`` (not linked), and ``detect-checks`` as a checker of another
+provider's jobs. Per behaviour it prints jobs, checks, caught, slashed, the credits the
+cheater kept and the honest providers slashed, and the chance (simulated with the broker's
+sampling rule and the q measured) that a reputable provider cheating on every job is
+caught within 200 jobs.
+
+It then runs ``--honest`` honest jobs, every one of them checked (``verify="always"``),
 across numeric variations (one vs two torch threads, float32 vs bfloat16) and counts the
 false disputes and false slashes; and finally the steady-state redundancy overhead of a
 reputable honest provider under the sampling rule. ``--write`` stores q per plugin in
@@ -20,7 +30,8 @@ reputable honest provider under the sampling rule. ``--write`` stores q per plug
 sampling reads it.
 
     python bench/cheaters.py                  # 8 jobs per behaviour, 1,000 honest jobs
-    python bench/cheaters.py --quick          # 4 per behaviour, 60 honest (a smoke run)
+    python bench/cheaters.py --quick          # 3 per behaviour, 20 honest (a smoke run)
+    python bench/cheaters.py --quick --behaviours inflated-units,collude
     python bench/cheaters.py --write          # also commit q to thresholds.json
 """
 from __future__ import annotations
@@ -42,20 +53,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from broker.ledger.model import AccountKind  # noqa: E402
 from broker.ledger.seeding import seed_earned  # noqa: E402
 from broker.server import BrokerServer  # noqa: E402
 from broker.settings import Settings  # noqa: E402
 from broker.verification.comparators import THRESHOLDS_PATH  # noqa: E402
 from broker.verification.records import CheckStatus  # noqa: E402
 from broker.verification.sampling import SamplingPolicy, Standing, check_probability  # noqa: E402
+from provider_agent.cheats import MODES  # noqa: E402
 from sdk import Client  # noqa: E402
 from sdk.localnet import cli  # noqa: E402
 
 IMAGE = {"prompt": "a lighthouse at dusk", "steps": 4, "width": 64, "height": 64}
 TEXT = {"prompt": "Once upon a time", "max_new_tokens": 16, "temperature": 0.7}
 LONG_PROMPT = "Once upon a time there was a lighthouse"
-# behaviour -> (plugin, extra inputs)
-BEHAVIOURS = {
+# behaviour -> (plugin, extra inputs), for the modes that need more than the defaults
+BENCH_INPUTS = {
     "wrong-seed": ("sd15", {}),
     "fewer-steps": ("sd15", {}),
     "other-model": ("sd15", {}),
@@ -76,7 +89,27 @@ BEHAVIOURS = {
     "narrow-top-p": ("llama", {"prompt": LONG_PROMPT, "max_new_tokens": 64}),
     "early-stop": ("llama", {"stop": "<END>", "ignore_eos": True}),
     "altered-text": ("llama", {}),
+    # issue #20 (trust-market): claims about the work, and one person's accounts
+    "inflated-units": ("sd15", {}),
+    "fake-progress": ("sd15", {"steps": 40}),
+    "collude": ("sd15", {}),
+    "fail-checks": ("sd15", {}),
+    "detect-checks": ("sd15", {}),
 }
+#: Modes of the registry this bench leaves out, and why.
+SKIPPED = {"colder-sampling": "on this tiny llama half the temperature changes nothing a "
+                              "test could see; bench/text_checks.py measures it"}
+
+
+def bench_inputs(mode: str) -> tuple[str, dict]:
+    """(plugin, extra inputs) for a cheat mode; a mode appended to the registry without an
+    entry here runs on llama when its name says text, else on sd15."""
+    if mode in BENCH_INPUTS:
+        return BENCH_INPUTS[mode]
+    return ("llama" if "text" in mode else "sd15"), {}
+
+
+BEHAVIOURS = {m: bench_inputs(m) for m in MODES if m not in SKIPPED}
 FINAL = {CheckStatus.VERIFIED, CheckStatus.OVERTURNED, CheckStatus.NONDETERMINISTIC,
          CheckStatus.UNCHECKED}
 
@@ -221,13 +254,252 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
     cut = [j for j in cheated if slashed(records[j], cheater)]
     honest_runs = [j for j in ids if j not in cheated]
     n = len(cheated)
-    return {"behaviour": behaviour, "plugin": plugin, "jobs": len(ids), "cheated": n,
+    return {**money_and_checks(net, ids, records, {cheater}),
+            "behaviour": behaviour, "plugin": plugin, "jobs": len(ids), "cheated": n,
             "caught": len(caught), "q": len(caught) / n if n else None,
             "overturned": len(overturned), "slashed": len(cut),
             "slash_rate": len(cut) / n if n else None,
             "honest_runs_disputed": sum(first_verdict(records[j]) != "match"
                                         for j in honest_runs),
             "verdicts": {j: first_verdict(records[j]) for j in ids}}
+
+
+def kept_micro(net: Network, provider_id: str) -> int:
+    """What a provider's operator holds of what it earned (vesting and vested), after
+    every refund and claw-back; its stake is counted apart."""
+    b = net.svc.ledger.balances(net.svc.providers.owner_of(provider_id))
+    return b.get(AccountKind.PROVIDER_VESTING, 0) + b.get(AccountKind.PROVIDER_AVAILABLE, 0)
+
+
+def money_and_checks(net: Network, ids: list[str], records: dict, cheaters: set[str]) -> dict:
+    """checks run, credits the cheaters kept, honest providers slashed, for these jobs."""
+    checks = sum(len(net.svc.jobs.repo.checks_of(j)) for j in ids)
+    honest_slashed = set()
+    for j in ids:
+        for p in ((records.get(j) and records[j].outcome) or {}).get("penalties", []):
+            if p["slash_micro"] > 0 and p["provider_id"] not in cheaters:
+                honest_slashed.add(p["provider_id"])
+    return {"checks": checks, "kept_micro": sum(kept_micro(net, c) for c in cheaters),
+            "honest_slashed": len(honest_slashed)}
+
+
+def _truth(net: Network, behaviour: str) -> list[dict]:
+    path = net.work / f"cheat-{behaviour}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _env(net: Network, behaviour: str, **more) -> dict:
+    return {"SPARECYCLES_CHEAT": behaviour, "SPARECYCLES_CHEAT_SEED": "1",
+            "SPARECYCLES_CHEAT_LOG": str(net.work / f"cheat-{behaviour}.jsonl"), **more}
+
+
+def _pause(net: Network, pids, paused: bool) -> None:
+    for pid in pids:
+        net.svc.dispatcher.set_paused(pid, paused)
+    net.svc.dispatcher.kick()
+
+
+def run_inflated_units(net: Network, client: Client, honest: list[str], behaviour: str,
+                       jobs: int, stake_micro: int) -> dict:
+    """The cheater and an honest rival on the same machine (the same speed, the same ask)
+    in the auction: θ timed by the broker gives the cheater about half the jobs; the
+    receipt's 10× units in 1 ms used to give it all of them."""
+    plugin, extra = BEHAVIOURS[behaviour]
+    cheater = net.start_agent(f"cheater-{behaviour}", plugin, _env(net, behaviour))
+    net.give_stake(cheater, stake_micro)
+    rival, others = honest[0], honest[1:]
+    _pause(net, others, True)
+    market = net.svc.market
+    ids, won = [], 0
+    for i in range(jobs):
+        job = client.jobs.create(plugin, **{**IMAGE, **extra}, seed=2000 + i)
+        job.wait(timeout=300)
+        ids.append(job.id)
+        won += net.svc.jobs.repo.get(job.id).provider_id == cheater
+    theta_c, theta_r = market.theta(cheater, plugin)[0], market.theta(rival, plugin)[0]
+    net.stop_agent(f"cheater-{behaviour}")
+    _pause(net, others, False)
+    records = net.wait_final(ids)
+    fair = theta_c <= 2.0 * theta_r
+    return {**money_and_checks(net, ids, records, {cheater}),
+            "behaviour": behaviour, "plugin": plugin, "jobs": jobs, "cheated": won,
+            "caught": won if fair else 0, "q": None, "slashed": 0, "slash_rate": None,
+            "overturned": 0,
+            "note": f"won {won} of {jobs} against an honest rival as fast; θ measured "
+                    f"{theta_c:.1f} vs the rival's {theta_r:.1f} units/s "
+                    f"({theta_c / max(theta_r, 1e-9):.2f}×)"}
+
+
+def run_fake_progress(net: Network, client: Client, honest: list[str], behaviour: str,
+                      jobs: int, stake_micro: int) -> dict:
+    """The cheater reports 100 % at once; the client cancels a second into the run. A
+    cancel pays the work shown (checkpoints), not the progress claimed."""
+    plugin, extra = BEHAVIOURS[behaviour]
+    cheater = net.start_agent(f"cheater-{behaviour}", plugin, _env(net, behaviour))
+    _pause(net, honest, True)
+    ids, claimed = [], 0
+    for i in range(jobs):
+        job = client.jobs.create(plugin, **{**IMAGE, **extra}, seed=3000 + i)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            row = net.svc.jobs.repo.get(job.id)
+            if row.progress_total and row.progress_step >= row.progress_total:
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)
+        row = net.svc.jobs.repo.get(job.id)
+        if not row.state.terminal:
+            claimed += row.max_price_micro * min(row.progress_step, row.progress_total) \
+                // max(1, row.progress_total)
+            job.cancel()
+        ids.append(job.id)
+    kept = kept_micro(net, cheater)
+    net.stop_agent(f"cheater-{behaviour}")
+    _pause(net, honest, False)
+    cancelled = sum(net.svc.jobs.repo.get(j).state.value == "cancelled" for j in ids)
+    return {"behaviour": behaviour, "plugin": plugin, "jobs": jobs, "cheated": cancelled,
+            "checks": 0, "caught": cancelled if kept < claimed or not claimed else 0,
+            "q": None, "slashed": 0, "slash_rate": None, "overturned": 0,
+            "kept_micro": kept, "honest_slashed": 0,
+            "note": f"{cancelled} cancelled after claiming 100 %: paid "
+                    f"{kept / 1e6:.3f} credits for checkpoints shown; the progress claimed "
+                    f"would have paid {claimed / 1e6:.3f}"}
+
+
+def run_pair(net: Network, client: Client, honest: list[str], behaviour: str, jobs: int,
+             stake_micro: int) -> dict:
+    """One person's two accounts: the cheat runs the client jobs (a wrong seed), the pal
+    is a provider like any other while they are checked. ``collude``: the pal agrees with
+    the cheat, and the broker sees what links them (one payout account); ``fail-checks``:
+    the pal fails the checks it gets, unlinked."""
+    plugin, extra = BEHAVIOURS[behaviour]
+    shared = str(net.work / f"pair-{behaviour}")
+    cheater = net.start_agent(f"cheater-{behaviour}", plugin,
+                              _env(net, behaviour, SPARECYCLES_CHEAT_ROLE="cheat",
+                                   SPARECYCLES_CHEAT_SHARED=shared))
+    pal = net.start_agent(f"pal-{behaviour}", plugin,
+                          _env(net, behaviour, SPARECYCLES_CHEAT_ROLE="pal",
+                               SPARECYCLES_CHEAT_SHARED=shared,
+                               SPARECYCLES_CHEAT_LOG=str(net.work / f"pal-{behaviour}.jsonl")))
+    net.give_stake(cheater, stake_micro)
+    net.give_stake(pal, stake_micro)
+    if behaviour == "collude":  # what the broker sees: their payouts go to one account
+        for pid in (cheater, pal):
+            net.svc.links.record(net.svc.providers.owner_of(pid), "payout_account",
+                                 f"acct_bench_{behaviour}", "payout account (bench)")
+    _pause(net, [*honest, pal], True)
+    ids = []
+    for i in range(jobs):
+        job = client.jobs.create(plugin, **{**IMAGE, **extra}, seed=4000 + i)
+        job.wait(timeout=300)
+        ids.append(job.id)
+    net.stop_agent(f"cheater-{behaviour}")
+    _pause(net, [*honest, pal], False)
+    records = net.wait_final(ids)
+    net.stop_agent(f"pal-{behaviour}")
+    cheated = [r["job_id"] for r in _truth(net, behaviour) if r.get("cheated")
+               and r.get("role") == "cheat" and r["job_id"] in ids]
+    caught = [j for j in cheated if records[j].status is CheckStatus.OVERTURNED
+              or first_verdict(records[j]) not in ("match", "none")]
+    pal_rows = [json.loads(line) for line in
+                (net.work / f"pal-{behaviour}.jsonl").read_text().splitlines()] \
+        if (net.work / f"pal-{behaviour}.jsonl").exists() else []
+    pal_checks = sum(1 for r in pal_rows if r.get("cheated"))
+    cut = [j for j in cheated if slashed(records[j], cheater)]
+    return {**money_and_checks(net, ids, records, {cheater, pal}),
+            "behaviour": behaviour, "plugin": plugin, "jobs": jobs, "cheated": len(cheated),
+            "caught": len(caught), "q": len(caught) / len(cheated) if cheated else None,
+            "overturned": sum(records[j].status is CheckStatus.OVERTURNED for j in cheated),
+            "slashed": len(cut), "slash_rate": len(cut) / len(cheated) if cheated else None,
+            "note": (f"the pal got {pal_checks} of its partner's checks"
+                     + (" (linked: none expected)" if behaviour == "collude"
+                        else ", failed them non-retryably; each was re-issued"))}
+
+
+def run_detector(net: Network, client: Client, honest: list[str], behaviour: str, jobs: int,
+                 stake_micro: int) -> dict:
+    """The detector runs client jobs (cheating where it thinks they are a client's), then
+    is the only checker of an honest provider's checked jobs: could it tell the checks?"""
+    plugin, extra = BEHAVIOURS[behaviour]
+    name = f"cheater-{behaviour}"
+    detector = net.start_agent(name, plugin, _env(net, behaviour))
+    net.give_stake(detector, stake_micro)
+    _pause(net, honest, True)
+    own = []
+    for i in range(jobs):
+        job = client.jobs.create(plugin, **{**IMAGE, **extra}, seed=5000 + i)
+        job.wait(timeout=300)
+        own.append(job.id)
+    # its own jobs' checks wait; an honest provider's checked jobs, checked by it alone
+    _pause(net, [detector], True)
+    _pause(net, honest[:1], False)
+    theirs = []
+    for i in range(jobs):
+        job = client.jobs.create(plugin, **{**IMAGE, **extra}, seed=6000 + i,
+                                 terms={"verify": "always"})
+        job.wait(timeout=300)
+        theirs.append(job.id)
+    _pause(net, honest[:1], True)
+    _pause(net, [detector], False)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not all(
+            (net.svc.verification.status(j) or FINAL_STUB).status in FINAL for j in theirs):
+        time.sleep(0.3)
+    net.stop_agent(name)
+    _pause(net, honest, False)
+    records = net.wait_final(own + theirs)
+    told = {"check": [0, 0], "canary": [0, 0], "client": [0, 0]}  # [taken for it, were]
+    for r in _truth(net, behaviour):
+        job = net.svc.jobs.repo.get(r["job_id"])
+        truth = "canary" if job is None else ("check" if job.check_of else "client")
+        told[truth][1] += 1
+        told[truth][0] += r.get("looked_like") == truth
+    cheated = [r["job_id"] for r in _truth(net, behaviour) if r.get("cheated")
+               and r["job_id"] in own]
+    caught = [j for j in cheated if first_verdict(records[j]) not in ("match", "none")]
+    cut = [j for j in cheated if slashed(records[j], detector)]
+    return {**money_and_checks(net, own + theirs, records, {detector}),
+            "behaviour": behaviour, "plugin": plugin, "jobs": len(own), "cheated": len(cheated),
+            "caught": len(caught), "q": len(caught) / len(cheated) if cheated else None,
+            "overturned": sum(records[j].status is CheckStatus.OVERTURNED for j in cheated),
+            "slashed": len(cut), "slash_rate": len(cut) / len(cheated) if cheated else None,
+            "note": "told apart: " + ", ".join(f"{k}s {v[0]} of {v[1]}"
+                                               for k, v in told.items())}
+
+
+#: Behaviours that run a scenario of their own (the others: run_behaviour).
+RUNNERS = {"inflated-units": run_inflated_units, "fake-progress": run_fake_progress,
+           "collude": run_pair, "fail-checks": run_pair, "detect-checks": run_detector}
+
+
+class _Stub:
+    status = None
+
+
+FINAL_STUB = _Stub()
+
+
+def caught_within(q: float, *, broker_q: float | None, gain: int, stake: int,
+                  jobs: int = 200, cv0: int = 1000, runs: int = 4000, seed: int = 3) -> float:
+    """The chance that a reputable provider (CV ``cv0``) that cheats on every job from now
+    on has one caught (a check that catches with probability ``q``) within ``jobs`` jobs,
+    under the broker's sampling rule (which assumes ``broker_q``, thresholds.json's)."""
+    rng = random.Random(seed)
+    policy = SamplingPolicy()
+    caught = 0
+    for _ in range(runs):
+        cv = cv0
+        for _ in range(jobs):
+            p = check_probability(Standing(cv, stake // 2, 0), gain_micro=gain,
+                                  job_value_micro=gain,
+                                  catch_probability=max(broker_q if broker_q is not None
+                                                        else q, 1e-6), policy=policy).p
+            if rng.random() < p:
+                if rng.random() < q:
+                    caught += 1
+                    break
+                cv += 1
+    return caught / runs
 
 
 def run_honest(net: Network, client: Client, total: int) -> dict:
@@ -357,8 +629,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-behaviour", type=int, default=8, help="cheated jobs per behaviour")
     ap.add_argument("--honest", type=int, default=1000, help="honest checked jobs")
-    ap.add_argument("--quick", action="store_true", help="4 per behaviour, 60 honest")
-    ap.add_argument("--behaviours", default=",".join(BEHAVIOURS))
+    ap.add_argument("--quick", action="store_true", help="3 per behaviour, 20 honest")
+    ap.add_argument("--behaviours", default=",".join(BEHAVIOURS),
+                    help=f"comma-separated, from the cheat registry: {', '.join(BEHAVIOURS)}")
     ap.add_argument("--cheat-rate", type=float, default=0.2,
                     help="fraction of its jobs a reputable cheater cheats on (simulation)")
     ap.add_argument("--stake-credits", type=float, default=10.0,
@@ -368,7 +641,12 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     if args.quick:
-        args.per_behaviour, args.honest = 4, 60
+        args.per_behaviour, args.honest = 3, 20
+    unknown = [b for b in args.behaviours.split(",") if b and b not in BEHAVIOURS]
+    if unknown:
+        ap.error(f"unknown behaviour {unknown[0]!r}; the registry has: {', '.join(BEHAVIOURS)}"
+                 + "".join(f" ({k} is left out: {v})" for k, v in SKIPPED.items()
+                           if k == unknown[0]))
     work = Path(tempfile.mkdtemp(prefix="sc-cheaters-"))
     log(f"== verification against cheaters (work dir {work})")
     t0 = time.monotonic()
@@ -382,12 +660,16 @@ def main() -> int:
         log(f"   two honest checkers connected ({time.monotonic() - t0:.0f} s)")
         for behaviour in [b for b in args.behaviours.split(",") if b]:
             tb = time.monotonic()
-            row = run_behaviour(net, client, honest, behaviour, args.per_behaviour,
-                                int(args.stake_credits * 1_000_000))
+            runner = RUNNERS.get(behaviour, run_behaviour)
+            row = runner(net, client, honest, behaviour, args.per_behaviour,
+                         int(args.stake_credits * 1_000_000))
             results["behaviours"].append(row)
-            log(f"   {behaviour:<17} cheated {row['cheated']:>2}/{row['jobs']}  caught by one "
-                f"check {row['caught']:>2}  overturned {row['overturned']:>2}  slashed "
-                f"{row['slashed']:>2}  ({time.monotonic() - tb:.0f} s)")
+            log(f"   {behaviour:<17} cheated {row['cheated']:>2}/{row['jobs']}  checks "
+                f"{row['checks']:>2}  caught {row['caught']:>2}  overturned "
+                f"{row['overturned']:>2}  slashed {row['slashed']:>2}  kept "
+                f"{row['kept_micro'] / 1e6:.3f} cr  honest slashed {row['honest_slashed']}"
+                f"  ({time.monotonic() - tb:.0f} s)" + (f"\n      {row['note']}"
+                                                       if row.get("note") else ""))
         for pid in honest:
             net.svc.dispatcher.set_paused(pid, True)
         if args.honest:
@@ -402,29 +684,46 @@ def main() -> int:
         if row["q"] is not None:
             row["q_lower"] = wilson_lower(row["caught"], row["cheated"])
             per_plugin[row["plugin"]] = min(per_plugin.get(row["plugin"], 1.0), row["q_lower"])
+    from broker.verification.service import load_catch_probabilities
+
+    broker_q = load_catch_probabilities()  # what the broker's sampling assumes now
     print()
-    print(f"{'behaviour':<17} {'plugin':<6} {'cheated':>7} {'q (1 check)':>11} "
-          f"{'q, 95% low':>10} {'slashed':>8} {'jobs until slashed*':>20}")
+    print(f"{'behaviour':<17} {'plugin':<6} {'jobs':>4} {'checks':>6} {'caught':>6} "
+          f"{'slashed':>7} {'kept cr':>8} {'honest slashed':>14} {'q':>5} {'q 95% low':>9} "
+          f"{'caught in 200†':>14} {'jobs until slashed*':>19}")
+    honest_slashed = 0
     for row in results["behaviours"]:
-        if not row["cheated"]:
-            print(f"{row['behaviour']:<17} {row['plugin']:<6} {0:>7}   (no cheated job)")
-            continue
+        honest_slashed += row["honest_slashed"]
         q, s = row["q"], row["slash_rate"]
+        head = (f"{row['behaviour']:<17} {row['plugin']:<6} {row['jobs']:>4} {row['checks']:>6} "
+                f"{row['caught']:>6} {row['slashed']:>7} {row['kept_micro'] / 1e6:>8.3f} "
+                f"{row['honest_slashed']:>14}")
+        if q is None:
+            print(f"{head} {'—':>5} {'—':>9} {'—':>14} {'—':>19}  {row.get('note', '')}")
+            continue
+        within = caught_within(q, broker_q=broker_q.get(row["plugin"]), gain=gain,
+                               stake=stake)
         mean = (simulate_until_slashed(q, s, cheat_rate=args.cheat_rate, gain=gain, stake=stake,
-                                       broker_q=per_plugin.get(row["plugin"]))
-                if s > 0 else float("inf"))
-        row["mean_jobs_until_slashed"] = mean
-        print(f"{row['behaviour']:<17} {row['plugin']:<6} {row['cheated']:>7} {q:>11.2f} "
-              f"{row['q_lower']:>10.2f} {s:>8.2f} {mean:>20,.0f}")
+                                       broker_q=broker_q.get(row["plugin"]))
+                if s and s > 0 else float("inf"))
+        row["caught_within_200"], row["mean_jobs_until_slashed"] = within, mean
+        print(f"{head} {q:>5.2f} {row['q_lower']:>9.2f} {within:>14.1%} {mean:>19,.0f}"
+              + (f"  {row['note']}" if row.get("note") else ""))
+    print(f"† simulated: a provider with CV 1000 that cheats on every job from then on, "
+          f"caught by a check (the q measured) within 200 jobs, under the broker's sampling "
+          f"rule with its q from thresholds.json {broker_q}")
     print(f"* simulated: a cheater with CV 100 cheating on {args.cheat_rate:.0%} of its jobs, "
           f"{args.job_credits} credits a job, {args.stake_credits:g} credits at stake, "
           f"under the broker's sampling rule with the q and slash rate measured above")
     if results["honest"]:
         h = results["honest"]
+        honest_slashed += h["false_slashes"]
         print(f"\nhonest: {h['jobs']} checked jobs in {h['seconds']} s — false disputes "
               f"{h['false_disputes']}, false slashes {h['false_slashes']}, overturned "
               f"{h['overturned']}; comparisons by method {h['methods']}; pairs {h['pairs']}")
-    for plugin, q in sorted(per_plugin.items()):
+    print(f"honest providers slashed, all runs above: {honest_slashed}")
+    for plugin in sorted(set(per_plugin) | set(broker_q)):
+        q = broker_q.get(plugin, per_plugin.get(plugin))
         o = overhead(q, gain=gain, stake=stake)
         results.setdefault("overhead", {})[plugin] = o
         print(f"overhead ({plugin}, q={q:.2f}): {o['overall']:.1%} of the first "

@@ -62,6 +62,16 @@ def register(sub) -> None:
     g.add_argument("--credits", required=True, help="credits to grant, e.g. 100 or 2.5")
     g.set_defaults(func=cmd_grant)
 
+    ln = bsub.add_parser("link", help="record that accounts belong to one person (they never "
+                                      "check each other, and their word never outvotes one "
+                                      "another's); shows an account's links without --with")
+    _common(ln)
+    ln.add_argument("--account", required=True, help="an account id")
+    ln.add_argument("--with", dest="others", action="append", default=[],
+                    help="another account of the same person (repeat for more)")
+    ln.add_argument("--reason", default="", help="what you learnt it from (audit log)")
+    ln.set_defaults(func=cmd_link)
+
 
 def cmd_serve(args) -> int:
     from broker.server import serve
@@ -109,3 +119,31 @@ def cmd_grant(args) -> int:
     print(f"granted {format_credits(amount)} to {args.account} (transaction {txn.id}); "
           f"available: {format_credits(available)}")
     return 0
+
+
+def cmd_link(args) -> int:
+    from broker.services import build_services
+
+    services = build_services(_settings(args))
+    try:
+        missing = [a for a in [args.account, *args.others]
+                   if services.auth.repo.get_account(a) is None]
+        if missing:
+            print(f"error: no account {missing[0]!r}; account ids are what create-key prints "
+                  "(and the admin console lists)", file=sys.stderr)
+            return 1
+        if args.others:
+            if not args.reason.strip():
+                print("error: --reason is required with --with (it goes to the audit log)",
+                      file=sys.stderr)
+                return 1
+            services.links.declare([args.account, *args.others], args.reason.strip(), by="cli")
+        linked = sorted(services.links.linked_to(args.account))
+        for other in linked:
+            print(f"{args.account} ~ {other}: {'; '.join(services.links.why(args.account, other))}")
+        if not linked:
+            print(f"{args.account} is linked to no other account")
+    finally:
+        services.engine.dispose()
+    return 0
+

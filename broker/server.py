@@ -143,7 +143,7 @@ class BrokerServer:
             lease_timeout_s=settings.lease_timeout_s, market=svc.market,
             canaries=svc.canaries, warm=svc.registry.warm, executor=self.agent_pool,
             max_streams=settings.max_agent_streams, outbox_max=settings.agent_outbox_max,
-            stats=self.gateway_stats)
+            stats=self.gateway_stats, links=svc.links)
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, self.grpc_server)
         self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:

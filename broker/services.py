@@ -23,6 +23,7 @@ from broker.fault_tolerance import attach_fault_tolerance, use_measured_throughp
 from broker.jobs.hub import EventHub
 from broker.jobs.service import JobService, JobSettings
 from broker.ledger.service import LedgerService
+from broker.links import LinkService, LinkSettings
 from broker.maintenance import Maintenance
 from broker.market import MarketService, MarketSettings
 from broker.providers.defaults import WeightsDefaults
@@ -39,6 +40,7 @@ from broker.storage.admin_sql import SqlAuditRepository
 from broker.storage.base import make_engine
 from broker.storage.jobs_sql import SqlJobRepository
 from broker.storage.ledger_sql import SqlLedgerRepository
+from broker.storage.links_sql import SqlLinkRepository
 from broker.storage.market_sql import SqlAskStore
 from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
@@ -71,6 +73,7 @@ class Services:
     admin: object | None = None             # broker.admin.service.AdminService
     admin_sessions: object | None = None    # broker.admin.session.AdminSessions
     verification: object | None = None      # broker.verification.service.VerificationService
+    links: LinkService | None = None        # operators linked by what the broker sees
 
     def close(self) -> None:
         self.maintenance.stop()
@@ -89,10 +92,13 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     signer = KeyPair.load_or_create(settings.key_path)
     catalog = PluginCatalog.from_folders(settings.plugin_dirs)
     accounts = SqlAccountRepository(sessions)
-    providers = ProviderService(SqlProviderRepository(sessions))
+    audit = AuditLog(SqlAuditRepository(sessions))
+    # Operator links (issue #20): what the broker sees that ties two accounts to one person
+    links = LinkService(SqlLinkRepository(sessions),
+                        LinkSettings(link_loopback=settings.link_loopback), audit=audit)
+    providers = ProviderService(SqlProviderRepository(sessions), links=links)
     ledger = LedgerService(SqlLedgerRepository(engine))
     ledger.open_platform_accounts()
-    audit = AuditLog(SqlAuditRepository(sessions))
     ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
     pricing = PricingService(SqlPriceRepository(sessions))
     pricing.on_changed = audit_price_changes(audit)
@@ -105,7 +111,8 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     payments = PaymentService(ledger, SqlPaymentsRepository(sessions), gateway,
                               credit_price_cents=settings.credit_price_cents,
                               currency=settings.currency, public_url=settings.public_url,
-                              account_exists=lambda a: accounts.get_account(a) is not None)
+                              account_exists=lambda a: accounts.get_account(a) is not None,
+                              links=links)
     # The marketplace (issue #3): signed plugin/adapter versions, files in the blob store;
     # published plugins join the job catalog; adapter royalties are paid at settlement.
     registry = RegistryService(SqlRegistryRepository(sessions),
@@ -133,10 +140,11 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                                           canary_interval_s=settings.market_canary_interval_s,
                                           reputation_floor=settings.market_reputation_floor,
                                           default_cold_start_s=settings.market_cold_start_s),
-                           store=SqlAskStore(sessions), manifest_of=manifests_of(catalog))
+                           store=SqlAskStore(sessions), manifest_of=manifests_of(catalog),
+                           linked_to=links.linked_to)
     market.on_rule_changed = audit_market_rules(audit)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
-                             envelope_ttl_s=settings.envelope_ttl_s)
+                             envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints)
     attach_market(market, canaries, jobs, dispatcher)
     # The market's cold-start term asks the registry's warm index whether the provider's
     # plugin host has the model loaded (providers it has no report from count as warm).
@@ -156,17 +164,17 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     verification = None
     if settings.verification:
         verification = _attach_verification(settings, sessions, accounts, jobs, catalog, ledger,
-                                            providers, admin, dispatcher, canaries)
+                                            providers, admin, dispatcher, canaries, links)
         maintenance.tasks.append(verification.sweep)
     return Services(settings=settings, engine=engine, signer=signer, auth=auth, catalog=catalog,
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
-                    maintenance=maintenance)
+                    maintenance=maintenance, links=links)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,
-                         dispatcher, canaries=None):
+                         dispatcher, canaries=None, links=None):
     """Spot redundancy (DESIGN §6): sample settled jobs for checks, judge them, and gate
     dispatch on minimum stake and the quota lost disputes cut."""
     import time as _time
@@ -186,7 +194,7 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     repo = SqlVerificationRepository(sessions)
     verification = VerificationService(
         repo, jobs, catalog, ledger, providers, admin["admin"].policies,
-        disputes=admin["disputes"], audit=admin["audit"],
+        disputes=admin["disputes"], audit=admin["audit"], links=links,
         settings=VerificationSettings(check_delay_s=(0.0, max(0.0, settings.check_delay_max_s))))
     verification.judge_in_background()  # not on the agent stream that settled the check
     jobs.on_settled = verification.settled

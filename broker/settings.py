@@ -37,6 +37,7 @@ market_reputation_floor      SPARECYCLES_MARKET_REPUTATION_FLOOR 0.5 (admins may
 market_cold_start_s          SPARECYCLES_MARKET_COLD_START_S     10 (load time nobody measured)
 check_delay_max_s            SPARECYCLES_CHECK_DELAY_MAX_S       5 (checks wait 0..this, at random)
 verification                 SPARECYCLES_VERIFICATION            on (off: no job is re-run)
+link_loopback                SPARECYCLES_LINK_LOOPBACK           off (on: loopback agents' address and hardware link accounts)
 admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept in <data_dir>/admin_session.key)
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 ===========================  ==================================  ===========================
@@ -113,6 +114,9 @@ class Settings:
     market_cold_start_s: float = 10.0
     check_delay_max_s: float = 5.0
     verification: bool = True
+    # Operator links (broker.links): whether agents connecting over loopback link accounts
+    # by their address and hardware (off: on one machine they say nothing of who runs them).
+    link_loopback: bool = False
     admin_session_secret: str = ""
     admin_session_ttl_s: int = 1800
 
@@ -180,6 +184,8 @@ class Settings:
             "check_delay_max_s": ("SPARECYCLES_CHECK_DELAY_MAX_S", float),
             "verification": ("SPARECYCLES_VERIFICATION",
                              lambda v: v.strip().lower() not in ("0", "off", "false", "no")),
+            "link_loopback": ("SPARECYCLES_LINK_LOOPBACK",
+                              lambda v: v.strip().lower() in ("1", "on", "true", "yes")),
             "admin_session_secret": ("SPARECYCLES_ADMIN_SESSION_SECRET", str),
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
         }

@@ -35,6 +35,7 @@ from .benchmark import benchmark_plugin, throttle
 from .cheats import Cheat
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
+from .fingerprint import machine_fingerprint
 from .host.manager import HostResult, PluginHost
 from .weights import folder_digest
 
@@ -64,6 +65,9 @@ class RunningJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Installer keys of the registry adapters the job uses: kept from eviction while it runs.
     held: list[str] = field(default_factory=list)
+    # When the assignment arrived (perf_counter): the wait before a worker ran it is the
+    # receipt's "queue" timing, which the broker deducts (within a bound) from the run it times.
+    received: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -325,7 +329,8 @@ class Agent:
             hardware=pb.Hardware(device=hw.get("device", "cpu"), gpu_name=hw.get("gpu_name", ""),
                                  vram_gb=float(hw.get("vram_gb", 0.0)),
                                  cpu_count=int(hw.get("cpu_count", os.cpu_count() or 1)),
-                                 memory_gb=_memory_gb()),
+                                 memory_gb=_memory_gb(),
+                                 fingerprint=machine_fingerprint()),
             slots=self.cfg.slots, sandboxed=self.sandboxed,
             benchmarks=[pb.PluginBenchmark(plugin=p, units_per_s=u, runs=3,
                                            cold_start_s=self._cold_start_s(p))
@@ -577,8 +582,16 @@ class Agent:
         inputs, cheated = env["inputs"], None
         try:
             if self.cheat is not None:  # the verification harness's cheating agent
-                cheated = self.cheat.before(job_id, served.manifest, env["inputs"])
+                cheated = self.cheat.before(job_id, served.manifest, env["inputs"],
+                                            envelope=env)
                 inputs = cheated.run_inputs
+                if cheated.fail:
+                    raise HostError("out_of_memory", "the GPU ran out of memory",
+                                    retryable=False)
+                if self.cheat.fake_progress(cheated):
+                    total = int((cheated.validated or {}).get("steps")
+                                or (cheated.validated or {}).get("max_new_tokens") or 1)
+                    progress_with_total(total, total, "")
             if cheated is not None and cheated.skip_run:
                 result = HostResult(self.cheat.fake_outputs(env["plugin"], cheated,
                                                             repro_class(served, [])["dtype"]),
@@ -611,6 +624,9 @@ class Agent:
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
                                               float(result.work_units or 0)))
+        if cheated is not None:  # inflated-units: the receipt's own figures lie
+            result.work_units, run_ms = self.cheat.receipt_figures(cheated, result.work_units,
+                                                                   run_ms)
         messages, outputs, chunks = [], [], []
         for out in result.outputs:
             sha = sha256_hex(out.data)
@@ -625,7 +641,8 @@ class Agent:
                                provider_key=self.identity.public_key_hex, outputs=outputs,
                                work_units=result.work_units,
                                timings_ms={"run": run_ms,
-                                           "total": int((time.perf_counter() - t0) * 1000)},
+                                           "total": int((time.perf_counter() - t0) * 1000),
+                                           "queue": max(0, int((t0 - rj.received) * 1000))},
                                extra={"repro": repro_class(served, outputs)})
         data = canonical_bytes(receipt)
         messages.append(pb.AgentMessage(receipt=pb.Receipt(

@@ -44,6 +44,26 @@ the outputs are uploaded as usual; meta keeps claiming what the job asked, e.g. 
                       (stopped_by_string, stop_at), and the meta the job's max_new_tokens
 ``altered-text``      text outputs: the delivered text gets a line appended (the claimed
                       tokens and their meta are the honest run's)
+
+Issue #20, what a provider claims about its work and who it is (trust-market):
+
+``inflated-units``    runs honestly; the receipt claims 10× the work units and a run time
+                      of 1 ms (θ used to be the receipt's units over its run time)
+``fake-progress``     reports the job 100 % done as soon as it starts, then runs it as
+                      usual (a cancel used to pay by reported progress)
+``collude``           two accounts of one person (``SPARECYCLES_CHEAT_ROLE``): the
+                      ``cheat`` runs every job with a wrong seed and leaves its outputs in
+                      ``SPARECYCLES_CHEAT_SHARED`` (a folder both agents see); the ``pal``
+                      runs honestly except a job with inputs the cheat ran, for which it
+                      returns the cheat's outputs (agreeing with it as checker or third run)
+``fail-checks``       the same pair, but the ``pal`` fails the jobs the cheat ran (its
+                      checks) as "non-retryable" (a check so failed used to be given up)
+``detect-checks``     cheats (a wrong seed) only on what looks like a client job, and runs
+                      honestly what looks like a check or a canary by the tells agents used
+                      to have: client job ids derived as version-5 UUIDs while checks and
+                      canaries were version 4; a canary's benchmark inputs and its missing
+                      weights_digest. Its log says what it took each job for
+                      (``looked_like``).
 """
 from __future__ import annotations
 
@@ -67,6 +87,12 @@ log = logging.getLogger("agent")
 MODES = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
          "cached-output", "truncate-text", "pad-text", "other-text-model",
          "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text")
+# issue #20 (trust-market): claims about the work, and one person's two accounts
+TRUST_MODES = ("inflated-units", "fake-progress", "collude", "fail-checks", "detect-checks")
+MODES += TRUST_MODES
+#: Modes run by a pair of agents of two accounts (SPARECYCLES_CHEAT_ROLE cheat / pal).
+PAIR_MODES = ("collude", "fail-checks")
+INFLATE_UNITS = 10.0
 #: Text cheats that run the job with other sampling settings than it asked, and claim its own.
 SAMPLING_MODES = ("greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop")
 ALTERED_TEXT = b"\n\nSponsored: visit example.com"
@@ -83,6 +109,8 @@ class Outcome:
     run_inputs: dict[str, Any]          # what the plugin host is given
     skip_run: bool = False              # random-image / cached-output: no host.run
     validated: dict[str, Any] | None = None  # the job's inputs with defaults (None: invalid)
+    fail: bool = False                  # fail-checks' pal: fail the job as non-retryable
+    shared: list | None = None          # collude's pal: the cheat's outputs to return
 
 
 @dataclass
@@ -93,6 +121,9 @@ class Cheat:
     log_path: Path | None = None
     rng: random.Random = field(default_factory=random.Random)
     cached: dict[str, list] = field(default_factory=dict)  # plugin -> first HostOutputs
+    role: str = "cheat"                 # PAIR_MODES: "cheat" or "pal"
+    shared_dir: Path | None = None      # PAIR_MODES: the folder the pair shares
+    uuid_versions: set = field(default_factory=set)  # detect-checks: versions of ids seen
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,6 +136,13 @@ class Cheat:
                                   "(the other weights folder to run)")
             if not self.weights.is_dir():
                 raise ConfigError(f"SPARECYCLES_CHEAT_WEIGHTS={self.weights} is not a folder")
+        if self.mode in PAIR_MODES:
+            if self.role not in ("cheat", "pal"):
+                raise ConfigError(f"SPARECYCLES_CHEAT_ROLE={self.role!r}; cheat or pal")
+            if self.shared_dir is None:
+                raise ConfigError(f"SPARECYCLES_CHEAT={self.mode} needs SPARECYCLES_CHEAT_SHARED "
+                                  "(a folder both agents of the pair can write)")
+            self.shared_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- start ---------------------------------------------------------------------------
     def announce(self) -> None:
@@ -125,11 +163,15 @@ class Cheat:
         return [self.weights.resolve()] if self.mode in WEIGHT_MODES and self.weights else []
 
     # ---- per job -------------------------------------------------------------------------
-    def before(self, job_id: str, manifest, inputs: dict[str, Any]) -> Outcome:
+    def before(self, job_id: str, manifest, inputs: dict[str, Any],
+               envelope: dict[str, Any] | None = None) -> Outcome:
         """Decide (per job, at ``rate``) and rewrite the inputs the host will get
         (``manifest``: the served plugin's; an input rewrite starts from the validated
-        inputs, so a default the job left out is cheated on too)."""
+        inputs, so a default the job left out is cheated on too). ``envelope``: the job's
+        signed envelope as the agent got it (what detect-checks looks at)."""
         plugin, output_kind = manifest.name, manifest.output
+        if self.mode in TRUST_MODES:
+            return self._claims_and_pairs(job_id, manifest, inputs, envelope or {})
         try:
             validated = manifest.validate_inputs(inputs)
         except Exception:  # noqa: BLE001 - the host refuses it honestly
@@ -177,6 +219,8 @@ class Cheat:
         from .host.manager import HostOutput
 
         validated = outcome.validated or {}
+        if outcome.shared is not None:  # collude's pal: the cheat's outputs
+            return self.shared_outputs(outcome)
         if self.mode == "cached-output":
             outs = [HostOutput(o.index, o.media_type, o.data, copy.deepcopy(o.meta))
                     for o in self.cached[plugin]]
@@ -191,6 +235,11 @@ class Cheat:
 
     def after(self, plugin: str, outcome: Outcome, outputs: list) -> list:
         """Rewrite the outputs of a run (cheated or not: the cache fills from the first)."""
+        if self.mode in PAIR_MODES or self.mode == "detect-checks":
+            if self.mode in PAIR_MODES and self.role == "cheat" and outcome.cheated:
+                self._share(plugin, outcome.job_inputs, outputs)
+            return (self._claim_job_meta(outputs, outcome.job_inputs) if outcome.cheated
+                    else outputs)
         if self.mode == "cached-output" and not self.cached.get(plugin) and outputs:
             self.cached[plugin] = [copy.deepcopy(o) for o in outputs]
         if not outcome.cheated:
@@ -209,6 +258,99 @@ class Cheat:
             return [claim_sampling(o, outcome.validated or {}, self.mode) for o in outputs]
         return outputs
 
+    # ---- issue #20: claims about the work, one person's two accounts ----------------------
+    def _claims_and_pairs(self, job_id: str, manifest, inputs: dict[str, Any],
+                          envelope: dict[str, Any]) -> Outcome:
+        plugin = manifest.name
+        try:
+            validated = manifest.validate_inputs(inputs)
+        except Exception:  # noqa: BLE001 - the host refuses it honestly
+            validated = None
+        out = Outcome(False, dict(inputs), inputs, validated=validated)
+        if validated is None:
+            return self._record(job_id, plugin, out)
+        if self.mode in ("inflated-units", "fake-progress"):
+            out.cheated = self.rng.random() < self.rate  # the receipt or the progress lies
+            return self._record(job_id, plugin, out)
+        if self.mode in PAIR_MODES:
+            key = _inputs_key(plugin, inputs)
+            if self.role == "cheat":
+                if self.rng.random() < self.rate:
+                    out.run_inputs = _wrong_seed(validated, self.rng)
+                    out.cheated = True
+                return self._record(job_id, plugin, out)
+            shared = self._shared(key)  # the pal: a job the cheat ran is being checked
+            if shared is not None:
+                out.cheated = True
+                if self.mode == "fail-checks":
+                    out.fail = True
+                else:
+                    out.skip_run, out.shared = True, shared
+            return self._record(job_id, plugin, out)
+        # detect-checks
+        looked = self._looks_like(job_id, manifest, inputs, envelope)
+        if looked == "client" and self.rng.random() < self.rate:
+            out.run_inputs = _wrong_seed(validated, self.rng)
+            out.cheated = True
+        return self._record(job_id, plugin, out, looked_like=looked)
+
+    def _looks_like(self, job_id: str, manifest, inputs: dict[str, Any],
+                    envelope: dict[str, Any]) -> str:
+        """"check", "canary" or "client", by the tells agents used to have."""
+        import uuid as _uuid
+
+        bench = dict(manifest.benchmark_inputs or {})
+        try:
+            same = bench and _unseeded(manifest.validate_inputs(inputs)) == _unseeded(
+                manifest.validate_inputs(bench))
+        except Exception:  # noqa: BLE001 - inputs the plugin refuses are no canary's
+            same = False
+        if same:
+            return "canary"
+        if envelope and "weights_digest" not in envelope:
+            return "canary"
+        try:
+            version = _uuid.UUID(job_id).version
+        except ValueError:
+            return "client"
+        self.uuid_versions.add(version)
+        if 5 in self.uuid_versions and version == 4:
+            return "check"  # client jobs' ids are derived (v5): a random one is a check
+        return "client"
+
+    def fake_progress(self, outcome: Outcome) -> bool:
+        """fake-progress: report the job done as it starts."""
+        return self.mode == "fake-progress" and outcome.cheated
+
+    def receipt_figures(self, outcome: Outcome, work_units: float,
+                        run_ms: int) -> tuple[float, int]:
+        """inflated-units: the work units and run time the receipt claims."""
+        if self.mode == "inflated-units" and outcome.cheated:
+            return float(work_units) * INFLATE_UNITS, 1
+        return work_units, run_ms
+
+    def shared_outputs(self, outcome: Outcome) -> list:
+        """collude's pal: the cheat's outputs for the job, as its own."""
+        from .host.manager import HostOutput
+
+        return [HostOutput(o["index"], o["media_type"], bytes.fromhex(o["data"]), o["meta"])
+                for o in outcome.shared or []]
+
+    def _share(self, plugin: str, job_inputs: dict[str, Any], outputs: list) -> None:
+        path = self.shared_dir / f"{_inputs_key(plugin, job_inputs)}.json"
+        doc = [{"index": o.index, "media_type": o.media_type, "data": o.data.hex(),
+                "meta": o.meta} for o in outputs]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, default=str))
+        tmp.replace(path)
+
+    def _shared(self, key: str) -> list | None:
+        path = self.shared_dir / f"{key}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
     # ---- helpers -------------------------------------------------------------------------
     def _claim_job_meta(self, outputs: list, job_inputs: dict[str, Any]) -> list:
         """Meta that claims the job as asked: its seed, its adapters."""
@@ -224,14 +366,15 @@ class Cheat:
     def _hex(self, n: int) -> str:
         return "".join(self.rng.choice("0123456789abcdef") for _ in range(n))
 
-    def _record(self, job_id: str, plugin: str, outcome: Outcome) -> Outcome:
+    def _record(self, job_id: str, plugin: str, outcome: Outcome, **extra) -> Outcome:
         if outcome.cheated:
             log.warning("CHEAT %s on job %s (%s)", self.mode, job_id, plugin)
         if self.log_path is not None:
             try:
                 with open(self.log_path, "a") as f:
                     f.write(json.dumps({"job_id": job_id, "plugin": plugin, "mode": self.mode,
-                                        "cheated": outcome.cheated, "time": time.time()}) + "\n")
+                                        "cheated": outcome.cheated, "time": time.time(),
+                                        "role": self.role, **extra}) + "\n")
             except OSError as exc:
                 log.error("cannot write SPARECYCLES_CHEAT_LOG %s: %s", self.log_path, exc)
         return outcome
@@ -251,9 +394,12 @@ def from_env(environ: dict[str, str] | None = None) -> Cheat | None:
     seed = environ.get("SPARECYCLES_CHEAT_SEED")
     weights = environ.get("SPARECYCLES_CHEAT_WEIGHTS")
     log_path = environ.get("SPARECYCLES_CHEAT_LOG")
+    shared = environ.get("SPARECYCLES_CHEAT_SHARED")
     return Cheat(mode, rate, Path(weights).expanduser() if weights else None,
                  Path(log_path) if log_path else None,
-                 random.Random(int(seed)) if seed not in (None, "") else random.Random())
+                 random.Random(int(seed)) if seed not in (None, "") else random.Random(),
+                 role=environ.get("SPARECYCLES_CHEAT_ROLE", "cheat").strip() or "cheat",
+                 shared_dir=Path(shared).expanduser() if shared else None)
 
 
 def random_png(width: int, height: int, rng: random.Random | None = None) -> bytes:
@@ -360,3 +506,23 @@ def _adapter_meta(text: Any) -> dict[str, float] | None:
         return {a.name: a.scale for a in parse_adapters(str(text))} or None
     except Exception:  # noqa: BLE001 - best effort: a cheater's claim, not a check
         return None
+
+
+def _inputs_key(plugin: str, inputs: dict[str, Any]) -> str:
+    """What a pair of cheating accounts recognise a job by: its plugin and inputs (a check
+    re-runs the inputs of the job it checks)."""
+    from sdk.protocol.canonical import canonical_bytes, sha256_hex
+
+    return sha256_hex(canonical_bytes({"plugin": plugin, "inputs": inputs}))[:32]
+
+
+def _wrong_seed(validated: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    run = copy.deepcopy(validated)
+    seed = run.get("seed")
+    run["seed"] = (int(seed) + 1) % 2**32 if seed is not None else rng.randrange(2**32)
+    return run
+
+
+def _unseeded(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in inputs.items() if k != "seed"}
+

@@ -135,15 +135,17 @@ class JobBilling:
         return self._post(job, charge, price.fee_of(charge), price.vesting_window_s,
                           royalty=not getattr(job, "check_of", None))
 
-    def cancelled(self, job: Job, reason: str) -> Transaction | None:
-        """``job`` as it was just before it was cancelled: pay the work units done, release
-        the rest."""
+    def cancelled(self, job: Job, reason: str, done: Fraction = Fraction(0)) -> Transaction | None:
+        """``job`` as it was just before it was cancelled: pay ``done`` (the share of its
+        work units the provider *showed* it did: checkpoints the broker holds, tokens it
+        streamed; see ``JobService.shown_fraction``), release the rest. Progress a provider
+        only reports is never paid: it costs nothing to claim."""
         if job.hold_id is None:
             return None
-        done = self.units_done(job)
+        done = min(Fraction(1), max(Fraction(0), Fraction(done)))
         if job.provider_id and done > 0:
             price = self.pricing.price(job.plugin)
-            charge = price.charge_micro(self.rate_of(job), done,
+            charge = price.charge_micro(self.rate_of(job), exact_units(job.work_units) * done,
                                         cap_micro=job.max_price_micro, minimum=False)
             if charge > 0:
                 return self._post(job, charge, price.fee_of(charge), price.vesting_window_s)
@@ -160,14 +162,6 @@ class JobBilling:
         if price is not None:
             return price
         return self.pricing.price(job.plugin).reserve_micro_per_unit
-
-    @staticmethod
-    def units_done(job: Job) -> Fraction:
-        """Work units reported done: the job's units × progress step / total."""
-        if job.progress_total <= 0 or job.progress_step <= 0:
-            return Fraction(0)
-        step = min(job.progress_step, job.progress_total)
-        return exact_units(job.work_units) * step / job.progress_total
 
     def royalty_within_hold(self, job: Job, provider_micro: int,
                             fee: int) -> tuple[list[tuple[str, int]], int]:

@@ -60,16 +60,16 @@ def settle_shared(billing, job: Job, work_units_used, parts: list[Part],
 
 
 def cancel_shared(billing, job: Job, parts: list[Part], resumed: Fraction,
-                  reason: str) -> Transaction | None:
+                  reason: str, shown: Fraction = Fraction(0)) -> Transaction | None:
     """``job`` (as it was just before it was cancelled) resumed from a checkpoint: each
-    earlier provider is paid its share, the current one the steps it reported since the
-    resume (no minimum charge); the rest goes back to the client."""
+    earlier provider is paid its share, the current one what it showed since the resume
+    (``shown``: the share of the whole job its checkpoints or streamed tokens reach, see
+    ``JobService.shown_fraction``; no minimum charge); the rest goes back to the client."""
     if job.hold_id is None:
         return None
     done = Fraction(0)
-    if job.provider_id and job.progress_total > 0:
-        done = max(Fraction(0), Fraction(min(job.progress_step, job.progress_total),
-                                         job.progress_total) - resumed)
+    if job.provider_id:
+        done = max(Fraction(0), min(Fraction(1), shown) - resumed)
     final, earlier = shares_micro(billing, job, job.work_units, parts, 1 - done)
     shares = ([(job.provider_id, -1, final)] if final > 0 else []) + \
         [(p.provider_id, p.attempt, c) for p, c in earlier]

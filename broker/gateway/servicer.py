@@ -173,7 +173,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
-                 stats: GatewayStats | None = None):
+                 stats: GatewayStats | None = None, links=None):
+        self.links = links          # broker.links.LinkService: address and hardware link accounts
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
         self.canaries = canaries    # broker.market.canary.CanaryService
@@ -235,7 +236,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         caps = (await self._next(context, "capabilities")).capabilities
 
         admitted = loop.run_in_executor(self.executor, self._admit, principal, hello, caps,
-                                        loop)
+                                        loop, context.peer())
         try:
             session, greeting = await asyncio.shield(admitted)
         except asyncio.CancelledError:  # the agent left meanwhile: leave once admitted
@@ -285,7 +286,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                            f"expected {want}, got {msg.WhichOneof('body')}")
         return msg
 
-    def _admit(self, principal, hello, caps, loop) -> tuple[GatewaySession, list]:
+    def _admit(self, principal, hello, caps, loop, peer: str = "") -> tuple[GatewaySession, list]:
         """In the pool: the provider's record, its session in the market and with the
         dispatcher; returns the session and the messages that greet the agent."""
         plugins = [{"name": p.name, "version": p.version, "weights_digest": p.weights_digest,
@@ -296,6 +297,9 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         provider = self.providers.connect(principal, hello.public_key, hello.name,
                                           sandboxed=caps.sandboxed, hardware=hardware,
                                           plugins=plugins)
+        if self.links is not None:  # where it connects from, and on which machine
+            self.links.agent_seen(provider.account_id, peer=peer,
+                                  fingerprint=caps.hardware.fingerprint[:128])
         if caps.slots < 1 or caps.slots > 64:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"capabilities.slots is {caps.slots}; must be between 1 and 64")
@@ -361,8 +365,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                     stats.heartbeats += 1
                     if not msg.heartbeat.running_job_ids:
                         continue  # it renews no lease: nothing to write, no thread needed
-                with lock:
-                    inbox.append(msg)
+                with lock:  # with when it arrived: a receipt ends the run the market times
+                    inbox.append((msg, self.jobs.clock()))
                     start = not state["draining"]
                     state["draining"] = True
                     full = len(inbox) >= INBOX_MAX
@@ -386,12 +390,13 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 if not inbox:
                     state["draining"] = False
                     return
-                msg = inbox.popleft()
-            self._handle_safely(msg, session)
+                msg, arrived = inbox.popleft()
+            self._handle_safely(msg, session, arrived)
 
-    def _handle_safely(self, msg: pb.AgentMessage, session: GatewaySession) -> None:
+    def _handle_safely(self, msg: pb.AgentMessage, session: GatewaySession,
+                       arrived: float | None = None) -> None:
         try:
-            self._handle(msg, session)
+            self._handle(msg, session, arrived)
         except BrokerError as exc:
             job_id = getattr(getattr(msg, msg.WhichOneof("body") or "", None), "job_id", "")
             log.warning("refused %s from %s: %s", msg.WhichOneof("body"),
@@ -446,10 +451,11 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 plugin=ask.plugin, accepted=False, code=exc.code, message=exc.message,
                 standing_price_micro_per_unit=standing))
 
-    def _canary(self, msg: pb.AgentMessage, kind: str, session: GatewaySession) -> bool:
+    def _canary(self, msg: pb.AgentMessage, kind: str, session: GatewaySession,
+                arrived: float | None = None) -> bool:
         """Messages about a canary job go to the canary service, not the job service."""
         if self.canaries is None or kind not in ("accepted", "progress", "output", "receipt",
-                                                 "failed", "give_back"):
+                                                 "failed", "give_back", "checkpoint"):
             return False
         if kind == "receipt":
             # Opened (decoded, signature checked) once, by the service whose job it is; not
@@ -457,7 +463,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             if not (self.canaries.out_to(session.provider_id)
                     and self.canaries.owns(receipt_job_id(msg.receipt.receipt) or "")):
                 return False
-            job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature)
+            job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature,
+                                           received_at=arrived)
             if job_id is None:
                 return False
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what="receipt")))
@@ -472,10 +479,14 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.dispatcher.kick()
         return True
 
-    def _handle(self, msg: pb.AgentMessage, session: GatewaySession) -> None:
+    def _handle(self, msg: pb.AgentMessage, session: GatewaySession,
+                arrived: float | None = None) -> None:
+        """One message of the agent's; ``arrived``: when the stream read it (the broker's
+        clock), so a receipt's run is timed to its arrival, not to when a pool thread got
+        to it."""
         kind = msg.WhichOneof("body")
         pid = session.provider_id
-        if self._canary(msg, kind, session):
+        if self._canary(msg, kind, session, arrived):
             return
         if kind == "post_asks" and self.market is not None:
             for ask in msg.post_asks.asks:
@@ -498,7 +509,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         elif kind == "receipt":
             r = msg.receipt
             job = self.jobs.receipt(pid, session.public_key, r.receipt, r.signature,
-                                    uploads=[(o.data, o.sha256) for o in r.outputs])
+                                    uploads=[(o.data, o.sha256) for o in r.outputs],
+                                    received_at=arrived)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job.id, what="receipt")))
         elif kind == "failed":
             f = msg.failed

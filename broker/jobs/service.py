@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +25,7 @@ from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
 from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, ReceiptRefused
+from .checkpoints import steps_of
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
 from .ports import BlobStore, JobRepository, Presence
@@ -89,7 +91,9 @@ class JobService:
         # Input checks that need more than the manifest (set by the wiring): the registry
         # refuses adapters published for another plugin. callable(plugin, inputs) -> None
         self.check_inputs = lambda plugin, inputs: None
-        self.on_receipt = lambda job, receipt: None
+        # Every settled receipt, with when it reached the broker (epoch seconds): the market
+        # times the run from the assignment (``matched_at``) to then (θ, DESIGN §4).
+        self.on_receipt = lambda job, receipt, received_at: None
         # A run that failed in a way that counts against the provider's reliability.
         self.on_failure = lambda provider_id, plugin: None
         # (job, provider id) -> that provider's operator (account id) when a provider of
@@ -167,7 +171,7 @@ class JobService:
         # or not, meets the first one's row and is refused on its request hash; one that
         # is refused on the way (the terms, the balance or the hold are not what they
         # were, say) is looked up.
-        job_id = (str(uuid.uuid5(_JOB_IDS, f"{who.account_id}:{idempotency_key}"))
+        job_id = (_derived_id(f"{who.account_id}:{idempotency_key}")
                   if idempotency_key is not None else str(uuid.uuid4()))
         try:
             job = self._create(who, manifest, inputs, terms, job_id, idempotency_key,
@@ -275,11 +279,11 @@ class JobService:
         n = terms["n"]
         cap = terms["max_price_micro"]
         share = None if cap is None else cap // n
-        batch_id = str(uuid.uuid5(_JOB_IDS, f"batch:{first_id}"))
+        batch_id = _derived_id(f"batch:{first_id}")
         created: list[Job] = []
         with self.repo.atomic():  # all siblings with their holds, or none
             for i in range(n):
-                job_id = first_id if i == 0 else str(uuid.uuid5(_JOB_IDS, f"{batch_id}:{i}"))
+                job_id = first_id if i == 0 else _derived_id(f"{batch_id}:{i}")
                 sib_inputs = dict(inputs)
                 if isinstance(sib_inputs.get("seed"), int) and not isinstance(
                         sib_inputs["seed"], bool):
@@ -449,12 +453,14 @@ class JobService:
                     error_code="cancelled", error_message=reason)
                 if moved is not None:
                     parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
+                    shown = self.shown_fraction(job)
                     if parts:  # resumed: earlier providers keep their shares
                         resumed = self.checkpoints.base_fraction(job)
                         self._money("cancel", job, lambda: cancel_shared(
-                            self.billing, job, parts, resumed, reason))
+                            self.billing, job, parts, resumed, reason, shown))
                     else:
-                        self._money("cancel", job, lambda: self.billing.cancelled(job, reason))
+                        self._money("cancel", job,
+                                    lambda: self.billing.cancelled(job, reason, shown))
             if moved is not None:
                 if job.state in LEASED and job.provider_id:
                     self.cancel_hook(job)
@@ -467,6 +473,49 @@ class JobService:
             return job
         raise JobNotCancellable(f"job {job_id} is already {job.state.value}; only jobs that "
                                 "have not finished can be cancelled")
+
+    def shown_fraction(self, job: Job) -> Fraction:
+        """The share of ``job`` (0..1, of its whole work) that its current attempt has
+        *shown* it did: the step of the latest checkpoint the broker received from that
+        attempt, or the tokens it streamed (one ``token`` event each, counted from the
+        resume step, over the job's steps: Llama's ``max_new_tokens``), whichever reaches
+        further. What a cancelled job pays its current provider for; reported progress
+        is not counted (a provider says 100 % as easily as 10 %). 0 for a job no provider
+        holds now."""
+        if job.state not in LEASED or not job.provider_id:
+            return Fraction(0)
+        shown = Fraction(0)
+        resumed = Fraction(0)
+        if self.checkpoints is not None:
+            resumed = self.checkpoints.base_fraction(job)
+            shown = resumed
+            for rec in self.checkpoints.repo.for_job(job.id):
+                if rec.attempt == job.attempt and rec.total > 0:
+                    shown = max(shown, Fraction(min(rec.step, rec.total), rec.total))
+        steps = steps_of(job)
+        if steps > 0:
+            tokens = self._tokens_streamed(job, limit=steps)
+            if tokens:
+                shown = max(shown, min(Fraction(1), resumed + Fraction(tokens, steps)))
+        return min(Fraction(1), shown)
+
+    def _tokens_streamed(self, job: Job, limit: int) -> int:
+        """``token`` events of the job's current attempt (after its ``assigned`` event),
+        counted up to ``limit``."""
+        count, after, attempt_started = 0, 0, False
+        while True:
+            events = self.repo.events_after(job.id, after)
+            if not events:
+                return count
+            for e in events:
+                if e.kind == "assigned":
+                    attempt_started = e.data.get("attempt") == job.attempt
+                    count = 0
+                elif e.kind == "token" and attempt_started:
+                    count += 1
+            if count >= limit and attempt_started:
+                return limit
+            after = events[-1].id
 
     # ---- dispatch --------------------------------------------------------------------
     def queued(self, limit: int = 200) -> list[Job]:
@@ -557,10 +606,13 @@ class JobService:
         return self.blobs.put(data)
 
     def receipt(self, provider_id: str, provider_key: str, data: bytes, signature: str,
-                uploads: list[tuple[bytes, str]] = ()) -> Job:
+                uploads: list[tuple[bytes, str]] = (), received_at: float | None = None) -> Job:
         """Verify a signed receipt and settle the job; idempotent for the same receipt.
         ``uploads``: (data, sha256) of outputs that came with the receipt, stored once it
-        verifies and the job's lease is the sender's (each must be one the receipt names)."""
+        verifies and the job's lease is the sender's (each must be one the receipt names).
+        ``received_at``: when the receipt reached the broker (the gateway stamps it as it
+        reads the message; now when not given) — the end of the run the market times."""
+        received_at = self.clock() if received_at is None else received_at
         try:
             rec = open_receipt(data, signature, provider_key=provider_key)
         except EnvelopeError as exc:
@@ -578,7 +630,8 @@ class JobService:
                 copy = None
         if copy is not None:
             try:
-                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1])
+                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1],
+                                    received_at=received_at)
             except _Moved:
                 pass
         job = self.repo.get(job_id) if _is_uuid(job_id) else None
@@ -591,10 +644,10 @@ class JobService:
             self._charge(job, rec)
             return job
         job = self._leased(provider_id, job_id, attempt, job)
-        return self._settle(job, rec, signature, uploads)
+        return self._settle(job, rec, signature, uploads, received_at=received_at)
 
     def _settle(self, job: Job, rec: dict, signature: str, uploads,
-                envelope_sha: str | None = None) -> Job:
+                envelope_sha: str | None = None, received_at: float | None = None) -> Job:
         """Settle ``job`` (leased to the receipt's sender) on its verified receipt ``rec``.
         ``envelope_sha``: ``job`` is assign()'s copy and this the hash of its envelope as
         signed; a job that has moved since then raises _Moved instead of being refused."""
@@ -648,7 +701,7 @@ class JobService:
                 self.blobs.put(blob)
             self._charge(settled, rec)
         try:
-            self.on_receipt(settled, rec)
+            self.on_receipt(settled, rec, self.clock() if received_at is None else received_at)
             if _input_disputed(settled):  # whoever called this input bad was wrong
                 for refuser in self._input_refusers(job.id):
                     self.on_failure(refuser, job.plugin)
@@ -953,6 +1006,14 @@ def _replayed(existing: Job, request_hash: str, idempotency_key: str | None) -> 
 
 
 _JOB_IDS = uuid.UUID("6f1c0c5e-8a39-4c3e-9a55-5d0b3e2f7a11")  # namespace of derived job ids
+
+
+def _derived_id(name: str) -> str:
+    """A job (or batch) id derived from ``name`` (an idempotency key, a batch and index),
+    shaped as a random (version 4) UUID: the agents see job ids, and a derived id whose
+    version said 5 told client jobs from checks and canaries (uuid4), which must look the
+    same (issue #20). The bits come from the namespaced SHA-1 of ``name`` as before."""
+    return str(uuid.UUID(bytes=uuid.uuid5(_JOB_IDS, name).bytes, version=4))
 
 
 def _input_disputed(job: Job) -> bool:

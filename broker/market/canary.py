@@ -1,36 +1,60 @@
 """Canary jobs: the broker's own measurements of a provider's throughput.
 
-A canary is the plugin manifest's benchmark payload in an ordinary signed envelope, so the
+A canary is an ordinary signed envelope with the inputs of a recent client job of the same
+build that another operator ran (the manifest's benchmark payload only before there is
+one), with the fields a job's envelope has (weights digest, checkpoint interval), so the
 agent cannot tell it from a client's job. It has no job row, account or hold: the gateway
-hands its messages here (``owns``), the receipt's ``run`` timing becomes a θ sample, and
-nobody is charged or paid. One goes out when a provider connects with a plugin the broker
+hands its messages here (``owns``), the time the broker saw from sending it to its receipt
+arriving becomes a θ sample (``throughput.timed_sample``), and nobody is charged or paid. One goes out when a provider connects with a plugin the broker
 has not measured, then every ``canary_interval_s``.
 """
 from __future__ import annotations
 
 import logging
+import random
 import secrets
+import threading
 import uuid
+from collections import deque
+from typing import Protocol
 
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
 from sdk.protocol.signing import KeyPair
 
 from broker.catalog.registry import PluginCatalog
+from broker.jobs.model import Job, JobState
 
 from .service import Canary, MarketService
-from .throughput import run_sample
+from .throughput import timed_sample
 
 log = logging.getLogger(__name__)
 
 
+class EnvelopeExtra(Protocol):
+    """What a job's envelope says beyond its inputs (``CheckpointService.envelope_extra``:
+    ``checkpoint_every``), so a canary's envelope carries exactly what a job's would."""
+
+    def envelope_extra(self, job: Job) -> dict: ...
+
+
+#: Client jobs' inputs kept per build for canaries to reuse (the newest).
+RECENT_INPUTS = 64
+
+
 class CanaryService:
     def __init__(self, market: MarketService, catalog: PluginCatalog, signer: KeyPair, *,
-                 lease_timeout_s: float = 30.0, envelope_ttl_s: float = 60.0):
+                 lease_timeout_s: float = 30.0, envelope_ttl_s: float = 60.0,
+                 extra: EnvelopeExtra | None = None, rng: random.Random | None = None):
         self.market = market
         self.catalog = catalog
         self.signer = signer
         self.lease_timeout_s = lease_timeout_s
         self.envelope_ttl_s = envelope_ttl_s
+        self.extra = extra
+        self.rng = rng or random.SystemRandom()
+        # (plugin, version) -> [(operator that ran it, inputs)]: what canaries look like
+        self._recent: dict[tuple[str, str], deque] = {}
+        self._recent_lock = threading.Lock()
         # Verification (DESIGN §6) compares each canary's outputs with the answer known
         # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt).
         self.on_answer = lambda provider_id, plugin, version, inputs, receipt: None
@@ -50,10 +74,7 @@ class CanaryService:
                 (k.split("@", 1)[1] for k in session.plugins if k.split("@", 1)[0] == plugin), None)
             try:
                 manifest = self.catalog.get(plugin, version)
-                inputs = dict(manifest.benchmark_inputs)
-                if "seed" in manifest.inputs.names and self.seeds > 1:
-                    inputs["seed"] = secrets.randbelow(self.seeds)
-                inputs = manifest.validate_inputs(inputs)
+                inputs = self._inputs_for(manifest, getattr(session, "account_id", None))
             except Exception as exc:  # noqa: BLE001 - an unknown plugin cannot be measured
                 log.warning("no canary for %s on %s: %s", plugin, session.provider_id, exc)
                 continue
@@ -63,7 +84,8 @@ class CanaryService:
                                      version=manifest.version, inputs=inputs,
                                      provider_key=session.public_key,
                                      lease_timeout_s=self.lease_timeout_s,
-                                     ttl_s=self.envelope_ttl_s, now=now)
+                                     ttl_s=self.envelope_ttl_s, now=now,
+                                     extra=self._extra(session, manifest, inputs, job_id, now))
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now,
                                            version=manifest.version, inputs=inputs))
@@ -73,6 +95,40 @@ class CanaryService:
             sent += 1
         return sent
 
+    def remember(self, plugin: str, version: str, operator: str, inputs: dict) -> None:
+        """A client job of the build settled with these inputs (run by ``operator``'s
+        provider): canaries reuse such inputs, so that they look like the jobs they measure
+        (the benchmark payload, a few fixed prompts, told them apart)."""
+        with self._recent_lock:
+            self._recent.setdefault((plugin, version), deque(maxlen=RECENT_INPUTS)).append(
+                (operator, dict(inputs)))
+
+    def _inputs_for(self, manifest, operator: str | None) -> dict:
+        """A canary's inputs: a recent client job's of the build, one another operator ran
+        (the agent never sees its own job again); before there is any, the benchmark
+        payload with a seed from a few (each with an answer that becomes known)."""
+        with self._recent_lock:
+            pool = [i for op, i in self._recent.get((manifest.name, manifest.version), ())
+                    if op != operator]
+        if pool:
+            return manifest.validate_inputs(dict(self.rng.choice(pool)))
+        inputs = dict(manifest.benchmark_inputs)
+        if "seed" in manifest.inputs.names and self.seeds > 1:
+            inputs["seed"] = secrets.randbelow(self.seeds)
+        return manifest.validate_inputs(inputs)
+
+    def _extra(self, session, manifest, inputs: dict, job_id: str, now: float) -> dict:
+        """The envelope fields a job of the build would carry: the weights digest the agent
+        serves it with, and what checkpoints it would be asked for."""
+        served = getattr(session, "plugins", {}) or {}
+        digest = served.get(manifest.ref, "") if isinstance(served, dict) else ""
+        extra: dict = {"weights_digest": digest or ""}
+        if self.extra is not None:
+            extra.update(self.extra.envelope_extra(Job(
+                id=job_id, account_id="", plugin=manifest.name, plugin_version=manifest.version,
+                inputs=inputs, state=JobState.QUEUED, created_at=now)) or {})
+        return extra
+
     def owns(self, job_id: str) -> bool:
         return self.market.canary(job_id) is not None
 
@@ -80,9 +136,11 @@ class CanaryService:
         """Whether a canary is out to the provider: only then can a receipt be a canary's."""
         return self.market.has_canary(provider_id)
 
-    def receipt(self, session, data: bytes, signature: str) -> str | None:
-        """A receipt for a canary: verify it, record its timing; returns the job id (None
-        when it is not a canary)."""
+    def receipt(self, session, data: bytes, signature: str,
+                received_at: float | None = None) -> str | None:
+        """A receipt for a canary: verify it, time it (sent → ``received_at``, the broker's
+        clock; now when not given); returns the job id (None when it is not a canary)."""
+        received_at = self.market.clock() if received_at is None else received_at
         try:
             rec = open_receipt(data, signature, provider_key=session.public_key)
         except EnvelopeError:
@@ -100,10 +158,10 @@ class CanaryService:
                                canary.inputs, rec)
             except Exception:  # noqa: BLE001 - a check must never lose the measurement
                 log.exception("canary %s: comparing with the known answer failed", canary.job_id)
-        sample = run_sample(rec, canary.work_units)
+        sample = timed_sample(rec, canary.work_units, canary.sent_at, received_at)
         if sample is None:
-            log.warning("canary %s on %s: the receipt carries no run time; not measured",
-                        canary.plugin, session.provider_id)
+            log.warning("canary %s on %s: its receipt came before it was sent by the "
+                        "broker's clock; not measured", canary.plugin, session.provider_id)
             return canary.job_id
         self.market.observe(session.provider_id, canary.plugin, *sample)
         log.info("canary %s on %s: %s units in %.0f ms", canary.plugin, session.provider_id,

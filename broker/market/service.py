@@ -127,8 +127,12 @@ class MarketService:
     def __init__(self, reserve_of: Callable[[str], int], settings: MarketSettings | None = None,
                  *, rng: random.Random | None = None, clock=time.time,
                  store: AskStore | None = None,
-                 manifest_of: Callable[[str, str], Manifest | None] | None = None):
+                 manifest_of: Callable[[str, str], Manifest | None] | None = None,
+                 linked_to: Callable[[str], frozenset[str]] | None = None):
         self.settings = settings or MarketSettings()
+        # The accounts tied to an operator (broker.links): a provider never wins the job of
+        # a client linked to its operator (DESIGN §4).
+        self.linked_to = linked_to or (lambda operator: frozenset())
         self.store = store
         self.manifest_of = manifest_of or (lambda plugin, version: None)
         self.warm: Callable[[str, str], bool] = lambda provider_id, plugin: True
@@ -379,6 +383,12 @@ class MarketService:
         """Whether the provider joined the market (the gateway joins every agent)."""
         with self._lock:
             return provider_id in self._providers
+
+    def operator_of(self, provider_id: str) -> str | None:
+        """The operator (account) of a provider the market knows, else None."""
+        with self._lock:
+            state = self._providers.get(provider_id)
+            return state.operator_id if state is not None else None
 
     def flagged(self, provider_id: str, plugin: str) -> bool:
         with self._lock:
@@ -636,7 +646,15 @@ class MarketService:
                    reputation=rec.reliability, queue_s=state.queue_s,
                    cold_start_s=self._cold_start_s(state, plugin),
                    slots_free=min(state.free, self.rules.max_slots),
-                   vram_gb=min(state.vram_gb, self.rules.max_vram_gb), online=state.online)
+                   vram_gb=min(state.vram_gb, self.rules.max_vram_gb), online=state.online,
+                   linked_accounts=self._linked(state.operator_id))
+
+    def _linked(self, operator: str) -> frozenset[str]:
+        try:
+            return frozenset(self.linked_to(operator))
+        except Exception:  # noqa: BLE001 - a link is a precaution: the ask stands without it
+            log.exception("could not read the links of operator %s", operator)
+            return frozenset()
 
     def _repost(self, state: ProviderState) -> None:
         """Re-file every ask of the provider with its current facts (the buckets may

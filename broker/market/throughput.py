@@ -1,7 +1,11 @@
 """The broker's own throughput figure θ per (provider, plugin), in work units per second.
 
-Samples come from real jobs (the signed receipt's work units over its ``run`` timing) and
-from canary jobs. θ is an exponentially weighted mean of the samples; a claim (the agent's
+Samples come from real jobs and from canary jobs, timed by the broker itself: the work
+units the broker computed for the job's inputs (the receipt's own count only when it is
+smaller: a job that stopped early) over the time from the assignment being sent to the
+receipt arriving (:func:`timed_sample`). What the agent reports of its own timings counts
+only as a bounded deduction for queueing, so a receipt claiming ten times the units in a
+millisecond measures what the broker saw, not what it says. θ is an exponentially weighted mean of the samples; a claim (the agent's
 benchmark) is kept beside it and **flagged** when it is more than ``overclaim_factor`` times
 what the broker measured. Matching uses the measured θ as soon as one sample exists.
 """
@@ -81,18 +85,44 @@ class ThroughputTracker:
         return dict(self._records)
 
 
-def run_sample(receipt: dict, default_units: float) -> tuple[float, float] | None:
-    """(work units, run ms) measured by a signed receipt, or None when it carries no usable
-    run time — a receipt without timings must never count as infinitely fast."""
-    timings = receipt.get("timings_ms") or {}
-    run_ms = timings.get("run", timings.get("total"))
-    # 0 is a real reading (a job under a millisecond; observe() floors it); absent is not.
-    if isinstance(run_ms, bool) or not isinstance(run_ms, (int, float)) or not run_ms >= 0:
+#: At most this share of the time the broker saw may be deducted as queueing the agent
+#: reports (``timings_ms.queue``): an agent that claims every millisecond was queueing can
+#: look at most 1 / (1 − share) times faster than the broker saw it run.
+MAX_QUEUE_SHARE = 0.5
+
+
+def timed_sample(receipt: dict, units_asked: float, sent_at: float | None,
+                 received_at: float | None, *,
+                 max_queue_share: float = MAX_QUEUE_SHARE) -> tuple[float, float] | None:
+    """(work units, run ms) of one run as the broker timed it, or None when it cannot be.
+
+    ``units_asked``: the work units the broker computed for the job's inputs; the receipt's
+    ``work_units`` count only when they are fewer (a text job that ended early), never
+    more. ``sent_at``/``received_at``: when the broker sent the assignment and when the
+    receipt reached it (its own clock, epoch seconds). The agent's ``timings_ms.queue`` (time
+    the job waited on the agent before it ran) is deducted, but never more than
+    ``max_queue_share`` of the time seen; its ``run`` timing is not read at all."""
+    if sent_at is None or received_at is None:
         return None
+    seen_ms = (float(received_at) - float(sent_at)) * 1000.0
     try:
-        units = float(receipt.get("work_units", default_units))
+        asked = float(units_asked)
     except (TypeError, ValueError):
-        units = default_units
-    if not math.isfinite(units) or units <= 0:
-        units = default_units
-    return units, float(run_ms)
+        return None
+    if not (math.isfinite(seen_ms) and seen_ms >= 0 and math.isfinite(asked) and asked > 0):
+        return None
+    units = asked
+    claimed = receipt.get("work_units")
+    if not isinstance(claimed, bool):
+        try:
+            claimed = float(claimed)
+        except (TypeError, ValueError):
+            claimed = None
+        if claimed is not None and math.isfinite(claimed) and 0 < claimed < asked:
+            units = claimed
+    queue = (receipt.get("timings_ms") or {}).get("queue", 0) \
+        if isinstance(receipt.get("timings_ms"), dict) else 0
+    if isinstance(queue, bool) or not isinstance(queue, (int, float)) or not queue >= 0 \
+            or not math.isfinite(queue):
+        queue = 0.0
+    return units, seen_ms - min(float(queue), max(0.0, min(1.0, max_queue_share)) * seen_ms)

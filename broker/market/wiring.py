@@ -12,7 +12,7 @@ from sdk.protocol.manifest import Manifest
 
 from .canary import CanaryService
 from .service import MarketService
-from .throughput import run_sample
+from .throughput import timed_sample
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,15 @@ def attach_market(market: MarketService, canaries: CanaryService | None, jobs: J
             max_price_micro=job.max_price_micro or None, deadline_s=job.deadline_s,
             n_slots=n_slots, weights_digest=getattr(job, "weights_digest", None)))
 
-    def on_receipt(job: Job, receipt: dict) -> None:
-        sample = run_sample(receipt, job.work_units)
+    def on_receipt(job: Job, receipt: dict, received_at: float) -> None:
+        # θ as the broker saw it: from sending the assignment to the receipt's arrival,
+        # the units the broker computed for the inputs (throughput.timed_sample).
+        sample = timed_sample(receipt, job.work_units, job.matched_at, received_at)
         if sample is not None and job.provider_id is not None:
             market.observe(job.provider_id, job.plugin, *sample)
+        if canaries is not None and not job.check_of and job.provider_id is not None:
+            canaries.remember(job.plugin, job.plugin_version,
+                              market.operator_of(job.provider_id) or "", job.inputs)
 
     jobs.check_terms = check_terms
     jobs.on_receipt = on_receipt

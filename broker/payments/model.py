@@ -34,6 +34,7 @@ class CheckoutSession:
     amount_total: int | None     # in the currency's minor unit (cents)
     currency: str | None
     metadata: dict[str, Any]
+    customer: str | None = None  # the Stripe customer that paid (links accounts, broker.links)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import logging
 import time
 import uuid
 from decimal import Decimal, InvalidOperation
+from typing import Protocol
 
 from broker.errors import NotFound
 from broker.ledger import errors as lerr
@@ -55,12 +56,21 @@ def credits_to_micro(value: object, *, field: str = "credits") -> int:
     return int(micro)
 
 
+
+class Links(Protocol):
+    """Where the payment service reports what links accounts (``broker.links``)."""
+
+    def record(self, account_id: str, kind: str, value: str, label: str = "") -> None: ...
+
+
 class PaymentService:
     def __init__(self, ledger: LedgerService, repo: PaymentsRepository,
                  gateway: PaymentGateway | None, *, credit_price_cents: int = 1,
                  currency: str = "usd", public_url: str = "http://127.0.0.1:8080",
-                 account_exists=lambda account_id: True, clock=time.time):
+                 account_exists=lambda account_id: True, clock=time.time,
+                 links: Links | None = None):
         self.ledger = ledger
+        self.links = links  # who paid and where payouts go link accounts (broker.links)
         self.repo = repo
         self.gateway = gateway
         self.credit_price_cents = credit_price_cents
@@ -169,6 +179,9 @@ class PaymentService:
             return {"result": "not_ours", "session": session.id}
         txn = self._deposit(account_id, credits * MICRO_PER_CREDIT, key=f"stripe:{session.id}",
                             source=FundingSource.PAYMENT, memo=f"stripe checkout {session.id}")
+        if self.links is not None and session.customer:
+            self.links.record(account_id, "stripe_customer", session.customer,
+                              f"stripe customer {session.customer[:8]}…")
         return {"result": "credited", "session": session.id, "transaction": txn.id}
 
     # ---- payouts ----------------------------------------------------------------------
@@ -179,6 +192,8 @@ class PaymentService:
             if acct is None:
                 acct = gateway.create_connect_account(owner_id)
                 self.repo.set_connect_account(owner_id, acct, self.clock())
+            if self.links is not None:
+                self.links.record(owner_id, "payout_account", acct, f"payout account {acct[:8]}…")
             url = gateway.onboarding_link(acct, refresh_url=f"{self.public_url}/v1/payouts/onboarding",
                                           return_url=f"{self.public_url}/v1/account")
         except GatewayError as exc:

@@ -15,7 +15,9 @@ def _session(obj) -> CheckoutSession:
     s = obj.to_dict()
     return CheckoutSession(id=s["id"], url=s.get("url"), payment_status=s.get("payment_status") or "",
                            amount_total=s.get("amount_total"), currency=s.get("currency"),
-                           metadata=dict(s.get("metadata") or {}))
+                           metadata=dict(s.get("metadata") or {}),
+                           customer=s.get("customer") if isinstance(s.get("customer"), str)
+                           else None)
 
 
 class StripeGateway:

@@ -16,9 +16,10 @@ class ProviderService:
     # so a short cache saves a query per lookup. Other replicas' changes show within CACHE_S.
     CACHE_S = 5.0
 
-    def __init__(self, repo, clock=time.time):
+    def __init__(self, repo, clock=time.time, links=None):
         self.repo = repo
         self.clock = clock
+        self.links = links  # broker.links.LinkService: a key presented by two accounts links them
         self.on_connected = lambda provider: None  # opens the provider's ledger accounts
         # id -> (account, sandboxed); an unknown id is asked again next time
         self._facts: TtlCache[str, tuple[str, bool] | None] = TtlCache(self.CACHE_S,
@@ -47,6 +48,10 @@ class ProviderService:
             self.on_connected(p)
             return p
         if p.account_id != who.account_id:
+            if self.links is not None:  # one key, two accounts: one person's, most likely
+                for account in (p.account_id, who.account_id):
+                    self.links.record(account, "agent_key", public_key,
+                                      f"agent key {public_key[:12]}…")
             raise Forbidden("this agent key is registered to another provider account")
         if p.status == "banned":
             raise Forbidden(f"provider {p.id} is banned; contact the broker's admins")

@@ -117,13 +117,16 @@ class SqlVerificationRepository:
             return _to_v(row) if row else None
 
     def update(self, job_id: str, expect: set[CheckStatus], *, expect_tiebreak: str | None = None,
-               expect_unjudged: bool = False, **fields) -> Verification | None:
+               expect_checker: str | None = None, expect_unjudged: bool = False,
+               **fields) -> Verification | None:
         if "status" in fields:
             fields["status"] = CheckStatus(fields["status"]).value
         where = [VerificationRow.job_id == job_id,
                  VerificationRow.status.in_([e.value for e in expect])]
         if expect_tiebreak is not None:  # compare-and-set on the current third run
             where.append(VerificationRow.tiebreak_job_id == expect_tiebreak)
+        if expect_checker is not None:  # compare-and-set on the current check run
+            where.append(VerificationRow.checker_job_id == expect_checker)
         if expect_unjudged:  # no judgement stored yet (``outcome["applied"]`` unset)
             where.append(VerificationRow.outcome["applied"].as_boolean().is_(None))
         # Core on begin(): inside an ``atomic`` block (a check queued with its record) this

@@ -60,10 +60,12 @@ class VerificationRepository(Protocol):
     def by_check_job(self, check_job_id: str) -> Verification | None: ...
 
     def update(self, job_id: str, expect: set[CheckStatus], *, expect_tiebreak: str | None = None,
-               expect_unjudged: bool = False, **fields) -> Verification | None:
+               expect_checker: str | None = None, expect_unjudged: bool = False,
+               **fields) -> Verification | None:
         """Change a record whose status is in ``expect`` (and whose third run is
-        ``expect_tiebreak``, when given; and that holds no stored judgement yet, i.e. no
-        ``outcome["applied"]``, with ``expect_unjudged``); None when it moved meanwhile."""
+        ``expect_tiebreak``, whose check run is ``expect_checker``, when given; and that
+        holds no stored judgement yet, i.e. no ``outcome["applied"]``, with
+        ``expect_unjudged``); None when it moved meanwhile."""
 
     def touch(self, job_id: str) -> None: ...
 

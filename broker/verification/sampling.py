@@ -10,6 +10,10 @@ honest work is earned in (a provider honest on one plugin or GPU can cheat on an
   a check catches it with probability ``q`` and then costs the provider ``S`` (stake plus
   unvested credits, which are clawed back) as well as ``g``, so cheating pays only while
   ``p * q * (S + g) < g``;
+* never below the **detection floor** ``1 − (1 − c)^(1/N) / q``: a provider that cheats on
+  every job from now on is caught with probability ``c`` (0.99) within ``N`` (200) of its
+  jobs, however long its honest record (issue #20; 2.3 % at q = 1: the steady-state
+  redundancy of a reputable provider, within the 5 % budget);
 * ``1`` for any job worth more than the admin-set ``always_check_above_micro``.
 
 Everything here is a pure function of its arguments; the random draw takes an injected
@@ -29,6 +33,7 @@ class SamplingReason(str, Enum):
     HIGH_VALUE = "high_value"
     NO_CATCH_ESTIMATE = "no_catch_estimate"
     ECONOMIC_FLOOR = "economic_floor"
+    DETECTION_FLOOR = "detection_floor"  # caught within N jobs with confidence c
     REPUTATION = "reputation"  # 1 / CV
 
 
@@ -67,8 +72,15 @@ class SamplingPolicy:
 
     new_provider_checks: int = 10
     always_check_above_micro: int | None = None
+    # A cheater cheating on every job is caught with probability detect_confidence within
+    # detect_within_jobs jobs (0 jobs: no detection floor).
+    detect_within_jobs: int = 200
+    detect_confidence: float = 0.99
 
     def __post_init__(self) -> None:
+        if self.detect_within_jobs < 0 or not 0.0 <= self.detect_confidence < 1.0:
+            raise ValueError("detect_within_jobs must be >= 0 and detect_confidence within "
+                             f"[0, 1), got {self.detect_within_jobs}, {self.detect_confidence}")
         if self.new_provider_checks < 1:
             raise ValueError(f"new_provider_checks must be >= 1, got {self.new_provider_checks}")
         if self.always_check_above_micro is not None and self.always_check_above_micro < 0:
@@ -106,6 +118,17 @@ def economic_floor(gain_micro: int, catch_probability: float, at_risk_micro: int
     return min(1.0, gain_micro / (catch_probability * (at_risk_micro + gain_micro)))
 
 
+def detection_floor(catch_probability: float, within_jobs: int, confidence: float) -> float:
+    """The p at which a provider cheating on every job is caught (a check that catches
+    with probability ``q``) with probability ``confidence`` within ``within_jobs`` jobs:
+    ``1 − (1 − confidence)^(1/N)``, divided by q; 0 with no such target."""
+    if within_jobs <= 0 or confidence <= 0.0:
+        return 0.0
+    if catch_probability <= 0.0:
+        return 1.0
+    return min(1.0, (1.0 - (1.0 - confidence) ** (1.0 / within_jobs)) / catch_probability)
+
+
 def check_probability(standing: Standing, *, gain_micro: int, job_value_micro: int,
                       catch_probability: float | None,
                       policy: SamplingPolicy = SamplingPolicy()) -> CheckProbability:
@@ -128,8 +151,12 @@ def check_probability(standing: Standing, *, gain_micro: int, job_value_micro: i
     if catch_probability is None:
         return CheckProbability(1.0, SamplingReason.NO_CATCH_ESTIMATE, floor)
     reputation = 1.0 / standing.consecutive_valid
-    if floor > reputation:
+    detect = detection_floor(catch_probability, policy.detect_within_jobs,
+                             policy.detect_confidence)
+    if floor > reputation and floor >= detect:
         return CheckProbability(floor, SamplingReason.ECONOMIC_FLOOR, floor)
+    if detect > reputation:
+        return CheckProbability(detect, SamplingReason.DETECTION_FLOOR, floor)
     return CheckProbability(reputation, SamplingReason.REPUTATION, floor)
 
 

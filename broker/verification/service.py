@@ -33,7 +33,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from sdk.protocol.canonical import canonical_bytes, sha256_hex
 
@@ -74,6 +74,11 @@ class VerificationSettings:
     check_delay_s: tuple[float, float] = (0.0, 5.0)  # a check is queued after this random wait
     check_timeout_s: float = 3600.0  # a check no other operator ran by then is given up
     tiebreak_tries: int = 3          # third runs queued before a dispute waits for an admin
+    check_tries: int = 4             # check runs queued (each failed one re-issued elsewhere)
+    # A provider outvoted 2 to 1 with at least this many consecutive valid checks is not
+    # slashed on that one dispute when no link explains it: a fresh third run decides.
+    protect_cv: int = 20
+    escalations: int = 2             # fresh third runs a dispute may get (links, long records)
     new_provider_checks: int = 10
     # Outvoted 2 to 1 on two clear mismatches: half the stake goes, and every credit not
     # vested yet goes back to its client. What a caught cheat loses is what the sampling's
@@ -81,6 +86,17 @@ class VerificationSettings:
     penalty: PenaltyPolicy = field(default_factory=lambda: PenaltyPolicy(
         slash_fraction=0.5, claw_back_unvested=True))
     catch_probability: dict[str, float] = field(default_factory=load_catch_probabilities)
+
+
+class Links(Protocol):
+    """What verification needs of ``broker.links.LinkService``: which operator accounts
+    the broker has seen tied to one another."""
+
+    def linked_to(self, account_id: str) -> frozenset[str]: ...
+
+    def linked(self, a: str, b: str) -> bool: ...
+
+    def why(self, a: str, b: str) -> list[str]: ...
 
 
 class _RecordMoved(Exception):
@@ -91,8 +107,9 @@ class VerificationService:
     def __init__(self, repo: VerificationRepository, jobs, catalog, ledger, providers,
                  policies, *, disputes=None, audit=None, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.time,
-                 settings: VerificationSettings | None = None):
+                 settings: VerificationSettings | None = None, links: Links | None = None):
         self.repo = repo
+        self.links = links  # operators tied to one another: never each other's checkers
         self.jobs = jobs          # broker.jobs.service.JobService
         self.catalog = catalog
         self.ledger = ledger
@@ -156,14 +173,8 @@ class VerificationService:
             v = self.repo.by_check_job(job.id)
             if v is None:
                 return
-            if job.id == v.checker_job_id:
-                moved = self.repo.update(v.job_id, {CheckStatus.CHECKING},
-                                         status=CheckStatus.UNCHECKED,
-                                         outcome={"note": "no second provider could run the "
-                                                          f"check ({job.error_code})"})
-                if moved is not None:
-                    self._event(v.job_id, CheckStatus.UNCHECKED,
-                                "the check could not run; the output stands unchecked")
+            if job.id == v.checker_job_id and v.status is CheckStatus.CHECKING:
+                self._check_ended(v, job)
             elif job.id == v.tiebreak_job_id and v.status is CheckStatus.DISPUTED:
                 self._tiebreak_ended(v, job)
             self._audit("verification.check_ended", v.job_id,
@@ -171,6 +182,47 @@ class VerificationService:
                          "error": job.error_code})
         except Exception:  # noqa: BLE001
             log.exception("verification: recording the end of check %s failed", job.id)
+
+    def _check_ended(self, v: Verification, check: Job, why: str = "") -> None:
+        """The check run failed or was given up (its provider failed it, even as
+        "non-retryable"; nobody of another operator took it in time): it is re-issued as a
+        fresh check, with the operator of every provider that failed it excluded as well as
+        the primary's, up to ``check_tries`` runs in all. A check partner that fails the
+        check so that the job stays unchecked only sends it to somebody else. Only when
+        every try failed does the output stand unchecked (and the audit log says why)."""
+        record = dict(v.outcome or {})
+        tries = int(record.get("check_tries", 1))
+        failed_by = sorted(set(record.get("check_failed_by") or [])
+                           | ({self.providers.owner_of(check.provider_id) or ""}
+                              if check.provider_id else set()) - {""})
+        primary = self.jobs.repo.get(v.job_id)
+        if primary is not None and tries < self.settings.check_tries:
+            with self.jobs.repo.atomic():
+                moved = self.repo.update(v.job_id, {CheckStatus.CHECKING},
+                                         expect_checker=check.id,  # once per failed run
+                                         outcome={**record, "check_tries": tries + 1,
+                                                  "check_failed_by": failed_by})
+                if moved is not None:
+                    owner = self.providers.owner_of(primary.provider_id) or ""
+                    again = self._spawn(moved, primary, Role.CHECKER,
+                                        ({owner} | set(failed_by)) - {""},
+                                        client_pays=primary.verify == "always",
+                                        **_rerun_of(check))
+                    if again is not None:
+                        self._audit("verification.check_reissued", v.job_id,
+                                    {"failed_check": check.id, "error": check.error_code,
+                                     "state": check.state.value, "new_check": again.id,
+                                     "try": tries + 1, "excluded_operators": failed_by,
+                                     "why": why or "the check run did not settle"})
+            return
+        moved = self.repo.update(v.job_id, {CheckStatus.CHECKING}, expect_checker=check.id,
+                                 status=CheckStatus.UNCHECKED,
+                                 outcome={**record, "check_failed_by": failed_by,
+                                          "note": f"no second provider could run the check "
+                                                  f"({tries} tries, last: {check.error_code})"})
+        if moved is not None:
+            self._event(v.job_id, CheckStatus.UNCHECKED,
+                        "the check could not run; the output stands unchecked")
 
     def _tiebreak_ended(self, v: Verification, tiebreak: Job) -> None:
         """The third run failed: queue another, twice at most; then the dispute waits for
@@ -190,9 +242,7 @@ class VerificationService:
                                                   "tiebreak_tries": tries + 1})
                 if moved is not None:
                     self._spawn(moved, primary, Role.TIEBREAKER,
-                                {self.providers.owner_of(primary.provider_id) or "",
-                                 self.providers.owner_of(checker.provider_id) or "",
-                                 self.providers.owner_of(tiebreak.provider_id) or ""} - {""},
+                                self._dispute_operators(moved, primary, checker, tiebreak),
                                 client_pays=False, **_third_run_of(checker))
             return
         note = (f"no third provider could run the tiebreak ({tries} tries, last: "
@@ -271,8 +321,7 @@ class VerificationService:
                 if (v.status is CheckStatus.DISPUTED and primary is not None
                         and checker is not None):
                     self._spawn(v, primary, Role.TIEBREAKER,
-                                {self.providers.owner_of(primary.provider_id) or "",
-                                 self.providers.owner_of(checker.provider_id) or ""} - {""},
+                                self._dispute_operators(v, primary, checker),
                                 client_pays=False, **_third_run_of(checker))
                     return 1
             except Exception:  # noqa: BLE001 - logged; tried again after the others
@@ -451,8 +500,12 @@ class VerificationService:
         # The operators ("operator:<id>", which the dispatcher matches against each
         # session's account, so every machine of theirs is excluded, one they connect later
         # too) and the machine that ran the job.
+        operators = set(exclude_operators) - {""}
+        if self.links is not None:  # and every account linked to one of them
+            for o in list(operators):
+                operators |= self.links.linked_to(o)
         excluded = sorted(({primary.provider_id or ""}
-                           | {f"operator:{o}" for o in exclude_operators}) - {"", "operator:"})
+                           | {f"operator:{o}" for o in operators}) - {"", "operator:"})
         delay = self.rng.uniform(*self.settings.check_delay_s) if delay_s is None else delay_s
         check_id = str(uuid.uuid4())  # fresh and unlinkable to the job it checks
         column = "checker_job_id" if role is Role.CHECKER else "tiebreak_job_id"
@@ -521,6 +574,11 @@ class VerificationService:
             # fails is the broker's trouble, not a provider's wrong answer, so it raises
             # (the record stays open and the sweep judges it later).
             if check.id == v.checker_job_id and v.status is CheckStatus.CHECKING:
+                tie = self._link_between(primary, check)
+                if tie:  # linked after it was queued: its word is not another operator's
+                    self._check_ended(v, check, why=f"the checker is linked to the primary's "
+                                                    f"operator ({', '.join(tie)})")
+                    return
                 cmp = _judge(kind, self._load(primary), self._load(check))
                 scoring = self._scoring_inputs(kind, primary, check, cmp)
                 if scoring is not None:
@@ -541,8 +599,7 @@ class VerificationService:
                         self._event(primary.id, CheckStatus.DISPUTED, outcome.note)
                         # should this fail, the sweep queues the third run
                         self._spawn(moved, primary, Role.TIEBREAKER,
-                                    {self.providers.owner_of(primary.provider_id) or "",
-                                     self.providers.owner_of(check.provider_id) or ""},
+                                    self._dispute_operators(moved, primary, check),
                                     client_pays=False, **_third_run_of(check))
                     return
                 self._finish(v, outcome, {Role.PRIMARY: primary, Role.CHECKER: check},
@@ -552,15 +609,120 @@ class VerificationService:
                 runs = {role: self._load(job) for role, job in
                         ((Role.PRIMARY, primary), (Role.CHECKER, checker),
                          (Role.TIEBREAKER, check))}
+                parties = {Role.PRIMARY: self._party(primary, Role.PRIMARY),
+                           Role.CHECKER: self._party(checker, Role.CHECKER),
+                           Role.TIEBREAKER: self._party(check, Role.TIEBREAKER)}
                 outcome = resolve_three(
-                    self._party(primary, Role.PRIMARY), self._party(checker, Role.CHECKER),
-                    self._party(check, Role.TIEBREAKER),
+                    parties[Role.PRIMARY], parties[Role.CHECKER], parties[Role.TIEBREAKER],
                     primary_checker=StoredJudgement.of(v.comparisons["primary~checker"]),
                     primary_tiebreaker=_judge(kind, runs[Role.PRIMARY], runs[Role.TIEBREAKER]),
                     checker_tiebreaker=_judge(kind, runs[Role.CHECKER], runs[Role.TIEBREAKER]),
                     policy=self.settings.penalty)
+                why, linked = self._escalation(v, outcome, parties, primary.plugin,
+                                               {p.provider_id: j for p, j in (
+                                                   (parties[Role.PRIMARY], primary),
+                                                   (parties[Role.CHECKER], checker),
+                                                   (parties[Role.TIEBREAKER], check))})
+                if why and self._escalate(v, primary, checker, check, outcome, why, linked):
+                    return
                 self._finish(v, outcome, {Role.PRIMARY: primary, Role.CHECKER: checker,
                                           Role.TIEBREAKER: check}, CheckStatus.DISPUTED)
+
+    # ---- whose word counts (issue #20) ------------------------------------------------
+    def _link_between(self, a: Job, b: Job) -> list[str]:
+        """What ties the operators of runs ``a`` and ``b`` (empty: nothing the broker saw)."""
+        if self.links is None:
+            return []
+        oa = self.providers.owner_of(a.provider_id) or ""
+        ob = self.providers.owner_of(b.provider_id) or ""
+        if not self.links.linked(oa, ob):
+            return []
+        return self.links.why(oa, ob) or ["linked"]
+
+    def _escalation(self, v: Verification, outcome: Outcome, parties: dict[Role, Party],
+                    plugin: str, jobs: dict[str, Job]) -> tuple[str, bool]:
+        """(why the 2-of-3 verdict must not penalise its loser yet, whether a link is the
+        reason); ("", False) when it may. Never on the word of a provider linked to the
+        accused, nor of two providers linked to each other; and, when no link explains
+        it, not a slash on one dispute of a provider with a long honest record."""
+        if not outcome.penalties:
+            return "", False
+        penalty = outcome.penalties[0]
+        loser = next(p for p in parties.values() if p.provider_id == penalty.provider_id)
+        winners = [p for p in parties.values() if p.provider_id != penalty.provider_id]
+        if self.links is not None:
+            pairs = [(winners[0], winners[1]), (winners[0], loser), (winners[1], loser)]
+            for a, b in pairs:
+                if self.links.linked(a.operator_id, b.operator_id):
+                    ties = self.links.why(a.operator_id, b.operator_id) or ["linked"]
+                    return (f"the {a.role.value} and the {b.role.value} are linked "
+                            f"({', '.join(ties)})"), True
+        slashes = penalty.slash_micro > 0 or penalty.claw_back_micro > 0
+        if slashes and int((v.outcome or {}).get("escalations", 0)) == 0:
+            job = jobs[loser.provider_id]
+            standing = self.repo.standing(loser.provider_id, plugin,
+                                          repro_of(job.receipt).hardware_class)
+            if standing.consecutive_valid >= self.settings.protect_cv:
+                return (f"the {loser.role.value} has {standing.consecutive_valid} consecutive "
+                        "valid checks: one dispute does not slash it"), False
+        return "", False
+
+    def _escalate(self, v: Verification, primary: Job, checker: Job, tiebreak: Job,
+                  outcome: Outcome, why: str, linked: bool) -> bool:
+        """Put the verdict to a fresh third run (on an operator linked to none of the runs
+        so far) instead of applying it; its tiebreaker's vote is dropped. True when the
+        record was escalated or, with its escalations spent on links, stalled for an admin;
+        False when the verdict may stand after all (a long record already escalated)."""
+        record = dict(v.outcome or {})
+        n = int(record.get("escalations", 0))
+        if n >= self.settings.escalations:
+            if not linked:
+                return False
+            note = (f"no verdict without the word of linked providers ({why}) after {n} "
+                    "fresh third runs; an admin decides")
+            moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
+                                     expect_tiebreak=tiebreak.id,
+                                     comparisons=outcome.comparisons,
+                                     outcome={**record, "note": note, "stalled": True})
+            if moved is not None:
+                if self.disputes is not None:
+                    sides = self._sides({Role.PRIMARY: primary, Role.CHECKER: checker,
+                                         Role.TIEBREAKER: tiebreak}, lambda job: "undecided")
+                    self.disputes.open(v.job_id, primary.plugin, sides, outcome.comparisons,
+                                       f"disputed: {note}")
+                self._audit("verification.stalled", v.job_id, {"why": why, "note": note})
+                self._event(v.job_id, CheckStatus.DISPUTED, note)
+            return True
+        dropped = sorted(set(record.get("dropped_operators") or [])
+                         | {self.providers.owner_of(tiebreak.provider_id) or ""} - {""})
+        with self.jobs.repo.atomic():
+            moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
+                                     expect_tiebreak=tiebreak.id,
+                                     outcome={**record, "escalations": n + 1,
+                                              "dropped_operators": dropped,
+                                              "dropped_tiebreaks": [
+                                                  *(record.get("dropped_tiebreaks") or []),
+                                                  tiebreak.id]})
+            if moved is None:
+                return True  # escalated or judged by another thread meanwhile
+            again = self._spawn(moved, primary, Role.TIEBREAKER,
+                                self._dispute_operators(moved, primary, checker),
+                                client_pays=False, **_third_run_of(checker))
+        self._audit("verification.escalated", v.job_id,
+                    {"why": why, "dropped_tiebreak": tiebreak.id,
+                     "new_tiebreak": again.id if again is not None else None,
+                     "escalation": n + 1, "figures": outcome.comparisons})
+        self._event(v.job_id, CheckStatus.DISPUTED, f"{why}: another provider decides")
+        return True
+
+    def _dispute_operators(self, v: Verification, primary: Job, checker: Job | None,
+                           *more: Job) -> set[str]:
+        """The operators a dispute's third run must not go to: the primary's, the
+        checker's, those of third runs dropped or failed before (and, in _spawn, every
+        account linked to one of them)."""
+        ops = {self.providers.owner_of(j.provider_id) or ""
+               for j in (primary, checker, *more) if j is not None and j.provider_id}
+        return (ops | set((v.outcome or {}).get("dropped_operators") or [])) - {""}
 
     def _scoring_inputs(self, kind: str, primary: Job, check: Job,
                         cmp: Judgement) -> dict[str, Any] | None:
@@ -890,6 +1052,15 @@ def _judge(kind: str, claimed: Callable[[], Run], check: Callable[[], Run]) -> J
 
 #: Keys of a judged record's ``outcome`` that only serve applying its effects (``_apply``).
 _PENDING = ("done", "sides", "slash_plan", "claw_plan")
+
+
+def _rerun_of(check: Job) -> dict[str, Any]:
+    """How a failed check is queued again: the same inputs when it was a scoring run (the
+    primary's claimed tokens), at once; else a re-run like the first (``_spawn``'s
+    defaults, with a fresh delay)."""
+    if _is_scoring(check):
+        return {"inputs": dict(check.inputs), "delay_s": 0.0}
+    return {}
 
 
 def _third_run_of(checker: Job) -> dict[str, Any]:

@@ -85,6 +85,8 @@ def test_a_check_job_and_a_normal_job_look_the_same_on_the_wire(vbroker, agents)
     assert check.envelope["inputs"] == primary.envelope["inputs"]
     assert check.envelope["attempt"] == primary.envelope["attempt"] == 0
     assert uuid.UUID(check.id).version == 4 and check.id != primary.id
+    # the client's job id, derived from its Idempotency-Key, is shaped as a random one too
+    assert primary.idempotency_key and uuid.UUID(primary.id).version == 4
     assert primary.id not in repr(check.envelope)
 
 
@@ -182,7 +184,7 @@ def test_providers_stake_and_the_minimum_stake_gates_dispatch(vbroker, agents):
     with pytest.raises(ConflictError, match="being checked"):
         provider.unstake(500_000)
     svc.verification.settings.check_timeout_s = 0.0
-    svc.verification.sweep(settle_grace_s=0.0)  # the check is given up: nothing open
+    _give_up_checks(svc, job.id)  # nobody else could check it: nothing open
     assert provider.unstake(500_000)["stake_micro"] == 1_500_000
     with pytest.raises(APIError):
         client.stake(1)  # a client key holds no stake
@@ -229,8 +231,9 @@ def test_a_check_no_other_operator_takes_is_given_up_and_its_hold_released(vbrok
     check = svc.jobs.repo.checks_of(result.job.id)[0]
     assert check.state.value == "queued"  # the only provider is the one it checks
     svc.verification.settings.check_timeout_s = 0.0
-    assert svc.verification.sweep(settle_grace_s=0.0) >= 1
+    _give_up_checks(svc, result.job.id)  # each try re-issued, until the tries run out
     assert result.wait_verified(timeout=10) == "unchecked"
+    assert len(svc.jobs.repo.checks_of(result.job.id)) == svc.verification.settings.check_tries
     check = svc.jobs.repo.get(check.id)
     assert check.state.value == "failed" and check.error_code == "check_timeout"
     assert svc.ledger.get_hold(check.hold_id).state.value == "voided"
@@ -251,3 +254,13 @@ def test_a_check_never_runs_on_a_machine_the_checked_operator_connects_later(vbr
     assert result.wait_verified(timeout=30) == "verified"
     assert svc.jobs.repo.get(check.id).provider_id == other.provider_id != \
         second_machine.provider_id
+
+
+def _give_up_checks(svc, job_id: str) -> None:
+    """Sweep until the job's check, re-issued after each try nobody took, is given up."""
+    deadline = time.monotonic() + 20
+    while svc.verification.status(job_id).status is CheckStatus.CHECKING:
+        assert time.monotonic() < deadline, "the check was never given up"
+        time.sleep(0.01)
+        svc.verification.sweep(settle_grace_s=0.0)
+

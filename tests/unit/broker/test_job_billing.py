@@ -122,7 +122,7 @@ def test_cancel_before_run_and_failure_refund_everything(world):
     assert services.ledger.get_hold(doomed.hold_id).state is HoldState.VOIDED
 
 
-def test_cancel_mid_run_pays_only_the_work_done(world):
+def test_cancel_mid_run_pays_only_the_work_shown(world):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, 10 * MICRO, by="test")
     job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 3000,
@@ -130,13 +130,47 @@ def test_cancel_mid_run_pays_only_the_work_done(world):
     assert job.max_price_micro == 1_000_000  # 4 units
     services.dispatcher.match_once()
     services.jobs.accepted(session.provider_id, job.id, 0)
-    services.jobs.progress(session.provider_id, job.id, 0, 1, 4)  # a quarter done
+    services.jobs.progress(session.provider_id, job.id, 0, 4, 4)  # claims it all done
+    # ... and shows a quarter: a checkpoint at step 1 of 4, which the broker holds
+    services.jobs.checkpoints.upload(session.provider_id, job.id, 0, 1, 4, b"state", "")
     services.jobs.cancel(client, job.id)
     # 1 unit × 250,000 (no minimum on a cancel): fee 25,000, provider 225,000.
     assert _bal(services, client.account_id, C) == 10 * MICRO - 250_000
     assert _bal(services, prov.account_id, P) == 225_000
     assert _bal(services, PLATFORM, AccountKind.PLATFORM_FEES) == 25_000
     assert session.cancels and session.cancels[-1][0] == job.id
+
+
+def test_claimed_progress_alone_pays_nothing_on_a_cancel(world):
+    """Issue #20: reporting 100 % and having the client cancel paid 2.7 credits."""
+    services, client, prov, session, key = world
+    services.payments.grant(client.account_id, 10 * MICRO, by="test")
+    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 3000,
+                                                                        "steps": 4}})
+    services.dispatcher.match_once()
+    services.jobs.accepted(session.provider_id, job.id, 0)
+    for step in range(1, 5):
+        services.jobs.progress(session.provider_id, job.id, 0, step, 4)
+    services.jobs.cancel(client, job.id)
+    assert _bal(services, client.account_id, C) == 10 * MICRO
+    assert _bal(services, prov.account_id, P) == 0
+    assert services.ledger.get_hold(job.hold_id).state is HoldState.VOIDED
+
+
+def test_a_cancel_pays_the_tokens_streamed_to_the_client(world):
+    services, client, prov, session, key = world
+    services.payments.grant(client.account_id, 10 * MICRO, by="test")
+    # echo's steps stand in for a text job's max_new_tokens: 4 steps, 4 work units
+    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 3000,
+                                                                        "steps": 4}})
+    services.dispatcher.match_once()
+    services.jobs.accepted(session.provider_id, job.id, 0)
+    services.jobs.progress(session.provider_id, job.id, 0, 0, 0, text="Hel")
+    services.jobs.progress(session.provider_id, job.id, 0, 0, 0, text="lo")
+    services.jobs.cancel(client, job.id)
+    # 2 of 4 steps streamed: 2 units × 250,000
+    assert _bal(services, client.account_id, C) == 10 * MICRO - 500_000
+    assert _bal(services, prov.account_id, P) == 450_000
 
 
 def test_idempotent_resubmit_holds_once(world):

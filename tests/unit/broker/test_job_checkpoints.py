@@ -165,7 +165,8 @@ def test_cancel_after_a_resume_pays_each_provider_its_steps(world):
     cp.upload(s1.provider_id, job.id, 0, 4, 10, _ckpt(4), "")
     services.jobs.failed(s1.provider_id, job.id, 0, "host_died", "gone", retryable=True)
     _assign(services, s2)
-    services.jobs.progress(s2.provider_id, job.id, 1, 7, 10)
+    services.jobs.progress(s2.provider_id, job.id, 1, 9, 10)  # claimed: never paid
+    cp.upload(s2.provider_id, job.id, 1, 7, 10, _ckpt(7), "")  # shown: paid
     services.jobs.cancel(client, job.id)
     # 4 units × 250,000: the first did 4/10, the second 3/10 (7 - 4); fee 10 % of each.
     assert services.ledger.balances(a1.account_id)[P] == 360_000

@@ -489,3 +489,37 @@ def test_a_lost_job_whose_hold_a_claw_back_refunded_is_no_failed_refund(world):
     other = ledger.hold(client, 500_000, "other-job", idempotency_key="refunded:hold2")
     world.v._refund(replace(job, hold_id=other.id), "outvoted")  # pending: not refundable
     assert "verification.refund_failed" in world.actions(job.id)
+
+
+def test_a_check_its_partner_fails_non_retryably_is_reissued_elsewhere(world):
+    """Issue #20: the check partner failing the check "non-retryable" left the job
+    unchecked for good; now the check goes to another operator, the failer's excluded."""
+    job = world.checked("a", BAD)
+    first = world.check_of(job)
+    leased = world.jobs.repo.transition(first.id, [JobState.QUEUED], JobState.MATCHED,
+                                        provider_id=world.machines["b"])
+    world.jobs.failed(world.machines["b"], leased.id, 0, "oom", "out of memory",
+                      retryable=False)
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.CHECKING
+    again = world.check_of(job)
+    assert again.id != first.id and again.inputs == first.inputs
+    assert f"operator:{world.operators['b']}" in again.excluded_providers
+    assert f"operator:{world.operators['a']}" in again.excluded_providers
+    assert "verification.check_reissued" in world.actions(job.id)
+    checker = world.settle(again, "c", GOOD)
+    world.v.settled(checker, checker.receipt)
+    assert world.v.status(job.id).status is CheckStatus.DISPUTED  # c disagrees with a
+
+
+def test_a_check_that_fails_on_every_try_leaves_the_output_unchecked(world):
+    job = world.checked("a")
+    seen = set()
+    for _ in range(world.v.settings.check_tries):
+        check = world.check_of(job)
+        assert check.id not in seen
+        seen.add(check.id)
+        world.jobs.give_up(check, "check_timeout", "nobody took it")
+    rec = world.v.status(job.id)
+    assert rec.status is CheckStatus.UNCHECKED
+    assert f"{world.v.settings.check_tries} tries" in rec.outcome["note"]

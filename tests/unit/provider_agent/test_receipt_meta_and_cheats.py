@@ -424,3 +424,58 @@ def test_the_host_reports_and_applies_the_size_its_weights_give(hosts, tiny):
                       wall_clock_s=120, cancelled=threading.Event())
     assert _size(result.outputs[0].data) == (64, 64)
     assert result.work_units == 2 * 64 * 64 / 1048576
+
+
+# -- issue #20: claims about the work, one person's two accounts (no models) --------------
+def test_inflated_units_and_fake_progress_lie_in_the_receipt_and_the_progress():
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    inflated = cheats.Cheat("inflated-units")
+    o = inflated.before("j", manifest, {"prompt": "x", "seed": 1})
+    assert o.cheated and o.run_inputs == {"prompt": "x", "seed": 1}  # runs honestly
+    assert inflated.receipt_figures(o, 2.0, 900) == (20.0, 1)
+    fake = cheats.Cheat("fake-progress")
+    assert fake.fake_progress(fake.before("j", manifest, {"prompt": "x"}))
+    assert not inflated.fake_progress(o)
+
+
+def test_a_colluding_pal_agrees_with_or_fails_what_its_partner_ran(tmp_path):
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    job = {"prompt": "x", "seed": 7}
+    for mode in cheats.PAIR_MODES:
+        shared = tmp_path / mode
+        cheat = cheats.Cheat(mode, role="cheat", shared_dir=shared)
+        pal = cheats.Cheat(mode, role="pal", shared_dir=shared)
+        o = cheat.before("j1", manifest, job)
+        assert o.cheated and o.run_inputs["seed"] == 8
+        [claimed] = cheat.after("sd15", o, [HostOutput(0, "image/png", b"wrong",
+                                                       {"seed": 8, "index": 0})])
+        assert claimed.meta["seed"] == 7  # claims the job's seed
+        other = pal.before("j2", manifest, {"prompt": "y", "seed": 7})
+        assert not other.cheated and not other.fail  # a job the cheat never ran: honest
+        check = pal.before("j3", manifest, job)      # the check of the cheat's job
+        if mode == "collude":
+            assert check.skip_run and [o.data for o in pal.fake_outputs("sd15", check)] == \
+                [b"wrong"]
+        else:
+            assert check.fail
+    with pytest.raises(ConfigError, match="SHARED"):
+        cheats.Cheat("collude", role="pal")
+
+
+def test_detect_checks_cheats_only_on_what_looks_like_a_client_job():
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    c = cheats.Cheat("detect-checks")
+    v5 = str(uuid.uuid5(uuid.NAMESPACE_URL, "client"))
+    assert c.before(v5, manifest, {"prompt": "x", "seed": 1},
+                    envelope={"weights_digest": ""}).cheated
+    # once it has seen derived (v5) client ids, a random id is a check: run honestly
+    assert not c.before(str(uuid.uuid4()), manifest, {"prompt": "x", "seed": 1},
+                        envelope={"weights_digest": ""}).cheated
+    # the benchmark payload, or an envelope without weights_digest: a canary
+    bench = dict(manifest.benchmark_inputs)
+    assert not c.before(v5, manifest, bench, envelope={"weights_digest": ""}).cheated
+    assert not c.before(v5, manifest, {"prompt": "x"}, envelope={"job_id": v5}).cheated
+    # where every id is random and canaries look like jobs, it cannot tell: it cheats
+    blind = cheats.Cheat("detect-checks")
+    assert all(blind.before(str(uuid.uuid4()), manifest, {"prompt": f"p{i}", "seed": i},
+                            envelope={"weights_digest": ""}).cheated for i in range(5))

@@ -61,3 +61,26 @@ def test_an_expired_canary_leaves_nothing_and_its_late_receipt_is_not_checked():
     assert w.market.canary(job_id) is None and job_id not in w.session.active
     assert w.canaries.receipt(w.session, *_receipt(w, w.sent[0])) is None
     assert w.answers == []
+
+
+def test_a_canary_looks_like_a_recent_client_job_of_another_operator():
+    """Issue #20: canaries carried the benchmark inputs and no weights_digest, so an agent
+    could tell 1 of 1. Now a canary reuses the inputs of a recent client job another
+    operator ran, and its envelope has the fields a job's has."""
+    from broker.jobs.checkpoints import CheckpointPolicy, CheckpointService, InMemoryCheckpointRepository
+
+    w = _world()
+    w.canaries.extra = CheckpointService(None, InMemoryCheckpointRepository(),
+                                         CheckpointPolicy(min_steps=8))
+    w.session.plugins = {"echo@1.0.0": "ab" * 32}
+    w.session.account_id = "op"
+    w.canaries.remember("echo", "1.0.0", "op", {"text": "my own job", "steps": 1})
+    w.canaries.remember("echo", "1.0.0", "other-op", {"text": "a client's words",
+                                                      "sleep_ms": 20, "steps": 12})
+    assert w.canaries.send_due(w.session) == 1
+    env = loads(w.sent[0])
+    assert env["inputs"]["text"] == "a client's words"  # never the agent's own job again
+    assert env["weights_digest"] == "ab" * 32
+    assert env["checkpoint_every"] >= 1                 # 12 steps: a job would checkpoint
+    assert w.market.canary(env["job_id"]).inputs == env["inputs"]
+

@@ -90,13 +90,14 @@ def test_split_goes_to_four_operators_and_terms_refusal_names_the_best_terms():
                              deadline_s=0.001))
 
 
-def test_a_receipt_without_a_run_time_measures_nothing():
-    from broker.market.throughput import run_sample
+def test_a_run_the_broker_did_not_time_measures_nothing():
+    from broker.market.throughput import timed_sample
 
-    assert run_sample({"work_units": "2.000000"}, 1.0) is None          # no timings at all
-    assert run_sample({"timings_ms": {"run": "fast"}}, 1.0) is None     # not a number
-    assert run_sample({"timings_ms": {"run": 0}, "work_units": "x"}, 3.0) == (3.0, 0.0)
-    assert run_sample({"timings_ms": {"total": 40}, "work_units": "2.5"}, 1.0) == (2.5, 40.0)
+    assert timed_sample({"work_units": "2.000000"}, 1.0, None, 5.0) is None  # never sent
+    assert timed_sample({"timings_ms": {"run": 0}}, 0.0, 1.0, 2.0) is None     # no units
+    assert timed_sample({"timings_ms": {"run": 0}, "work_units": "x"}, 3.0, 1.0, 1.0) == (3.0, 0.0)
+    assert timed_sample({"timings_ms": {"total": 40}, "work_units": "2.5"}, 3.0,
+                        1.0, 1.04) == pytest.approx((2.5, 40.0))
 
 
 def test_an_ask_outlives_a_plugin_dropped_and_served_again():
@@ -142,3 +143,15 @@ def test_a_changed_reputation_floor_is_reported_with_before_and_after():
     m.set_reputation_floor(0.2, by="admin-2")
     assert seen == [("reputation_floor", 0.5, 0.7, "admin-1"),
                     ("reputation_floor", 0.7, 0.2, "admin-2")]
+
+
+def test_a_provider_never_wins_the_job_of_a_client_linked_to_its_operator():
+    m = MarketService(lambda plugin: RESERVE, MarketSettings(), rng=random.Random(1),
+                      clock=lambda: 1_000.0,
+                      linked_to=lambda op: {"client-x"} if op == "op-cheap" else set())
+    join(m, "cheap", ask=100, measured=10.0)
+    join(m, "dear", ask=900, measured=10.0)
+    spec = lambda client: m.spec(plugin="echo", version="1.0.0", work_units=1.0,  # noqa: E731
+                                 client_id=client)
+    assert m.clear(spec("client-y")).awards[0].provider_id == "cheap"
+    assert m.clear(spec("client-x")).awards[0].provider_id == "dear"

@@ -23,11 +23,23 @@ def test_a_new_provider_is_always_checked(cv):
     assert (prob.p, prob.reason) == (1.0, SamplingReason.NEW_PROVIDER)
 
 
-@pytest.mark.parametrize("cv", [10, 20, 50, 100])
+@pytest.mark.parametrize("cv", [10, 20, 40])
 def test_a_reputable_provider_is_checked_one_in_cv(cv):
     prob = p_for(cv)
     assert prob.p == pytest.approx(1 / cv)
     assert prob.reason == SamplingReason.REPUTATION
+
+
+@pytest.mark.parametrize("cv", [50, 100, 10_000])
+def test_however_long_the_record_a_full_time_cheat_is_caught_within_200_jobs(cv):
+    """Issue #20: at 1/CV a provider with CV 100 cheating on every job from then on went
+    unchecked for 200 jobs 13 % of the time; the detection floor makes that 1 %."""
+    q = 0.99
+    prob = p_for(cv, q=q)
+    assert prob.reason == SamplingReason.DETECTION_FLOOR
+    assert 1 - (1 - prob.p * q) ** 200 == pytest.approx(0.99, abs=1e-3)
+    assert prob.p < 0.05  # the redundancy a reputable provider costs stays within 5 %
+    assert p_for(cv, policy=SamplingPolicy(detect_within_jobs=0)).p < prob.p  # no floor
 
 
 def test_the_new_provider_window_is_admin_set():
@@ -65,7 +77,7 @@ def test_an_unmeasured_catch_probability_checks_everything():
 
 
 def test_high_value_jobs_are_always_checked():
-    policy = SamplingPolicy(always_check_above_micro=50 * C)
+    policy = SamplingPolicy(always_check_above_micro=50 * C, detect_within_jobs=0)
     assert p_for(500, value=50 * C, policy=policy).p == pytest.approx(1 / 500)
     prob = p_for(500, value=50 * C + 1, policy=policy)
     assert (prob.p, prob.reason) == (1.0, SamplingReason.HIGH_VALUE)

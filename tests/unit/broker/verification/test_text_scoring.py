@@ -145,11 +145,19 @@ def test_a_plugin_version_that_cannot_score_is_judged_on_what_the_check_says(
     assert len(world.jobs.repo.checks_of(job.id)) == 1
 
 
-def test_a_scoring_run_that_fails_leaves_the_output_unchecked(world, honest, other):
+def test_a_scoring_run_that_fails_is_reissued_then_left_unchecked(world, honest, other):
     job = world.primary("a", run(other, JOB))
     first = world.check(job)
     world.settle(first, "b", run(honest, first.inputs))
     scoring = world.check(job)
+    for _ in range(world.v.settings.check_tries - 1):
+        failed = world.jobs.repo.transition(scoring.id, [JobState.QUEUED], JobState.FAILED,
+                                            error_code="no_capacity", finished_at=time.time())
+        world.v.ended(failed)
+        assert world.v.status(job.id).status is CheckStatus.CHECKING
+        again = world.check(job)
+        assert again.id != scoring.id and again.inputs == scoring.inputs  # scored again
+        scoring = again
     failed = world.jobs.repo.transition(scoring.id, [JobState.QUEUED], JobState.FAILED,
                                         error_code="no_capacity", finished_at=time.time())
     world.v.ended(failed)
