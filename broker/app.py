@@ -24,11 +24,12 @@ def create_app(services) -> Flask:
     app.extensions["sparecycles"] = services
     app.config["MAX_CONTENT_LENGTH"] = 32 * 1024 * 1024
 
-    from .api import account, credits, health, jobs, market, openapi, plugins, stake
+    from .api import (account, credits, health, jobs, market, openai_compat, openapi, plugins,
+                      stake)
     from .api import registry as registry_api
 
     for bp in (health.bp, jobs.bp, plugins.bp, openapi.bp, account.bp, credits.bp, market.bp,
-               stake.bp):
+               stake.bp, openai_compat.bp):
         app.register_blueprint(bp)
     app.register_blueprint(registry_api.bp)  # the marketplace: publishers, packages, adapters
     from .admin.views import bp as admin_bp
@@ -38,7 +39,8 @@ def create_app(services) -> Flask:
     @app.before_request
     def authenticate():
         check_url_text()  # every route, the console's too: no column stores a NUL
-        if request.path in PUBLIC or not request.path.startswith("/v1"):
+        if (request.path in PUBLIC or not request.path.startswith("/v1")
+                or request.endpoint in openai_compat.PUBLIC_ENDPOINTS):
             return None
         header = request.headers.get("Authorization", "")
         token = header[7:].strip() if header.lower().startswith("bearer ") else ""
@@ -51,7 +53,14 @@ def create_app(services) -> Flask:
         return response
 
     def problem(body: dict, status: int):
-        return problem_response(app, {**body, "request_id": request_id()}, status)
+        body = {**body, "request_id": request_id()}
+        if openai_compat.is_openai_route():  # OpenAI's error shape, which its clients parse
+            err, status, headers = openai_compat.openai_error_body(body, status)
+            resp = app.response_class(app.json.dumps(err), status=status,
+                                      mimetype="application/json")
+            resp.headers.update(headers)
+            return resp
+        return problem_response(app, body, status)
 
     @app.errorhandler(BrokerError)
     def broker_error(exc: BrokerError):

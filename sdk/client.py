@@ -1,175 +1,89 @@
-"""The Python client: ``Client(...).generate("sd15", prompt=...)``.
+"""The Python client: ``Client(...).generate("sd15", prompt=...)``, and its asyncio twin
+``AsyncClient`` (:mod:`sdk.aio`) with the same names.
 
 The key comes from the argument or ``SPARECYCLES_API_KEY``; the broker address from the
 argument or ``SPARECYCLES_URL`` (default http://127.0.0.1:8080). Every POST carries an
 Idempotency-Key that retries reuse, so a retried submit never makes a second job.
+
+Every method is written once, as a plan of :mod:`sdk._core` (what to send, what to do with
+the answer) that the client's ``_run`` drives: ``Client`` sends with urllib3 and returns
+the value; ``AsyncClient`` sends with httpx and returns an awaitable. The job objects
+(:class:`Jobs`, :class:`Job`, :class:`Batch`, :class:`Result`) are the same classes for
+both: ``job.wait()`` returns a Result from a ``Client`` and an awaitable of one from an
+``AsyncClient``.
 """
 from __future__ import annotations
 
 import io
 import json
-import os
-import random
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 import urllib3
 
-from sdk._http import Response, TransportError, describe, iter_lines, with_query
+from sdk import _core as core
+from sdk._core import DEFAULT_URL, TERMINAL, Call, Failed, Sleep  # noqa: F401 (re-exported)
+from sdk._http import Response, TransportError, describe, iter_lines
 from sdk.errors import (APIConnectionError, ConfigurationError, InvalidInputError,
-                        JobFailedError, JobTimeoutError, NotFoundError, error_for)
+                        JobFailedError, NotFoundError)
+from sdk.models import Account, Event, Quote, Transaction
 from sdk.protocol.schema import InputError, InputSchema
 
-DEFAULT_URL = "http://127.0.0.1:8080"
-TERMINAL = {"settled", "failed", "cancelled", "refunded"}
-RETRY_STATUS = {429, 502, 503, 504}
 POOL_SIZE = 32  # keep-alive connections kept per broker (more threads may open more)
-MAX_PREFER_WAIT_S = 60  # the longest ``Prefer: wait`` the broker accepts
-USER_AGENT = "sparecycles-python/0.1"
+EVENT_READ_TIMEOUT_S = 60.0  # a stream silent this long is reopened (the broker pings at 15)
 
 
-def _held_timeout(wait_s: float) -> float:
-    """The read timeout of a request the broker may hold for ``wait_s`` seconds: the wait
-    and 30 s more."""
-    return wait_s + 30.0
+class _ClientBase:
+    """What ``Client`` and ``AsyncClient`` share: every public method builds a plan and
+    returns ``self._run(plan)``. A subclass gives ``_run`` (and ``_events`` for the
+    event stream); ``prefetch`` says whether results fetch their output bytes at once
+    (the async client: a Result's ``text`` and ``images`` then need no I/O)."""
 
+    prefetch = False
+    _backoff = staticmethod(core.backoff_s)  # attempt -> seconds (a seam for tests)
 
-@dataclass
-class Event:
-    id: int
-    kind: str
-    data: dict
-
-
-class Client:
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
                  timeout: float = 30.0, max_retries: int = 3):
-        self.base_url = (base_url or os.environ.get("SPARECYCLES_URL") or DEFAULT_URL).rstrip("/")
-        self.api_key = api_key or os.environ.get("SPARECYCLES_API_KEY")
-        if not self.api_key:
-            raise ConfigurationError(
-                "no API key: pass Client(api_key=...) or set SPARECYCLES_API_KEY "
-                "(an admin creates one with `sparecycles broker create-key --role client`)")
+        self._cfg = core.Config.build(base_url, api_key, timeout, max_retries)
+        self._cfg.backoff = self._backoff
+        self.base_url, self.api_key = self._cfg.base_url, self._cfg.api_key
         self.max_retries = max_retries
-        self._timeout = urllib3.Timeout(connect=timeout, read=timeout)
-        try:
-            base = urllib3.util.parse_url(self.base_url)
-            if base.scheme not in ("http", "https") or not base.host:
-                raise urllib3.exceptions.LocationValueError(
-                    f"the scheme is {base.scheme!r}, not http or https")
-            # One pool for the broker, shared by every thread using this client
-            # (thread-safe); retries and redirects are this class's business, not urllib3's.
-            self._pool = urllib3.connection_from_url(self.base_url, maxsize=POOL_SIZE,
-                                                     block=False, retries=False,
-                                                     timeout=self._timeout)
-        except urllib3.exceptions.LocationValueError as exc:
-            raise ConfigurationError(f"bad broker URL {self.base_url!r} ({exc}): give one like "
-                                     f"{DEFAULT_URL}") from None
-        # The only origin this client sends its API key to.
-        self._origin = (base.scheme, base.host.lower(),
-                        base.port or (443 if base.scheme == "https" else 80))
-        self._prefix = (base.path or "").rstrip("/")
-        self._headers = {"Authorization": f"Bearer {self.api_key}", "User-Agent": USER_AGENT,
-                         "Accept": "application/json"}
         self._schemas: dict[str, InputSchema] = {}
         self.jobs = Jobs(self)
+
+    def _run(self, plan):  # pragma: no cover - the subclasses' business
+        raise NotImplementedError
+
+    def _events(self, job: "Job", after: int):  # pragma: no cover
+        raise NotImplementedError
+
+    def _json(self, method: str, path: str, *, key: str | None = None, wrap=None, **kw):
+        """``request``'s JSON body (its ``key`` member; passed through ``wrap``)."""
+        def plan():
+            body = (yield from core.request(self._cfg, method, path, **kw)).json()
+            body = body[key] if key else body
+            return wrap(body) if wrap else body
+        return self._run(plan())
 
     # ---- plumbing ----------------------------------------------------------------------
     def request(self, method: str, path: str, *, json_body: Any = None,
                 params: dict | None = None, idempotency_key: str | None = None,
                 timeout: float | None = None, content: bytes | BinaryIO | None = None,
-                headers: dict | None = None) -> Response:
-        """One API call, retried on connection errors and 429/502/503/504 (with the same
-        Idempotency-Key); an error answer raises the matching ``sdk.errors`` class.
+                headers: dict | None = None):
+        """One API call (a :class:`~sdk._http.Response`), retried on connection errors
+        and 429/502/503/504 with the same Idempotency-Key, after the answer's
+        ``Retry-After`` when it gives one; an error answer raises the matching
+        ``sdk.errors`` class (429 after the retries: RateLimitError).
 
         ``path`` is a path under the broker's URL (``/v1/...``); an absolute URL must be on
         the broker's own origin (the API key goes to no other host). ``content`` is bytes
         or a seekable binary file, streamed from its current position (and rewound to it
         for each retry)."""
-        target = self._target(with_query(path, params))
-        hdrs = dict(self._headers)
-        if idempotency_key:
-            hdrs["Idempotency-Key"] = idempotency_key
-        rewind = None
-        if content is not None:
-            hdrs["Content-Type"] = "application/octet-stream"
-            body = content
-            if hasattr(content, "read"):  # a file: sent as read, with its length declared
-                rewind = content.tell()
-                hdrs["Content-Length"] = str(content.seek(0, os.SEEK_END) - rewind)
-        elif json_body is not None:
-            hdrs["Content-Type"] = "application/json"
-            body = json.dumps(json_body, ensure_ascii=False, separators=(",", ":"),
-                              allow_nan=False).encode()
-        else:
-            body = None
-        if headers:
-            hdrs.update(headers)
-        tmo = self._timeout if timeout is None else urllib3.Timeout(connect=timeout,
-                                                                    read=timeout)
-        for attempt in range(self.max_retries + 1):
-            if rewind is not None:
-                content.seek(rewind)
-            try:
-                raw = self._pool.urlopen(method, target, body=body, headers=hdrs, timeout=tmo,
-                                         retries=False, redirect=False)
-            except TransportError as exc:
-                if attempt == self.max_retries:
-                    raise APIConnectionError(f"cannot reach the broker at {self.base_url}: "
-                                             f"{describe(exc)}; "
-                                             "is `sparecycles broker serve` running?") from exc
-                self._backoff(attempt)
-                continue
-            resp = Response(raw.status, raw.headers, raw.data)
-            if resp.status_code in RETRY_STATUS and attempt < self.max_retries:
-                self._backoff(attempt)
-                continue
-            if resp.status_code >= 400:
-                raise _error(resp)
-            return resp
-        raise AssertionError("unreachable")
-
-    def _open_stream(self, path: str, params: dict | None, read_timeout: float):
-        """A GET whose body is read as it arrives (the caller closes it)."""
-        hdrs = {**self._headers, "Accept": "text/event-stream"}
-        return self._pool.urlopen("GET", self._target(with_query(path, params)),
-                                  headers=hdrs, retries=False, redirect=False,
-                                  preload_content=False,
-                                  timeout=urllib3.Timeout(connect=30.0, read=read_timeout))
-
-    def _target(self, url: str) -> str:
-        """The request target on the broker for ``url``: a path (``/v1/...``) goes under
-        the broker's URL; an absolute URL is refused unless it is on the broker's own
-        origin, so the API key is never sent to another host."""
-        if "://" not in url.split("?", 1)[0]:
-            return self._prefix + url
-        try:
-            u = urllib3.util.parse_url(url)
-            origin = (u.scheme, (u.host or "").lower(),
-                      u.port or (443 if u.scheme == "https" else 80))
-        except urllib3.exceptions.LocationValueError:
-            origin = None
-        if origin != self._origin:
-            raise ValueError(f"refusing to send the API key to {url!r}: this client only "
-                             f"talks to its broker at {self.base_url}; give a path like "
-                             "/v1/jobs (fetch other hosts' URLs without the client)")
-        return u.request_uri
-
-    @staticmethod
-    def _backoff(attempt: int) -> None:
-        time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
-
-    def close(self) -> None:
-        self._pool.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        return self._run(core.request(self._cfg, method, path, json_body=json_body,
+                                      params=params, idempotency_key=idempotency_key,
+                                      timeout=timeout, content=content, headers=headers))
 
     # ---- API ---------------------------------------------------------------------------
     def plugins(self, q: str | None = None, *, publisher: str | None = None,
@@ -177,15 +91,212 @@ class Client:
         """Plugins jobs can run (built-in and published); ``q`` searches name and
         description, ``publisher`` and ``output`` filter."""
         params = {k: v for k, v in (("q", q), ("publisher", publisher), ("output", output)) if v}
-        return self.request("GET", "/v1/plugins", params=params or None).json()["data"]
+        return self._json("GET", "/v1/plugins", params=params or None, key="data")
 
-    # ---- the marketplace ---------------------------------------------------------------
+    def plugin_versions(self, name: str) -> list[dict]:
+        return self._json("GET", f"/v1/plugins/{name}/versions", key="data")
+
+    def adapters(self, q: str | None = None, *, base: str | None = None,
+                 publisher: str | None = None) -> list[dict]:
+        """Published adapters (latest version of each); ``base`` keeps one plugin's."""
+        params = {k: v for k, v in (("q", q), ("base", base), ("publisher", publisher)) if v}
+        return self._json("GET", "/v1/adapters", params=params or None, key="data")
+
+    def adapter(self, name: str, version: str = "latest") -> dict:
+        return self._json("GET", f"/v1/adapters/{name}/{version}")
+
+    def _schema(self, plugin: str):
+        if plugin not in self._schemas:
+            body = yield from core.get_json(self._cfg, f"/v1/plugins/{plugin}")
+            self._schemas[plugin] = InputSchema.from_json_schema(body["input_schema"])
+        return self._schemas[plugin]
+
+    def schema(self, plugin: str) -> InputSchema:
+        return self._run(self._schema(plugin))
+
+    def _validate(self, plugin: str, inputs: dict):
+        schema = yield from self._schema(plugin)
+        try:
+            return schema.validate(inputs)
+        except InputError as exc:
+            field = f"inputs.{exc.field}" if exc.field else "inputs"
+            raise InvalidInputError(422, "invalid_input", str(exc), field=field) from None
+
+    def validate(self, plugin: str, inputs: dict) -> dict:
+        """Check ``inputs`` against the plugin's schema with the broker's own messages."""
+        return self._run(self._validate(plugin, inputs))
+
+    def generate(self, plugin: str, *, timeout: float | None = 600.0,
+                 version: str | None = None, n: int = 1, priority: str | None = None,
+                 max_price_micro: int | None = None, deadline_s: float | None = None,
+                 verify: str | None = None, **inputs) -> "Result":
+        """Run one job and wait until its outputs are ready. ``n`` > 1 splits the request
+        into n sibling jobs on different providers (one output each; all outputs in
+        order in the Result). ``priority`` (economy | standard | fast), ``max_price_micro``
+        (whole request) and ``deadline_s`` are the market terms; a request no provider can
+        meet raises at once with the best achievable price and time. ``verify="always"``
+        has every output re-run on a second provider (you pay for both runs);
+        ``Result.verification`` then moves from ``checking`` to ``verified``."""
+        terms = {k: v for k, v in (("n", n if n > 1 else None), ("priority", priority),
+                                   ("max_price_micro", max_price_micro),
+                                   ("deadline_s", deadline_s), ("verify", verify))
+                 if v is not None}
+        return self._run(self._generate(plugin, version, terms, inputs, timeout))
+
+    def _generate(self, plugin, version, terms, inputs, timeout):
+        # Submit and wait in one request (``Prefer: wait``); a broker that answers before
+        # the job (or every sibling) ends leaves the rest to the wait.
+        started = time.monotonic()
+        held = 30.0 if timeout is None else min(timeout, 30.0)
+        yield from self._validate(plugin, inputs)
+        data = yield from core.submit(self._cfg, plugin, version, None, terms, inputs, held)
+        target = Batch(self, data) if terms.get("n", 1) > 1 else Job(self, data)
+        return (yield from target._wait(timeout, started))  # counted from the submit
+
+    def quote(self, plugin: str, *, version: str | None = None, **inputs) -> Quote:
+        """What a job would cost, without running it (:class:`~sdk.models.Quote`:
+        ``min_micro``, ``expected_micro`` and ``max_micro``, the hold placed at submit, in
+        micro-credits; 1 credit = 1,000,000)."""
+        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs}
+        if version:
+            body["version"] = version
+        return self._json("POST", "/v1/quotes", json_body=body, wrap=Quote.from_json)
+
+    def account(self) -> Account:
+        """Balances in micro-credits (available, held, vesting, paid out) and ``funding``
+        (``"stripe"``, or ``"dev"`` where an admin grants credits): an
+        :class:`~sdk.models.Account`."""
+        return self._json("GET", "/v1/account", wrap=Account.from_json)
+
+    def transactions(self, limit: int = 100) -> list[Transaction]:
+        return self._json("GET", "/v1/account/transactions", params={"limit": limit},
+                          key="data", wrap=lambda rows: [Transaction.from_json(r)
+                                                         for r in rows])
+
+    def stake(self, amount_micro: int) -> dict:
+        """Providers: put ``amount_micro`` of the available balance at stake (plugins may
+        require a minimum stake; a provider outvoted by verification loses part of it)."""
+        return self._json("POST", "/v1/account/stake", json_body={"amount_micro": amount_micro},
+                          idempotency_key=str(uuid.uuid4()))
+
+    def unstake(self, amount_micro: int) -> dict:
+        """Providers: take ``amount_micro`` back from stake to the available balance."""
+        return self._json("POST", "/v1/account/unstake",
+                          json_body={"amount_micro": amount_micro},
+                          idempotency_key=str(uuid.uuid4()))
+
+    def buy_credits(self, credits: int) -> dict:
+        """A Stripe Checkout session for ``credits``; open its ``url`` to pay."""
+        return self._json("POST", "/v1/credits/checkout", json_body={"credits": credits},
+                          idempotency_key=str(uuid.uuid4()))
+
+
+class Client(_ClientBase):
+    """The blocking client (urllib3: one connection pool per broker, shared by every
+    thread using the client)."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 timeout: float = 30.0, max_retries: int = 3):
+        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries)
+        try:
+            # Retries and redirects are this class's business, not urllib3's.
+            self._pool = urllib3.connection_from_url(
+                self._cfg.url_root, maxsize=POOL_SIZE, block=False, retries=False,
+                timeout=urllib3.Timeout(connect=timeout, read=timeout))
+        except urllib3.exceptions.LocationValueError as exc:
+            raise ConfigurationError(f"bad broker URL {self.base_url!r} ({exc}): give one "
+                                     f"like {DEFAULT_URL}") from None
+
+    def _run(self, plan):
+        """Drive ``plan``: send its calls with urllib3, sleep its sleeps, return its value."""
+        try:
+            step = next(plan)
+            while True:
+                if isinstance(step, Sleep):
+                    if step.seconds > 0:
+                        time.sleep(step.seconds)
+                    outcome = None
+                else:
+                    outcome = self._send(step)
+                step = plan.send(outcome)
+        except StopIteration as stop:
+            return stop.value
+
+    def _send(self, call: Call) -> Response | Failed:
+        if call.rewind is not None:
+            call.body.seek(call.rewind)
+        try:
+            raw = self._pool.urlopen(call.method, call.target, body=call.body,
+                                     headers=call.headers, retries=False, redirect=False,
+                                     timeout=urllib3.Timeout(connect=call.timeout,
+                                                             read=call.timeout))
+        except TransportError as exc:
+            return Failed(describe(exc), exc)
+        return Response(raw.status, raw.headers, raw.data)
+
+    def _events(self, job: "Job", after: int) -> Iterator[Event]:
+        """Server-sent events until the job ends. A stream that drops or goes silent is
+        reopened after the last event seen: at once when it had delivered events, with
+        backoff when it had not; ``max_retries`` such empty tries in a row raise
+        APIConnectionError."""
+        follow = _Follow(self, job.id, after)
+        dropped = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError)
+        while True:
+            try:
+                raw = self._pool.urlopen(
+                    "GET", follow.target(), headers=follow.headers(), retries=False,
+                    redirect=False, preload_content=False,
+                    timeout=urllib3.Timeout(connect=30.0, read=EVENT_READ_TIMEOUT_S))
+            except dropped as exc:
+                error = exc
+            except TransportError as exc:
+                raise APIConnectionError(f"cannot reach the broker at {self.base_url}: "
+                                         f"{describe(exc)}") from exc
+            else:
+                try:
+                    if raw.status >= 400:
+                        raise core.error_from(Response(raw.status, raw.headers, raw.read()))
+                    parser = core.SSEParser(follow.last)
+                    for line in iter_lines(raw):
+                        got = parser.feed(line)
+                        if got is not None:
+                            event = follow.event(got)
+                            yield event
+                            if event.kind in core.END_EVENTS:
+                                return
+                    return
+                except dropped as exc:
+                    error = exc  # reconnect after the last event seen
+                finally:
+                    # never reuse a connection whose stream may not be read to its end
+                    raw.close()
+                    raw.release_conn()
+            pause = follow.dropped(describe(error), error)
+            if pause:
+                time.sleep(pause)
+
+    def stream(self, plugin: str, *, timeout: float | None = 600.0,
+               version: str | None = None, **inputs) -> Iterator[str]:
+        """Run one job and yield its text as it is made (``for token in
+        client.stream("llama", prompt=...)``); the pieces join to the job's final text.
+        Raises JobFailedError if the job fails. If the job is requeued to another provider
+        mid-way, the text already yielded is not repeated (the same seed gives the same
+        tokens)."""
+        job = self.jobs.create(plugin, version=version, **inputs)
+        text = core.TokenText()
+        for ev in job.events():
+            piece = text.feed(ev.kind, ev.data)
+            if piece:
+                yield piece
+        job.wait(timeout=timeout)  # raises JobFailedError unless the job settled
+
+    # ---- the marketplace (blocking only: files are read as they are sent) -------------
     def register_publisher_key(self, keys, label: str = "") -> dict:
         """Register ``keys`` (sdk.protocol.signing.KeyPair) as a publisher key of this
         account, proving it holds the private key (needs a publisher API key)."""
         from sdk.protocol.package import publisher_proof_document
 
-        proof = keys.sign("publisher", publisher_proof_document(self.account()["id"],
+        proof = keys.sign("publisher", publisher_proof_document(self.account().id,
                                                                 keys.public_key_hex))
         return self.request("POST", "/v1/publishers", json_body={
             "public_key": keys.public_key_hex, "proof": proof, "label": label}).json()
@@ -206,134 +317,60 @@ class Client:
         return self.request("POST", f"/v1/{document['kind']}s", json_body={
             "document": document, "signature": signature}).json()
 
-    def plugin_versions(self, name: str) -> list[dict]:
-        return self.request("GET", f"/v1/plugins/{name}/versions").json()["data"]
+    def close(self) -> None:
+        self._pool.close()
 
-    def adapters(self, q: str | None = None, *, base: str | None = None,
-                 publisher: str | None = None) -> list[dict]:
-        """Published adapters (latest version of each); ``base`` keeps one plugin's."""
-        params = {k: v for k, v in (("q", q), ("base", base), ("publisher", publisher)) if v}
-        return self.request("GET", "/v1/adapters", params=params or None).json()["data"]
+    def __enter__(self):
+        return self
 
-    def adapter(self, name: str, version: str = "latest") -> dict:
-        return self.request("GET", f"/v1/adapters/{name}/{version}").json()
+    def __exit__(self, *exc):
+        self.close()
 
-    def schema(self, plugin: str) -> InputSchema:
-        if plugin not in self._schemas:
-            body = self.request("GET", f"/v1/plugins/{plugin}").json()
-            self._schemas[plugin] = InputSchema.from_json_schema(body["input_schema"])
-        return self._schemas[plugin]
 
-    def validate(self, plugin: str, inputs: dict) -> dict:
-        """Check ``inputs`` against the plugin's schema with the broker's own messages."""
-        try:
-            schema = self.schema(plugin)
-        except NotFoundError:
-            raise
-        try:
-            return schema.validate(inputs)
-        except InputError as exc:
-            field = f"inputs.{exc.field}" if exc.field else "inputs"
-            raise InvalidInputError(422, "invalid_input", str(exc), field=field) from None
+class _Follow:
+    """What both clients' event streams share: where to reconnect (after the last event
+    seen), and when to give up (``max_retries`` reconnects in a row without an event)."""
 
-    def generate(self, plugin: str, *, timeout: float = 600.0, version: str | None = None,
-                 n: int = 1, priority: str | None = None, max_price_micro: int | None = None,
-                 deadline_s: float | None = None, verify: str | None = None,
-                 **inputs) -> "Result":
-        """Run one job and block until its outputs are ready. ``n`` > 1 splits the request
-        into n sibling jobs on different providers (one output each; all outputs in
-        order in the Result). ``priority`` (economy | standard | fast), ``max_price_micro``
-        (whole request) and ``deadline_s`` are the market terms; a request no provider can
-        meet raises at once with the best achievable price and time. ``verify="always"``
-        has every output re-run on a second provider (you pay for both runs);
-        ``Result.verification`` then moves from ``checking`` to ``verified``."""
-        terms = {k: v for k, v in (("n", n if n > 1 else None), ("priority", priority),
-                                   ("max_price_micro", max_price_micro),
-                                   ("deadline_s", deadline_s), ("verify", verify))
-                 if v is not None}
-        # Submit and wait in one request (``Prefer: wait``); a broker that answers before
-        # the job (or every sibling) ends leaves the rest to wait().
-        started = time.monotonic()
-        held = 30.0 if timeout is None else min(timeout, 30.0)
-        create = self.jobs.create_batch if n > 1 else self.jobs.create
-        job = create(plugin, version=version, terms=terms, wait=held, **inputs)
-        return job._wait(timeout, started)  # the user's timeout, counted from the submit
+    def __init__(self, client: _ClientBase, job_id: str, after: int):
+        self.c, self.job_id, self.last, self.failures = client, job_id, after, 0
+        self.fresh = False
 
-    def quote(self, plugin: str, *, version: str | None = None, **inputs) -> dict:
-        """What a job would cost, without running it: ``min_micro``, ``expected_micro`` and
-        ``max_micro`` (the hold placed at submit), in micro-credits (1 credit = 1,000,000)."""
-        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs}
-        if version:
-            body["version"] = version
-        return self.request("POST", "/v1/quotes", json_body=body).json()
+    def target(self) -> str:
+        self.fresh = False
+        return self.c._cfg.target(f"/v1/jobs/{self.job_id}/events?after={self.last}")
 
-    def account(self) -> dict:
-        """Balances in micro-credits (available, held, vesting, paid out) and ``funding``
-        (``"stripe"``, or ``"dev"`` where an admin grants credits)."""
-        return self.request("GET", "/v1/account").json()
+    def headers(self) -> dict:
+        return {**self.c._cfg.headers, "Accept": "text/event-stream"}
 
-    def transactions(self, limit: int = 100) -> list[dict]:
-        return self.request("GET", "/v1/account/transactions", params={"limit": limit}).json()["data"]
+    def event(self, got: tuple[int, str, dict]) -> Event:
+        ev = Event(*got)
+        self.last, self.fresh, self.failures = ev.id, True, 0
+        return ev
 
-    def stake(self, amount_micro: int) -> dict:
-        """Providers: put ``amount_micro`` of the available balance at stake (plugins may
-        require a minimum stake; a provider outvoted by verification loses part of it)."""
-        return self.request("POST", "/v1/account/stake", json_body={"amount_micro": amount_micro},
-                            idempotency_key=str(uuid.uuid4())).json()
-
-    def unstake(self, amount_micro: int) -> dict:
-        """Providers: take ``amount_micro`` back from stake to the available balance."""
-        return self.request("POST", "/v1/account/unstake",
-                            json_body={"amount_micro": amount_micro},
-                            idempotency_key=str(uuid.uuid4())).json()
-
-    def buy_credits(self, credits: int) -> dict:
-        """A Stripe Checkout session for ``credits``; open its ``url`` to pay."""
-        return self.request("POST", "/v1/credits/checkout", json_body={"credits": credits},
-                            idempotency_key=str(uuid.uuid4())).json()
-
-    def stream(self, plugin: str, *, timeout: float = 600.0, version: str | None = None,
-               **inputs) -> Iterator[str]:
-        """Run one job and yield its text as it is made (``for token in
-        client.stream("llama", prompt=...)``); the pieces join to the job's final text.
-        Raises JobFailedError if the job fails. If the job is requeued to another provider
-        mid-way, the text already yielded is not repeated (the same seed gives the same
-        tokens)."""
-        job = self.jobs.create(plugin, version=version, **inputs)
-        sent, skip = 0, 0  # characters yielded; characters of a new attempt to pass over
-        for ev in job.events():
-            if ev.kind == "token":
-                text = ev.data.get("text", "")
-                if skip:
-                    cut = min(skip, len(text))
-                    text, skip = text[cut:], skip - cut
-                if text:
-                    sent += len(text)
-                    yield text
-            elif ev.kind == "requeued":
-                skip = sent
-        job.wait(timeout=timeout)  # raises JobFailedError unless the job settled
+    def dropped(self, why: str, error: BaseException) -> float:
+        """The stream dropped: the pause before reopening it (0: at once), or raise."""
+        if self.fresh:
+            return 0.0
+        self.failures += 1
+        if self.failures > self.c.max_retries:
+            raise APIConnectionError(
+                f"lost the event stream of job {self.job_id} at {self.c.base_url}: {why} "
+                f"({self.failures} tries in a row without an event)") from error
+        return float(self.c._backoff(self.failures - 1) or 0.0)
 
 
 class Jobs:
-    def __init__(self, client: Client):
+    """``client.jobs``: submit, look up and list jobs."""
+
+    def __init__(self, client: _ClientBase):
         self._c = client
 
-    def _post(self, plugin: str, version: str | None, idempotency_key: str | None,
-              validate: bool, terms: dict | None, inputs: dict,
-              wait: float | None = None) -> dict:
+    def _post(self, plugin, version, idempotency_key, validate, terms, inputs, wait, wrap):
         if validate:
-            self._c.validate(plugin, inputs)
-        body: dict[str, Any] = {"plugin": plugin, "inputs": inputs, **(terms or {})}
-        if version:
-            body["version"] = version
-        headers = timeout = None
-        if wait is not None:
-            wait_s = min(MAX_PREFER_WAIT_S, max(1, int(wait)))
-            headers, timeout = {"Prefer": f"wait={wait_s}"}, _held_timeout(wait_s)
-        return self._c.request("POST", "/v1/jobs", json_body=body,
-                               idempotency_key=idempotency_key or str(uuid.uuid4()),
-                               headers=headers, timeout=timeout).json()
+            yield from self._c._validate(plugin, inputs)
+        data = yield from core.submit(self._c._cfg, plugin, version, idempotency_key, terms,
+                                      inputs, wait)
+        return wrap(self._c, data)
 
     def create(self, plugin: str, *, version: str | None = None,
                idempotency_key: str | None = None, validate: bool = True,
@@ -341,11 +378,8 @@ class Jobs:
         """Submit a job. With ``wait`` (seconds) the broker may hold the answer until the
         job ends or the wait passes (RFC 7240 ``Prefer: wait``), so a quick job comes back
         finished; either way check ``job.done`` or call ``job.wait()``."""
-        return Job(self._c, self._post(plugin, version, idempotency_key, validate, terms,
-                                       inputs, wait))
-
-    def get(self, job_id: str) -> "Job":
-        return Job(self._c, self._c.request("GET", f"/v1/jobs/{job_id}").json())
+        return self._c._run(self._post(plugin, version, idempotency_key, validate, terms,
+                                       inputs, wait, Job))
 
     def create_batch(self, plugin: str, *, version: str | None = None,
                      idempotency_key: str | None = None, validate: bool = True,
@@ -353,16 +387,34 @@ class Jobs:
                      **inputs) -> "Batch":
         """A split request (``terms["n"]`` sibling jobs). ``wait`` as for :meth:`create`:
         the answer may wait until every sibling has ended."""
-        return Batch(self._c, self._post(plugin, version, idempotency_key, validate, terms,
-                                         inputs, wait))
+        return self._c._run(self._post(plugin, version, idempotency_key, validate, terms,
+                                       inputs, wait, Batch))
+
+    def get(self, job_id: str) -> "Job":
+        return self._c._json("GET", f"/v1/jobs/{job_id}", wrap=lambda d: Job(self._c, d))
 
     def list(self, limit: int = 50) -> list["Job"]:
-        data = self._c.request("GET", "/v1/jobs", params={"limit": limit}).json()["data"]
-        return [Job(self._c, d) for d in data]
+        """The account's newest jobs (summaries: no outputs; ``job.refresh()`` reads one)."""
+        return self._c._json("GET", "/v1/jobs", params={"limit": limit}, key="data",
+                             wrap=lambda rows: [Job(self._c, d) for d in rows])
+
+    def wait(self, job_id: str, timeout: float | None = 600.0) -> "Result":
+        """Wait for the job ``job_id`` (submitted earlier, maybe elsewhere) to end."""
+        def plan():
+            job = Job(self._c, (yield from core.get_json(self._c._cfg, f"/v1/jobs/{job_id}")))
+            return (yield from job._wait(timeout, time.monotonic()))
+        return self._c._run(plan())
+
+    def cancel(self, job_id: str) -> "Job":
+        return self._c._json("DELETE", f"/v1/jobs/{job_id}", wrap=lambda d: Job(self._c, d))
 
 
 class Job:
-    def __init__(self, client: Client, data: dict):
+    """A job as the broker last said it was. ``data`` is the broker's JSON record; the
+    typed view of it is :attr:`info` (:class:`sdk.models.JobInfo`), and the properties
+    below read the fields most callers need."""
+
+    def __init__(self, client: _ClientBase, data: dict):
         self._c = client
         self.data = data
 
@@ -372,11 +424,19 @@ class Job:
 
     @property
     def state(self) -> str:
+        """queued | matched | running | submitted | verifying | disputed | settled |
+        failed | cancelled | refunded."""
         return self.data["state"]
 
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def info(self):
+        """The record as a typed :class:`sdk.models.JobInfo`."""
+        from sdk.models import JobInfo
+        return JobInfo.from_json(self.data)
 
     @property
     def verification(self) -> str:
@@ -386,96 +446,48 @@ class Job:
     def __repr__(self) -> str:
         return f"<Job {self.id} {self.data.get('plugin')} {self.state}>"
 
-    def refresh(self, wait_s: float | None = None) -> "Job":
-        params = {"wait": f"{wait_s:.3f}"} if wait_s else None
-        self.data = self._c.request("GET", f"/v1/jobs/{self.id}", params=params,
-                                    timeout=_held_timeout(wait_s or 0)).json()
+    def _refresh(self, wait_s: float | None = None):
+        self.data = yield from core.refresh(self._c._cfg, f"/v1/jobs/{self.id}", wait_s)
         return self
+
+    def refresh(self, wait_s: float | None = None) -> "Job":
+        """Re-read the job; with ``wait_s`` the broker holds the answer until it ends or
+        ``wait_s`` passes (a long poll)."""
+        return self._c._run(self._refresh(wait_s))
 
     def cancel(self) -> "Job":
-        self.data = self._c.request("DELETE", f"/v1/jobs/{self.id}").json()
-        return self
+        def plan():
+            self.data = (yield from core.request(self._c._cfg, "DELETE",
+                                                 f"/v1/jobs/{self.id}")).json()
+            return self
+        return self._c._run(plan())
 
     def wait(self, timeout: float | None = 600.0) -> "Result":
-        """Block until the job ends. Returns its Result; raises JobFailedError if it failed
+        """Wait until the job ends. Returns its Result; raises JobFailedError if it failed
         or was cancelled, and JobTimeoutError (after cancelling it) when time runs out: its
         message says what the cancel charged (a provider is paid for the steps it had done)."""
-        return self._wait(timeout, time.monotonic())
+        return self._c._run(self._wait(timeout, time.monotonic()))
 
-    def _wait(self, timeout: float | None, started: float) -> "Result":
-        """:meth:`wait` with ``timeout`` counted from ``started`` (``time.monotonic()``),
-        e.g. from the submit that ``Client.generate`` made."""
-        deadline = None if timeout is None else started + timeout
-        while not self.done:
-            left = 30.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                before = dict(self.data)
-                try:
-                    self.cancel()
-                except Exception:  # noqa: BLE001 - the timeout is what the caller must see
-                    pass
-                if self.state == "settled":
-                    break
-                raise _timed_out(self._c, [(self, before)], timeout,
-                                 time.monotonic() - started, f"job {self.id}")
-            self.refresh(wait_s=min(left, 30.0))
-        if self.state == "settled" and "outputs" not in self.data:
-            # A summary (``client.jobs.list()`` lists jobs without their outputs): the
-            # job's full record names them.
-            self.refresh()
-        if self.state != "settled":
-            err = self.data.get("error") or {}
-            raise JobFailedError(self, f"job {self.id} {self.state}: "
-                                       f"{err.get('message', 'no result')} [{err.get('code')}]")
-        return Result(self._c, self)
+    def _wait(self, timeout: float | None, started: float):
+        try:
+            self.data = yield from core.wait_job(self._c._cfg, self.data, timeout, started)
+        except JobFailedError as exc:
+            if isinstance(exc.job, dict):
+                self.data, exc.job = exc.job, self
+            raise
+        return (yield from Result._of(self._c, self, self.data.get("outputs", [])))
 
-    def events(self, after: int = 0) -> Iterator[Event]:
-        """Server-sent events until the job ends. A stream that drops or goes silent is
-        reopened after the last event seen: at once when it had delivered events, with
-        backoff when it had not; ``max_retries`` such empty tries in a row raise
-        APIConnectionError."""
-        last, failures = after, 0
-        dropped = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError)
-        while True:
-            fresh = False  # whether this connection delivered an event
-            try:
-                raw = self._c._open_stream(f"/v1/jobs/{self.id}/events", {"after": last},
-                                           read_timeout=60.0)
-            except dropped as exc:
-                error = exc
-            except TransportError as exc:
-                raise APIConnectionError(f"cannot reach the broker at {self._c.base_url}: "
-                                         f"{describe(exc)}") from exc
-            else:
-                try:
-                    if raw.status >= 400:
-                        raise _error(Response(raw.status, raw.headers, raw.read()))
-                    for ev in _parse_sse(iter_lines(raw)):
-                        last, fresh, failures = ev.id, True, 0
-                        yield ev
-                        if ev.kind in ("done", "failed", "cancelled", "refunded"):
-                            return
-                    return
-                except dropped as exc:
-                    error = exc  # reconnect after the last event seen
-                finally:
-                    # never reuse a connection whose stream may not be read to its end
-                    raw.close()
-                    raw.release_conn()
-            if fresh:
-                continue
-            failures += 1
-            if failures > self._c.max_retries:
-                raise APIConnectionError(
-                    f"lost the event stream of job {self.id} at {self._c.base_url}: "
-                    f"{describe(error)} ({failures} tries in a row without an event)") from error
-            self._c._backoff(failures - 1)
+    def events(self, after: int = 0):
+        """Server-sent events until the job ends (``for ev in job.events()``; from an
+        AsyncClient ``async for ev in job.events()``), reconnecting after the last one
+        seen when the stream drops."""
+        return self._c._events(self, after)
 
 
 class Batch:
     """A split request: sibling jobs whose outputs arrive as they finish."""
 
-    def __init__(self, client: Client, data: dict):
+    def __init__(self, client: _ClientBase, data: dict):
         self._c = client
         self.data = data
 
@@ -494,142 +506,47 @@ class Batch:
     def refresh(self, wait_s: float | None = None) -> "Batch":
         """Re-read the batch; with ``wait_s`` the broker holds the answer until every
         sibling has ended or ``wait_s`` passes."""
-        params = {"wait": f"{wait_s:.3f}"} if wait_s else None
-        self.data = self._c.request("GET", f"/v1/batches/{self.id}", params=params,
-                                    timeout=_held_timeout(wait_s or 0)).json()
-        return self
+        def plan():
+            self.data = yield from core.refresh(self._c._cfg, f"/v1/batches/{self.id}",
+                                                wait_s)
+            return self
+        return self._c._run(plan())
 
     def wait(self, timeout: float | None = 600.0) -> "Result":
-        """Block until every sibling ends; one Result with all outputs in sibling order.
+        """Wait until every sibling ends; one Result with all outputs in sibling order.
         Raises JobFailedError if a sibling failed, and JobTimeoutError (after cancelling
         the siblings still running) when time runs out."""
-        return self._wait(timeout, time.monotonic())
+        return self._c._run(self._wait(timeout, time.monotonic()))
 
-    def _wait(self, timeout: float | None, started: float) -> "Result":
-        deadline = None if timeout is None else started + timeout
-        while not self.done:
-            left = 30.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                break
-            self.refresh(wait_s=min(left, 30.0))
-        if not self.done:
-            running = [(job, dict(job.data)) for job in self.jobs if not job.done]
-            for job, _ in running:
-                try:
-                    job.cancel()
-                except Exception:  # noqa: BLE001 - the timeout is what the caller must see
-                    pass
-            raise _timed_out(self._c, running, timeout, time.monotonic() - started,
-                             f"batch {self.id}: {len(running)} of {len(self.jobs)} jobs")
-        outputs: list[dict] = []
-        for job in self.jobs:  # raises JobFailedError for a sibling that did not settle
-            outputs += job.wait(timeout=None).outputs
-        result = Result(self._c, self.jobs[0])
-        result.outputs = outputs
-        return result
-
-
-def _timed_out(client: Client, cancelled: list[tuple[Job, dict]], timeout: float | None,
-               waited_s: float, what: str) -> JobTimeoutError:
-    """The JobTimeoutError for jobs ``wait()`` gave up on and cancelled: (job, its data
-    before the cancel) each. Its message gives the timeout the caller set, how long it
-    waited, and what the cancels charged and for what, as the client's ledger lines show
-    them (a provider is paid for the steps it had done; the rest of each hold is released)."""
-    charged = _charged_micro(client, [job.id for job, _ in cancelled])
-    done = []
-    for job, before in cancelled:
-        progress = job.data.get("progress") or before.get("progress") or {}
-        step, total = int(progress.get("step") or 0), int(progress.get("total") or 0)
-        if total > 0 and step > 0:
-            done.append(f"{min(step, total)} of {total} steps")
-    limit = "no timeout" if timeout is None else f"the {_secs(timeout)} timeout"
-    message = (f"{what} did not finish within {limit} (waited {_secs(waited_s)}) and "
-               f"{'was' if len(cancelled) == 1 else 'were'} cancelled; ")
-    if charged is None:
-        message += ("what the cancel charged could not be read: see "
-                    "client.transactions() for the ledger lines of the job")
-    elif charged > 0:
-        message += (f"charged {_credits(charged)} for the work the provider had done before "
-                    f"the cancel ({', '.join(done) or 'its reported progress'}); the rest of "
-                    "the hold was released to your balance")
-    else:
-        message += ("nothing was charged" + (" (no step was done yet)" if not done else "")
-                    + " and the hold was released to your balance")
-    if timeout is not None:
-        message += ("; pass a longer timeout= (or timeout=None) to wait for slow jobs, or "
-                    "fewer steps or a smaller size for a faster one")
-    return JobTimeoutError(cancelled[0][0], message, timeout_s=timeout, waited_s=waited_s,
-                           charged_micro=charged)
-
-
-def _charged_micro(client: Client, job_ids: list[str]) -> int | None:
-    """What the client's balance lost to these jobs: minus the sum of its ledger lines for
-    them (a hold nets to zero with its release; a post leaves the charge). The ledger
-    names each job's hold and post "job <id>" (parts of a resumed job "job <id> (part
-    i)"); a release carries the same hold id. None when the lines cannot be read."""
-    try:
-        lines = client.transactions(limit=1000)
-    except Exception:  # noqa: BLE001 - the timeout is what the caller must see
-        return None
-    holds = {line.get("hold_id") for line in lines
-             if any(line.get("memo") == f"job {j}" or
-                    str(line.get("memo", "")).startswith(f"job {j} (part ") for j in job_ids)}
-    holds.discard(None)
-    if not holds:
-        return 0  # no hold (a free job) or none of its lines: nothing was taken
-    return -sum(int(line.get("amount_micro") or 0) for line in lines
-                if line.get("hold_id") in holds)
-
-
-def _secs(seconds: float) -> str:
-    return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
-
-
-def _credits(micro: int) -> str:
-    whole, frac = divmod(micro, 1_000_000)
-    text = f"{whole:,}" + (f".{frac:06d}".rstrip("0") if frac else "")
-    return f"{text} credits ({micro:,} micro-credits)"
-
-
-def _error(resp: Response) -> Exception:
-    """The sdk.errors exception for an error answer (RFC 7807 body, or its text)."""
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        body = {"detail": resp.text[:500]}
-    return error_for(resp.status_code, body, resp.headers.get("X-Request-Id"))
-
-
-def _parse_sse(lines) -> Iterator[Event]:
-    ev_id, kind, data = 0, "message", []
-    for line in lines:
-        if not line:
-            if data:
-                yield Event(ev_id, kind, json.loads("\n".join(data)))
-            ev_id, kind, data = ev_id, "message", []
-        elif line.startswith(":"):
-            continue
-        else:
-            name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if name == "id":
-                ev_id = int(value)
-            elif name == "event":
-                kind = value
-            elif name == "data":
-                data.append(value)
+    def _wait(self, timeout: float | None, started: float):
+        try:
+            self.data = yield from core.wait_batch(self._c._cfg, self.data, timeout, started)
+        except JobFailedError as exc:
+            if isinstance(exc.job, dict):
+                exc.job = Job(self._c, exc.job)
+            raise
+        jobs = self.jobs
+        outputs = [o for j in jobs for o in j.data.get("outputs", [])]
+        return (yield from Result._of(self._c, jobs[0], outputs))
 
 
 class Result:
-    """The outputs of a settled job. Bytes are fetched lazily, once."""
+    """The outputs of a settled job (or of every sibling of a split request). From a
+    ``Client`` the bytes are fetched lazily, once; from an ``AsyncClient`` they come with
+    the Result, so ``text``, ``images`` and ``output_bytes`` never wait."""
 
-    def __init__(self, client: Client, job: Job):
+    def __init__(self, client: _ClientBase, job: Job, outputs: list[dict] | None = None):
         self._c = client
         self.job = job
-        self.outputs: list[dict] = job.data.get("outputs", [])
+        self.outputs: list[dict] = job.data.get("outputs", []) if outputs is None else outputs
         self._bytes: dict[int, bytes] = {}
+
+    @classmethod
+    def _of(cls, client: _ClientBase, job: Job, outputs: list[dict]):
+        result = cls(client, job, outputs)
+        if client.prefetch:
+            result._bytes = yield from core.fetch_outputs(client._cfg, outputs)
+        return result
 
     @property
     def verification(self) -> str:
@@ -642,18 +559,22 @@ class Result:
     def wait_verified(self, timeout: float = 600.0) -> str:
         """Wait until the verification status is final (not checking or disputed), then
         refetch the outputs (an overturned job's outputs are replaced). Returns it."""
-        deadline = time.monotonic() + timeout
-        delay = 0.2  # doubling to 5 s: a re-run takes as long as the job did
-        self.job.refresh()
-        while self.job.verification in ("checking", "disputed"):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 5.0)
-            self.job.refresh()
-        self.outputs, self._bytes = self.job.data.get("outputs", []), {}
-        return self.job.verification
+        def plan():
+            deadline = time.monotonic() + timeout
+            delay = 0.2  # doubling to 5 s: a re-run takes as long as the job did
+            yield from self.job._refresh()
+            while self.job.verification in ("checking", "disputed"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                yield Sleep(min(delay, left))
+                delay = min(delay * 2, 5.0)
+                yield from self.job._refresh()
+            self.outputs, self._bytes = self.job.data.get("outputs", []), {}
+            if self._c.prefetch:
+                self._bytes = yield from core.fetch_outputs(self._c._cfg, self.outputs)
+            return self.job.verification
+        return self._c._run(plan())
 
     @property
     def meta(self) -> list[dict]:
@@ -662,6 +583,8 @@ class Result:
 
     def output_bytes(self, index: int) -> bytes:
         if index not in self._bytes:
+            if self._c.prefetch:  # the async client fetched them all: this one is new
+                raise IndexError(f"no output {index}; this result has {len(self.outputs)}")
             self._bytes[index] = self._c.request("GET", self.outputs[index]["url"],
                                                  timeout=120, headers={"Accept": "*/*"}).content
         return self._bytes[index]
@@ -702,3 +625,16 @@ class Result:
 def _suffix(media_type: str) -> str:
     return {"image/png": ".png", "image/jpeg": ".jpg", "text/plain": ".txt",
             "application/json": ".json"}.get(media_type, ".bin")
+
+
+def _parse_sse(lines) -> Iterator[Event]:
+    """Server-sent events from lines (kept for callers of the old name)."""
+    for got in core.parse_sse(lines):
+        yield Event(*got)
+
+
+def __getattr__(name):  # the asyncio twin, imported on first use (it needs httpx)
+    if name == "AsyncClient":
+        from sdk.aio import AsyncClient
+        return AsyncClient
+    raise AttributeError(f"module 'sdk.client' has no attribute {name!r}")

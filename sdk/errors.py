@@ -1,4 +1,7 @@
-"""Errors the SDK raises: one class per failure kind, each with the request id when known."""
+"""Errors the SDK raises: one class per failure kind. Every one carries ``code`` (the
+broker's stable problem code, or the SDK's own for failures that never reached it) and
+``request_id`` (the ``X-Request-Id`` of the answer, None when there was none), so a report
+can quote both."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,13 +10,20 @@ from typing import Any
 class SparecyclesError(Exception):
     """Root of every SDK error."""
 
+    code: str = "error"
+    request_id: str | None = None
+
 
 class ConfigurationError(SparecyclesError):
     """The client is missing something it needs (an API key, a URL)."""
 
+    code = "configuration"
+
 
 class APIConnectionError(SparecyclesError):
     """The broker could not be reached (after retries)."""
+
+    code = "connection_error"
 
 
 class APIError(SparecyclesError):
@@ -59,12 +69,26 @@ class ServerError(APIError):
     pass
 
 
+class RateLimitError(APIError):
+    """HTTP 429 after the retries: ``retry_after_s`` is what the broker's ``Retry-After``
+    asked for (None when it gave none). The client already waited that long between its
+    retries; wait this long before the next request."""
+
+    def __init__(self, *args, retry_after_s: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.retry_after_s = retry_after_s
+
+
 class JobFailedError(SparecyclesError):
     """The job ended without a result; ``job`` is attached."""
 
     def __init__(self, job: Any, message: str):
         super().__init__(message)
         self.job = job
+        data = getattr(job, "data", job) if job is not None else {}
+        err = (data.get("error") if isinstance(data, dict) else None) or {}
+        self.code = str(err.get("code") or ("job_" + str(data.get("state", "failed"))
+                                            if isinstance(data, dict) else "job_failed"))
 
 
 class JobTimeoutError(JobFailedError):
@@ -80,14 +104,17 @@ class JobTimeoutError(JobFailedError):
         self.charged_micro = charged_micro
 
 
-def error_for(status: int, body: dict, request_id: str | None) -> APIError:
+def error_for(status: int, body: dict, request_id: str | None, *,
+              retry_after_s: float | None = None) -> APIError:
     cls = {401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
            402: InsufficientCreditsError, 409: ConflictError,
-           422: InvalidInputError}.get(status)
+           422: InvalidInputError, 429: RateLimitError}.get(status)
     if cls is None:
         cls = ServerError if status >= 500 else APIError
     code = str(body.get("code", "http_error"))
     if code in ("invalid_request", "malformed_json") and status == 400:
         cls = InvalidInputError
+    extra = {"retry_after_s": retry_after_s} if cls is RateLimitError else {}
     return cls(status, code, str(body.get("detail", body.get("title", "error"))),
-               field=body.get("field"), request_id=request_id, body=body)
+               field=body.get("field"), request_id=request_id or body.get("request_id"),
+               body=body, **extra)

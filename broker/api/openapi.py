@@ -5,7 +5,7 @@ test_openapi_contract.py drives the app and checks the answers against this docu
 and the bounds the server enforces on parameters (``limit``, ``wait``, ``after``...)."""
 from flask import Blueprint
 
-from . import registry as registry_api
+from . import openai_compat, registry as registry_api
 from .common import INT64_MAX, MAX_WAIT_S
 
 bp = Blueprint("openapi", __name__)
@@ -293,6 +293,7 @@ def document() -> dict:
                 "responses": {"201": {"description": "The deposit"},
                               **_errors(400, 401, 403, 404, 409, 422)}}},
             **registry_api.openapi_paths(_errors),  # the marketplace (broker/api/registry.py)
+            **openai_compat.openapi_paths(),  # the OpenAI-compatible surface
             "/livez": {"get": {"summary": "Liveness", "security": [],
                                "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness", "security": [],

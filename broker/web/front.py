@@ -5,7 +5,8 @@
   its own, with a timeout).
 * Everything else goes to the Flask app through the :class:`~.bridge.WsgiBridge`. Requests
   that wait for a job (``GET /v1/jobs/<id>?wait=``, ``GET /v1/batches/<id>?wait=``,
-  ``GET /v1/jobs/<id>/events``, ``POST /v1/jobs`` with ``Prefer: wait``) hand their wait
+  ``GET /v1/jobs/<id>/events``, ``POST /v1/jobs`` with ``Prefer: wait``, the OpenAI-compatible
+  ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/images/generations``) hand their wait
   over to the loop and hold no thread while they wait.
 * Limits: at most ``max_waiting_clients`` such requests at once and ``max_pool_requests``
   requests running in or queued for the pool (their first step: the app's view; the
@@ -36,6 +37,9 @@ RETRY_AFTER_S = 1
 _JOB = re.compile(r"^/v1/(jobs|batches)/[^/]+$")
 _EVENTS = re.compile(r"^/v1/jobs/[^/]+/events$")
 _PREFER_WAIT = re.compile(rb"(^|,)\s*wait\s*=", re.IGNORECASE)
+# The OpenAI-compatible routes (broker/api/openai_compat.py) wait for their job.
+_OPENAI_WAITS = frozenset({"/v1/chat/completions", "/v1/completions",
+                           "/v1/images/generations"})
 
 
 @dataclass
@@ -193,6 +197,8 @@ def _waits(method: str, path: str, scope) -> bool:
             return True
         return bool(_JOB.match(path)) and "wait" in parse_qs(
             scope["query_string"].decode("latin1"), keep_blank_values=True)
+    if method == "POST" and path in _OPENAI_WAITS:
+        return True  # over the limit, may_wait is False: the view refuses with a 503
     if method == "POST" and path == "/v1/jobs":
         return any(name == b"prefer" and _PREFER_WAIT.search(value)
                    for name, value in scope["headers"])

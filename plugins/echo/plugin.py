@@ -25,6 +25,8 @@ class Echo(Plugin):
                 raise BadInput("resume_from is not an echo checkpoint", retryable=True) from None
             start = max(0, min(start, steps))
             ctx.progress(start, steps, "resumed from a checkpoint")
+        words = inputs["text"].split(" ") if inputs.get("stream") else []
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
         for step in range(start + 1, steps + 1):
             deadline = time.monotonic() + per_step_s
             while True:
@@ -33,6 +35,9 @@ class Echo(Plugin):
                 if left <= 0:
                     break
                 time.sleep(min(left, 0.01))
+            # the words due by this step (all of them by the last), as a model streams tokens
+            for piece in pieces[len(pieces) * (step - 1) // steps:len(pieces) * step // steps]:
+                ctx.stream(piece)
             if steps > 1:
                 ctx.progress(step, steps)
             if every and step % every == 0 and step < steps:

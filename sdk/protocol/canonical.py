@@ -1,8 +1,23 @@
-"""The one canonical byte encoding that every signature in Sparecycles covers.
+r"""The one canonical byte encoding that every signature in Sparecycles covers.
 
-Canonical JSON: UTF-8, object keys sorted by code point, no insignificant whitespace, no
-NaN or infinities; finite floats (a guidance scale, a temperature) are written in their
-shortest round-trip form. Money is never a float: it is integer micro-credits.
+It is the JSON Canonicalization Scheme, RFC 8785 (JCS), so that an agent or SDK in any
+language can sign and verify against a standard: UTF-8, no insignificant whitespace,
+object keys sorted by their UTF-16 code units, strings escaped as ECMAScript's
+JSON.stringify does (``\" \\ \b \f \n \r \t``, other controls ``\u00xx``, nothing
+else), numbers in ECMAScript's shortest round-trip form (``1.0`` is ``1``, ``1e21`` is
+``1e+21``, ``1e-7`` is ``1e-7``), no NaN or infinities. Money is never a float: it is
+integer micro-credits. Integers are written exactly; JCS (whose numbers are IEEE
+doubles) only covers those within ±(2**53 − 1), which is all the protocol signs (seeds,
+steps and sizes are bounded far below; an integer beyond is still written exactly, but
+another JCS implementation may refuse it).
+
+``sdk/protocol/jcs_vectors.json`` holds test vectors (value, canonical text, sha256) that
+another implementation can check itself against; tests/unit/sdk/test_canonical_jcs.py
+checks this module against them and against the ``rfc8785`` package.
+
+Documents without floats and with ASCII keys only (most envelopes and receipts) go
+through Python's C JSON encoder, whose output is then byte for byte JCS; the others
+through the encoder below.
 
 Two parties that hold the same value always produce the same bytes, so signatures never
 depend on protobuf's (non-canonical) wire format: protobuf messages carry canonical bytes
@@ -87,6 +102,85 @@ def _check(value: Any, path: str, depth: int = 0) -> None:
 
 _encode = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                            allow_nan=False).encode
+_string = json.encoder.encode_basestring  # JCS's string form (the C one where it exists)
+
+
+def _plain(value: Any) -> bool:
+    """Whether the C encoder's output for ``value`` is already JCS: no float anywhere
+    (Python writes 1.0 and 1e-07 where JCS writes 1 and 1e-7) and ASCII keys only (code
+    point order, Python's, and UTF-16 order, JCS's, differ only past U+FFFF)."""
+    t = type(value)
+    if t is dict:
+        for key, item in value.items():
+            if not key.isascii() or not _plain(item):
+                return False
+        return True
+    if t is list or t is tuple:
+        for item in value:
+            if not _plain(item):
+                return False
+        return True
+    return t is not float
+
+
+def jcs_number(value: float) -> str:
+    """A finite float as ECMAScript's Number.prototype.toString writes it (RFC 8785
+    §3.2.2.3): the shortest digits that round-trip (Python's repr finds the same ones),
+    placed as ECMAScript places them."""
+    if value == 0:
+        return "0"  # -0 too
+    sign = "-" if value < 0 else ""
+    mantissa, _, exp = repr(abs(value)).partition("e")
+    whole, _, frac = mantissa.partition(".")
+    digits = (whole + frac).lstrip("0")
+    point = len(whole) + (int(exp) if exp else 0)  # the decimal point sits after `point`
+    point -= len(whole + frac) - len((whole + frac).lstrip("0"))
+    digits = digits.rstrip("0") or "0"
+    k, n = len(digits), point  # ECMAScript's k (digit count) and n (point position)
+    if k <= n <= 21:
+        text = digits + "0" * (n - k)
+    elif 0 < n <= 21:
+        text = digits[:n] + "." + digits[n:]
+    elif -6 < n <= 0:
+        text = "0." + "0" * -n + digits
+    else:
+        e = n - 1
+        text = digits[0] + ("." + digits[1:] if k > 1 else "") + \
+            ("e+" if e >= 0 else "e-") + str(abs(e))
+    return sign + text
+
+
+def _jcs(value: Any, out: list[str]) -> None:
+    t = type(value)
+    if t is str:
+        out.append(_string(value))
+    elif value is None:
+        out.append("null")
+    elif value is True:
+        out.append("true")
+    elif value is False:
+        out.append("false")
+    elif t is int:
+        out.append(str(value))
+    elif t is float:
+        out.append(jcs_number(value))
+    elif t is dict:
+        out.append("{")
+        for i, key in enumerate(sorted(value, key=lambda k: k.encode("utf-16-be",
+                                                                     "surrogatepass"))):
+            if i:
+                out.append(",")
+            out.append(_string(key))
+            out.append(":")
+            _jcs(value[key], out)
+        out.append("}")
+    else:  # list or tuple (_encodable let nothing else through)
+        out.append("[")
+        for i, item in enumerate(value):
+            if i:
+                out.append(",")
+            _jcs(item, out)
+        out.append("]")
 
 
 def canonical_text(value: Any) -> str:
@@ -94,7 +188,11 @@ def canonical_text(value: Any) -> str:
     for a caller that stores text); raises CanonicalEncodingError for unencodable values."""
     if not _encodable(value):
         _check(value, "")
-    return _encode(value)
+    if _plain(value):
+        return _encode(value)
+    out: list[str] = []
+    _jcs(value, out)
+    return "".join(out)
 
 
 def canonical_bytes(value: Any) -> bytes:

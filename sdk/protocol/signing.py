@@ -17,7 +17,9 @@ from nacl.signing import SigningKey, VerifyKey
 from .canonical import CanonicalEncodingError, canonical_bytes
 
 # "publisher": proof that a publisher holds the key it registers (broker.registry).
-PURPOSES = frozenset({"envelope", "receipt", "challenge", "manifest", "adapter", "publisher"})
+# "output-url": a broker-signed, expiring URL for an output (the OpenAI surface's image url).
+PURPOSES = frozenset({"envelope", "receipt", "challenge", "manifest", "adapter", "publisher",
+                      "output-url"})
 
 
 class SignatureError(ValueError):

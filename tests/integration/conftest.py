@@ -68,10 +68,12 @@ def live_broker(tmp_path):
 
 
 def agent_starter(broker: LiveBroker):
-    """(start, stop_all): ``start(name, slots=1, key=None, cheat=None, plugins=None)`` runs
-    an in-process agent (plain subprocess hosts) on ``broker`` serving ``plugins`` ({name:
-    folder}, default echo); ``cheat(bytes) -> bytes`` rewrites every output it returns (a
-    cheating provider, for verification tests)."""
+    """(start, stop_all): ``start(name, slots=1, key=None, cheat=None, plugins=None,
+    weights_dir=None, connect_timeout_s=30)`` runs an in-process agent (plain subprocess hosts) on ``broker``
+    serving ``plugins`` ({name: folder}, default echo) with the weights under
+    ``weights_dir`` (``<weights_dir>/<plugin>``, for the model plugins); ``cheat(bytes) ->
+    bytes`` rewrites every output it returns (a cheating provider, for verification
+    tests)."""
     from plugins import builtin_plugin_dir
     from provider_agent.agent import Agent
     from provider_agent.config import AgentConfig
@@ -79,10 +81,12 @@ def agent_starter(broker: LiveBroker):
 
     agents = []
 
-    def start(name="agent", slots=1, key=None, cheat=None, plugins=None):
+    def start(name="agent", slots=1, key=None, cheat=None, plugins=None, weights_dir=None,
+              connect_timeout_s=30.0):
         plugins = plugins or {"echo": builtin_plugin_dir("echo")}
         cfg = AgentConfig(broker=broker.grpc, api_key=key or broker.key("provider"),
-                          name=name, slots=slots, plugins=list(plugins), device="cpu")
+                          name=name, slots=slots, plugins=list(plugins), device="cpu",
+                          **({"weights_dir": str(weights_dir)} if weights_dir else {}))
         agent = Agent(cfg, KeyPair.generate(), plugin_dirs=dict(plugins), sandboxed=False)
         # The cheat is in place before the agent connects: its very first run (the
         # broker's canary) is already cheated.
@@ -98,7 +102,7 @@ def agent_starter(broker: LiveBroker):
         t = threading.Thread(target=agent.run, daemon=True)
         t.start()
         agents.append((agent, t))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + connect_timeout_s  # model plugins benchmark first
         while not agent.provider_id and time.monotonic() < deadline:
             time.sleep(0.02)
         assert agent.provider_id, "agent did not connect"

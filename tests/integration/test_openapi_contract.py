@@ -86,6 +86,16 @@ SAMPLE_BODIES = {  # plausible bodies per route (plus {}, [], garbage for every 
     "/v1/publishers": [{"public_key": "00", "proof": "00"}],
     "/v1/plugins": [{"document": {}, "signature": "00"}],
     "/v1/adapters": [{"document": {"kind": "adapter"}, "signature": "00"}],
+    "/v1/chat/completions": [{"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+                             {"model": "llama", "messages": [], "stream": True},
+                             {"model": "echo", "messages": [{"role": "tool"}]},
+                             {"model": "llama", "messages": [{"role": "user", "content": 1}],
+                              "tools": [{}], "n": 9}],
+    "/v1/completions": [{"model": "llama", "prompt": "hi", "stream": True},
+                        {"model": "llama", "prompt": [1, 2], "best_of": 3}],
+    "/v1/images/generations": [{"model": "sd15", "prompt": "a cube", "size": "64x64"},
+                               {"model": "sd15", "prompt": "a cube", "size": "huge",
+                                "response_format": "gif"}],
 }
 
 

@@ -15,7 +15,8 @@ BASE = {"name": "p", "version": "1.0.0", "publisher": "x", "entrypoint": "plugin
 
 def test_builtin_manifests_load():
     m = load_manifest("plugins/echo")
-    assert m.name == "echo" and m.inputs.validate({}) == {"text": "", "sleep_ms": 0, "steps": 1}
+    assert m.name == "echo" and m.inputs.validate({}) == {"text": "", "sleep_ms": 0, "steps": 1,
+                                                          "stream": False}
 
 
 @pytest.mark.parametrize("inputs,field,fragment", [
