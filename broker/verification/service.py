@@ -3,7 +3,7 @@
 After a provider's signed receipt settles a job (its credits go to *vesting*, so they can
 still be taken back), the service draws whether to check it (``sampling``). A check is an
 ordinary job with a fresh random id, the same plugin version, the same pinned inputs (the
-seed the first run reported), the same deadline and a price cap, queued after a random
+seed the broker fixed at submit), the same deadline and a price cap, queued after a random
 delay with every machine of the first provider's operator excluded, so that on the wire it
 is just another job. When the check's receipt settles, the two runs are judged
 (``judging``); agreement raises both providers' CV; disagreement queues a third run on a
@@ -40,6 +40,7 @@ from sdk.protocol.canonical import canonical_bytes, sha256_hex
 from broker.billing.errors import InsufficientCredits
 from broker.cache import TtlCache
 from broker.jobs.model import Job, JobOutput, JobState
+from broker.jobs.service import SEED_INPUT
 from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, FundingSource
 from broker.verification.comparators import THRESHOLDS_PATH
@@ -414,6 +415,10 @@ class VerificationService:
                                   policy.always_verify_above_micro or None))
         check = decision.check or job.verify == "always"
         reason = "client_asked" if job.verify == "always" else decision.reason.value
+        if check and self._unseeded(job):
+            # Queued before the broker fixed every job's seed: a check could only re-run it
+            # with the seed its provider reports, which proves nothing.
+            check, reason = False, "unseeded"
         v, created = self.repo.add(Verification(
             job_id=job.id, plugin=job.plugin, provider_id=job.provider_id or "",
             hardware_class=hw, status=CheckStatus.CHECKING if check else CheckStatus.UNCHECKED,
@@ -431,6 +436,15 @@ class VerificationService:
             self._spawn(v, job, Role.CHECKER, {owner}, client_pays=job.verify == "always")
         self._event(job.id, v.status, "a second provider will re-run this job" if check
                     else "not sampled for a check")
+
+    def _unseeded(self, job: Job) -> bool:
+        """Whether the job's plugin takes a seed the broker did not fix (a job from
+        before it drew one for every job)."""
+        try:
+            names = self.catalog.get(job.plugin, job.plugin_version).inputs.names
+        except Exception:  # noqa: BLE001 - a retired version: judged on what it has
+            return False
+        return SEED_INPUT in names and (job.inputs or {}).get(SEED_INPUT) is None
 
     def _hold_figures(self, job: Job) -> tuple[int, int]:
         """(g, value): the provider's share of the job, and what the client paid."""
@@ -908,12 +922,9 @@ def _is_scoring(job: Job) -> bool:
 
 
 def pinned_inputs(job: Job) -> dict[str, Any]:
-    """The job's inputs with everything a re-run needs pinned: the seed the first run
-    reported (the plugin draws one when the client gave none)."""
-    inputs = dict(job.inputs)
-    outs = (job.receipt or {}).get("outputs") or []
-    meta = (outs[0].get("meta") or {}) if outs else {}
-    if inputs.get("seed") is None and isinstance(meta.get("seed"), int):
-        index = int(meta.get("index", 0) or 0)
-        inputs["seed"] = int(meta["seed"]) - index
-    return inputs
+    """The job's inputs as the broker holds them: what a re-run of it is given. They carry
+    the job's seed, which the broker fixed at submit (``broker.jobs.service.draw_seed``),
+    never the seed a provider's meta reports: a provider that returned an image made with
+    another seed (a cached one, for a job whose client gave none) cannot steer its check
+    to that seed."""
+    return dict(job.inputs)
