@@ -28,16 +28,22 @@ class VerificationWorld:
         for name in "abc":
             self.machine(name)
 
-    def machine(self, name: str, operator: str | None = None) -> str:
-        """A machine of a new operator, or of ``operator``'s (another machine of theirs)."""
+    def machine(self, name: str, operator: str | None = None, hardware_class: str = HW,
+                dtype: str = "float32") -> str:
+        """A machine of a new operator, or of ``operator``'s (another machine of theirs),
+        serving every built-in plugin in the reproducibility class ``hardware_class`` /
+        ``dtype`` (what it declares at connect: what its runs are judged by)."""
         if operator is None:
             _, who = self.services.auth.create_account_with_key("provider")
             self.operators[name] = who.account_id
         else:
             from broker.auth.service import Principal
             who = Principal(self.operators[operator], "provider", "k")
+        plugins = [{"name": m.name, "version": m.version, "weights_digest": "",
+                    "hardware_class": hardware_class, "dtype": dtype}
+                   for m in self.services.catalog.all()]
         pid = self.services.providers.connect(who, KeyPair.generate().public_key_hex, name,
-                                              sandboxed=True, hardware={}, plugins=[]).id
+                                              sandboxed=True, hardware={}, plugins=plugins).id
         self.machines[name] = pid
         return pid
 

@@ -44,9 +44,9 @@ from broker.jobs.service import SEED_INPUT
 from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, FundingSource
 from broker.verification.comparators import THRESHOLDS_PATH
-from broker.verification.comparators import Verdict
+from broker.verification.comparators import ReproClass, Verdict
 from broker.verification.judging import (SCORE_INPUT, Judgement, Run, RunOutput,
-                                         StoredJudgement, judge, needs_scoring, repro_of,
+                                         StoredJudgement, judge, needs_scoring,
                                          scoring_inputs)
 from broker.verification.outcomes import (Outcome, Party, PenaltyPolicy, Role, Status,
                                           resolve_pair, resolve_three)
@@ -343,7 +343,7 @@ class VerificationService:
         returned it; a canary that disagrees with a known answer counts as a failed check
         (CV reset, quota cut; no money: canaries are unpaid), one that agrees as a valid
         check. Returns "learning", "valid", "invalid" or "ambiguous"."""
-        repro = repro_of(receipt)
+        repro = self._declared(provider_id, plugin, version)
         key = sha256_hex(canonical_bytes({"plugin": plugin, "version": version,
                                           "inputs": inputs, "repro": repro.__dict__}))
         answer = sha256_hex(canonical_bytes(sorted(
@@ -394,7 +394,7 @@ class VerificationService:
     def _decide(self, job: Job, receipt: dict) -> None:
         if self.repo.get(job.id) is not None:
             return  # decided already (a re-sent receipt)
-        hw = repro_of(receipt).hardware_class
+        hw = self._repro(job).hardware_class
         owner = self.providers.owner_of(job.provider_id) or ""
         balances = self.ledger.balances(owner) if owner else {}
         standing = self.repo.standing(job.provider_id, job.plugin, hw)
@@ -679,7 +679,7 @@ class VerificationService:
 
         def count(provider_id: str, step: str, **kw):
             job = by_provider[provider_id]
-            hw = repro_of(job.receipt).hardware_class
+            hw = self._repro(job).hardware_class
             if step in done:
                 return self.repo.standing(provider_id, job.plugin, hw)
             standing = self.repo.record_check(provider_id, job.plugin, hw,
@@ -858,14 +858,39 @@ class VerificationService:
         provider's answer); what is returned builds the run from them and from the
         provider's receipt (its meta and reproducibility class), which ``_judge`` guards."""
         data = [(o, self.jobs.blobs.get(o.sha256)) for o in self.jobs.repo.outputs(job.id)]
+        repro = self._repro(job)
 
         def run() -> Run:
             metas = {int(o.get("index", i)): dict(o.get("meta") or {})
                      for i, o in enumerate((job.receipt or {}).get("outputs", []))}
             return Run(tuple(RunOutput(blob, o.media_type, metas.get(o.index, {}))
-                             for o, blob in data), repro_of(job.receipt),
+                             for o, blob in data), repro,
                        scored=_is_scoring(job), inputs=dict(job.inputs or {}), job_id=job.id)
         return run
+
+    def _repro(self, job: Job) -> ReproClass:
+        """The reproducibility class of ``job``'s run as the broker knows it (issue #20):
+        what its machine declared at connect for the job's plugin build, with the weights
+        the broker pinned in its envelope. Never the receipt's ``repro``: a provider that
+        named another class there switched exact comparison to structural at will."""
+        declared = self._declared(job.provider_id or "", job.plugin, job.plugin_version)
+        weights = (job.envelope or {}).get("weights_digest") or job.weights_digest
+        if not weights:
+            return declared
+        return ReproClass(declared.hardware_class, declared.dtype,
+                          f"{job.plugin}@{job.plugin_version}+{weights[:16]}")
+
+    def _declared(self, provider_id: str, plugin: str, version: str) -> ReproClass:
+        """The class machine ``provider_id`` declared at connect for ``plugin@version``; a
+        part it did not declare is its own (``undeclared:<id>``), equal to no other's, so
+        its runs are compared structurally. Canaries check the declaration: answers that
+        differ from the known answer of the declared class fail them."""
+        d = self.providers.declared_repro(provider_id, plugin, version)
+        own = f"undeclared:{provider_id}"
+        return ReproClass(hardware_class=d.get("hardware_class") or own,
+                          dtype=d.get("dtype") or own,
+                          plugin_build=(f"{plugin}@{version}+{d['weights_digest'][:16]}"
+                                        if d.get("weights_digest") else f"{plugin}@{version}"))
 
     def _party(self, job: Job, role: Role) -> Party:
         owner = self.providers.owner_of(job.provider_id) or job.provider_id or ""

@@ -110,6 +110,20 @@ def test_repro_without_a_dtype_in_meta_falls_back_to_float32_on_the_cpu():
     assert build.startswith("echo@") and build.endswith("+")   # echo has no weights
 
 
+def test_capabilities_declare_each_plugins_reproducibility_class():
+    """Issue #20: the class the broker judges an agent's runs by is declared at connect,
+    from its plugin host, not read per receipt."""
+    agent = make_agent("echo")
+    agent.plugins["echo"].host = FakeHost(
+        [], hardware={"device": "cuda", "gpu_name": "NVIDIA H200", "torch": "2.13.0"})
+    agent.plugins["echo"].host.ready["dtype"] = "bfloat16"
+    [cap] = agent._capabilities().plugins
+    assert (cap.hardware_class, cap.dtype) == ("cuda:NVIDIA H200:torch=2.13.0", "bfloat16")
+    agent.plugins["echo"].host.ready = {}  # not started: nothing declared
+    [cap] = agent._capabilities().plugins
+    assert (cap.hardware_class, cap.dtype) == ("", "")
+
+
 def test_json_safe():
     import numpy as np
 
