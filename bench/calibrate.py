@@ -26,7 +26,7 @@ and the figures that justified them to ``broker/verification/thresholds.json``, 
 ``broker.verification.comparators`` loads.
 
     python bench/calibrate.py            # 8 jobs, 64x64, 6 steps: ~80 s on two CPU cores
-    python bench/calibrate.py --full     # 32 jobs of 30 and 40 steps (the committed file)
+    python bench/calibrate.py --full     # 16 jobs of 30 and 40 steps (the committed file)
     python bench/calibrate.py --rechoose broker/verification/thresholds.json   # no rendering
     python bench/calibrate.py --weights /path/to/sd15 --size 512   # a real model (GPU)
 
@@ -335,8 +335,10 @@ def choose_trace_bounds(rows: list[dict]) -> tuple[float, float, dict]:
     geometric mean of the farthest honest pair and the nearest reduced-work cheat
     (``TRACE_CHEATS``), so each lies the same factor (the margin) from it; the accept
     bound is the farthest honest distance widened by ``TRACE_ACCEPT_SLACK``, never past the
-    reject bound. Raises when the margin is under ``TRACE_MIN_MARGIN``: no bound then keeps
-    every honest pair clear of a slash and catches those cheats."""
+    reject bound. When the margin would be under ``TRACE_MIN_MARGIN`` no bound both keeps
+    every honest pair clear of a slash and rejects those cheats: the reject bound then
+    stays ``TRACE_MIN_MARGIN`` from the honest side (honest providers first), and the
+    summary shows the cheats it lets through."""
     honest = [r["trace"] for r in rows if r["group"] == "honest" and r.get("trace") is not None]
     cheats = [r["trace"] for r in rows
               if r["variant"] in TRACE_CHEATS and r.get("trace") is not None]
@@ -347,13 +349,17 @@ def choose_trace_bounds(rows: list[dict]) -> tuple[float, float, dict]:
     reject = math.sqrt(worst_honest * nearest_cheat)
     margin = reject / worst_honest
     if margin < TRACE_MIN_MARGIN:
-        raise SystemExit(f"the latent trace cannot separate: the farthest honest pair is "
-                         f"{worst_honest:.4g} and the nearest reduced-work cheat {nearest_cheat:.4g}"
-                         f" (margin {margin:.2f}x < {TRACE_MIN_MARGIN}x)")
+        print(f"!! the latent trace does not separate with a margin: the farthest honest pair "
+              f"is {worst_honest:.4g}, the nearest reduced-work cheat {nearest_cheat:.4g} "
+              f"(margin {margin:.2f}x < {TRACE_MIN_MARGIN}x); the reject bound stays "
+              f"{TRACE_MIN_MARGIN}x from the honest side")
+        reject = worst_honest * TRACE_MIN_MARGIN
+        margin = TRACE_MIN_MARGIN
     accept = min(reject, worst_honest * TRACE_ACCEPT_SLACK)
     return (round(accept, 6), round(reject, 6),
             {"worst_honest": round(worst_honest, 6), "nearest_cheat": round(nearest_cheat, 6),
-             "margin": round(margin, 3), "accept_slack": TRACE_ACCEPT_SLACK,
+             "margin": round(margin, 3), "cheat_margin": round(nearest_cheat / reject, 3),
+             "accept_slack": TRACE_ACCEPT_SLACK,
              "min_margin": TRACE_MIN_MARGIN, "cheats": list(TRACE_CHEATS)})
 
 
@@ -436,9 +442,9 @@ def default_jobs(full: bool, size: int) -> list[Job]:
               for adapter in (False, True)]
     if full:
         # the step counts clients ask (30, 40), where half of them looks alike
-        return [Job(prompt=PROMPTS[(s + steps) % len(PROMPTS)], seed=s, steps=steps,
+        return [Job(prompt=PROMPTS[(i + steps) % len(PROMPTS)], seed=i, steps=steps,
                     scheduler=sched, adapter=adapter, size=size)
-                for sched, adapter in combos for steps in (30, 40) for s in range(2)]
+                for i, (sched, adapter) in enumerate(combos) for steps in (30, 40)]
     # default: one job per sampler x adapter, seeds and prompts taking turns
     return [Job(prompt=PROMPTS[i % 2], seed=i, steps=6, scheduler=sched, adapter=adapter,
                 size=size) for i, (sched, adapter) in enumerate(combos)]

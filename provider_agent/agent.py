@@ -627,7 +627,9 @@ class Agent:
                                work_units=result.work_units,
                                timings_ms={"run": run_ms,
                                            "total": int((time.perf_counter() - t0) * 1000)},
-                               extra={"repro": repro_class(served, outputs)})
+                               extra={"repro": (self.cheat.receipt_repro(repro_class(
+                                   served, outputs)) if self.cheat is not None
+                                   else repro_class(served, outputs))})
         data = canonical_bytes(receipt)
         messages.append(pb.AgentMessage(receipt=pb.Receipt(
             receipt=data, signature=self.identity.sign_canonical("receipt", data),

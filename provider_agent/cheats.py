@@ -12,6 +12,7 @@ Environment:
 ``SPARECYCLES_CHEAT_WEIGHTS``  other-model / other-text-model: the weights folder to run
 ``SPARECYCLES_CHEAT_LOG``      optional JSON-lines file: one line per job, with the mode and
                                whether it was cheated on (the harness's ground truth)
+``SPARECYCLES_CHEAT_CLASS``    false-class: the hardware class its receipts name
 
 Modes (the plugin code stays honest: a cheat rewrites a job's inputs before
 ``host.run`` or its outputs after, in the agent; the receipt stays signed and valid and
@@ -44,6 +45,18 @@ the outputs are uploaded as usual; meta keeps claiming what the job asked, e.g. 
                       (stopped_by_string, stop_at), and the meta the job's max_new_tokens
 ``altered-text``      text outputs: the delivered text gets a line appended (the claimed
                       tokens and their meta are the honest run's)
+``half-steps``        image jobs run half the steps (as ``fewer-steps``) and the meta's
+                      ``latent_trace`` is relabelled as the job's own schedule (its points
+                      of a quarter, half, ... of the way claimed as the job's), so that only
+                      the latents themselves can tell
+``false-class``       ``half-steps``, and the receipt names a hardware class no other
+                      machine has (``SPARECYCLES_CHEAT_CLASS``, default a made-up GPU), so
+                      that a checker of its own class would be compared structurally if the
+                      receipt decided
+``cached-unseeded``   returns the outputs of an earlier job with the same inputs but for the
+                      seed (the first such job runs honestly), meta naming the seed they
+                      were made with: where the broker let a check re-run a job without a
+                      seed with the seed its provider reported, it passed
 """
 from __future__ import annotations
 
@@ -66,7 +79,11 @@ log = logging.getLogger("agent")
 
 MODES = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
          "cached-output", "truncate-text", "pad-text", "other-text-model",
-         "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text")
+         "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text",
+         "half-steps", "false-class", "cached-unseeded")
+#: Image cheats that run half the steps and claim the job's schedule in the latent trace.
+HALF_STEP_MODES = ("half-steps", "false-class")
+FALSE_CLASS = "cuda:NVIDIA Imaginary 9000:torch=2.13.0"
 #: Text cheats that run the job with other sampling settings than it asked, and claim its own.
 SAMPLING_MODES = ("greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop")
 ALTERED_TEXT = b"\n\nSponsored: visit example.com"
@@ -93,6 +110,9 @@ class Cheat:
     log_path: Path | None = None
     rng: random.Random = field(default_factory=random.Random)
     cached: dict[str, list] = field(default_factory=dict)  # plugin -> first HostOutputs
+    false_class: str = FALSE_CLASS  # false-class: the hardware class its receipts name
+    # cached-unseeded: (plugin, the inputs but the seed) -> the outputs of the first such job
+    by_inputs: dict[str, list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -149,7 +169,8 @@ class Cheat:
             seed = run.get("seed")
             run["seed"] = (int(seed) + 1) % 2**32 if seed is not None else self.rng.randrange(2**32)
             out.cheated = True
-        elif self.mode == "fewer-steps":
+        elif self.mode == "fewer-steps" or (self.mode in HALF_STEP_MODES
+                                            and output_kind == "images"):
             for key in ("steps", "num_inference_steps"):
                 if isinstance(run.get(key), int) and run[key] > 1:
                     run[key] = max(1, run[key] // 2)
@@ -163,6 +184,8 @@ class Cheat:
             out.cheated = out.skip_run = output_kind == "images"
         elif self.mode == "cached-output":
             out.cheated = out.skip_run = bool(self.cached.get(plugin))
+        elif self.mode == "cached-unseeded":
+            out.cheated = out.skip_run = _unseeded_key(plugin, validated) in self.by_inputs
         elif self.mode in ("truncate-text", "pad-text", "altered-text"):
             out.cheated = output_kind == "text"
         elif self.mode in SAMPLING_MODES and output_kind == "text":
@@ -181,6 +204,9 @@ class Cheat:
             outs = [HostOutput(o.index, o.media_type, o.data, copy.deepcopy(o.meta))
                     for o in self.cached[plugin]]
             return self._claim_job_meta(outs, outcome.job_inputs)
+        if self.mode == "cached-unseeded":  # the meta keeps the seed they were made with
+            return [HostOutput(o.index, o.media_type, o.data, copy.deepcopy(o.meta))
+                    for o in self.by_inputs[_unseeded_key(plugin, validated)]]
         width, height = int(validated.get("width", 512)), int(validated.get("height", 512))
         outs = []
         for i in range(int(validated.get("n", 1) or 1)):
@@ -193,10 +219,15 @@ class Cheat:
         """Rewrite the outputs of a run (cheated or not: the cache fills from the first)."""
         if self.mode == "cached-output" and not self.cached.get(plugin) and outputs:
             self.cached[plugin] = [copy.deepcopy(o) for o in outputs]
+        if self.mode == "cached-unseeded" and outputs and outcome.validated is not None:
+            self.by_inputs.setdefault(_unseeded_key(plugin, outcome.validated),
+                                      [copy.deepcopy(o) for o in outputs])
         if not outcome.cheated:
             return outputs
         if self.mode in ("wrong-seed", "adapter-dropped"):
             return self._claim_job_meta(outputs, outcome.job_inputs)
+        if self.mode in HALF_STEP_MODES:
+            return [claim_schedule(o, outcome.validated or {}) for o in outputs]
         if self.mode == "truncate-text":
             return [truncate_text(o) for o in outputs]
         if self.mode == "pad-text":
@@ -208,6 +239,12 @@ class Cheat:
         if self.mode in SAMPLING_MODES:
             return [claim_sampling(o, outcome.validated or {}, self.mode) for o in outputs]
         return outputs
+
+    def receipt_repro(self, repro: dict) -> dict:
+        """The ``repro`` its receipts name: false-class names a class of its own making."""
+        if self.mode == "false-class":
+            return {**repro, "hardware_class": self.false_class}
+        return repro
 
     # ---- helpers -------------------------------------------------------------------------
     def _claim_job_meta(self, outputs: list, job_inputs: dict[str, Any]) -> list:
@@ -253,7 +290,35 @@ def from_env(environ: dict[str, str] | None = None) -> Cheat | None:
     log_path = environ.get("SPARECYCLES_CHEAT_LOG")
     return Cheat(mode, rate, Path(weights).expanduser() if weights else None,
                  Path(log_path) if log_path else None,
-                 random.Random(int(seed)) if seed not in (None, "") else random.Random())
+                 random.Random(int(seed)) if seed not in (None, "") else random.Random(),
+                 false_class=environ.get("SPARECYCLES_CHEAT_CLASS") or FALSE_CLASS)
+
+
+def _unseeded_key(plugin: str, inputs: dict[str, Any] | None) -> str:
+    """What cached-unseeded matches jobs on: the plugin and every input but the seed."""
+    rest = {k: v for k, v in (inputs or {}).items() if k != "seed"}
+    return json.dumps([plugin, rest], sort_keys=True, default=str)
+
+
+def claim_schedule(out, job: dict[str, Any]):
+    """half-steps: the output's latent trace relabelled as a run of the job's step count
+    (``plugins.api.trace_steps`` of it), each of its own points claimed for the job's
+    point at the same fraction of the way; the latents are its own."""
+    trace = out.meta.get("latent_trace")
+    steps = job.get("steps") or job.get("num_inference_steps")
+    if not isinstance(trace, dict) or not isinstance(steps, int):
+        return out
+    from plugins.api import trace_steps  # the agent's plugins: the same rule
+
+    claimed = trace_steps(steps)
+    points = list(trace.get("points") or [])
+    if len(points) != len(claimed):  # fewer points of its own: the nearest for each
+        own = trace.get("steps") or []
+        total = max(1, int(trace.get("total") or 1))
+        points = [points[min(range(len(own)), key=lambda j: abs(own[j] / total - k / steps))]
+                  for k in claimed] if own and points else points
+    out.meta["latent_trace"] = {**trace, "total": steps, "steps": claimed, "points": points}
+    return out
 
 
 def random_png(width: int, height: int, rng: random.Random | None = None) -> bytes:
