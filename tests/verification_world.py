@@ -48,12 +48,14 @@ class VerificationWorld:
         return pid
 
     def settle_output(self, job: Job, machine: str, data: bytes, media_type: str,
-                      meta: dict, plugin_build: str) -> Job:
-        """``job`` (queued, or new) settled by ``machine`` with the one output ``data``."""
+                      meta: dict, plugin_build: str, hardware_class: str = HW) -> Job:
+        """``job`` (queued, or new) settled by ``machine`` with the one output ``data``, its
+        receipt naming ``hardware_class`` (a provider's word: what it declared at connect
+        is what counts)."""
         sha = self.jobs.blobs.put(data)
         receipt = {"outputs": [{"index": 0, "sha256": sha, "media_type": media_type,
                                 "size": len(data), "meta": meta}],
-                   "repro": {"hardware_class": HW, "dtype": "float32",
+                   "repro": {"hardware_class": hardware_class, "dtype": "float32",
                              "plugin_build": plugin_build}}
         return self.jobs.repo.transition(
             job.id, [job.state], JobState.SETTLED, provider_id=self.machines[machine],
