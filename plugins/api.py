@@ -7,7 +7,9 @@ module and its ML libraries; it reads no environment variables and opens no sock
 """
 from __future__ import annotations
 
+import base64
 import hashlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,6 +54,45 @@ class Output:
     data: bytes
     media_type: str  # image/png, text/plain, application/json
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+#: Where in its schedule an image run records its latents for verification (DESIGN §6,
+#: issue #20): after step ``ceil(f * total)`` for each fraction ``f``.
+TRACE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+#: Each recorded latent is average-pooled to at most this many latent pixels a side.
+TRACE_SIDE = 8
+
+
+def trace_steps(total: int) -> list[int]:
+    """The steps (1-based) after which a run of ``total`` denoising steps records its
+    latents for the latent trace: ``ceil(f * total)`` for each of ``TRACE_FRACTIONS``, the
+    last step always among them."""
+    return sorted({max(1, min(total, math.ceil(f * total - 1e-9))) for f in TRACE_FRACTIONS})
+
+
+def trace_point(tensor: Any) -> str:
+    """One image's latents (``latents[i]``: C × H × W, any device and dtype) as the latent
+    trace records them: float32, average-pooled to at most ``TRACE_SIDE`` a side, rounded
+    to float16, C order, base64. Two honest runs of one job give near-equal points however
+    their numeric paths differ; a run of fewer steps or at another size does not (its
+    trajectory is another), which the final image often hides."""
+    import numpy as np
+    import torch
+
+    x = tensor.detach().to("cpu", torch.float32)
+    if x.ndim == 3:
+        h, w = x.shape[-2:]
+        x = torch.nn.functional.adaptive_avg_pool2d(
+            x.unsqueeze(0), (min(h, TRACE_SIDE), min(w, TRACE_SIDE)))[0]
+    arr = np.ascontiguousarray(x.numpy().astype(np.float16))
+    return base64.b64encode(arr.tobytes()).decode()
+
+
+def latent_trace(points: list[str], steps: list[int], total: int, shape: tuple) -> dict:
+    """The ``latent_trace`` meta of one image: its points (``trace_point``), the steps they
+    were recorded after, the run's step count and the points' shape (C, h, w)."""
+    return {"v": 1, "total": int(total), "steps": [int(s) for s in steps],
+            "shape": [int(d) for d in shape], "points": list(points)}
 
 
 def latent_digest(tensor: Any) -> str:

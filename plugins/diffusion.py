@@ -11,7 +11,11 @@ reports progress and honours cancellation every step, and encodes deterministic 
 Each output's meta: ``seed``, ``index``, ``dtype`` (the dtype the pipeline ran in,
 "float32" or "float16"), ``latent_sha256`` (``plugins.api.latent_digest`` of that image's
 final denoised latents, before the VAE decode: what verification compares exactly between
-two runs of the same reproducibility class), and ``nsfw`` / ``adapters`` when they apply.
+two runs of the same reproducibility class), ``latent_trace`` (``plugins.api.latent_trace``:
+that image's latents after a quarter, half, three quarters and all of its steps, pooled to
+at most 8×8 and rounded to float16: what verification compares across classes, where a run
+of fewer steps or at another size shows though its final image looks alike), and ``nsfw``
+/ ``adapters`` when they apply.
 
 This module is shared by built-in plugins only; a third-party plugin imports just
 ``plugins.api`` and its ML libraries.
@@ -37,7 +41,7 @@ from PIL import Image
 from plugins import checkpoints
 from plugins.adapters import AdapterCache, AdapterRequest, adapter_roots, parse_adapters
 from plugins.api import (BadInput, Output, Plugin, PluginError, RunContext, latent_digest,
-                         run_dtype)
+                         TRACE_SIDE, latent_trace, run_dtype, trace_point, trace_steps)
 
 # Sampler name (the `scheduler` input) -> (class, settings over the model's saved config).
 SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -211,6 +215,7 @@ class DiffusersImagePlugin(Plugin):
         with stepper.replaying():
             result = pipe(**kwargs)
         digests = stepper.final_digests()
+        traces = stepper.traces()
         nsfw = getattr(result, "nsfw_content_detected", None)
         dtype = str(self.dtype).removeprefix("torch.")
         outputs = []
@@ -218,6 +223,8 @@ class DiffusersImagePlugin(Plugin):
             meta: dict[str, Any] = {"seed": seed + i, "index": i, "dtype": dtype}
             if i < len(digests):
                 meta["latent_sha256"] = digests[i]
+            if i < len(traces):
+                meta["latent_trace"] = traces[i]
             if nsfw is not None:
                 meta["nsfw"] = bool(nsfw[i])
             if adapters:
@@ -316,6 +323,12 @@ class _Stepper:
         self.skipping = self.skip_until > 0
         self.digests: list[str] | None = None
         self.last_latents = None  # the latents after the latest step (a reference, no copy)
+        # step -> each image's latent trace point (plugins.api.trace_point); a resumed run
+        # takes those recorded before its checkpoint from the checkpoint
+        self.trace: dict[int, list[str]] = {int(k): list(v) for k, v in
+                                            (resume or {}).get("trace", [])}
+        self.total = 0
+        self.trace_shape: tuple = ()
 
     def final_digests(self) -> list[str]:
         """``latent_digest`` of each image's final latents (computed at the last step; from
@@ -324,9 +337,24 @@ class _Stepper:
             self.digests = [latent_digest(x) for x in self.last_latents]
         return self.digests or []
 
+    def traces(self) -> list[dict]:
+        """Each image's ``latent_trace`` meta (``plugins.api.latent_trace``); [] when a
+        point is missing (a pipeline that counted its steps otherwise)."""
+        steps = trace_steps(self.total) if self.total else []
+        if not steps or any(s not in self.trace for s in steps):
+            return []
+        n = min(len(self.trace[s]) for s in steps)
+        return [latent_trace([self.trace[s][i] for s in steps], steps, self.total,
+                             self.trace_shape) for i in range(n)]
+
     def _finish_step(self, step: int, total: int, callback_kwargs):
         latents = callback_kwargs["latents"]
         self.last_latents = latents
+        self.total = total
+        if step in trace_steps(total):
+            c, h, w = latents.shape[1:]
+            self.trace_shape = (int(c), min(int(h), TRACE_SIDE), min(int(w), TRACE_SIDE))
+            self.trace[step] = [trace_point(x) for x in latents]
         if step >= total:
             self.digests = [latent_digest(x) for x in latents]
         return callback_kwargs
@@ -388,5 +416,6 @@ class _Stepper:
                 "device": callback_kwargs["latents"].device.type,
                 "latents": callback_kwargs["latents"],
                 "scheduler_state": checkpoints.scheduler_state(pipe.scheduler),
-                "rng": [g.get_state() for g in self.generators]}))
+                "rng": [g.get_state() for g in self.generators],
+                "trace": [[k, v] for k, v in sorted(self.trace.items())]}))
         return self._finish_step(step, total, callback_kwargs)

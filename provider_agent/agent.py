@@ -343,7 +343,8 @@ class Agent:
         return [pb.PluginCapability(name=s.manifest.name, version=s.manifest.version,
                                     weights_digest=s.weights_digest, warm=s.host.alive(),
                                     input_defaults=(canonical_bytes(s.input_defaults).decode()
-                                                    if s.input_defaults else ""))
+                                                    if s.input_defaults else ""),
+                                    **declared_repro(s))
                 for s in self.plugins.values()]
 
     def _cold_start_s(self, plugin: str) -> float:
@@ -643,7 +644,9 @@ class Agent:
                                timings_ms={"run": run_ms,
                                            "total": int((time.perf_counter() - t0) * 1000),
                                            "queue": max(0, int((t0 - rj.received) * 1000))},
-                               extra={"repro": repro_class(served, outputs)})
+                               extra={"repro": (self.cheat.receipt_repro(repro_class(
+                                   served, outputs)) if self.cheat is not None
+                                   else repro_class(served, outputs))})
         data = canonical_bytes(receipt)
         messages.append(pb.AgentMessage(receipt=pb.Receipt(
             receipt=data, signature=self.identity.sign_canonical("receipt", data),
@@ -729,6 +732,19 @@ def hardware_class(hardware: dict) -> str:
         return f"cuda:{hardware.get('gpu_name') or 'unknown'}{torch}"
     threads = f":threads={hardware['threads']}" if hardware.get("threads") else ""
     return f"cpu:{platform.machine() or 'unknown'}{threads}{torch}"
+
+
+def declared_repro(served: ServedPlugin) -> dict:
+    """The reproducibility class the agent declares for ``served`` at connect
+    (``PluginCapability.hardware_class`` / ``dtype``): the class its receipts' ``repro``
+    names, from the plugin host's ready message; "" where the host has not started."""
+    ready = served.host.ready or {}
+    if not ready.get("hardware"):
+        return {"hardware_class": "", "dtype": ""}
+    hardware = ready["hardware"]
+    dtype = ready.get("dtype") or (served.manifest.dtype if hardware.get("device") == "cuda"
+                                   else "float32")
+    return {"hardware_class": hardware_class(hardware), "dtype": str(dtype)}
 
 
 def repro_class(served: ServedPlugin, outputs: list[dict]) -> dict:

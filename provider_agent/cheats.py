@@ -12,6 +12,7 @@ Environment:
 ``SPARECYCLES_CHEAT_WEIGHTS``  other-model / other-text-model: the weights folder to run
 ``SPARECYCLES_CHEAT_LOG``      optional JSON-lines file: one line per job, with the mode and
                                whether it was cheated on (the harness's ground truth)
+``SPARECYCLES_CHEAT_CLASS``    false-class: the hardware class its receipts name
 
 Modes (the plugin code stays honest: a cheat rewrites a job's inputs before
 ``host.run`` or its outputs after, in the agent; the receipt stays signed and valid and
@@ -64,6 +65,18 @@ Issue #20, what a provider claims about its work and who it is (trust-market):
                       canaries were version 4; a canary's benchmark inputs and its missing
                       weights_digest. Its log says what it took each job for
                       (``looked_like``).
+``half-steps``        image jobs run half the steps (as ``fewer-steps``) and the meta's
+                      ``latent_trace`` is relabelled as the job's own schedule (its points
+                      of a quarter, half, ... of the way claimed as the job's), so that only
+                      the latents themselves can tell
+``false-class``       ``half-steps``, and the receipt names a hardware class no other
+                      machine has (``SPARECYCLES_CHEAT_CLASS``, default a made-up GPU), so
+                      that a checker of its own class would be compared structurally if the
+                      receipt decided
+``cached-unseeded``   returns the outputs of an earlier job with the same inputs but for the
+                      seed (the first such job runs honestly), meta naming the seed they
+                      were made with: where the broker let a check re-run a job without a
+                      seed with the seed its provider reported, it passed
 """
 from __future__ import annotations
 
@@ -86,13 +99,17 @@ log = logging.getLogger("agent")
 
 MODES = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
          "cached-output", "truncate-text", "pad-text", "other-text-model",
-         "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text")
+         "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text",
+         "half-steps", "false-class", "cached-unseeded")
 # issue #20 (trust-market): claims about the work, and one person's two accounts
 TRUST_MODES = ("inflated-units", "fake-progress", "collude", "fail-checks", "detect-checks")
 MODES += TRUST_MODES
 #: Modes run by a pair of agents of two accounts (SPARECYCLES_CHEAT_ROLE cheat / pal).
 PAIR_MODES = ("collude", "fail-checks")
 INFLATE_UNITS = 10.0
+#: Image cheats that run half the steps and claim the job's schedule in the latent trace.
+HALF_STEP_MODES = ("half-steps", "false-class")
+FALSE_CLASS = "cuda:NVIDIA Imaginary 9000:torch=2.13.0"
 #: Text cheats that run the job with other sampling settings than it asked, and claim its own.
 SAMPLING_MODES = ("greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop")
 ALTERED_TEXT = b"\n\nSponsored: visit example.com"
@@ -124,6 +141,9 @@ class Cheat:
     role: str = "cheat"                 # PAIR_MODES: "cheat" or "pal"
     shared_dir: Path | None = None      # PAIR_MODES: the folder the pair shares
     uuid_versions: set = field(default_factory=set)  # detect-checks: versions of ids seen
+    false_class: str = FALSE_CLASS  # false-class: the hardware class its receipts name
+    # cached-unseeded: (plugin, the inputs but the seed) -> the outputs of the first such job
+    by_inputs: dict[str, list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -191,7 +211,8 @@ class Cheat:
             seed = run.get("seed")
             run["seed"] = (int(seed) + 1) % 2**32 if seed is not None else self.rng.randrange(2**32)
             out.cheated = True
-        elif self.mode == "fewer-steps":
+        elif self.mode == "fewer-steps" or (self.mode in HALF_STEP_MODES
+                                            and output_kind == "images"):
             for key in ("steps", "num_inference_steps"):
                 if isinstance(run.get(key), int) and run[key] > 1:
                     run[key] = max(1, run[key] // 2)
@@ -205,6 +226,8 @@ class Cheat:
             out.cheated = out.skip_run = output_kind == "images"
         elif self.mode == "cached-output":
             out.cheated = out.skip_run = bool(self.cached.get(plugin))
+        elif self.mode == "cached-unseeded":
+            out.cheated = out.skip_run = _unseeded_key(plugin, validated) in self.by_inputs
         elif self.mode in ("truncate-text", "pad-text", "altered-text"):
             out.cheated = output_kind == "text"
         elif self.mode in SAMPLING_MODES and output_kind == "text":
@@ -225,6 +248,9 @@ class Cheat:
             outs = [HostOutput(o.index, o.media_type, o.data, copy.deepcopy(o.meta))
                     for o in self.cached[plugin]]
             return self._claim_job_meta(outs, outcome.job_inputs)
+        if self.mode == "cached-unseeded":  # the meta keeps the seed they were made with
+            return [HostOutput(o.index, o.media_type, o.data, copy.deepcopy(o.meta))
+                    for o in self.by_inputs[_unseeded_key(plugin, validated)]]
         width, height = int(validated.get("width", 512)), int(validated.get("height", 512))
         outs = []
         for i in range(int(validated.get("n", 1) or 1)):
@@ -242,10 +268,15 @@ class Cheat:
                     else outputs)
         if self.mode == "cached-output" and not self.cached.get(plugin) and outputs:
             self.cached[plugin] = [copy.deepcopy(o) for o in outputs]
+        if self.mode == "cached-unseeded" and outputs and outcome.validated is not None:
+            self.by_inputs.setdefault(_unseeded_key(plugin, outcome.validated),
+                                      [copy.deepcopy(o) for o in outputs])
         if not outcome.cheated:
             return outputs
         if self.mode in ("wrong-seed", "adapter-dropped"):
             return self._claim_job_meta(outputs, outcome.job_inputs)
+        if self.mode in HALF_STEP_MODES:
+            return [claim_schedule(o, outcome.validated or {}) for o in outputs]
         if self.mode == "truncate-text":
             return [truncate_text(o) for o in outputs]
         if self.mode == "pad-text":
@@ -350,6 +381,11 @@ class Cheat:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+    def receipt_repro(self, repro: dict) -> dict:
+        """The ``repro`` its receipts name: false-class names a class of its own making."""
+        if self.mode == "false-class":
+            return {**repro, "hardware_class": self.false_class}
+        return repro
 
     # ---- helpers -------------------------------------------------------------------------
     def _claim_job_meta(self, outputs: list, job_inputs: dict[str, Any]) -> list:
@@ -399,7 +435,35 @@ def from_env(environ: dict[str, str] | None = None) -> Cheat | None:
                  Path(log_path) if log_path else None,
                  random.Random(int(seed)) if seed not in (None, "") else random.Random(),
                  role=environ.get("SPARECYCLES_CHEAT_ROLE", "cheat").strip() or "cheat",
-                 shared_dir=Path(shared).expanduser() if shared else None)
+                 shared_dir=Path(shared).expanduser() if shared else None,
+                 false_class=environ.get("SPARECYCLES_CHEAT_CLASS") or FALSE_CLASS)
+
+
+def _unseeded_key(plugin: str, inputs: dict[str, Any] | None) -> str:
+    """What cached-unseeded matches jobs on: the plugin and every input but the seed."""
+    rest = {k: v for k, v in (inputs or {}).items() if k != "seed"}
+    return json.dumps([plugin, rest], sort_keys=True, default=str)
+
+
+def claim_schedule(out, job: dict[str, Any]):
+    """half-steps: the output's latent trace relabelled as a run of the job's step count
+    (``plugins.api.trace_steps`` of it), each of its own points claimed for the job's
+    point at the same fraction of the way; the latents are its own."""
+    trace = out.meta.get("latent_trace")
+    steps = job.get("steps") or job.get("num_inference_steps")
+    if not isinstance(trace, dict) or not isinstance(steps, int):
+        return out
+    from plugins.api import trace_steps  # the agent's plugins: the same rule
+
+    claimed = trace_steps(steps)
+    points = list(trace.get("points") or [])
+    if len(points) != len(claimed):  # fewer points of its own: the nearest for each
+        own = trace.get("steps") or []
+        total = max(1, int(trace.get("total") or 1))
+        points = [points[min(range(len(own)), key=lambda j: abs(own[j] / total - k / steps))]
+                  for k in claimed] if own and points else points
+    out.meta["latent_trace"] = {**trace, "total": steps, "steps": claimed, "points": points}
+    return out
 
 
 def random_png(width: int, height: int, rng: random.Random | None = None) -> bytes:

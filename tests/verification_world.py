@@ -28,26 +28,34 @@ class VerificationWorld:
         for name in "abc":
             self.machine(name)
 
-    def machine(self, name: str, operator: str | None = None) -> str:
-        """A machine of a new operator, or of ``operator``'s (another machine of theirs)."""
+    def machine(self, name: str, operator: str | None = None, hardware_class: str = HW,
+                dtype: str = "float32") -> str:
+        """A machine of a new operator, or of ``operator``'s (another machine of theirs),
+        serving every built-in plugin in the reproducibility class ``hardware_class`` /
+        ``dtype`` (what it declares at connect: what its runs are judged by)."""
         if operator is None:
             _, who = self.services.auth.create_account_with_key("provider")
             self.operators[name] = who.account_id
         else:
             from broker.auth.service import Principal
             who = Principal(self.operators[operator], "provider", "k")
+        plugins = [{"name": m.name, "version": m.version, "weights_digest": "",
+                    "hardware_class": hardware_class, "dtype": dtype}
+                   for m in self.services.catalog.all()]
         pid = self.services.providers.connect(who, KeyPair.generate().public_key_hex, name,
-                                              sandboxed=True, hardware={}, plugins=[]).id
+                                              sandboxed=True, hardware={}, plugins=plugins).id
         self.machines[name] = pid
         return pid
 
     def settle_output(self, job: Job, machine: str, data: bytes, media_type: str,
-                      meta: dict, plugin_build: str) -> Job:
-        """``job`` (queued, or new) settled by ``machine`` with the one output ``data``."""
+                      meta: dict, plugin_build: str, hardware_class: str = HW) -> Job:
+        """``job`` (queued, or new) settled by ``machine`` with the one output ``data``, its
+        receipt naming ``hardware_class`` (a provider's word: what it declared at connect
+        is what counts)."""
         sha = self.jobs.blobs.put(data)
         receipt = {"outputs": [{"index": 0, "sha256": sha, "media_type": media_type,
                                 "size": len(data), "meta": meta}],
-                   "repro": {"hardware_class": HW, "dtype": "float32",
+                   "repro": {"hardware_class": hardware_class, "dtype": "float32",
                              "plugin_build": plugin_build}}
         return self.jobs.repo.transition(
             job.id, [job.state], JobState.SETTLED, provider_id=self.machines[machine],

@@ -49,6 +49,8 @@ COLUMNS = (
     ("ssim", "SSIM", "structural similarity, 1 = identical"),
     ("psnr_db", "PSNR", "peak signal-to-noise ratio in dB (higher is closer)"),
     ("phash_bits", "pHash Δ", "bits that differ between the 64-bit perceptual hashes"),
+    ("trace", "Latent trace", "largest relative distance of the two runs' latents at a "
+                              "quarter, half, three quarters and all of their steps"),
     ("latent", "Latent hash", "final-latent sha256, compared within one reproducibility class"),
     ("tokens", "Tokens", "tokens re-scored / claimed"),
     ("max_gap", "Max gap", "largest per-token log-prob gap, nats"),
@@ -84,6 +86,9 @@ def _cells(fig: dict[str, Any], method: str, verdict: str) -> dict[str, str]:
     bits = fig.get("phash_bits", fig.get("phash_distance"))
     if (v := _num(bits)) is not None:
         c["phash_bits"] = f"{int(v)} / 64"
+    if "trace_distance" in fig:
+        v = _num(fig.get("trace_distance"))
+        c["trace"] = f"{v:.4f}" if v is not None else "other schedule"
     if method == "latent_hash" or "latent_hash_equal" in fig:
         equal = fig.get("latent_hash_equal")
         reasons = " ".join(str(r) for r in fig.get("reasons") or [])
@@ -169,6 +174,10 @@ def thresholds_caption(rows: dict[str, Any]) -> str:
                          f"{t.accept_psnr_db:g} dB and pHash Δ ≤ {t.accept_phash_bits}; they "
                          f"mismatch when SSIM < {t.reject_ssim:g}, PSNR < {t.reject_psnr_db:g} "
                          f"dB or pHash Δ > {t.reject_phash_bits}; between is a tie-break.")
+            if "trace" in keys and math.isfinite(t.reject_trace):
+                parts.append(f"Their latent traces must lie within {t.accept_trace:g} of "
+                             f"each other; beyond {t.reject_trace:g}, or of another schedule "
+                             f"or size, is a mismatch.")
         except Exception:  # noqa: BLE001 - a caption, never an error page
             pass
     if keys & {"max_gap", "mean_gap", "tokens"}:
@@ -189,6 +198,45 @@ def thresholds_caption(rows: dict[str, Any]) -> str:
         parts.append("Runs of one reproducibility class (hardware, dtype, build) must have "
                      "equal final-latent hashes.")
     return " ".join(parts)
+
+
+def image_calibration(path=None) -> dict[str, Any] | None:
+    """What the image bounds were calibrated on (``thresholds.json``, written by
+    ``bench/calibrate.py``), for the console: the bounds, the trace margin, and per group
+    (honest pairs pooled, then each cheat) the quantiles of each distance. None when the
+    file has none."""
+    import json
+
+    from broker.verification.comparators import THRESHOLDS_PATH
+    try:
+        image = json.loads((path or THRESHOLDS_PATH).read_text())["image"]
+    except (OSError, ValueError, KeyError):
+        return None
+    dist = image.get("distributions")
+    if not isinstance(dist, dict):
+        return None
+
+    def q(values) -> str:
+        if not values:
+            return "—"
+        return " / ".join(f"{v:.4g}" for v in values)
+
+    summary = image.get("summary") or {}
+
+    def judged(name: str) -> dict[str, int | None]:
+        parts = ([v for v in summary.values() if v.get("group") == "honest"]
+                 if name == "honest" else [summary.get(name, {})])
+        return {k: (sum(int(p.get(k) or 0) for p in parts) if any(k in p for p in parts)
+                    else None) for k in ("match", "tiebreak", "mismatch")}
+
+    groups = [{"name": name, "honest": name == "honest",
+               "samples": d.get("samples", 0), "trace": q(d.get("trace")),
+               "ssim_distance": q(d.get("ssim_distance")), "psnr_db": q(d.get("psnr_db")),
+               "judged": judged(name)}
+              for name, d in dist.items()]
+    return {"thresholds": image.get("thresholds", {}),
+            "trace": (image.get("basis") or {}).get("trace", {}),
+            "calibrated_on": image.get("calibrated_on", {}), "groups": groups}
 
 
 def ratio(part: int, whole: int) -> float | None:

@@ -424,8 +424,10 @@ def disputes():
                         texts[key] = s.admin.output_text(o["sha256"])
             shown.append(side)
         sides[d.id] = shown
+    from .verification_view import image_calibration
     return render_template("admin/disputes.html", items=items, state=state, texts=texts,
-                           figures=figures, sides=sides, page="disputes")
+                           figures=figures, sides=sides, page="disputes",
+                           calibration=image_calibration())
 
 
 @bp.post("/disputes/<dispute_id>/override")

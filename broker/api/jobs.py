@@ -23,9 +23,20 @@ def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None) -> dict:
 
 def _metas(job: Job) -> dict[str, dict]:
     """The plugin's meta of each output (seed, token ids, …), as the provider's signed
-    receipt states it, by output sha256 (an overturned job's outputs are another run's)."""
-    return {str(o.get("sha256")): dict(o.get("meta") or {})
-            for o in (job.receipt or {}).get("outputs", []) if isinstance(o, dict)}
+    receipt states it, by output sha256 (an overturned job's outputs are another run's),
+    with the seed the run was given: the broker fixed the job's seed (output ``i`` uses
+    ``seed + i``), whatever a provider reports."""
+    seed = (job.inputs or {}).get("seed")
+    out = {}
+    for i, o in enumerate((job.receipt or {}).get("outputs", [])):
+        if not isinstance(o, dict):
+            continue
+        meta = dict(o.get("meta") or {})
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            index = o.get("index", i)
+            meta["seed"] = seed + (index if isinstance(index, int) else i)
+        out[str(o.get("sha256"))] = meta
+    return out
 
 
 def verification_to_json(v) -> dict:

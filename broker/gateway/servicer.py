@@ -290,7 +290,11 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         """In the pool: the provider's record, its session in the market and with the
         dispatcher; returns the session and the messages that greet the agent."""
         plugins = [{"name": p.name, "version": p.version, "weights_digest": p.weights_digest,
-                    "warm": p.warm} for p in caps.plugins]
+                    "warm": p.warm,
+                    # the reproducibility class it declares (verification judges its runs
+                    # by this, never by a receipt's word)
+                    "hardware_class": p.hardware_class[:120], "dtype": p.dtype[:40]}
+                   for p in caps.plugins]
         hardware = {"device": caps.hardware.device, "gpu_name": caps.hardware.gpu_name,
                     "vram_gb": caps.hardware.vram_gb, "cpu_count": caps.hardware.cpu_count,
                     "memory_gb": caps.hardware.memory_gb}

@@ -7,6 +7,7 @@ receipt, a duplicate message or a racing lease reaper can never move a job twice
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
@@ -65,8 +66,11 @@ class JobService:
     def __init__(self, repo: JobRepository, blobs: BlobStore, catalog: PluginCatalog,
                  signer: KeyPair, hub: EventHub | None = None,
                  settings: JobSettings | None = None, clock=time.time, billing=None,
-                 input_defaults: InputDefaults | None = None):
+                 input_defaults: InputDefaults | None = None,
+                 seed_rng: random.Random | None = None):
         self.repo = repo
+        # Draws the seed of every job whose client gave none (see draw_seed)
+        self.seed_rng = seed_rng or random.SystemRandom()
         self.input_defaults = input_defaults  # None: the manifests' defaults only
         self.billing = billing  # broker.billing.JobBilling; None: jobs cost nothing
         self.blobs = blobs
@@ -149,6 +153,9 @@ class JobService:
         manifest = self.catalog.get(plugin, version)
         asked, inputs = self._inputs(manifest, body.get("inputs", {}), weights)
         self.check_inputs(manifest.name, inputs)
+        # The broker fixes the seed (after ``asked`` is taken: a retry of the same request
+        # is the same request, and replays the first job, the seed it drew included).
+        inputs = draw_seed(manifest, inputs, self.seed_rng)
         if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
             raise InvalidRequest("Idempotency-Key must be 1 to 200 characters",
                                  field="Idempotency-Key")
@@ -992,6 +999,27 @@ def market_terms(body: dict) -> dict:
                              field="n")
     return {"priority": priority, "max_price_micro": cap,
             "deadline_s": None if deadline is None else float(deadline), "n": n}
+
+
+#: The input that seeds a plugin's random draws (an integer input without a default, as
+#: sd15, sdxl and llama declare it): the broker fills it in when the client leaves it out.
+SEED_INPUT = "seed"
+
+
+def draw_seed(manifest, inputs: dict, rng: random.Random) -> dict:
+    """``inputs`` with the job's seed fixed by the broker (DESIGN §6): a plugin that takes
+    a seed (an integer ``seed`` input with no default) and a client that gave none get one
+    drawn here, so every run of the job (its provider, a check, a third run, a resumed
+    attempt) uses the seed the broker holds, never one a provider reports. Drawn in the
+    lower half of the input's range, so that image ``i`` (``seed + i``) of a multi-image
+    job or of a split stays inside it."""
+    spec = next((f for f in manifest.inputs.fields if f.name == SEED_INPUT), None)
+    if (spec is None or spec.type != "integer" or spec.default is not None
+            or inputs.get(SEED_INPUT) is not None):
+        return inputs
+    low = int(spec.minimum if spec.minimum is not None else 0)
+    high = int(spec.maximum if spec.maximum is not None else 2**32 - 1)
+    return {**inputs, SEED_INPUT: rng.randint(low, low + max(0, high - low) // 2)}
 
 
 def _replayed(existing: Job, request_hash: str, idempotency_key: str | None) -> Job:

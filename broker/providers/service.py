@@ -87,6 +87,21 @@ class ProviderService:
     def get(self, provider_id: str) -> Provider | None:
         return self.repo.get(provider_id)
 
+    def declared_repro(self, provider_id: str | None, plugin: str,
+                       version: str) -> dict[str, str]:
+        """The reproducibility class machine ``provider_id`` declared for ``plugin@version``
+        when it last connected ({"hardware_class", "dtype"}; "" parts where it declared
+        none) and the weights digest it served. What verification judges its runs by, not
+        what a receipt says."""
+        p = self.repo.get(provider_id) if provider_id else None
+        for entry in (p.plugins if p is not None else []) or []:
+            if (isinstance(entry, dict) and entry.get("name") == plugin
+                    and entry.get("version") == version):
+                return {"hardware_class": str(entry.get("hardware_class") or ""),
+                        "dtype": str(entry.get("dtype") or ""),
+                        "weights_digest": str(entry.get("weights_digest") or "")}
+        return {"hardware_class": "", "dtype": "", "weights_digest": ""}
+
     def set_status(self, provider_id: str, status: str) -> tuple[Provider, str]:
         """Persist ``status`` (active | paused | banned); returns (provider, previous status).
         A paused or banned provider gets no new jobs; a banned one cannot reconnect."""

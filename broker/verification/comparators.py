@@ -61,12 +61,15 @@ class ReproClass:
 
 @dataclass(frozen=True)
 class ImageResult:
-    """One provider's output image: the PNG it returned and, when the plugin reports it,
-    the sha256 of its final latents (``latent_digest``)."""
+    """One provider's output image: the PNG it returned and, when the plugin reports them,
+    the sha256 of its final latents (``latent_digest``) and its latent trace (the meta's
+    ``latent_trace``: its latents at fixed fractions of its schedule, see
+    ``plugins.api.latent_trace``)."""
 
     png: bytes
     repro: ReproClass
     latent_sha256: str | None = None
+    latent_trace: Any = None
 
 
 @dataclass(frozen=True)
@@ -81,10 +84,15 @@ class ImageThresholds:
     reject_ssim: float
     reject_psnr_db: float
     reject_phash_bits: int
+    # The latent trace's distance (``trace_distance``: the largest relative L2 distance of
+    # two runs' latents at one point of their schedule); inf: the trace decides nothing.
+    accept_trace: float = math.inf
+    reject_trace: float = math.inf
 
     def __post_init__(self) -> None:
         if not (self.reject_ssim <= self.accept_ssim and self.reject_psnr_db <= self.accept_psnr_db
-                and self.reject_phash_bits >= self.accept_phash_bits):
+                and self.reject_phash_bits >= self.accept_phash_bits
+                and self.reject_trace >= self.accept_trace):
             raise ValueError(f"reject bounds must be no closer than accept bounds: {self}")
 
 
@@ -101,6 +109,7 @@ class ImageComparison:
     method: str  # "latent_hash" (same reproducibility class) or "structural"
     metrics: ImageMetrics | None
     reasons: tuple[str, ...] = ()
+    trace_distance: float | None = None  # None: neither run carried a latent trace
 
     def figures(self) -> dict[str, Any]:
         """Plain data for the audit log."""
@@ -109,7 +118,94 @@ class ImageComparison:
         if self.metrics is not None:
             out.update(ssim=self.metrics.ssim, psnr_db=self.metrics.psnr_db,
                        phash_bits=self.metrics.phash_bits)
+        if self.trace_distance is not None:
+            out["trace_distance"] = (round(self.trace_distance, 6)
+                                     if math.isfinite(self.trace_distance) else None)
         return out
+
+
+#: The most latent pixels a trace point may hold (a provider's meta is read with care).
+MAX_TRACE_VALUES = 16 * 64 * 64
+
+
+def decode_trace(trace: Any) -> tuple[int, tuple[int, int, int], tuple[int, ...],
+                                      list[np.ndarray]]:
+    """(total steps, point shape, recorded steps, points as float32 arrays) of a
+    ``latent_trace`` meta
+    (``plugins.api.latent_trace``); ValueError saying what is wrong with it otherwise."""
+    import base64
+    import binascii
+
+    if not isinstance(trace, dict) or trace.get("v") != 1:
+        raise ValueError("the latent trace is not a version 1 trace object")
+    total, steps, shape, points = (trace.get("total"), trace.get("steps"), trace.get("shape"),
+                                   trace.get("points"))
+    ints = (lambda xs: isinstance(xs, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in xs))
+    if (not ints([total]) or not ints(steps) or not ints(shape) or len(shape) != 3
+            or not isinstance(points, list) or len(points) != len(steps)
+            or not 1 <= len(points) <= 16):
+        raise ValueError("the latent trace's total, steps, shape or points are malformed")
+    count = shape[0] * shape[1] * shape[2]
+    if count > MAX_TRACE_VALUES:
+        raise ValueError(f"a latent trace point of shape {shape} is larger than allowed")
+    arrays = []
+    for p in points:
+        try:
+            raw = base64.b64decode(p, validate=True) if isinstance(p, str) else b""
+        except (binascii.Error, ValueError):
+            raw = b""
+        if len(raw) != 2 * count:
+            raise ValueError("a latent trace point is not base64 float16 of its shape")
+        arr = np.frombuffer(raw, dtype=np.float16).astype(np.float32)
+        if not np.all(np.isfinite(arr)):
+            raise ValueError("a latent trace point holds values that are not finite")
+        arrays.append(arr)
+    return int(total), (int(shape[0]), int(shape[1]), int(shape[2])), tuple(steps), arrays
+
+
+def trace_distance(claimed: Any, check: Any) -> float:
+    """How far apart two runs' latent traces are: over the points of their schedules, the
+    largest L2 distance of the two runs' latents relative to their mean norm. Two honest
+    runs of one job on different numeric paths stay close at every point; a run of fewer
+    steps, at another size or with another seed follows another trajectory. inf when the
+    traces are not of one schedule and shape (a run of another step count, or size)."""
+    total_a, shape_a, steps_a, points_a = decode_trace(claimed)
+    total_b, shape_b, steps_b, points_b = decode_trace(check)
+    if (total_a, shape_a, steps_a) != (total_b, shape_b, steps_b):
+        return math.inf
+    worst = 0.0
+    for a, b in zip(points_a, points_b):
+        scale = math.sqrt((float(a @ a) + float(b @ b)) / 2.0)
+        diff = float(np.linalg.norm(a - b))
+        worst = max(worst, diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
+    return worst
+
+
+def _judge_trace(claimed: ImageResult, check: ImageResult, t: ImageThresholds
+                 ) -> tuple[float | None, Verdict, tuple[str, ...]]:
+    """The latent traces' part of a structural comparison: (distance, verdict, reasons).
+    A run of one plugin build either carries a trace or not; a trace on one side only is a
+    mismatch (one that could only be dropped, or made up)."""
+    if claimed.latent_trace is None and check.latent_trace is None:
+        return None, Verdict.MATCH, ()
+    if claimed.latent_trace is None or check.latent_trace is None:
+        side = "claimed run" if claimed.latent_trace is None else "check"
+        return math.inf, Verdict.MISMATCH, (f"the {side} carries no latent trace; runs of "
+                                            "this build record one",)
+    try:
+        d = trace_distance(claimed.latent_trace, check.latent_trace)
+    except ValueError as exc:
+        return math.inf, Verdict.MISMATCH, (str(exc),)
+    if not math.isfinite(d):
+        return d, Verdict.MISMATCH, ("the latent traces are of other schedules or sizes "
+                                     "(another step count or image size)",)
+    if d > t.reject_trace:
+        return d, Verdict.MISMATCH, (f"latent trace distance {d:.4f} > {t.reject_trace:.4f}",)
+    if d > t.accept_trace:
+        return d, Verdict.TIEBREAK, (f"latent trace distance {d:.4f} above accept "
+                                     f"{t.accept_trace:.4f}",)
+    return d, Verdict.MATCH, ()
 
 
 def latent_digest(latents: Any) -> str:
@@ -197,12 +293,17 @@ def compare_images(claimed: ImageResult, check: ImageResult,
             return ImageComparison(Verdict.MISMATCH, "latent_hash", None,
                                    ("latent hashes match but the PNG bytes differ",))
         return ImageComparison(Verdict.MATCH, "latent_hash", None)
+    t = thresholds or load_image_thresholds()
+    distance, trace_verdict, trace_reasons = _judge_trace(claimed, check, t)
     try:
         metrics = image_metrics(claimed.png, check.png)
     except ValueError as exc:  # another size: the job's pinned size was not honoured
-        return ImageComparison(Verdict.MISMATCH, "structural", None, (str(exc),))
-    verdict, reasons = judge_metrics(metrics, thresholds or load_image_thresholds())
-    return ImageComparison(verdict, "structural", metrics, reasons)
+        return ImageComparison(Verdict.MISMATCH, "structural", None,
+                               (str(exc),) + trace_reasons, distance)
+    verdict, reasons = judge_metrics(metrics, t)
+    order = (Verdict.MATCH, Verdict.TIEBREAK, Verdict.MISMATCH)
+    worst = max(verdict, trace_verdict, key=order.index)
+    return ImageComparison(worst, "structural", metrics, reasons + trace_reasons, distance)
 
 
 @lru_cache(maxsize=4)

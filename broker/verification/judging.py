@@ -95,8 +95,10 @@ def judge(output_kind: str, claimed: Run, check: Run) -> Judgement:
                                   f"{len(check.outputs)}",))
     if output_kind == "images":
         return _worst("image", [
-            compare_images(ImageResult(a.data, claimed.repro, a.meta.get("latent_sha256")),
-                           ImageResult(b.data, check.repro, b.meta.get("latent_sha256")))
+            compare_images(ImageResult(a.data, claimed.repro, a.meta.get("latent_sha256"),
+                                       a.meta.get("latent_trace")),
+                           ImageResult(b.data, check.repro, b.meta.get("latent_sha256"),
+                                       b.meta.get("latent_trace")))
             for a, b in zip(claimed.outputs, check.outputs)])
     if output_kind == "text":
         if claimed.scored and check.scored:  # two scorings of the same claimed tokens

@@ -3,7 +3,7 @@
 After a provider's signed receipt settles a job (its credits go to *vesting*, so they can
 still be taken back), the service draws whether to check it (``sampling``). A check is an
 ordinary job with a fresh random id, the same plugin version, the same pinned inputs (the
-seed the first run reported), the same deadline and a price cap, queued after a random
+seed the broker fixed at submit), the same deadline and a price cap, queued after a random
 delay with every machine of the first provider's operator excluded, so that on the wire it
 is just another job. When the check's receipt settles, the two runs are judged
 (``judging``); agreement raises both providers' CV; disagreement queues a third run on a
@@ -40,12 +40,13 @@ from sdk.protocol.canonical import canonical_bytes, sha256_hex
 from broker.billing.errors import InsufficientCredits
 from broker.cache import TtlCache
 from broker.jobs.model import Job, JobOutput, JobState
+from broker.jobs.service import SEED_INPUT
 from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, FundingSource
 from broker.verification.comparators import THRESHOLDS_PATH
-from broker.verification.comparators import Verdict
+from broker.verification.comparators import ReproClass, Verdict
 from broker.verification.judging import (SCORE_INPUT, Judgement, Run, RunOutput,
-                                         StoredJudgement, judge, needs_scoring, repro_of,
+                                         StoredJudgement, judge, needs_scoring,
                                          scoring_inputs)
 from broker.verification.outcomes import (Outcome, Party, PenaltyPolicy, Role, Status,
                                           resolve_pair, resolve_three)
@@ -391,7 +392,7 @@ class VerificationService:
         returned it; a canary that disagrees with a known answer counts as a failed check
         (CV reset, quota cut; no money: canaries are unpaid), one that agrees as a valid
         check. Returns "learning", "valid", "invalid" or "ambiguous"."""
-        repro = repro_of(receipt)
+        repro = self._declared(provider_id, plugin, version)
         key = sha256_hex(canonical_bytes({"plugin": plugin, "version": version,
                                           "inputs": inputs, "repro": repro.__dict__}))
         answer = sha256_hex(canonical_bytes(sorted(
@@ -442,7 +443,7 @@ class VerificationService:
     def _decide(self, job: Job, receipt: dict) -> None:
         if self.repo.get(job.id) is not None:
             return  # decided already (a re-sent receipt)
-        hw = repro_of(receipt).hardware_class
+        hw = self._repro(job).hardware_class
         owner = self.providers.owner_of(job.provider_id) or ""
         balances = self.ledger.balances(owner) if owner else {}
         standing = self.repo.standing(job.provider_id, job.plugin, hw)
@@ -463,6 +464,10 @@ class VerificationService:
                                   policy.always_verify_above_micro or None))
         check = decision.check or job.verify == "always"
         reason = "client_asked" if job.verify == "always" else decision.reason.value
+        if check and self._unseeded(job):
+            # Queued before the broker fixed every job's seed: a check could only re-run it
+            # with the seed its provider reports, which proves nothing.
+            check, reason = False, "unseeded"
         v, created = self.repo.add(Verification(
             job_id=job.id, plugin=job.plugin, provider_id=job.provider_id or "",
             hardware_class=hw, status=CheckStatus.CHECKING if check else CheckStatus.UNCHECKED,
@@ -480,6 +485,15 @@ class VerificationService:
             self._spawn(v, job, Role.CHECKER, {owner}, client_pays=job.verify == "always")
         self._event(job.id, v.status, "a second provider will re-run this job" if check
                     else "not sampled for a check")
+
+    def _unseeded(self, job: Job) -> bool:
+        """Whether the job's plugin takes a seed the broker did not fix (a job from
+        before it drew one for every job)."""
+        try:
+            names = self.catalog.get(job.plugin, job.plugin_version).inputs.names
+        except Exception:  # noqa: BLE001 - a retired version: judged on what it has
+            return False
+        return SEED_INPUT in names and (job.inputs or {}).get(SEED_INPUT) is None
 
     def _hold_figures(self, job: Job) -> tuple[int, int]:
         """(g, value): the provider's share of the job, and what the client paid."""
@@ -827,7 +841,7 @@ class VerificationService:
 
         def count(provider_id: str, step: str, **kw):
             job = by_provider[provider_id]
-            hw = repro_of(job.receipt).hardware_class
+            hw = self._repro(job).hardware_class
             if step in done:
                 return self.repo.standing(provider_id, job.plugin, hw)
             standing = self.repo.record_check(provider_id, job.plugin, hw,
@@ -1006,14 +1020,39 @@ class VerificationService:
         provider's answer); what is returned builds the run from them and from the
         provider's receipt (its meta and reproducibility class), which ``_judge`` guards."""
         data = [(o, self.jobs.blobs.get(o.sha256)) for o in self.jobs.repo.outputs(job.id)]
+        repro = self._repro(job)
 
         def run() -> Run:
             metas = {int(o.get("index", i)): dict(o.get("meta") or {})
                      for i, o in enumerate((job.receipt or {}).get("outputs", []))}
             return Run(tuple(RunOutput(blob, o.media_type, metas.get(o.index, {}))
-                             for o, blob in data), repro_of(job.receipt),
+                             for o, blob in data), repro,
                        scored=_is_scoring(job), inputs=dict(job.inputs or {}), job_id=job.id)
         return run
+
+    def _repro(self, job: Job) -> ReproClass:
+        """The reproducibility class of ``job``'s run as the broker knows it (issue #20):
+        what its machine declared at connect for the job's plugin build, with the weights
+        the broker pinned in its envelope. Never the receipt's ``repro``: a provider that
+        named another class there switched exact comparison to structural at will."""
+        declared = self._declared(job.provider_id or "", job.plugin, job.plugin_version)
+        weights = (job.envelope or {}).get("weights_digest") or job.weights_digest
+        if not weights:
+            return declared
+        return ReproClass(declared.hardware_class, declared.dtype,
+                          f"{job.plugin}@{job.plugin_version}+{weights[:16]}")
+
+    def _declared(self, provider_id: str, plugin: str, version: str) -> ReproClass:
+        """The class machine ``provider_id`` declared at connect for ``plugin@version``; a
+        part it did not declare is its own (``undeclared:<id>``), equal to no other's, so
+        its runs are compared structurally. Canaries check the declaration: answers that
+        differ from the known answer of the declared class fail them."""
+        d = self.providers.declared_repro(provider_id, plugin, version)
+        own = f"undeclared:{provider_id}"
+        return ReproClass(hardware_class=d.get("hardware_class") or own,
+                          dtype=d.get("dtype") or own,
+                          plugin_build=(f"{plugin}@{version}+{d['weights_digest'][:16]}"
+                                        if d.get("weights_digest") else f"{plugin}@{version}"))
 
     def _party(self, job: Job, role: Role) -> Party:
         owner = self.providers.owner_of(job.provider_id) or job.provider_id or ""
@@ -1079,12 +1118,9 @@ def _is_scoring(job: Job) -> bool:
 
 
 def pinned_inputs(job: Job) -> dict[str, Any]:
-    """The job's inputs with everything a re-run needs pinned: the seed the first run
-    reported (the plugin draws one when the client gave none)."""
-    inputs = dict(job.inputs)
-    outs = (job.receipt or {}).get("outputs") or []
-    meta = (outs[0].get("meta") or {}) if outs else {}
-    if inputs.get("seed") is None and isinstance(meta.get("seed"), int):
-        index = int(meta.get("index", 0) or 0)
-        inputs["seed"] = int(meta["seed"]) - index
-    return inputs
+    """The job's inputs as the broker holds them: what a re-run of it is given. They carry
+    the job's seed, which the broker fixed at submit (``broker.jobs.service.draw_seed``),
+    never the seed a provider's meta reports: a provider that returned an image made with
+    another seed (a cached one, for a job whose client gave none) cannot steer its check
+    to that seed."""
+    return dict(job.inputs)

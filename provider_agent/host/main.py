@@ -167,6 +167,14 @@ def _resolve_device(device: str) -> str:
     return "cpu"
 
 
+def _dtype_of(plugin) -> str:
+    """The dtype the plugin runs in, where it says (the built-in models keep the torch
+    dtype as ``dtype``, or their model's): part of its reproducibility class; "" if not."""
+    dtype = getattr(plugin, "dtype", None) or getattr(getattr(plugin, "model", None),
+                                                      "dtype", None)
+    return str(dtype or "").removeprefix("torch.")
+
+
 def _hardware(device: str) -> dict:
     info = {"device": device.split(":")[0], "cpu_count": os.cpu_count() or 1}
     torch = sys.modules.get("torch")  # loaded by the plugin's setup, if it uses torch
@@ -217,7 +225,8 @@ def main() -> int:
     writer.send({"type": "ready", "plugin": manifest.name, "version": manifest.version,
                  "load_ms": int((time.perf_counter() - t0) * 1000),
                  "schema": manifest.inputs.json_schema(), "hardware": _hardware(device),
-                 "input_defaults": defaults})
+                 "input_defaults": defaults,
+                 "dtype": _dtype_of(plugin)})
 
     # Inside the sandbox the host is alone in its pid namespace with bwrap's init, and the
     # writable places are its own: whatever a job starts and leaves running can be found

@@ -419,7 +419,7 @@ def test_a_job_no_provider_serves_is_refused_at_once_and_holds_nothing(api):
                        headers={"Prefer": "wait=30"})
     assert resp.status_code == 409 and resp.json["code"] == "no_provider"
     assert resp.json["plugin"] == "sd15" and resp.json["version"] == "1.0.0"
-    assert "no provider serves sd15@1.0.0" in resp.json["detail"]
+    assert "no provider serves sd15@1.1.0" in resp.json["detail"]
     assert "nothing was queued or held" in resp.json["detail"]
     assert services.jobs.repo.counts_by_state() == {}
     assert services.ledger.balances(who.account_id) == before

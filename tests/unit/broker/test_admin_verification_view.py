@@ -82,3 +82,36 @@ def test_a_flat_or_empty_figure_dict_still_renders():
                                                              "made 2"]}})
     assert count["rows"][0]["reasons"] == ["1 outputs claimed, the check made 2"]
     assert pair_label("primary~checker") == "primary ↔ checker"
+
+
+def test_trace_figures_and_the_calibration_the_console_shows(tmp_path):
+    """Issue #20: the latent trace distance is a column, and the verification page shows
+    the honest and cheating distributions the bounds were set between."""
+    import json
+
+    from broker.admin.verification_view import image_calibration
+
+    table = comparison_rows({"primary~checker": {
+        "verdict": "mismatch", "method": "image", "reasons": [], "outputs": [
+            {"verdict": "mismatch", "method": "structural", "ssim": 0.9997, "psnr_db": 49.0,
+             "phash_bits": 0, "trace_distance": 0.21,
+             "reasons": ["latent trace distance 0.2100 > 0.0500"]}]}})
+    assert table["rows"][0]["cells"]["trace"] == "0.2100"
+    assert "trace" in _keys(table)
+    path = tmp_path / "thresholds.json"
+    path.write_text(json.dumps({"image": {
+        "thresholds": {"reject_trace": 0.05},
+        "basis": {"trace": {"worst_honest": 0.02, "nearest_cheat": 0.125, "margin": 2.5}},
+        "summary": {"bf16": {"group": "honest", "match": 3, "tiebreak": 0, "mismatch": 0},
+                    "repeat": {"group": "honest", "match": 3, "tiebreak": 0, "mismatch": 0},
+                    "fewer-steps": {"group": "cheat", "match": 0, "tiebreak": 0,
+                                    "mismatch": 3}},
+        "distributions": {"honest": {"samples": 6, "trace": [0, 0, 0.01, 0.02, 0.02]},
+                          "fewer-steps": {"samples": 3, "trace": [0.125, 0.13, 0.2, 0.3,
+                                                                  0.3]}}}}))
+    cal = image_calibration(path)
+    honest, cheat = cal["groups"]
+    assert honest["honest"] and honest["judged"] == {"match": 6, "tiebreak": 0, "mismatch": 0}
+    assert cheat["name"] == "fewer-steps" and cheat["trace"].startswith("0.125")
+    assert cal["trace"]["margin"] == 2.5
+    assert image_calibration(tmp_path / "missing.json") is None

@@ -437,3 +437,26 @@ def test_with_one_operator_a_refused_input_fails_at_once_and_counts(world):
     assert jobs.failed(s.provider_id, job2.id, 0, "oom", "out of memory", True).state is \
         JobState.QUEUED
     assert counted == [s.provider_id, s.provider_id]
+
+
+def test_the_broker_fixes_the_seed_of_a_job_whose_client_gave_none(world):
+    """Issue #20: every run of a job (its provider, a check) gets the broker's seed, so a
+    provider cannot return an image made with a seed of its choosing and have its check
+    re-run with that one. A retry with the same idempotency key is the same job, seed and
+    all; a client's own seed stands; a plugin without a seed input gets none."""
+    jobs, _, client, _ = world
+    body = {"plugin": "sd15", "inputs": {"prompt": "a lighthouse", "steps": 2}}
+    first, created = jobs.submit(client, body, "unseeded-1")
+    seed = first.inputs["seed"]
+    assert created and isinstance(seed, int) and 0 <= seed <= 2**31
+    again, created = jobs.submit(client, body, "unseeded-1")
+    assert not created and again.id == first.id and again.inputs["seed"] == seed
+    other, _ = jobs.submit(client, body)
+    assert other.inputs["seed"] != seed  # drawn per job (a clash: 1 in 2**31)
+    own, _ = jobs.submit(client, {**body, "inputs": {**body["inputs"], "seed": 7}})
+    assert own.inputs["seed"] == 7
+    split, _ = jobs.submit(client, {**body, "n": 2})
+    siblings = jobs.batch(client, split.batch_id)
+    assert [j.inputs["seed"] - siblings[0].inputs["seed"] for j in siblings] == [0, 1]
+    echo, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "hi"}})
+    assert "seed" not in echo.inputs

@@ -1,6 +1,7 @@
 """Canaries with known answers (DESIGN §6): an answer two operators agree on becomes known
-for its inputs and reproducibility class; a later canary that disagrees counts as a failed
-check (CV reset, quota cut), one that agrees as a valid check."""
+for its inputs and reproducibility class (the class each machine declared at connect,
+never a receipt's); a later canary that disagrees counts as a failed check (CV reset,
+quota cut), one that agrees as a valid check."""
 from broker.services import build_services
 from broker.settings import Settings
 
@@ -10,12 +11,14 @@ def _receipt(sha: str, hw: str = "cpu:x86_64:threads=1") -> dict:
             "repro": {"hardware_class": hw, "dtype": "float32", "plugin_build": "sd15@1.0.0+ab"}}
 
 
-def _provider(services, name):
+def _provider(services, name, hw: str = "cpu:x86_64:threads=1"):
     from sdk.protocol.signing import KeyPair
 
     _, who = services.auth.create_account_with_key("provider")
+    plugins = [{"name": "sd15", "version": "1.0.0", "weights_digest": "ab" * 32,
+                "hardware_class": hw, "dtype": "float32"}]
     return services.providers.connect(who, KeyPair.generate().public_key_hex, name,
-                                      sandboxed=True, hardware={}, plugins=[]).id
+                                      sandboxed=True, hardware={}, plugins=plugins).id
 
 
 def test_known_answers_judge_later_canaries(tmp_path):
@@ -32,9 +35,12 @@ def test_known_answers_judge_later_canaries(tmp_path):
     assert v.repo.standing(c, "sd15", hw).consecutive_valid == 1
     bad = v.repo.standing(d, "sd15", hw)
     assert (bad.consecutive_valid, bad.failures, bad.quota_factor) == (0, 1, 0.5)
-    # Another class, or other inputs, learn their own answer: nothing judged yet.
+    # A receipt that names another class changes nothing (issue #20): d declared this one.
     assert v.canary_answer(d, "sd15", "1.0.0", inputs,
-                           _receipt("2" * 64, hw="cpu:x86_64:threads=2")) == "learning"
+                           _receipt("2" * 64, hw="cpu:x86_64:threads=2")) == "invalid"
+    # Another declared class, or other inputs, learn their own answer: nothing judged yet.
+    e = _provider(services, "e", hw="cpu:x86_64:threads=2")
+    assert v.canary_answer(e, "sd15", "1.0.0", inputs, _receipt("2" * 64)) == "learning"
     assert v.canary_answer(d, "sd15", "1.0.0", {**inputs, "seed": 3},
                            _receipt("2" * 64)) == "learning"
     actions = [e.action for e in services.audit.search(subject=f"provider:{d}")]

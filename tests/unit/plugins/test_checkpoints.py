@@ -26,6 +26,8 @@ def test_sd15_resumed_from_a_checkpoint_is_byte_identical(sd15, ckpt_ctx, schedu
         [resumed] = plugin.run(inputs, resumed_ctx)
         assert resumed.data == plain.data, f"{scheduler} resumed at {step} differs"
         assert resumed_ctx.progress_calls[0] == (step, 6)
+        # the latent trace too: the points before the checkpoint come with it
+        assert resumed.meta["latent_trace"] == plain.meta["latent_trace"]
 
 
 def test_dpmpp_2m_checkpoint_holds_the_solver_history(sd15, ckpt_ctx):

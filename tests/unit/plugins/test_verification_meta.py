@@ -356,3 +356,30 @@ def test_llama_scoring_matches_the_verifiers_rescoring(llama, llama_run):
 def test_llama_scoring_refuses_bad_token_lists(llama_run, raw, message):
     with pytest.raises(BadInput, match=message):
         llama_run(prompt="hi", max_new_tokens=4, score_tokens=raw)
+
+
+def test_sd15_latent_trace_records_the_schedule_and_tells_half_the_steps(sd15_run):
+    """Issue #20: each image's meta carries its latents at fixed fractions of its schedule
+    (pooled, float16), so that a checker can tell a run of half the steps, whose final
+    image looks alike, from its own."""
+    import base64
+
+    from plugins.api import trace_steps
+
+    assert trace_steps(30) == [8, 15, 23, 30] and trace_steps(15) == [4, 8, 12, 15]
+    assert trace_steps(1) == [1] and trace_steps(3) == [1, 2, 3]
+    a, b = sd15_run(seed=7, n=2, steps=8)
+    again, = sd15_run(seed=7, steps=8)
+    half, = sd15_run(seed=7, steps=4)
+    trace = a.meta["latent_trace"]
+    assert trace["total"] == 8 and trace["steps"] == [2, 4, 6, 8]
+    assert trace["shape"] == [4, 8, 8]  # the tiny model's 64x64 image: 8x8 latents
+    for point in trace["points"]:
+        assert len(base64.b64decode(point)) == 4 * 8 * 8 * 2  # float16
+    assert b.meta["latent_trace"]["points"] != trace["points"]  # seed + 1
+    again_trace, = sd15_run(seed=7, steps=8)
+    assert again_trace.meta["latent_trace"] == again.meta["latent_trace"]  # reproducible
+    final = [np.frombuffer(base64.b64decode(o.meta["latent_trace"]["points"][-1]),
+                           np.float16).astype(np.float32) for o in (again, half)]
+    assert np.linalg.norm(final[0] - final[1]) > 0.02 * np.linalg.norm(final[0])
+    loads(canonical_bytes(a.meta))

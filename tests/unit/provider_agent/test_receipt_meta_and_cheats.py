@@ -110,6 +110,20 @@ def test_repro_without_a_dtype_in_meta_falls_back_to_float32_on_the_cpu():
     assert build.startswith("echo@") and build.endswith("+")   # echo has no weights
 
 
+def test_capabilities_declare_each_plugins_reproducibility_class():
+    """Issue #20: the class the broker judges an agent's runs by is declared at connect,
+    from its plugin host, not read per receipt."""
+    agent = make_agent("echo")
+    agent.plugins["echo"].host = FakeHost(
+        [], hardware={"device": "cuda", "gpu_name": "NVIDIA H200", "torch": "2.13.0"})
+    agent.plugins["echo"].host.ready["dtype"] = "bfloat16"
+    [cap] = agent._capabilities().plugins
+    assert (cap.hardware_class, cap.dtype) == ("cuda:NVIDIA H200:torch=2.13.0", "bfloat16")
+    agent.plugins["echo"].host.ready = {}  # not started: nothing declared
+    [cap] = agent._capabilities().plugins
+    assert (cap.hardware_class, cap.dtype) == ("", "")
+
+
 def test_json_safe():
     import numpy as np
 
@@ -479,3 +493,35 @@ def test_detect_checks_cheats_only_on_what_looks_like_a_client_job():
     blind = cheats.Cheat("detect-checks")
     assert all(blind.before(str(uuid.uuid4()), manifest, {"prompt": f"p{i}", "seed": i},
                             envelope={"weights_digest": ""}).cheated for i in range(5))
+def test_half_steps_claims_the_jobs_schedule_in_the_latent_trace(hosts, tiny, honest):
+    """Issue #20: half the steps, the trace relabelled as the job's schedule (so the
+    broker cannot tell it from the labels), the work of the whole job billed."""
+    job = {**IMG, "steps": 8}
+    _, h_out, _ = run_job(agent_on(hosts, tiny, "sd15"), "sd15", job)
+    rec, outputs, msgs = run_job(agent_on(hosts, tiny, "sd15", cheats.Cheat("half-steps")),
+                                 "sd15", job)
+    assert {m.progress.total for m in msgs if m.WhichOneof("body") == "progress"} == {4}
+    trace = rec["outputs"][0]["meta"]["latent_trace"]
+    assert (trace["total"], trace["steps"]) == (8, [2, 4, 6, 8])
+    assert outputs[0] != h_out[0]
+
+
+def test_false_class_names_a_made_up_class_in_its_receipts(hosts, tiny, honest):
+    rec, _, _ = run_job(agent_on(hosts, tiny, "sd15", cheats.Cheat("false-class")), "sd15",
+                        {**IMG, "steps": 4})
+    assert rec["repro"]["hardware_class"] == cheats.FALSE_CLASS
+    assert rec["outputs"][0]["meta"]["latent_trace"]["total"] == 4
+    env = cheats.from_env({"SPARECYCLES_CHEAT": "false-class",
+                           "SPARECYCLES_CHEAT_CLASS": "cuda:Other"})
+    assert env.receipt_repro({"hardware_class": "cpu"})["hardware_class"] == "cuda:Other"
+
+
+def test_cached_unseeded_returns_an_earlier_image_with_its_own_seed(hosts, tiny, honest):
+    agent = agent_on(hosts, tiny, "sd15", cheats.Cheat("cached-unseeded"))
+    _, first, _ = run_job(agent, "sd15", IMG)
+    assert first[0] == honest["sd15"][1][0]          # the first job runs honestly
+    rec, later, _ = run_job(agent, "sd15", {**IMG, "seed": 99})
+    assert later[0] == first[0]
+    assert rec["outputs"][0]["meta"]["seed"] == IMG["seed"]  # the seed it was made with
+    _, other, _ = run_job(agent, "sd15", {**IMG, "prompt": "a blue cube", "seed": 99})
+    assert other[0] != first[0]                      # other inputs: run honestly

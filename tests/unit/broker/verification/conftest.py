@@ -45,14 +45,19 @@ class RecordingContext:
 
 
 def load_llama_plugin(weights: Path):
+    return load_plugin("llama", weights)
+
+
+def load_plugin(name: str, weights: Path):
+    """Built-in plugin ``name`` set up on ``weights`` on the CPU, as a plugin host loads it."""
     from plugins import builtin_plugin_dir
     from sdk.protocol.manifest import load_manifest
 
-    folder = builtin_plugin_dir("llama")
+    folder = builtin_plugin_dir(name)
     manifest = load_manifest(folder)
     module_name, class_name = manifest.entrypoint.split(":")
     spec = importlib.util.spec_from_file_location(
-        "_sparecycles_verification_llama", folder / f"{module_name}.py")
+        f"_sparecycles_verification_{name}", folder / f"{module_name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     plugin = getattr(module, class_name)()
@@ -148,3 +153,18 @@ def sd15_renderer(tiny_dir):
     from bench.calibrate import Renderer, build_weights
 
     return Renderer(*build_weights(tiny_dir / "calibrate", None))
+
+
+@pytest.fixture(scope="session")
+def sd15_weights(tiny_dir) -> Path:
+    from plugins.tiny import build_tiny_sd15
+
+    return build_tiny_sd15(tiny_dir / "sd15", seed=0)
+
+
+@pytest.fixture(scope="module")
+def sd15(sd15_weights):
+    """The sd15 plugin on the tiny model: every provider's in these tests."""
+    plugin = load_plugin("sd15", sd15_weights)
+    yield plugin
+    plugin.teardown()
