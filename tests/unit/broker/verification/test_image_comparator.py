@@ -133,11 +133,18 @@ def test_committed_thresholds_never_reject_a_calibration_honest_sample():
     assert set(groups.values()) == {"honest", "cheat"}
     worst_honest_d = 1.0 - data["basis"]["worst_honest"]["ssim"]
     counts: dict[str, list[str]] = {}
-    for _job, variant, ssim, psnr, bits, latent_equal in data["samples"]:
-        verdict, _ = judge_metrics(ImageMetrics(ssim, psnr, bits), t)
+    from bench.calibrate import judge_row  # the image figures and the latent trace
+
+    for sample in data["samples"]:
+        row = dict(zip(data["sample_fields"], sample))
+        variant, ssim, latent_equal = row["variant"], row["ssim"], row["latent_equal"]
+        verdict = judge_row(row, t)
         counts.setdefault(variant, []).append(verdict.value)
         if groups[variant] == "honest":
-            assert verdict != Verdict.MISMATCH, (variant, ssim, psnr, bits)
+            assert verdict != Verdict.MISMATCH, row
+            assert row["trace"] <= t.accept_trace, row  # honest traces: within accept
+        elif variant in ("fewer-steps", "reduced-res"):  # what the trace is for
+            assert row["trace"] > t.reject_trace and verdict == Verdict.MISMATCH, row
         elif verdict == Verdict.MATCH:
             # only a cheat as close as honest rounding noise may pass (the adapter-dropped
             # tiny LoRA at some seeds): no threshold can separate it
@@ -187,10 +194,62 @@ def test_honest_numeric_variants_are_accepted(tiny_job_images):
 def test_every_cheating_variant_is_rejected_or_sent_to_a_tiebreak(tiny_job_images):
     (ref, _), _, cheats = tiny_job_images
     assert set(cheats) == {"wrong-seed", "fewer-steps", "other-model", "adapter-dropped",
-                           "random-image", "cached-output"}
+                           "random-image", "cached-output", "reduced-res"}
     verdicts = {}
     for variant, (image, _) in cheats.items():
         verdicts[variant] = structural(ref, image, load_image_thresholds()).verdict
     assert Verdict.MATCH not in verdicts.values(), verdicts
     for variant in ("wrong-seed", "other-model", "random-image"):
         assert verdicts[variant] == Verdict.MISMATCH
+
+
+def test_latent_traces_tell_reduced_work_from_honest_numeric_paths(sd15_renderer):
+    """Issue #20: at the step counts clients ask, half the steps or half the size looks
+    like the honest image; the latent trace (claimed as the job's own schedule and size)
+    does not, while every honest numeric path stays within the accept bound."""
+    Job, _ = _bench()
+    job = Job(prompt="a castle on a mountain at night", seed=23, steps=30, scheduler="euler",
+              adapter=False)
+    t = load_image_thresholds()
+    ref, _, ref_trace = sd15_renderer.render_traced(job)
+    cpu = ReproClass("cpu-x86_64", "float32", "sd15@1.1.0")
+    for variant in ("bf16", "threads-2"):
+        image, _, trace = sd15_renderer.render_traced(job, variant)
+        result = compare_images(ImageResult(png(ref), GPU_A, None, ref_trace),
+                                ImageResult(png(image), cpu, None, trace), t)
+        assert result.verdict == Verdict.MATCH, (variant, result.figures())
+    for variant in ("fewer-steps", "reduced-res"):
+        image, _, trace = sd15_renderer.render_traced(job, variant)
+        result = compare_images(ImageResult(png(ref), GPU_A, None, ref_trace),
+                                ImageResult(png(image), cpu, None, trace), t)
+        assert result.verdict == Verdict.MISMATCH, (variant, result.figures())
+        assert result.trace_distance > t.reject_trace
+    # a trace on one side only: dropped, or made up
+    dropped = compare_images(ImageResult(png(ref), GPU_A, None, ref_trace),
+                             ImageResult(png(ref), cpu, None, None), t)
+    assert dropped.verdict == Verdict.MISMATCH and "no latent trace" in dropped.reasons[0]
+
+
+@pytest.mark.parametrize("bad", [
+    "not a trace", {"v": 2}, {"v": 1, "total": 4, "steps": [4], "shape": [4, 8, 8],
+                             "points": ["AAAA"]},
+    {"v": 1, "total": 4, "steps": [4], "shape": [4, 8, 8], "points": ["!!"]},
+    {"v": 1, "total": True, "steps": [4], "shape": [4, 8, 8], "points": []},
+    {"v": 1, "total": 4, "steps": [4], "shape": [4096, 4096, 4], "points": [""]},
+])
+def test_a_malformed_latent_trace_is_a_mismatch_not_an_error(bad):
+    import base64
+
+    good = {"v": 1, "total": 4, "steps": [4], "shape": [4, 8, 8],
+            "points": [base64.b64encode(np.ones(256, np.float16).tobytes()).decode()]}
+    img = png(smooth_image(3))
+    result = compare_images(ImageResult(img, GPU_A, None, bad), ImageResult(img, GPU_B, None, good),
+                            THRESHOLDS)
+    assert result.verdict == Verdict.MISMATCH, result.figures()
+    nan = {**good, "points": [base64.b64encode(np.full(256, np.nan, np.float16).tobytes())
+                              .decode()]}
+    assert compare_images(ImageResult(img, GPU_A, None, nan), ImageResult(img, GPU_B, None, good),
+                          THRESHOLDS).verdict == Verdict.MISMATCH
+    same = compare_images(ImageResult(img, GPU_A, None, good),
+                          ImageResult(img, GPU_B, None, good), THRESHOLDS)
+    assert same.verdict == Verdict.MATCH and same.trace_distance == 0.0
