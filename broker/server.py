@@ -160,7 +160,9 @@ class BrokerServer:
 
     # ---- running -----------------------------------------------------------------------
     def start_background(self) -> None:
-        """Start the dispatcher, maintenance and gRPC; HTTP starts in :meth:`serve_forever`."""
+        """Start listening to the other replicas, the dispatcher, maintenance and gRPC; HTTP
+        starts in :meth:`serve_forever`."""
+        self.services.bus.start()
         self.services.dispatcher.start()
         self.services.maintenance.start()
         self._on_loop(self.grpc_server.start())
@@ -204,6 +206,7 @@ class BrokerServer:
             log.exception("the event loop did not shut down cleanly")
         self.services.dispatcher.stop()
         self.services.maintenance.stop()
+        self.services.bus.close()
         if self.services.verification is not None:
             self.services.verification.close()
         for pool in (self.http_pool, self.agent_pool, self.health_pool):

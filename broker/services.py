@@ -5,7 +5,7 @@ This is the only module that knows which implementation backs which port.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy.orm import sessionmaker
 
@@ -33,6 +33,7 @@ from broker.pricing.service import PricingService
 from broker.providers.presence import Presence
 from broker.providers.service import ProviderService
 from broker.registry.service import RegistryService
+from broker.replicas import LocalBus, ReplicaBus
 from broker.settings import Settings
 from broker.storage.accounts_sql import SqlAccountRepository, SqlProviderRepository
 from broker.storage.admin_sql import SqlAuditRepository
@@ -44,6 +45,7 @@ from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
 from broker.storage.registry_sql import SqlRegistryRepository
 from broker.storage.migrate import upgrade
+from broker.storage.notify_pg import bus_for
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +73,12 @@ class Services:
     admin: object | None = None             # broker.admin.service.AdminService
     admin_sessions: object | None = None    # broker.admin.session.AdminSessions
     verification: object | None = None      # broker.verification.service.VerificationService
+    bus: ReplicaBus = field(default_factory=LocalBus)  # wake-ups to and from other replicas
 
     def close(self) -> None:
         self.maintenance.stop()
         self.dispatcher.stop()
+        self.bus.close()
         if self.verification is not None:
             self.verification.close()
         self.engine.dispose()
@@ -86,6 +90,9 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     if migrate:
         upgrade(engine)
     sessions = sessionmaker(engine, expire_on_commit=False)
+    # Other replicas on the same PostgreSQL hear of jobs, queues and agent commands through
+    # LISTEN/NOTIFY; on SQLite (one process) nobody else is there.
+    bus = bus_for(settings.db_url)
     signer = KeyPair.load_or_create(settings.key_path)
     catalog = PluginCatalog.from_folders(settings.plugin_dirs)
     accounts = SqlAccountRepository(sessions)
@@ -94,7 +101,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     ledger.open_platform_accounts()
     audit = AuditLog(SqlAuditRepository(sessions))
     ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
-    pricing = PricingService(SqlPriceRepository(sessions))
+    pricing = PricingService(SqlPriceRepository(sessions), bus=bus)
     pricing.on_changed = audit_price_changes(audit)
     gateway = None
     if settings.stripe_secret_key:
@@ -115,7 +122,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
     jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
-                      signer, EventHub(),
+                      signer, EventHub(bus),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
@@ -127,13 +134,14 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     auth = ApiKeyService(accounts)
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
-    dispatcher = Dispatcher(jobs)
+    dispatcher = Dispatcher(jobs, bus=bus)
     market = MarketService(lambda plugin: pricing.price(plugin).reserve_micro_per_unit,
                            MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
                                           canary_interval_s=settings.market_canary_interval_s,
                                           reputation_floor=settings.market_reputation_floor,
                                           default_cold_start_s=settings.market_cold_start_s),
-                           store=SqlAskStore(sessions), manifest_of=manifests_of(catalog))
+                           store=SqlAskStore(sessions), manifest_of=manifests_of(catalog),
+                           bus=bus)
     market.on_rule_changed = audit_market_rules(audit)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s)
@@ -162,7 +170,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
-                    maintenance=maintenance)
+                    maintenance=maintenance, bus=bus)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,

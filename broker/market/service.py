@@ -127,8 +127,12 @@ class MarketService:
     def __init__(self, reserve_of: Callable[[str], int], settings: MarketSettings | None = None,
                  *, rng: random.Random | None = None, clock=time.time,
                  store: AskStore | None = None,
-                 manifest_of: Callable[[str, str], Manifest | None] | None = None):
+                 manifest_of: Callable[[str, str], Manifest | None] | None = None,
+                 bus=None):
+        """``bus`` (broker.replicas.ReplicaBus): a rule an admin changes on another broker
+        replica is read back from the store here at once."""
         self.settings = settings or MarketSettings()
+        self.bus = bus
         self.store = store
         self.manifest_of = manifest_of or (lambda plugin, version: None)
         self.warm: Callable[[str, str], bool] = lambda provider_id, plugin: True
@@ -152,6 +156,8 @@ class MarketService:
         self._canaries: dict[str, Canary] = {}
         self._last_canary: dict[tuple[str, str], float] = {}
         self._pins: dict[tuple[str, str], str] = {}
+        if bus is not None and store is not None:
+            bus.subscribe("market_rule", lambda _d: self.reload_rules())
 
     # ---- providers -----------------------------------------------------------------
     def connect(self, provider_id: str, operator_id: str, plugins: dict[str, str], *,
@@ -500,7 +506,20 @@ class MarketService:
             self.rules = replace(self.rules, reputation_floor=value)
             self.book.set_rules(self.rules)
         self.on_rule_changed("reputation_floor", before, value, by)
+        if self.bus is not None:
+            self.bus.publish("market_rule", {"rule": "reputation_floor"})
         return value
+
+    def reload_rules(self) -> None:
+        """Read the admin-set rules back from the store (changed on another replica)."""
+        if self.store is None:
+            return
+        floor = self.store.load_rules().get("reputation_floor")
+        if floor is None:
+            return
+        with self._lock:
+            self.rules = replace(self.rules, reputation_floor=_floor(floor))
+            self.book.set_rules(self.rules)
 
     def market_rules(self) -> dict:
         with self._lock:

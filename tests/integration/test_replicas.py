@@ -1,0 +1,100 @@
+"""Two broker replicas (each a full BrokerServer: its own engine, hub, dispatcher, gRPC and
+HTTP) on one PostgreSQL database, an agent connected to A and the client talking to B
+(issue #21). Before the replicas woke each other through LISTEN/NOTIFY, a job through B
+took 5 s (B's hub heard of the end only from its quiet-slice re-read), a cancel sent to B
+never reached the agent (and A kept its slot busy), and a pause through B did nothing."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sdk import Client
+
+from tests.integration.conftest import LiveBroker, agent_starter
+
+
+@pytest.fixture
+def replicas(tmp_path, pg_url):
+    shared = {"key_path": tmp_path / "broker.key", "blob_dir": tmp_path / "blobs"}
+    a = LiveBroker(tmp_path / "a", db_url=pg_url, **shared)
+    b = LiveBroker(tmp_path / "b", db_url=pg_url, **shared)
+    yield a, b
+    b.stop()
+    a.stop()
+
+
+@pytest.fixture
+def agent_on_a(replicas):
+    start, stop_all = agent_starter(replicas[0])
+    yield start
+    stop_all()
+
+
+def _wait_for(what, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.02)
+    return what()
+
+
+def test_a_job_through_b_runs_on_an_agent_of_a_and_b_hears_its_end_at_once(replicas, agent_on_a):
+    a, b = replicas
+    assert a.services.bus.shared and b.services.bus.shared
+    agent_on_a("a1")
+    with Client(b.url, b.key("client")) as client:
+        client.generate("echo", text="warm-up")  # the first job also pays canaries, warm-up
+        took = []
+        for i in range(5):
+            t0 = time.monotonic()
+            result = client.generate("echo", text=f"hello {i}")
+            took.append(time.monotonic() - t0)
+            assert result.json[0]["text"] == f"hello {i}"
+    assert b.services.dispatcher.session_count() == 0  # nothing connected to B
+    # Without the wake-up each took the 4-6 s quiet slice.
+    assert max(took) < 1.5, took
+
+
+def test_a_cancel_through_b_stops_the_job_on_the_agent_of_a_and_frees_its_slot(replicas,
+                                                                             agent_on_a):
+    a, b = replicas
+    agent = agent_on_a("a1", slots=1)
+    with Client(b.url, b.key("client")) as client:
+        slow = client.jobs.create("echo", text="slow", sleep_ms=30000, steps=300)
+        for ev in slow.events():
+            if ev.kind == "progress":
+                break
+        slow.cancel()
+        assert slow.refresh().state == "cancelled"
+        # A's slot is free again: the next job runs (it never did before)
+        t0 = time.monotonic()
+        nxt = client.generate("echo", text="next", timeout=20)
+        assert nxt.json[0]["text"] == "next" and time.monotonic() - t0 < 5
+    session = a.services.dispatcher.session(agent.provider_id)
+    assert _wait_for(lambda: not session.active)
+
+
+def test_a_pause_through_b_applies_to_the_agent_on_a(replicas, agent_on_a):
+    a, b = replicas
+    agent = agent_on_a("a1")
+    admin_b = b.services.admin
+    admin_b.provider_action(agent.provider_id, "pause", "testing", by="t")
+    session = a.services.dispatcher.session(agent.provider_id)
+    assert _wait_for(lambda: session.paused, 5)
+    with Client(b.url, b.key("client")) as client:
+        job = client.jobs.create("echo", text="waits")
+        time.sleep(1.0)
+        assert job.refresh().state == "queued"  # paused: it gets no new job
+        admin_b.provider_action(agent.provider_id, "resume", "done", by="t")
+        assert job.wait(timeout=10).job.state == "settled"
+
+
+def test_a_price_change_on_a_applies_on_b_at_once(replicas):
+    a, b = replicas
+    b.services.pricing.price("echo")  # cached on B
+    a.services.pricing.set_price("echo", {"reserve_micro_per_unit": 777}, by="t")
+    assert _wait_for(lambda: b.services.pricing.price("echo").reserve_micro_per_unit == 777,
+                     1.0)
