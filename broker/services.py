@@ -34,6 +34,7 @@ from broker.providers.presence import Presence
 from broker.providers.service import ProviderService
 from broker.registry.service import RegistryService
 from broker.replicas import LocalBus, ReplicaBus
+from broker.replicas.service import ReplicaRegistry
 from broker.settings import Settings
 from broker.storage.accounts_sql import SqlAccountRepository, SqlProviderRepository
 from broker.storage.admin_sql import SqlAuditRepository
@@ -44,10 +45,18 @@ from broker.storage.market_sql import SqlAskStore
 from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
 from broker.storage.registry_sql import SqlRegistryRepository
-from broker.storage.migrate import upgrade
+from broker.storage.migrate import require_current, upgrade
+from broker.storage.replicas_sql import SqlReplicaStore
 from broker.storage.notify_pg import bus_for
 
 log = logging.getLogger(__name__)
+
+
+def shown_url(db_url: str) -> str:
+    """The database URL as logs and messages show it (no password)."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(db_url).render_as_string(hide_password=True)
 
 
 @dataclass
@@ -74,6 +83,7 @@ class Services:
     admin_sessions: object | None = None    # broker.admin.session.AdminSessions
     verification: object | None = None      # broker.verification.service.VerificationService
     bus: ReplicaBus = field(default_factory=LocalBus)  # wake-ups to and from other replicas
+    replicas: ReplicaRegistry | None = None  # the replicas serving on this database
 
     def close(self) -> None:
         self.maintenance.stop()
@@ -84,16 +94,23 @@ class Services:
         self.engine.dispose()
 
 
-def build_services(settings: Settings, *, migrate: bool = True) -> Services:
+def build_services(settings: Settings, *, migrate: bool | str = True) -> Services:
+    """``migrate``: True upgrades the schema first (under an advisory lock on PostgreSQL);
+    "auto" (``broker serve`` and the admin commands) upgrades an embedded SQLite database
+    and refuses a PostgreSQL one that is behind, saying to run ``broker migrate``
+    (NotMigrated); False neither upgrades nor checks."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.db_url)
-    if migrate:
+    if migrate == "auto" and engine.dialect.name == "postgresql":
+        require_current(engine, shown_url(settings.db_url))
+    elif migrate:
         upgrade(engine)
     sessions = sessionmaker(engine, expire_on_commit=False)
     # Other replicas on the same PostgreSQL hear of jobs, queues and agent commands through
     # LISTEN/NOTIFY; on SQLite (one process) nobody else is there.
     bus = bus_for(settings.db_url)
-    signer = KeyPair.load_or_create(settings.key_path)
+    signer = settings.signer()
+    replicas = ReplicaRegistry(SqlReplicaStore(sessions), bus.replica_id, signer.public_key_hex)
     catalog = PluginCatalog.from_folders(settings.plugin_dirs)
     accounts = SqlAccountRepository(sessions)
     providers = ProviderService(SqlProviderRepository(sessions))
@@ -170,7 +187,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
-                    maintenance=maintenance, bus=bus)
+                    maintenance=maintenance, bus=bus, replicas=replicas)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,

@@ -67,6 +67,12 @@ class LocalNetwork:
         ready.unlink(missing_ok=True)
         log = open(self.workdir / "broker.log", "ab")
         self._logs.append(log)
+        if self.db_url and self.db_url.startswith("postgresql"):
+            # `serve` refuses a PostgreSQL database that is behind: migrate first, as an
+            # operator does once per release (idempotent, under an advisory lock).
+            subprocess.run(cli("broker", "migrate", *self._broker_args()), stdout=log,
+                           stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
+                           check=True, timeout=timeout_s)
         self.broker = subprocess.Popen(
             cli("broker", "serve", *self._broker_args(), "--http", http, "--grpc", grpc,
                 "--lease-timeout", str(self.lease_timeout_s), "--ready-file", str(ready)),

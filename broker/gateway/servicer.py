@@ -38,6 +38,7 @@ from broker.errors import BrokerError
 from broker.jobs.dispatch import AgentSession, Dispatcher
 from broker.jobs.service import JobService
 from broker.providers.service import ProviderService
+from broker.replicas.service import ReplicaRegistry
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -173,7 +174,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
-                 stats: GatewayStats | None = None):
+                 stats: GatewayStats | None = None, replicas: ReplicaRegistry | None = None):
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
         self.canaries = canaries    # broker.market.canary.CanaryService
@@ -188,6 +189,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.max_streams = max_streams
         self.outbox_max = outbox_max
         self.stats = stats or GatewayStats()
+        # Records which replica holds each stream (other replicas read it: issue #21).
+        self.replicas = replicas
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
         if self.stats.streams >= self.max_streams:
@@ -330,10 +333,14 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         # Whatever the dispatcher sends from now on queues behind the greeting: the outbox
         # is written only once the greeting is.
         self.dispatcher.register(session)
+        if self.replicas is not None:
+            self.replicas.hold(provider.id)
         return session, greeting
 
     def _leave(self, session: GatewaySession, name: str) -> None:
         self.dispatcher.unregister(session)
+        if self.replicas is not None and self.dispatcher.session(session.provider_id) is None:
+            self.replicas.release(session.provider_id)
         if self.warm is not None:
             self.warm.forget(session.provider_id)
         if self.jobs.input_defaults is not None:
