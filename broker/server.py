@@ -238,6 +238,7 @@ class BrokerServer:
         for pool in (self.http_pool, self.agent_pool, self.health_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self._close_loop()
+        self.services.market.flush_figures()  # what the last pass did not write yet
         self.services.engine.dispose()
         if self._serve_lock is not None:
             self._serve_lock.close()

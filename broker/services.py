@@ -27,6 +27,7 @@ from broker.maintenance import Maintenance
 from broker.market import MarketService, MarketSettings
 from broker.providers.defaults import WeightsDefaults
 from broker.market.canary import CanaryService
+from broker.market.elsewhere import MarketElsewhere
 from broker.market.wiring import attach_market, manifests_of
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
@@ -46,7 +47,7 @@ from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
 from broker.storage.registry_sql import SqlRegistryRepository
 from broker.storage.migrate import require_current, upgrade
-from broker.storage.replicas_sql import SqlReplicaStore
+from broker.storage.replicas_sql import SqlFigureStore, SqlReplicaStore
 from broker.storage.notify_pg import bus_for
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Services:
         self.maintenance.stop()
         self.dispatcher.stop()
         self.bus.close()
+        self.market.flush_figures()
         if self.verification is not None:
             self.verification.close()
         self.engine.dispose()
@@ -152,13 +154,20 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
     dispatcher = Dispatcher(jobs, bus=bus)
-    market = MarketService(lambda plugin: pricing.price(plugin).reserve_micro_per_unit,
-                           MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
-                                          canary_interval_s=settings.market_canary_interval_s,
-                                          reputation_floor=settings.market_reputation_floor,
-                                          default_cold_start_s=settings.market_cold_start_s),
-                           store=SqlAskStore(sessions), manifest_of=manifests_of(catalog),
-                           bus=bus)
+    reserve_of = lambda plugin: pricing.price(plugin).reserve_micro_per_unit  # noqa: E731
+    market_settings = MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
+                                     canary_interval_s=settings.market_canary_interval_s,
+                                     reputation_floor=settings.market_reputation_floor,
+                                     default_cold_start_s=settings.market_cold_start_s)
+    figures = SqlFigureStore(sessions)  # θ, reliability, canaries: outlive the process
+    # Admission counts the providers other replicas hold (read from the database).
+    elsewhere = MarketElsewhere(
+        lambda: MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
+                              manifest_of=manifests_of(catalog)),
+        replicas.held_elsewhere, providers.repo.many, figures) if bus.shared else None
+    market = MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
+                           manifest_of=manifests_of(catalog), bus=bus, figures=figures,
+                           elsewhere=elsewhere)
     market.on_rule_changed = audit_market_rules(audit)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s)
@@ -172,6 +181,7 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                         dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,
                         catalog=catalog, auth=auth)
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
+    maintenance.tasks.append(market.flush_figures)
     if settings.unserved_expiry_s > 0:  # no provider for a build: refuse, then expire
         presence = Presence(providers.repo, dispatcher.serving, dispatcher.connected_ids,
                             window_s=settings.unserved_expiry_s)

@@ -59,3 +59,31 @@ class SqlReplicaStore:
                              .join(BrokerReplicaRow, BrokerReplicaRow.id == ProviderRow.replica_id)
                              .where(BrokerReplicaRow.seen_at >= since))
             return {pid: rid for pid, rid in rows}
+
+
+class SqlFigureStore:
+    """:class:`broker.market.figures.FigureStore` on the provider_throughput table."""
+
+    def __init__(self, sessions: sessionmaker[Session]):
+        self.sessions = sessions
+
+    def load_figures(self, provider_ids: list[str] | None = None):
+        from broker.market.figures import Figures
+
+        q = select(ProviderThroughputRow)
+        if provider_ids is not None:
+            q = q.where(ProviderThroughputRow.provider_id.in_(provider_ids))
+        with self.sessions() as s:
+            return [Figures(r.provider_id, r.plugin, r.claimed_units_per_s,
+                            r.measured_units_per_s, r.samples, r.successes, r.failures,
+                            r.last_canary_at) for r in s.scalars(q)]
+
+    def save_figures(self, rows, at: float) -> None:
+        with self.sessions.begin() as s:
+            for f in rows:
+                s.merge(ProviderThroughputRow(
+                    provider_id=f.provider_id, plugin=f.plugin,
+                    claimed_units_per_s=f.claimed_units_per_s,
+                    measured_units_per_s=f.measured_units_per_s, samples=f.samples,
+                    successes=f.successes, failures=f.failures,
+                    last_canary_at=f.last_canary_at, updated_at=at))

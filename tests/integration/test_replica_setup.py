@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from sqlalchemy import create_engine
@@ -99,3 +100,30 @@ def test_signing_key_and_console_secret_come_from_the_environment(tmp_path):
     assert s.admin_session_key_path == tmp_path / "console.key"
     with pytest.raises(ValueError, match="64 hex"):
         Settings(data_dir=tmp_path, signing_key="nothex")
+
+
+def test_theta_reliability_and_the_last_canary_survive_a_restart(tmp_path):
+    from tests.integration.conftest import agent_starter
+
+    first = LiveBroker(tmp_path)
+    start, stop_all = agent_starter(first)
+    try:
+        agent = start("a1")
+        market = first.services.market
+        deadline = time.monotonic() + 20
+        while not market.theta(agent.provider_id, "echo")[1]:
+            assert time.monotonic() < deadline, "never measured"
+            time.sleep(0.05)
+        theta = market.theta(agent.provider_id, "echo")
+        pid = agent.provider_id
+    finally:
+        stop_all()
+        first.stop()
+    second = LiveBroker(tmp_path)  # the same data dir and database
+    try:
+        market = second.services.market
+        assert market.theta(pid, "echo") == pytest.approx(theta)  # not cold again
+        market.connect(pid, "op", {"echo": "1.0.0"})
+        assert market.canaries_due(pid) == []  # its canary ran moments ago: none again
+    finally:
+        second.stop()

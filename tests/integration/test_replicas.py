@@ -98,3 +98,49 @@ def test_a_price_change_on_a_applies_on_b_at_once(replicas):
     a.services.pricing.set_price("echo", {"reserve_micro_per_unit": 777}, by="t")
     assert _wait_for(lambda: b.services.pricing.price("echo").reserve_micro_per_unit == 777,
                      1.0)
+
+
+def _until_refused(url, key, body, timeout_s=6.0):
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        resp = httpx.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {key}"},
+                          json=body)
+        if resp.status_code == 409 or time.monotonic() > deadline:
+            return resp
+        time.sleep(0.3)
+
+
+def test_admission_answers_alike_on_both_replicas(replicas, agent_on_a):
+    a, b = replicas
+    agent = agent_on_a("a1")
+    # the canary measures θ (and writes it for B to read at once)
+    assert _wait_for(lambda: a.services.market.theta(agent.provider_id, "echo")[1], 20)
+    body = {"plugin": "echo", "inputs": {"text": "x"}, "max_price_micro": 10}
+    key = b.key("client")
+    on_a = _until_refused(a.url, key, body)
+    on_b = _until_refused(b.url, key, body)
+    assert (on_a.status_code, on_a.json().get("code")) == (409, "cannot_meet_terms")
+    # B holds no agent: before, it admitted the job and it sat queued
+    assert (on_b.status_code, on_b.json()["code"]) == (409, "cannot_meet_terms"), on_b.json()
+    with Client(b.url, key) as client:  # terms the agent meets pass on B, and run on A
+        job = client.jobs.create("echo", text="fair", terms={"max_price_micro": 10_000_000})
+        assert job.wait(timeout=10).job.state == "settled"
+
+
+def test_figures_outlive_the_broker_and_follow_the_agent_to_another_replica(replicas,
+                                                                          agent_on_a):
+    a, b = replicas
+    agent = agent_on_a("a1")
+    with Client(a.url, a.key("client")) as client:
+        for i in range(3):
+            client.generate("echo", text=f"{i}")
+    theta_a = a.services.market.theta(agent.provider_id, "echo")
+    assert theta_a[1]  # measured
+    a.services.market.flush_figures()  # (the maintenance pass does it every interval)
+    # B never held the agent: it reads the same figures when the agent connects there
+    b.services.market.connect(agent.provider_id, "op", {"echo": "1.0.0"})
+    assert b.services.market.theta(agent.provider_id, "echo") == pytest.approx(theta_a)
+    rec = b.services.market.tracker.record_of(agent.provider_id, "echo")
+    assert rec.successes >= 3
