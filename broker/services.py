@@ -147,7 +147,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
-                      input_defaults=WeightsDefaults(catalog))
+                      input_defaults=WeightsDefaults(
+                          catalog, _held_plugins(replicas, providers) if bus.shared else None))
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)
@@ -233,6 +234,14 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     dispatcher.quota = repo.quota_factor
     verification.on_quota = dispatcher.set_quota
     return verification
+
+
+def _held_plugins(replicas: ReplicaRegistry, providers: ProviderService):
+    """provider id -> its stored plugins, for the streams other replicas hold."""
+    def held() -> dict[str, list]:
+        ids = list(replicas.held_elsewhere())
+        return {p.id: list(p.plugins or []) for p in providers.repo.many(ids)} if ids else {}
+    return held
 
 
 def _open_ledger_accounts(ledger: LedgerService, account_id: str, role: str) -> None:

@@ -296,9 +296,13 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         hardware = {"device": caps.hardware.device, "gpu_name": caps.hardware.gpu_name,
                     "vram_gb": caps.hardware.vram_gb, "cpu_count": caps.hardware.cpu_count,
                     "memory_gb": caps.hardware.memory_gb}
+        # Stored with what its weights give inputs (image sizes): other replicas' submits
+        # fill them in as this one does (broker.providers.defaults).
+        stored = [{**p, "input_defaults": c.input_defaults}
+                  for p, c in zip(plugins, caps.plugins)]
         provider = self.providers.connect(principal, hello.public_key, hello.name,
                                           sandboxed=caps.sandboxed, hardware=hardware,
-                                          plugins=plugins)
+                                          plugins=stored)
         if caps.slots < 1 or caps.slots > 64:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"capabilities.slots is {caps.slots}; must be between 1 and 64")

@@ -144,3 +144,18 @@ def test_figures_outlive_the_broker_and_follow_the_agent_to_another_replica(repl
     assert b.services.market.theta(agent.provider_id, "echo") == pytest.approx(theta_a)
     rec = b.services.market.tracker.record_of(agent.provider_id, "echo")
     assert rec.successes >= 3
+
+
+def test_the_size_the_weights_give_is_filled_in_alike_on_both_replicas(replicas):
+    from tests.integration.test_weights_defaults_flow import README, _connect
+
+    a, b = replicas
+    raw = _connect(a, {"width": 64, "height": 64})  # an sd15 agent with tiny weights, on A
+    try:
+        with Client(b.url, b.key("client")) as client:
+            assert _wait_for(lambda: client.request("GET", "/v1/plugins/sd15").json()[
+                "input_defaults"] == {"width": 64, "height": 64}, 6)
+            job = client.jobs.create("sd15", **README)  # B holds no agent
+            assert (job.data["inputs"]["width"], job.data["inputs"]["height"]) == (64, 64)
+    finally:
+        raw.close()
