@@ -159,3 +159,40 @@ def test_the_size_the_weights_give_is_filled_in_alike_on_both_replicas(replicas)
             assert (job.data["inputs"]["width"], job.data["inputs"]["height"]) == (64, 64)
     finally:
         raw.close()
+
+
+def test_an_agent_moves_to_another_replica_and_its_lease_settles_once(replicas):
+    import threading
+
+    from plugins import builtin_plugin_dir
+    from provider_agent.agent import Agent
+    from provider_agent.config import AgentConfig
+    from sdk.protocol.signing import KeyPair
+
+    a, b = replicas
+    cfg = AgentConfig(broker=f"{a.grpc},{b.grpc}", api_key=a.key("provider"), name="roamer",
+                      slots=1, plugins=["echo"], device="cpu")
+    agent = Agent(cfg, KeyPair.generate(), plugin_dirs={"echo": builtin_plugin_dir("echo")},
+                  sandboxed=False, max_backoff_s=0.5)
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        assert _wait_for(lambda: a.services.dispatcher.session(agent.provider_id or "-"), 30)
+        with Client(b.url, b.key("client")) as client:
+            before = client.account()["available_micro"]
+            job = client.jobs.create("echo", text="roams", sleep_ms=5000, steps=5)
+            assert _wait_for(lambda: job.refresh().state == "running", 10)
+            a.stop()  # A goes away mid-job: the agent reconnects to B with its lease
+            assert _wait_for(lambda: b.services.dispatcher.session(agent.provider_id), 10)
+            assert job.refresh().state == "running"  # still its lease: not requeued
+            result = job.wait(timeout=20)
+            assert result.job.state == "settled" and result.json[0]["text"] == "roams"
+            events = [e.kind for e in job.events()]
+            assert events.count("done") == 1 and "requeued" not in events, events
+            paid = before - client.account()["available_micro"]
+            assert paid > 0
+            # a second job runs on B at once
+            assert client.generate("echo", text="after", timeout=10).json[0]["text"] == "after"
+    finally:
+        agent.stop()
+        t.join(10)
