@@ -21,6 +21,7 @@ from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
 from broker.fault_tolerance import attach_fault_tolerance, use_measured_throughput
 from broker.jobs.hub import EventHub
+from broker.jobs.model import SettledCopyCodec
 from broker.jobs.service import JobService, JobSettings
 from broker.ledger.service import LedgerService
 from broker.maintenance import Maintenance
@@ -141,7 +142,7 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
     jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
-                      signer, EventHub(bus),
+                      signer, EventHub(bus, SettledCopyCodec()),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,

@@ -336,6 +336,11 @@ class Dispatcher:
         if not self._backlog and not job.batch_id:
             if self._place(job):
                 return
+        if self.bus is not None and not self._sessions:
+            # No agent here to take it: the replicas holding agents are told; this one
+            # reads the queue from the database once an agent connects.
+            self.bus.publish("queued", {"j": [j.id for j in siblings or [job]]})
+            return
         jobs = siblings or [job]
         if job.batch_id and not siblings:  # a requeued sibling: with its queued siblings
             try:

@@ -61,6 +61,8 @@ class PgNotifyBus:
         self._cond = threading.Condition()
         self._closed = False
         self._listen_conn: psycopg.Connection | None = None
+        self.pool_size = 4
+        self._idle: list[psycopg.Connection] = []  # for publishing from callers' threads
         self._threads: list[threading.Thread] = []
         self.sent = 0        # notifications sent (each may carry several messages)
         self.received = 0    # messages handled from other replicas
@@ -73,11 +75,34 @@ class PgNotifyBus:
         self._gap.append(handler)
 
     def publish(self, kind: str, data: dict[str, Any]) -> None:
+        """Sent from the caller's thread on an idle connection of the bus's own small pool
+        (one round trip, no thread hop: the wake-up leaves at once); when every such
+        connection is busy, queued for the sender thread, which packs what piles up."""
         with self._cond:
             if self._closed or not self._threads:
                 return  # not started (a command-line tool) or closed: nobody to tell
-            self._out.append((kind, data))
-            self._cond.notify()
+            conn = self._idle.pop() if self._idle and not self._out else None
+            if conn is None:
+                self._out.append((kind, data))
+                self._cond.notify()
+                return
+        try:
+            conn.execute("SELECT pg_notify(%s, %s)", (self.channel, self._pack([(kind, data)])[0]))
+            self.sent += 1
+        except Exception:  # noqa: BLE001 - that connection is gone: the sender thread retries
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+            with self._cond:
+                self._out.append((kind, data))
+                self._cond.notify()
+            return
+        with self._cond:
+            if len(self._idle) < self.pool_size and not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()
 
     def start(self) -> None:
         """Listen before returning (what other replicas send from now on reaches us), then
@@ -85,6 +110,8 @@ class PgNotifyBus:
         if self._threads:
             return
         self._listen_conn = self._listen()
+        self._idle = [psycopg.connect(self.conninfo, autocommit=True)
+                      for _ in range(self.pool_size)]
         self._closed = False
         for target, name in ((self._listen_loop, "bus-listen"), (self._send_loop, "bus-send")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -97,6 +124,12 @@ class PgNotifyBus:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            idle, self._idle = self._idle, []
+        for c in idle:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
         conn = self._listen_conn
         if conn is not None:
             try:

@@ -47,6 +47,7 @@ def test_a_message_reaches_the_other_replica_only(pg_url):
 
 def test_a_burst_is_packed_into_few_notifications(pg_url):
     a, b = PgNotifyBus(pg_url, replica_id="a"), PgNotifyBus(pg_url, replica_id="b")
+    a.pool_size = 0  # every sending connection busy: all of it goes through the sender thread
     got, _ = _collect(b, "queued")
     a.start(), b.start()
     try:
