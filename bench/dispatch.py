@@ -27,6 +27,14 @@ cores there are (docs/architecture.md, "Dispatch throughput", says where it goes
 
 With --db naming a PostgreSQL server, each run gets a fresh database there (dropped after).
 
+    python bench/dispatch.py --replicas 3 --db postgresql+psycopg://postgres@127.0.0.1:5432/postgres
+                             [--agents 2] [--jobs 300] [--clients 12] [--slots 8]
+
+runs 1, 2 and 3 broker replicas on that server (issue #21): agents on the first replica,
+clients spread over all, and prints jobs/s and the added p50/p99 of jobs submitted on the
+agents' replica beside those submitted on another (their placement and their end cross
+replicas through LISTEN/NOTIFY), measured in the same run.
+
 With --svg it also draws the figures: jobs/s against the target, and where each job's CPU
 went against the budget the target leaves on this machine's cores.
 """
@@ -140,7 +148,9 @@ def cpu_split(net, client_pid: int) -> dict[str, float]:
             else:
                 hosts += own
             hosts += reaped
-    split = {"broker": _cpu_s(net.broker.pid)[0], "agents": agents, "hosts": hosts,
+    brokers = [net.broker.pid] + [proc.pid for proc, _ in getattr(net, "replicas", [])]
+    split = {"broker": sum(_cpu_s(pid)[0] for pid in brokers), "agents": agents,
+             "hosts": hosts,
              "clients": _cpu_s(client_pid)[0]}
     if (net.db_url or "").startswith("postgresql"):
         split["database"] = _postgres_cpu_s()
@@ -224,6 +234,103 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
     finally:
         net.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_replicas(n_replicas: int, n_agents: int, jobs: int, clients: int, slots: int,
+                 sandbox: bool, db_url: str) -> dict:
+    """``n_replicas`` broker processes on one PostgreSQL database. The agents connect to
+    the first replica; the clients are spread evenly over all of them, so (n - 1)/n of
+    the throughput run's jobs are placed across replicas (submitted on one, run by an agent
+    whose stream another holds, its end heard back through LISTEN/NOTIFY). Latency: one
+    client at a time on the agents' replica (same-replica placement) and one on another
+    (cross-replica), alternating, in the same run."""
+    work = Path(tempfile.mkdtemp(prefix="sc-bench-replicas-"))
+    net = LocalNetwork(work, db_url=db_url, env={"SPARECYCLES_VERIFICATION": "off"})
+    try:
+        net.start_broker()
+        for _ in range(n_replicas - 1):
+            net.start_replica()
+        urls = [net.url] + [info["http"] for _, info in net.replicas]
+        pkey = net.create_key("provider")
+        ckey = net.create_key("client")
+        for i in range(n_agents):
+            net.start_agent(f"a{i}", pkey, plugins="echo", slots=slots, sandbox=sandbox)
+        net.wait_for_providers(n_agents)
+        same, cross = Client(urls[0], ckey), Client(urls[-1], ckey)
+        for _ in range(20):
+            same.generate("echo", text="warm")
+            cross.generate("echo", text="warm")
+        lat = {"same": [], "cross": []}
+        for i in range(min(jobs, 200)):
+            for kind, client in (("same", same), ("cross", cross)):
+                if kind == "cross" and n_replicas == 1:
+                    continue
+                t = time.perf_counter()
+                client.generate("echo", text="x")
+                lat[kind].append((time.perf_counter() - t) * 1000)
+        same.close()
+        cross.close()
+
+        done = 0
+        lock = threading.Lock()
+        per_client = max(1, jobs // clients)
+
+        def worker(url):
+            nonlocal done
+            with Client(url, ckey) as c:
+                for _ in range(per_client):
+                    c.generate("echo", text="y")
+                    with lock:
+                        done += 1
+
+        threads = [threading.Thread(target=worker, args=(urls[i % len(urls)],))
+                   for i in range(clients)]
+        cpu0 = cpu_split(net, os.getpid())
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        cpu1 = cpu_split(net, os.getpid())
+        cpu_ms = {k: (cpu1[k] - cpu0[k]) * 1000 / max(done, 1) for k in cpu0}
+        return {"replicas": n_replicas, "lat": lat, "jobs_per_s": done / elapsed,
+                "done": done, "cpu_ms": cpu_ms,
+                "cross_share": (n_replicas - 1) / n_replicas}
+    finally:
+        net.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main_replicas(args, sandbox: bool, d50: float, d99: float) -> int:
+    counts = ([int(x) for x in args.replicas.split(",")] if "," in args.replicas
+              else list(range(1, int(args.replicas) + 1)))
+    n_agents = int(args.agents.split(",")[0]) if args.agents != "1,2,4" else 2
+    print(f"replicas on PostgreSQL, sandbox {'on' if sandbox else 'off'}, {n_agents} agent(s) "
+          f"of {args.slots} slot(s) on the first replica, {args.clients} clients spread over "
+          "the replicas")
+    print(f"{'replicas':>8} {'jobs/s':>8} {'cross':>6} {'same p50':>9} {'same p99':>9} "
+          f"{'cross p50':>10} {'cross p99':>10} {'Δp50':>7}   added ms over the direct call; "
+          "CPU ms per job: brokers / agents / hosts / clients / database")
+    for n in counts:
+        with fresh_database(args.db) as url:
+            r = run_replicas(n, n_agents, args.jobs, args.clients, args.slots, sandbox, url)
+        s50, s99 = statistics.median(r["lat"]["same"]) - d50, pct(r["lat"]["same"], 99) - d99
+        if r["lat"]["cross"]:
+            c50 = statistics.median(r["lat"]["cross"]) - d50
+            c99 = pct(r["lat"]["cross"], 99) - d99
+            cross = f"{c50:>10.2f} {c99:>10.2f} {c50 - s50:>+7.2f}"
+        else:
+            cross = f"{'-':>10} {'-':>10} {'-':>7}"
+        c = r["cpu_ms"]
+        print(f"{n:>8} {r['jobs_per_s']:>8.0f} {r['cross_share']:>5.0%} {s50:>9.2f} "
+              f"{s99:>9.2f} {cross}   {c['broker']:6.2f} / {c['agents']:5.2f} / "
+              f"{c['hosts']:5.2f} / {c['clients']:5.2f} / {c.get('database', 0):5.2f}",
+              flush=True)
+    print("target: a job placed across replicas adds <= 5 ms p50 over one placed on its own "
+          "replica (Δp50), measured in the same run. 'cross': the share of the throughput "
+          "run's jobs submitted on a replica other than the agents'.")
+    return 0
 
 
 TARGET_JOBS_PER_S = 300
@@ -339,13 +446,21 @@ def main() -> int:
                     "gets a fresh database there); default: SQLite, as make demo runs")
     ap.add_argument("--no-raw", action="store_true",
                     help="skip the raw durable queue (bench/raw_queue.py) run beside each row")
+    ap.add_argument("--replicas", help="run N broker replicas on the --db PostgreSQL server "
+                    "(N: 1, 2 … N in turn; or a list like 1,3), agents on the first, "
+                    "clients spread over all: jobs/s and same- vs cross-replica latency")
     args = ap.parse_args()
+    if args.replicas and not (args.db or "").startswith("postgresql"):
+        ap.error("--replicas needs --db postgresql+psycopg://… (replicas share PostgreSQL; "
+                 "SQLite serves one broker process)")
     db = "PostgreSQL" if (args.db or "").startswith("postgresql") else "SQLite"
     sandbox = not args.no_sandbox and shutil.which("bwrap") is not None
 
     direct = direct_call_ms()
     d50, d99 = statistics.median(direct), pct(direct, 99)
     print(f"direct in-process echo call: p50 {d50:.3f} ms, p99 {d99:.3f} ms")
+    if args.replicas:
+        return main_replicas(args, sandbox, d50, d99)
     print(f"broker path: {db}, sandbox {'on' if sandbox else 'off'}, {args.clients} clients, "
           f"{args.slots} slot(s) per agent, "
           + (f"{args.split} jobs per request (split)" if args.split > 1 else

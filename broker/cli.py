@@ -1,4 +1,4 @@
-"""`sparecycles broker …`: serve, create-key."""
+"""`sparecycles broker …`: serve, migrate, create-key, grant."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +48,11 @@ def register(sub) -> None:
                                                    "once serving")
     s.set_defaults(func=cmd_serve)
 
+    m = bsub.add_parser("migrate", help="upgrade the database schema (run once per release, "
+                                         "before `broker serve` on PostgreSQL)")
+    _common(m)
+    m.set_defaults(func=cmd_migrate)
+
     k = bsub.add_parser("create-key", help="create an account and print its API key once")
     _common(k)
     k.add_argument("--role", required=True, choices=["client", "provider", "publisher", "admin"])
@@ -82,10 +87,51 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def cmd_create_key(args) -> int:
-    from broker.services import build_services
+def cmd_migrate(args) -> int:
+    """Alembic upgrade to head; on PostgreSQL under an advisory lock, so replicas or deploy
+    jobs that run it at once take turns (the later ones find nothing to do)."""
+    from broker.services import shown_url
+    from broker.storage.base import make_engine
+    from broker.storage.migrate import current, heads, upgrade
 
-    services = build_services(_settings(args))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    settings = _settings(args)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.db_url)
+    try:
+        before = current(engine)
+        upgrade(engine)
+        after = current(engine)
+    except Exception as exc:  # noqa: BLE001 - say which database and why
+        print(f"error: could not migrate {shown_url(settings.db_url)}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    if before == after:
+        print(f"{shown_url(settings.db_url)} is up to date (revision "
+              f"{', '.join(sorted(after))})")
+    else:
+        print(f"migrated {shown_url(settings.db_url)} from "
+              f"{', '.join(sorted(before)) or 'an empty database'} to "
+              f"{', '.join(sorted(after))}")
+    assert after == heads()
+    return 0
+
+
+def _admin_services(args):
+    """The services for a one-off command: an un-migrated PostgreSQL database is refused
+    with what to run (SQLite is upgraded, as `serve` does)."""
+    from broker.services import build_services
+    from broker.storage.migrate import NotMigrated
+
+    try:
+        return build_services(_settings(args), migrate="auto")
+    except NotMigrated as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def cmd_create_key(args) -> int:
+    services = _admin_services(args)
     try:
         key, who = services.auth.create_account_with_key(args.role, args.name)
         if args.credits:
@@ -103,9 +149,8 @@ def cmd_grant(args) -> int:
     from broker.errors import BrokerError
     from broker.ledger.model import format_credits
     from broker.payments.service import credits_to_micro
-    from broker.services import build_services
 
-    services = build_services(_settings(args))
+    services = _admin_services(args)
     try:
         amount = credits_to_micro(args.credits)
         txn = services.payments.grant(args.account, amount, by="cli")

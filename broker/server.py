@@ -29,7 +29,10 @@ from sdk.protocol import agent_pb2_grpc as pb_grpc
 from broker.app import create_app
 from broker.gateway.servicer import AgentGatewayServicer, GatewayStats
 from broker.services import Services, build_services
+from broker.replicas.service import ReplicaMismatch
 from broker.settings import Settings
+from broker.storage.lock import DatabaseInUse, hold_serve_lock
+from broker.storage.migrate import NotMigrated
 from broker.web.bridge import Pool
 from broker.web.front import Front, FrontLimits
 
@@ -103,9 +106,19 @@ def _listen(addr: str) -> socket.socket:
 
 
 class BrokerServer:
-    def __init__(self, settings: Settings, services: Services | None = None):
+    def __init__(self, settings: Settings, services: Services | None = None, *,
+                 migrate: bool | str = True):
+        """``migrate``: as for :func:`build_services` (``broker serve`` passes "auto")."""
         self.settings = settings
-        self.services = services or build_services(settings)
+        # One broker process per SQLite file (PostgreSQL takes replicas): refused before
+        # anything is built (DatabaseInUse).
+        self._serve_lock = hold_serve_lock(settings.db_url)
+        try:
+            self.services = services or build_services(settings, migrate=migrate)
+        except BaseException:
+            if self._serve_lock is not None:
+                self._serve_lock.close()
+            raise
         self.app = create_app(self.services)
         self.http_pool = ThreadPoolExecutor(settings.http_threads, thread_name_prefix="http")
         self.agent_pool = ThreadPoolExecutor(settings.agent_threads,
@@ -122,8 +135,17 @@ class BrokerServer:
         self._loop_thread.start()
         try:
             self._on_loop(self._setup())
+            if self.services.replicas is not None:  # refused here: another signing key
+                host = lambda addr: addr.rpartition(":")[0]  # noqa: E731
+                self.services.replicas.join(
+                    http=f"{host(settings.http)}:{self.http_port}",
+                    grpc=f"{host(settings.grpc)}:{self.grpc_port}")
         except BaseException:
             self._close_loop()
+            self._http_socket.close()
+            self.services.engine.dispose()
+            if self._serve_lock is not None:
+                self._serve_lock.close()
             raise
 
     # ---- the event loop ----------------------------------------------------------------
@@ -143,7 +165,7 @@ class BrokerServer:
             lease_timeout_s=settings.lease_timeout_s, market=svc.market,
             canaries=svc.canaries, warm=svc.registry.warm, executor=self.agent_pool,
             max_streams=settings.max_agent_streams, outbox_max=settings.agent_outbox_max,
-            stats=self.gateway_stats, links=svc.links)
+            stats=self.gateway_stats, links=svc.links, replicas=svc.replicas)
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, self.grpc_server)
         self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:
@@ -160,7 +182,11 @@ class BrokerServer:
 
     # ---- running -----------------------------------------------------------------------
     def start_background(self) -> None:
-        """Start the dispatcher, maintenance and gRPC; HTTP starts in :meth:`serve_forever`."""
+        """Start listening to the other replicas, the dispatcher, maintenance and gRPC; HTTP
+        starts in :meth:`serve_forever`."""
+        if self.services.replicas is not None:
+            self.services.replicas.start()
+        self.services.bus.start()
         self.services.dispatcher.start()
         self.services.maintenance.start()
         self._on_loop(self.grpc_server.start())
@@ -204,12 +230,18 @@ class BrokerServer:
             log.exception("the event loop did not shut down cleanly")
         self.services.dispatcher.stop()
         self.services.maintenance.stop()
+        self.services.bus.close()
+        if self.services.replicas is not None:
+            self.services.replicas.stop()
         if self.services.verification is not None:
             self.services.verification.close()
         for pool in (self.http_pool, self.agent_pool, self.health_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self._close_loop()
+        self.services.market.flush_figures()  # what the last pass did not write yet
         self.services.engine.dispose()
+        if self._serve_lock is not None:
+            self._serve_lock.close()
         self._done.set()
 
     async def _shutdown(self) -> None:
@@ -231,7 +263,10 @@ class BrokerServer:
 
 def serve(settings: Settings, ready_file: Path | None = None) -> None:
     raise_open_files_limit()
-    server = BrokerServer(settings)
+    try:
+        server = BrokerServer(settings, migrate="auto")
+    except (NotMigrated, DatabaseInUse, ReplicaMismatch) as exc:
+        raise SystemExit(f"error: {exc}") from None
     tune_gc()
 
     def _signal(signum, _frame):

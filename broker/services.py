@@ -5,7 +5,7 @@ This is the only module that knows which implementation backs which port.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy.orm import sessionmaker
 
@@ -21,6 +21,7 @@ from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
 from broker.fault_tolerance import attach_fault_tolerance, use_measured_throughput
 from broker.jobs.hub import EventHub
+from broker.jobs.model import SettledCopyCodec
 from broker.jobs.service import JobService, JobSettings
 from broker.ledger.service import LedgerService
 from broker.links import LinkService, LinkSettings
@@ -28,12 +29,15 @@ from broker.maintenance import Maintenance
 from broker.market import MarketService, MarketSettings
 from broker.providers.defaults import WeightsDefaults
 from broker.market.canary import CanaryService
+from broker.market.elsewhere import MarketElsewhere
 from broker.market.wiring import attach_market, manifests_of
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
 from broker.providers.presence import Presence
 from broker.providers.service import ProviderService
 from broker.registry.service import RegistryService
+from broker.replicas import LocalBus, ReplicaBus
+from broker.replicas.service import ReplicaRegistry
 from broker.settings import Settings
 from broker.storage.accounts_sql import SqlAccountRepository, SqlProviderRepository
 from broker.storage.admin_sql import SqlAuditRepository
@@ -45,9 +49,18 @@ from broker.storage.market_sql import SqlAskStore
 from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
 from broker.storage.registry_sql import SqlRegistryRepository
-from broker.storage.migrate import upgrade
+from broker.storage.migrate import require_current, upgrade
+from broker.storage.replicas_sql import SqlFigureStore, SqlReplicaStore
+from broker.storage.notify_pg import bus_for
 
 log = logging.getLogger(__name__)
+
+
+def shown_url(db_url: str) -> str:
+    """The database URL as logs and messages show it (no password)."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(db_url).render_as_string(hide_password=True)
 
 
 @dataclass
@@ -74,22 +87,36 @@ class Services:
     admin_sessions: object | None = None    # broker.admin.session.AdminSessions
     verification: object | None = None      # broker.verification.service.VerificationService
     links: LinkService | None = None        # operators linked by what the broker sees
+    bus: ReplicaBus = field(default_factory=LocalBus)  # wake-ups to and from other replicas
+    replicas: ReplicaRegistry | None = None  # the replicas serving on this database
 
     def close(self) -> None:
         self.maintenance.stop()
         self.dispatcher.stop()
+        self.bus.close()
+        self.market.flush_figures()
         if self.verification is not None:
             self.verification.close()
         self.engine.dispose()
 
 
-def build_services(settings: Settings, *, migrate: bool = True) -> Services:
+def build_services(settings: Settings, *, migrate: bool | str = True) -> Services:
+    """``migrate``: True upgrades the schema first (under an advisory lock on PostgreSQL);
+    "auto" (``broker serve`` and the admin commands) upgrades an embedded SQLite database
+    and refuses a PostgreSQL one that is behind, saying to run ``broker migrate``
+    (NotMigrated); False neither upgrades nor checks."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.db_url)
-    if migrate:
+    if migrate == "auto" and engine.dialect.name == "postgresql":
+        require_current(engine, shown_url(settings.db_url))
+    elif migrate:
         upgrade(engine)
     sessions = sessionmaker(engine, expire_on_commit=False)
-    signer = KeyPair.load_or_create(settings.key_path)
+    # Other replicas on the same PostgreSQL hear of jobs, queues and agent commands through
+    # LISTEN/NOTIFY; on SQLite (one process) nobody else is there.
+    bus = bus_for(settings.db_url)
+    signer = settings.signer()
+    replicas = ReplicaRegistry(SqlReplicaStore(sessions), bus.replica_id, signer.public_key_hex)
     catalog = PluginCatalog.from_folders(settings.plugin_dirs)
     accounts = SqlAccountRepository(sessions)
     audit = AuditLog(SqlAuditRepository(sessions))
@@ -100,7 +127,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     ledger = LedgerService(SqlLedgerRepository(engine))
     ledger.open_platform_accounts()
     ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
-    pricing = PricingService(SqlPriceRepository(sessions))
+    pricing = PricingService(SqlPriceRepository(sessions), bus=bus)
     pricing.on_changed = audit_price_changes(audit)
     gateway = None
     if settings.stripe_secret_key:
@@ -122,26 +149,34 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
     jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
-                      signer, EventHub(),
+                      signer, EventHub(bus, SettledCopyCodec()),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
-                      input_defaults=WeightsDefaults(catalog))
+                      input_defaults=WeightsDefaults(
+                          catalog, _held_plugins(replicas, providers) if bus.shared else None))
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
-    dispatcher = Dispatcher(jobs)
-    market = MarketService(lambda plugin: pricing.price(plugin).reserve_micro_per_unit,
-                           MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
-                                          canary_interval_s=settings.market_canary_interval_s,
-                                          reputation_floor=settings.market_reputation_floor,
-                                          default_cold_start_s=settings.market_cold_start_s),
-                           store=SqlAskStore(sessions), manifest_of=manifests_of(catalog),
-                           linked_to=links.linked_to)
+    dispatcher = Dispatcher(jobs, bus=bus)
+    reserve_of = lambda plugin: pricing.price(plugin).reserve_micro_per_unit  # noqa: E731
+    market_settings = MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
+                                     canary_interval_s=settings.market_canary_interval_s,
+                                     reputation_floor=settings.market_reputation_floor,
+                                     default_cold_start_s=settings.market_cold_start_s)
+    figures = SqlFigureStore(sessions)  # θ, reliability, canaries: outlive the process
+    # Admission counts the providers other replicas hold (read from the database).
+    elsewhere = MarketElsewhere(
+        lambda: MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
+                              manifest_of=manifests_of(catalog), linked_to=links.linked_to),
+        replicas.held_elsewhere, providers.repo.many, figures) if bus.shared else None
+    market = MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
+                           manifest_of=manifests_of(catalog), linked_to=links.linked_to,
+                           bus=bus, figures=figures, elsewhere=elsewhere)
     market.on_rule_changed = audit_market_rules(audit)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints)
@@ -155,6 +190,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                         dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,
                         catalog=catalog, auth=auth)
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
+    maintenance.tasks.append(market.flush_figures)
     if settings.unserved_expiry_s > 0:  # no provider for a build: refuse, then expire
         presence = Presence(providers.repo, dispatcher.serving, dispatcher.connected_ids,
                             window_s=settings.unserved_expiry_s)
@@ -170,7 +206,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
-                    maintenance=maintenance, links=links)
+                    maintenance=maintenance, links=links, bus=bus, replicas=replicas)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,
@@ -206,6 +242,14 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     dispatcher.quota = repo.quota_factor
     verification.on_quota = dispatcher.set_quota
     return verification
+
+
+def _held_plugins(replicas: ReplicaRegistry, providers: ProviderService):
+    """provider id -> its stored plugins, for the streams other replicas hold."""
+    def held() -> dict[str, list]:
+        ids = list(replicas.held_elsewhere())
+        return {p.id: list(p.plugins or []) for p in providers.repo.many(ids)} if ids else {}
+    return held
 
 
 def _open_ledger_accounts(ledger: LedgerService, account_id: str, role: str) -> None:

@@ -10,6 +10,7 @@ blob_dir                     SPARECYCLES_BLOB_DIR                <data_dir>/blob
 http                         SPARECYCLES_HTTP                    127.0.0.1:8080
 grpc                         SPARECYCLES_GRPC                    127.0.0.1:50051
 key_path                     SPARECYCLES_BROKER_KEY              <data_dir>/broker.key
+signing_key                  SPARECYCLES_BROKER_SIGNING_KEY      (none: the key file; 64 hex, the seed)
 plugin_dirs                  SPARECYCLES_PLUGIN_DIRS (":"-sep.)  the built-in plugins folder
 lease_timeout_s              SPARECYCLES_LEASE_TIMEOUT_S         30
 max_attempts                 SPARECYCLES_MAX_ATTEMPTS            3
@@ -38,7 +39,8 @@ market_cold_start_s          SPARECYCLES_MARKET_COLD_START_S     10 (load time n
 check_delay_max_s            SPARECYCLES_CHECK_DELAY_MAX_S       5 (checks wait 0..this, at random)
 verification                 SPARECYCLES_VERIFICATION            on (off: no job is re-run)
 link_loopback                SPARECYCLES_LINK_LOOPBACK           off (on: loopback agents' address and hardware link accounts)
-admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept in <data_dir>/admin_session.key)
+admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (none: the secret file below)
+admin_session_key_path       SPARECYCLES_ADMIN_SESSION_KEY       <data_dir>/admin_session.key (random)
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 ===========================  ==================================  ===========================
 
@@ -53,6 +55,13 @@ requests waiting for a job at once (long polls, ``Prefer: wait``, event streams;
 ``Prefer: wait`` is answered at once); ``max_pool_requests`` the requests running in or
 queued for the ``http_threads`` pool. ``sparecycles broker serve`` raises its open-files
 limit to the hard limit at start.
+
+Replicas (several ``broker serve`` on one PostgreSQL, docs/architecture.md *Replicas*) must
+sign with one key and share one console secret: give each the same
+``SPARECYCLES_BROKER_SIGNING_KEY`` and ``SPARECYCLES_ADMIN_SESSION_SECRET`` (or the same files
+through ``SPARECYCLES_BROKER_KEY`` and ``SPARECYCLES_ADMIN_SESSION_KEY``); a replica whose
+signing key differs from a live one's refuses to start. They also need one blob store
+(``blob_dir`` on a shared filesystem).
 
 The registry's package files live in a blob store of their own, ``<blob_dir>/registry``, apart
 from job outputs. A package file uploaded with PUT /v1/blobs may be at most 8 GiB
@@ -84,6 +93,7 @@ class Settings:
     http: str = "127.0.0.1:8080"
     grpc: str = "127.0.0.1:50051"
     key_path: Path | None = None
+    signing_key: str = ""
     plugin_dirs: list[Path] = field(default_factory=lambda: [BUILTIN_PLUGINS])
     lease_timeout_s: float = 30.0
     max_attempts: int = 3
@@ -118,6 +128,7 @@ class Settings:
     # by their address and hardware (off: on one machine they say nothing of who runs them).
     link_loopback: bool = False
     admin_session_secret: str = ""
+    admin_session_key_path: Path | None = None
     admin_session_ttl_s: int = 1800
 
     def __post_init__(self):
@@ -126,6 +137,16 @@ class Settings:
             self.db_url = f"sqlite:///{self.data_dir / 'broker.db'}"
         self.blob_dir = Path(self.blob_dir) if self.blob_dir else self.data_dir / "blobs"
         self.key_path = Path(self.key_path) if self.key_path else self.data_dir / "broker.key"
+        self.admin_session_key_path = (Path(self.admin_session_key_path)
+                                       if self.admin_session_key_path
+                                       else self.data_dir / "admin_session.key")
+        key = self.signing_key.strip().lower()
+        if key and (len(key) != 64 or any(c not in "0123456789abcdef" for c in key)):
+            raise ValueError("signing_key (SPARECYCLES_BROKER_SIGNING_KEY) must be the 64 hex "
+                             "digits of an Ed25519 seed, e.g. from `python -c \"import "
+                             "secrets; print(secrets.token_hex(32))\"`; got "
+                             f"{len(self.signing_key)} characters")
+        self.signing_key = key
         self.plugin_dirs = [Path(p) for p in self.plugin_dirs]
         if not self.public_url:
             self.public_url = f"http://{self.http}"
@@ -141,6 +162,15 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
+    def signer(self):
+        """The broker's signing key: ``signing_key`` when set, else the key file (created
+        on first use)."""
+        from sdk.protocol.signing import KeyPair
+
+        if self.signing_key:
+            return KeyPair.from_seed_hex(self.signing_key)
+        return KeyPair.load_or_create(self.key_path)
+
     @property
     def heartbeat_interval_s(self) -> float:
         return max(0.2, self.lease_timeout_s / 3)
@@ -155,6 +185,7 @@ class Settings:
             "http": ("SPARECYCLES_HTTP", str),
             "grpc": ("SPARECYCLES_GRPC", str),
             "key_path": ("SPARECYCLES_BROKER_KEY", Path),
+            "signing_key": ("SPARECYCLES_BROKER_SIGNING_KEY", str),
             "plugin_dirs": ("SPARECYCLES_PLUGIN_DIRS",
                             lambda v: [Path(p) for p in v.split(":") if p]),
             "lease_timeout_s": ("SPARECYCLES_LEASE_TIMEOUT_S", float),
@@ -187,6 +218,7 @@ class Settings:
             "link_loopback": ("SPARECYCLES_LINK_LOOPBACK",
                               lambda v: v.strip().lower() in ("1", "on", "true", "yes")),
             "admin_session_secret": ("SPARECYCLES_ADMIN_SESSION_SECRET", str),
+            "admin_session_key_path": ("SPARECYCLES_ADMIN_SESSION_KEY", Path),
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
         }
         values = {}

@@ -93,6 +93,7 @@ class Agent:
         self.home = home
         self.sandboxed = sandboxed
         self.max_backoff_s = max_backoff_s
+        self.broker_address = (cfg.brokers or [cfg.broker])[0]  # the replica it talks to now
         # Verification harness only (provider_agent.cheats): None is an honest agent.
         self.cheat = cheat
         # provider_agent.installer.Installer: fetches registry adapters a job names (None:
@@ -227,9 +228,12 @@ class Agent:
         for w in workers:
             w.start()
         backoff = 0.5
+        addresses = self.cfg.brokers or [self.cfg.broker]
+        turn = 0
         try:
             while not self._stop.is_set():
                 started = time.monotonic()
+                self.broker_address = addresses[turn % len(addresses)]
                 try:
                     self._session()
                 except ConfigError:
@@ -238,12 +242,19 @@ class Agent:
                     code = exc.code() if hasattr(exc, "code") else None
                     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                         raise ConfigError(f"the broker refused this agent: {exc.details()}") from None
-                    log.warning("connection to %s lost: %s", self.cfg.broker,
+                    log.warning("connection to %s lost: %s", self.broker_address,
                                 exc.details() if hasattr(exc, "details") else exc)
                 except Exception as exc:  # noqa: BLE001 - keep the agent alive, reconnect
                     log.exception("connection error: %s", exc)
                 if self._stop.is_set():
                     break
+                turn += 1  # the next replica (the same one when there is only one)
+                if len(addresses) > 1:
+                    # Another replica is likely up: try it at once, backing off only once
+                    # every address has failed in a row.
+                    if turn % len(addresses):
+                        self._stop.wait(0.1)
+                        continue
                 if time.monotonic() - started > 10:
                     backoff = 0.5
                 delay = min(self.max_backoff_s, backoff) * (0.5 + random.random() / 2)
@@ -261,7 +272,7 @@ class Agent:
         return 0
 
     def _session(self) -> None:
-        channel = grpc.insecure_channel(self.cfg.broker, options=GRPC_OPTIONS)
+        channel = grpc.insecure_channel(self.broker_address, options=GRPC_OPTIONS)
         outq: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests():
@@ -282,7 +293,7 @@ class Agent:
             broker_key = challenge.broker_public_key
             if self.cfg.broker_public_key and self.cfg.broker_public_key != broker_key:
                 raise ConfigError(
-                    f"the broker at {self.cfg.broker} presents key {broker_key[:16]}…, not the "
+                    f"the broker at {self.broker_address} presents key {broker_key[:16]}…, not the "
                     f"pinned {self.cfg.broker_public_key[:16]}…; if the broker really changed "
                     "its key, clear broker_public_key in agent.toml")
             if not self.cfg.broker_public_key:
@@ -297,7 +308,7 @@ class Agent:
             welcome = next(call).welcome
             self.provider_id = welcome.provider_id
             log.info("connected to %s as provider %s (%d plugin(s), %d slot(s))",
-                     self.cfg.broker, welcome.provider_id, len(self.plugins), self.cfg.slots)
+                     self.broker_address, welcome.provider_id, len(self.plugins), self.cfg.slots)
             with self._lock:
                 self._outq = outq
                 pending = [m for msgs in self.undelivered.values() for m in msgs]

@@ -11,7 +11,9 @@ def register(sub) -> None:
     asub = p.add_subparsers(dest="agent_command", required=True)
 
     i = asub.add_parser("init", help="create this machine's identity key and agent config")
-    i.add_argument("--broker", required=True, help="the broker's agent address, HOST:PORT")
+    i.add_argument("--broker", required=True, help="the broker's agent address, HOST:PORT; several "
+                   "replicas' as HOST:PORT,HOST:PORT (the agent moves to the next when "
+                   "one goes away)")
     i.add_argument("--api-key", help="provider API key (default $SPARECYCLES_API_KEY)")
     i.add_argument("--name", help="machine name shown to admins (default the host name)")
     i.add_argument("--plugins", help="comma-separated plugins to serve (default echo)")

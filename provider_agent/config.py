@@ -93,6 +93,13 @@ class AgentConfig:
             return Path(self.cache_dir).expanduser()
         return default_weights_dir().parent / "registry"
 
+    @property
+    def brokers(self) -> list[str]:
+        """The broker's agent addresses: ``broker`` is one HOST:PORT, or several replicas'
+        separated by commas; the agent connects to one and, when that stream is lost,
+        tries the next (its leases stand: any replica takes its receipts)."""
+        return [b.strip() for b in self.broker.split(",") if b.strip()]
+
     def weights_for(self, plugin: str) -> Path | None:
         if plugin in self.weights:
             return Path(self.weights[plugin]).expanduser()
@@ -107,8 +114,10 @@ class AgentConfig:
                               "`sparecycles broker create-key --role provider`)")
         if not 1 <= self.slots <= 64:
             raise ConfigError(f"slots is {self.slots}; must be between 1 and 64")
-        if ":" not in self.broker:
-            raise ConfigError(f"broker {self.broker!r} must look like HOST:PORT")
+        if not self.brokers or any(":" not in b for b in self.brokers):
+            raise ConfigError(f"broker {self.broker!r} must look like HOST:PORT, or several "
+                              "replicas' addresses separated by commas "
+                              "(HOST:PORT,HOST:PORT)")
         if isinstance(self.memory_limit_mb, bool) or not isinstance(self.memory_limit_mb, int) \
                 or self.memory_limit_mb < 0:
             raise ConfigError(f"memory_limit_mb is {self.memory_limit_mb!r}; give the MiB all "

@@ -1,4 +1,5 @@
-"""LocalNetwork: a broker and agents as real processes on loopback.
+"""LocalNetwork: a broker (or several replicas of it) and agents as real processes on
+loopback.
 
 Used by `sparecycles demo`, the end-to-end tests and the benchmarks. It drives the same
 `sparecycles` commands a person would type (through ``python -m sdk.cli``), so it needs no
@@ -48,6 +49,7 @@ class LocalNetwork:
         self.broker: subprocess.Popen | None = None
         self.info: dict = {}
         self.agents: list[AgentProcess] = []
+        self.replicas: list[tuple[subprocess.Popen, dict]] = []  # beyond the first broker
         self._logs: list = []
 
     # ---- broker ----------------------------------------------------------------------
@@ -63,25 +65,53 @@ class LocalNetwork:
 
     def start_broker(self, http: str = "127.0.0.1:0", grpc: str = "127.0.0.1:0",
                      timeout_s: float = 60) -> dict:
-        ready = self.workdir / "broker-ready.json"
+        if self.db_url and self.db_url.startswith("postgresql"):
+            # `serve` refuses a PostgreSQL database that is behind: migrate first, as an
+            # operator does once per release (idempotent, under an advisory lock).
+            log = open(self.workdir / "broker.log", "ab")
+            self._logs.append(log)
+            subprocess.run(cli("broker", "migrate", *self._broker_args()), stdout=log,
+                           stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
+                           check=True, timeout=timeout_s)
+        self.broker, self.info = self._serve("broker", http, grpc, timeout_s)
+        return self.info
+
+    def start_replica(self, http: str = "127.0.0.1:0", grpc: str = "127.0.0.1:0",
+                      timeout_s: float = 60) -> dict:
+        """Another broker process on the same PostgreSQL database, data dir and key (a
+        replica: docs/architecture.md, *Replicas*); returns its addresses. Start the first
+        with :meth:`start_broker`. Its process is ``self.replicas[i][0]``."""
+        if not (self.db_url or "").startswith("postgresql"):
+            raise LocalNetworkError("replicas need PostgreSQL (db_url=postgresql+psycopg://…); "
+                                    "SQLite serves one broker process")
+        if self.broker is None:
+            raise LocalNetworkError("start the first broker (start_broker) before a replica")
+        name = f"broker-{len(self.replicas) + 1}"
+        proc, info = self._serve(name, http, grpc, timeout_s)
+        self.replicas.append((proc, info))
+        return info
+
+    def _serve(self, name: str, http: str, grpc: str,
+               timeout_s: float) -> tuple[subprocess.Popen, dict]:
+        ready = self.workdir / f"{name}-ready.json"
         ready.unlink(missing_ok=True)
-        log = open(self.workdir / "broker.log", "ab")
+        log = open(self.workdir / f"{name}.log", "ab")
         self._logs.append(log)
-        self.broker = subprocess.Popen(
+        proc = subprocess.Popen(
             cli("broker", "serve", *self._broker_args(), "--http", http, "--grpc", grpc,
                 "--lease-timeout", str(self.lease_timeout_s), "--ready-file", str(ready)),
             stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
-            if self.broker.poll() is not None:
-                raise LocalNetworkError(f"the broker exited (code {self.broker.returncode}); "
-                                        f"see {self.workdir / 'broker.log'}:\n{self.tail('broker.log')}")
+            if proc.poll() is not None:
+                raise LocalNetworkError(f"the broker exited (code {proc.returncode}); "
+                                        f"see {self.workdir / (name + '.log')}:\n"
+                                        f"{self.tail(name + '.log')}")
             if time.monotonic() > deadline:
                 raise LocalNetworkError(f"the broker did not start within {timeout_s:g}s; see "
-                                        f"{self.workdir / 'broker.log'}")
+                                        f"{self.workdir / (name + '.log')}")
             time.sleep(0.05)
-        self.info = json.loads(ready.read_text())
-        return self.info
+        return proc, json.loads(ready.read_text())
 
     def restart_broker(self, hard: bool = True) -> dict:
         """Kill the broker (SIGKILL when ``hard``) and start it again on the same ports."""
@@ -109,14 +139,18 @@ class LocalNetwork:
     def start_agent(self, name: str, api_key: str, *, plugins: str = "echo", slots: int = 1,
                     weights_dir: Path | None = None, sandbox: bool = True,
                     extra_env: dict | None = None, device: str = "cpu",
-                    run_args: list[str] | None = None, env: dict | None = None) -> AgentProcess:
+                    run_args: list[str] | None = None, env: dict | None = None,
+                    broker: str | None = None) -> AgentProcess:
         """Start ``sparecycles agent run`` (after ``agent init`` the first time); extra
         ``run_args`` go to `agent run` (e.g. ["--ask", "echo=200"]); ``env`` (or its older
         name ``extra_env``) is merged into the agent process's environment, e.g.
-        ``{"SPARECYCLES_CHEAT": "wrong-seed"}`` for the verification harness."""
+        ``{"SPARECYCLES_CHEAT": "wrong-seed"}`` for the verification harness. ``broker``:
+        the agent address(es) to give it (default the first broker's; replicas'
+        as "HOST:PORT,HOST:PORT")."""
         home = self.workdir / f"agent-{name}"
         if not (home / "agent.toml").exists():
-            init = cli("agent", "init", "--home", str(home), "--broker", self.info["grpc"],
+            init = cli("agent", "init", "--home", str(home), "--broker",
+                       broker or self.info["grpc"],
                        "--api-key", api_key, "--name", name, "--plugins", plugins,
                        "--slots", str(slots))
             if weights_dir:
@@ -153,13 +187,18 @@ class LocalNetwork:
                 if a.proc.poll() is not None:
                     raise LocalNetworkError(f"agent {a.name} exited (code {a.proc.returncode}):\n"
                                             f"{self.tail(a.log_path.name)}")
-            try:
-                resp = urllib3.request("GET", f"{self.url}/readyz", timeout=5, retries=False)
-                body = json.loads(resp.data)
-                if isinstance(body, dict) and body.get("providers_online", 0) >= n:
-                    return
-            except (urllib3.exceptions.HTTPError, ValueError):
-                pass
+            online = 0  # each replica counts the agents connected to it
+            for url in [self.url] + [info["http"] for proc, info in self.replicas
+                                     if proc.poll() is None]:
+                try:
+                    resp = urllib3.request("GET", f"{url}/readyz", timeout=5, retries=False)
+                    body = json.loads(resp.data)
+                    if isinstance(body, dict):
+                        online += int(body.get("providers_online", 0))
+                except (urllib3.exceptions.HTTPError, ValueError):
+                    pass
+            if online >= n:
+                return
             time.sleep(0.1)
         raise LocalNetworkError(f"{n} agent(s) did not connect within {timeout_s:g}s")
 
@@ -181,13 +220,16 @@ class LocalNetwork:
             except subprocess.TimeoutExpired:
                 a.proc.kill()
                 a.proc.wait()
-        if self.broker and self.broker.poll() is None:
-            self.broker.send_signal(signal.SIGTERM)
+        brokers = [p for p in [self.broker] + [p for p, _ in self.replicas]
+                   if p is not None and p.poll() is None]
+        for proc in brokers:
+            proc.send_signal(signal.SIGTERM)
+        for proc in brokers:
             try:
-                self.broker.wait(timeout_s)
+                proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.broker.kill()
-                self.broker.wait()
+                proc.kill()
+                proc.wait()
         for log in self._logs:
             log.close()
 

@@ -33,7 +33,7 @@ def audit_market_rules(audit):
 def build_admin(settings, sessions, *, audit, pricing, providers, dispatcher, ledger, payments,
                 jobs, catalog, auth) -> dict:
     secret = settings.admin_session_secret or load_or_create_secret(
-        settings.data_dir / "admin_session.key")
+        settings.admin_session_key_path)
     disputes = DisputeService(SqlDisputeRepository(sessions), audit)
     admin = AdminService(pricing=pricing, policies=PolicyService(SqlPolicyRepository(sessions)),
                          providers=providers, dispatcher=dispatcher, audit=audit,

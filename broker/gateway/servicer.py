@@ -38,6 +38,7 @@ from broker.errors import BrokerError
 from broker.jobs.dispatch import AgentSession, Dispatcher
 from broker.jobs.service import JobService
 from broker.providers.service import ProviderService
+from broker.replicas.service import ReplicaRegistry
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -173,7 +174,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
-                 stats: GatewayStats | None = None, links=None):
+                 stats: GatewayStats | None = None, links=None,
+                 replicas: ReplicaRegistry | None = None):
         self.links = links          # broker.links.LinkService: address and hardware link accounts
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
@@ -189,6 +191,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.max_streams = max_streams
         self.outbox_max = outbox_max
         self.stats = stats or GatewayStats()
+        # Records which replica holds each stream (other replicas read it: issue #21).
+        self.replicas = replicas
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
         if self.stats.streams >= self.max_streams:
@@ -298,9 +302,13 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         hardware = {"device": caps.hardware.device, "gpu_name": caps.hardware.gpu_name,
                     "vram_gb": caps.hardware.vram_gb, "cpu_count": caps.hardware.cpu_count,
                     "memory_gb": caps.hardware.memory_gb}
+        # Stored with what its weights give inputs (image sizes): other replicas' submits
+        # fill them in as this one does (broker.providers.defaults).
+        stored = [{**p, "input_defaults": c.input_defaults}
+                  for p, c in zip(plugins, caps.plugins)]
         provider = self.providers.connect(principal, hello.public_key, hello.name,
                                           sandboxed=caps.sandboxed, hardware=hardware,
-                                          plugins=plugins)
+                                          plugins=stored)
         if self.links is not None:  # where it connects from, and on which machine
             self.links.agent_seen(provider.account_id, peer=peer,
                                   fingerprint=caps.hardware.fingerprint[:128])
@@ -338,10 +346,14 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         # Whatever the dispatcher sends from now on queues behind the greeting: the outbox
         # is written only once the greeting is.
         self.dispatcher.register(session)
+        if self.replicas is not None:
+            self.replicas.hold(provider.id)
         return session, greeting
 
     def _leave(self, session: GatewaySession, name: str) -> None:
         self.dispatcher.unregister(session)
+        if self.replicas is not None and self.dispatcher.session(session.provider_id) is None:
+            self.replicas.release(session.provider_id)
         if self.warm is not None:
             self.warm.forget(session.provider_id)
         if self.jobs.input_defaults is not None:

@@ -197,6 +197,22 @@ class CheckpointService:
             rows = [r for r in rows if r.attempt < row.attempt]
         return parts
 
+    def saved_parts(self, job: Job) -> list[Part]:
+        """Every share of ``job`` a checkpoint saved: the current attempt's latest
+        checkpoint (while it is leased) and the earlier attempts' (:meth:`parts`). What a
+        job given up at its deadline still pays for."""
+        parts = self.parts(job)
+        if job.envelope is None or not job.provider_id:
+            return parts
+        base = int(((job.envelope or {}).get("resume") or {}).get("step", 0))
+        own = max((r for r in self.repo.for_job(job.id)
+                   if r.attempt == job.attempt and r.provider_id == job.provider_id
+                   and r.step > base), key=lambda r: r.step, default=None)
+        if own is not None:
+            parts.insert(0, Part(own.provider_id, own.attempt,
+                                 Fraction(own.step - base, own.total), own.rate_micro_per_unit))
+        return parts
+
     def base_fraction(self, job: Job) -> Fraction:
         """The share of ``job`` its current attempt did not do (it resumed past it)."""
         resume = (job.envelope or {}).get("resume") or {}

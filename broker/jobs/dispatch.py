@@ -16,11 +16,15 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from broker.auction.errors import NoMatch
 
 from .model import Job, JobState
 from .service import JobService
+
+if TYPE_CHECKING:
+    from broker.replicas.bus import ReplicaBus
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +73,13 @@ class AgentSession:
 
 class Dispatcher:
     def __init__(self, jobs: JobService, *, reap_interval_s: float = 0.5,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, bus: ReplicaBus | None = None):
+        """``bus``: the other broker replicas (docs/architecture.md, *Replicas*): jobs
+        queued here that no agent here took wake their dispatchers, and a command for an
+        agent whose stream another replica holds (cancel, a freed slot, pause, quota)
+        travels there; None: this process is the whole broker."""
         self.jobs = jobs
+        self.bus = bus
         self.reap_interval_s = reap_interval_s
         self.rng = rng or random.Random()
         self._sessions: dict[str, AgentSession] = {}
@@ -101,6 +110,7 @@ class Dispatcher:
         self._added: dict[str, int] = {}  # job id -> _stamp when it was added in memory
         self._stamp = 0
         self._scanned_at = float("-inf")
+        self._remote: set[str] = set()  # ids of jobs other replicas queued (to read)
         self.market = None        # broker.market.MarketService; None: least-loaded matching
         self.canary_sender = None  # callable(session): sends the canaries due to an agent
         # Verification (DESIGN §6): whether a provider may take a plugin's jobs (it holds
@@ -117,6 +127,13 @@ class Dispatcher:
         jobs.on_released = self._released
         jobs.second_opinion = self.second_opinion
         jobs.cancel_hook = self._cancel
+        if bus is not None:
+            bus.subscribe("queued", self._queued_elsewhere)
+            bus.subscribe("released", lambda d: self._released_here(d.get("p"), d.get("j")))
+            bus.subscribe("cancel", self._cancel_here)
+            bus.subscribe("paused", lambda d: self._paused_here(d.get("p"), bool(d.get("v"))))
+            bus.subscribe("quota", lambda d: self._quota_here(d.get("p"), d.get("f")))
+            bus.on_gap(self.rescan)
 
     # ---- sessions --------------------------------------------------------------------
     def register(self, session: AgentSession) -> None:
@@ -212,7 +229,14 @@ class Dispatcher:
 
     def set_paused(self, provider_id: str, paused: bool) -> bool:
         """Pause (no new jobs; running ones finish) or resume a connected provider; False
-        when it is not connected (its stored status applies when it connects)."""
+        when it is not connected here (its stored status applies when it connects; a
+        replica holding its stream applies it now)."""
+        here = self._paused_here(provider_id, paused)
+        if not here and self.bus is not None:
+            self.bus.publish("paused", {"p": provider_id, "v": int(paused)})
+        return here
+
+    def _paused_here(self, provider_id, paused: bool) -> bool:
         with self._cond:
             s = self._sessions.get(provider_id)
             if s is not None:
@@ -224,12 +248,19 @@ class Dispatcher:
 
     def set_quota(self, provider_id: str, factor: float) -> None:
         """A lost dispute cut the provider's concurrency quota (applies to new jobs)."""
+        if not self._quota_here(provider_id, factor) and self.bus is not None:
+            self.bus.publish("quota", {"p": provider_id, "f": factor})
+
+    def _quota_here(self, provider_id, factor) -> bool:
+        if not isinstance(factor, (int, float)):
+            return False
         with self._cond:
             s = self._sessions.get(provider_id)
             if s is not None:
-                s.quota_factor = factor
+                s.quota_factor = float(factor)
         if s is not None:
             self._sync(s)
+        return s is not None
 
     def second_opinion(self, job: Job, provider_id: str) -> str | None:
         """``provider_id``'s operator when a provider of another operator (not excluded
@@ -244,6 +275,11 @@ class Dispatcher:
         return own.account_id
 
     def _released(self, provider_id: str | None, job_id: str) -> None:
+        if not self._released_here(provider_id, job_id) and provider_id and self.bus:
+            self.bus.publish("released", {"p": provider_id, "j": job_id})
+
+    def _released_here(self, provider_id, job_id) -> bool:
+        """The provider's slot for ``job_id`` is free; False: its stream is not here."""
         with self._cond:
             s = self._sessions.get(provider_id) if provider_id else None
             if s is not None:
@@ -253,14 +289,43 @@ class Dispatcher:
             # The slot it freed and the queue it left, in one update of the book.
             self.market.release(provider_id, job_id, free=None if s is None else s.free)
         self.kick()
+        return s is not None
 
     def _cancel(self, job: Job) -> None:
-        s = self.session(job.provider_id) if job.provider_id else None
+        reason = job.error_message or "cancelled"
+        if not self._send_cancel(job.provider_id, job.id, job.attempt, reason) \
+                and job.provider_id and self.bus is not None:
+            self.bus.publish("cancel", {"p": job.provider_id, "j": job.id, "a": job.attempt,
+                                        "r": reason})
+
+    def _cancel_here(self, data: dict) -> None:
+        if isinstance(data.get("a"), int):
+            self._send_cancel(data.get("p"), data.get("j"), data["a"], str(data.get("r", "")))
+
+    def _send_cancel(self, provider_id, job_id, attempt: int, reason: str) -> bool:
+        """Tell the agent to stop ``job_id`` if its stream is here."""
+        s = self.session(provider_id) if provider_id else None
         if s is not None:
             try:
-                s.send_cancel(job.id, job.attempt, job.error_message or "cancelled")
+                s.send_cancel(job_id, attempt, reason)
             except Exception:  # noqa: BLE001 - a dead stream must not stop a cancel
-                log.exception("could not send cancel for %s", job.id)
+                log.exception("could not send cancel for %s", job_id)
+        return s is not None
+
+    def _queued_elsewhere(self, data: dict) -> None:
+        """Another replica queued jobs no agent there took: read them on the next pass
+        (if any agent is connected here to take them)."""
+        ids = [i for i in data.get("j") or () if isinstance(i, str)]
+        if not ids or not self._sessions:
+            return
+        with self._cond:
+            self._remote.update(ids)
+        self.kick()
+
+    def rescan(self) -> None:
+        """Read the whole queue again on the next pass (wake-ups may have been lost)."""
+        self._scanned_at = float("-inf")
+        self.kick()
 
     def _queued(self, job: Job, siblings: list[Job] | None = None) -> None:
         """A job was queued: hand it out at once from the caller's thread when nothing is
@@ -271,6 +336,11 @@ class Dispatcher:
         if not self._backlog and not job.batch_id:
             if self._place(job):
                 return
+        if self.bus is not None and not self._sessions:
+            # No agent here to take it: the replicas holding agents are told; this one
+            # reads the queue from the database once an agent connects.
+            self.bus.publish("queued", {"j": [j.id for j in siblings or [job]]})
+            return
         jobs = siblings or [job]
         if job.batch_id and not siblings:  # a requeued sibling: with its queued siblings
             try:
@@ -286,11 +356,19 @@ class Dispatcher:
                 self._pending[j.id] = j
                 self._stamp += 1
                 self._added[j.id] = self._stamp
+        if self.bus is not None:  # agents on other replicas may take them
+            self.bus.publish("queued", {"j": [j.id for j in jobs]})
         self.kick()
 
     def _queue_snapshot(self, limit: int = 256) -> list[Job]:
         """The oldest queued jobs, from memory; from the database every reap interval."""
         now = time.monotonic()
+        with self._cond:
+            remote, self._remote = self._remote, set()
+        if len(remote) > 32:  # many: one read of the queue is cheaper than one per job
+            self._scanned_at = float("-inf")
+        elif remote:
+            self._read_remote(remote)
         if now - self._scanned_at >= self.reap_interval_s:
             with self._cond:
                 before = self._stamp
@@ -315,6 +393,27 @@ class Dispatcher:
                 if len(out) >= limit:
                     break
             return out
+
+    def _read_remote(self, ids: set[str]) -> None:
+        """Add the jobs another replica queued (still queued, not known here yet)."""
+        with self._cond:
+            ids = {i for i in ids if i not in self._pending}
+        for job_id in ids:
+            try:
+                job = self.jobs.repo.get(job_id)
+            except Exception:  # noqa: BLE001 - the next full read of the queue finds it
+                log.exception("could not read job %s queued by another replica", job_id)
+                continue
+            if job is None or job.state is not JobState.QUEUED or (
+                    job.not_before is not None and job.not_before > time.time()):
+                continue
+            with self._cond:
+                last = next(reversed(self._pending.values()), None)
+                if last is not None and (last.created_at, last.id) > (job.created_at, job.id):
+                    self._pending_sorted = False
+                self._pending[job.id] = job
+                self._stamp += 1
+                self._added[job.id] = self._stamp
 
     def _forget(self, job_ids) -> None:
         with self._cond:

@@ -21,12 +21,23 @@ stream): :func:`drive` runs such a generator in a thread, the asyncio front
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 from collections import OrderedDict
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from broker.replicas.bus import ReplicaBus
+
+
+class CopyCodec(Protocol):
+    """An end's copy as JSON for other replicas (broker.jobs.model.SettledCopyCodec)."""
+
+    def encode(self, copy: Any) -> dict: ...
+    def decode(self, doc: dict) -> Any: ...
 
 T = TypeVar("T")
 
@@ -75,12 +86,23 @@ class EventHub:
     MAX_TRACKED = 100_000
     MAX_COPIES = 4096  # ended jobs' copies kept (the newest), for waiters about to read
 
-    def __init__(self):
+    MAX_WIRE_COPY = 6_000  # characters of JSON: a larger copy is not sent (waiters read)
+
+    def __init__(self, bus: "ReplicaBus | None" = None, codec: "CopyCodec | None" = None):
+        """``bus``: where the changes of jobs travel to other broker replicas (and come
+        from them), so that a client waiting on one replica hears at once of a job that
+        ends on another. None (or a LocalBus): this process only. ``codec``: turns an
+        end's copy into JSON and back, so that it travels with the wake-up when small."""
         self._lock = threading.Lock()
+        self.bus = bus
+        self.codec = codec
         self._versions: dict[str, int] = {}
         self._waiters: dict[str, list[threading.Event | _LoopWaiter]] = {}
         self._ended: set[str] = set()
         self._copies: OrderedDict[str, tuple[int, Any]] = OrderedDict()
+        if bus is not None:
+            bus.subscribe("job", self._from_replica)
+            bus.on_gap(self.wake_all)
 
     def version(self, job_id: str) -> int:
         with self._lock:
@@ -106,7 +128,42 @@ class EventHub:
 
     def notify(self, job_id: str, ended: bool = False, copy: Any = None) -> None:
         """Something happened to ``job_id``; ``ended``: it reached a terminal state;
-        ``copy``: the job as that end wrote it (see :meth:`copy`)."""
+        ``copy``: the job as that end wrote it (see :meth:`copy`). Other replicas hear of
+        it through the bus (without the copy: they read the row)."""
+        self._notify(job_id, ended, copy)
+        if self.bus is not None and self.bus.shared:
+            message: dict[str, Any] = {"j": job_id, "e": 1} if ended else {"j": job_id}
+            if copy is not None and self.codec is not None:
+                try:
+                    wire = self.codec.encode(copy)
+                    if len(json.dumps(wire, separators=(",", ":"))) <= self.MAX_WIRE_COPY:
+                        message["c"] = wire
+                except (TypeError, ValueError):  # not JSON-able: the waiters read the row
+                    pass
+            self.bus.publish("job", message)
+
+    def _from_replica(self, data: dict) -> None:
+        job_id = data.get("j")
+        if not isinstance(job_id, str):
+            return
+        copy = None
+        if data.get("c") is not None and self.codec is not None:
+            try:
+                copy = self.codec.decode(data["c"])
+            except (KeyError, TypeError, ValueError):
+                copy = None  # read back instead
+        self._notify(job_id, bool(data.get("e")), copy)
+
+    def wake_all(self) -> None:
+        """Wake every waiter without changing any version: each re-reads its job (after
+        wake-ups from other replicas may have been lost)."""
+        with self._lock:
+            waiters = [w for ws in self._waiters.values() for w in ws]
+            self._waiters.clear()
+        for w in waiters:
+            w.set()
+
+    def _notify(self, job_id: str, ended: bool, copy: Any) -> None:
         with self._lock:
             if len(self._versions) > self.MAX_TRACKED:
                 # Forgetting versions only makes a waiter re-read once too often.

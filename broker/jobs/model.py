@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -115,3 +115,22 @@ class JobEvent:
     kind: str
     data: dict[str, Any]
     created_at: float
+
+
+class SettledCopyCodec:
+    """A settlement's copy of a job and its outputs (what :class:`~broker.jobs.hub.
+    EventHub` keeps for waiters) as JSON for other broker replicas, so a client waiting on
+    another replica gets its answer without reading back the row and outputs."""
+
+    @staticmethod
+    def encode(copy) -> dict:
+        job, outputs = copy
+        doc = asdict(job)
+        doc["state"] = job.state.value
+        return {"job": doc, "outputs": [asdict(o) for o in outputs]}
+
+    @staticmethod
+    def decode(doc: dict):
+        job = dict(doc["job"])
+        job["state"] = JobState(job["state"])
+        return Job(**job), tuple(JobOutput(**o) for o in doc["outputs"])

@@ -12,8 +12,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, replace
 from fractions import Fraction
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
@@ -784,6 +784,46 @@ class JobService:
                 moved.append(result)
         if self.stalls is not None:
             moved += self.stalls.reap(self)
+        for job in self.repo.overdue(self.clock()):
+            result = self.expire(job)
+            if result is not None:
+                moved.append(result)
+        return moved
+
+    def expire(self, job: Job, last: str = "") -> Job | None:
+        """``job`` is past its deadline (``deadline_s`` after it was created): it fails
+        ``deadline_exceeded``, the agent running it is told to stop, and the client gets
+        its hold back except for the work checkpoints saved (each provider whose checkpoint
+        the job holds is paid its share of it; steps reported but not checkpointed are not
+        paid). None when it moved first (settled, cancelled)."""
+        message = (f"the job's deadline of {job.deadline_s:g} s passed before it could be "
+                   "finished; it was stopped and the hold released, except for the work "
+                   "its checkpoints saved" + (f"; last: {last}" if last else ""))
+        with self.repo.atomic():
+            moved = self.repo.transition(
+                job.id, [job.state], JobState.FAILED, expect_attempt=job.attempt,
+                event=("failed", {"code": "deadline_exceeded", "message": message}),
+                error_code="deadline_exceeded", error_message=message,
+                finished_at=self.clock(), lease_expires_at=None)
+            if moved is not None:
+                parts = self.checkpoints.saved_parts(job) if self.checkpoints is not None else []
+                if parts:
+                    # As a cancel pays, with nothing counted past the checkpoints.
+                    unreported = replace(job, progress_step=0, progress_total=0)
+                    self._money("deadline", job, lambda: cancel_shared(
+                        self.billing, unreported, parts, Fraction(1), message))
+                else:
+                    self._money("release", moved,
+                                lambda: self.billing.failed(moved, f"deadline_exceeded: "
+                                                            f"{message}"))
+        if moved is None:
+            return None
+        log.info("job %s failed: its deadline of %gs passed", job.id, job.deadline_s)
+        if job.state in LEASED and job.provider_id:
+            self.cancel_hook(moved)
+            self.on_released(job.provider_id, job.id)
+        self.hub.notify(job.id, ended=True)
+        self.on_ended(moved)
         return moved
 
     def take_back(self, job: Job, kind: str, reason: str) -> Job | None:
@@ -805,9 +845,7 @@ class JobService:
             return self._fail(job, "attempts_exhausted",
                               f"gave up after {used} attempts; last: {reason}")
         if job.deadline_s is not None and self.clock() > job.created_at + job.deadline_s:
-            return self._fail(job, "deadline_exceeded",
-                              f"the job's deadline of {job.deadline_s:g}s passed before it "
-                              f"could be finished; last: {reason}")
+            return self.expire(job, last=reason)
         excluded = sorted(set(job.excluded_providers) | {job.provider_id} | set(exclude))
         moved = self.repo.transition(
             job.id, [job.state], JobState.QUEUED, expect_attempt=job.attempt,

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from sdk.protocol.canonical import is_sha256_hex
 
@@ -47,10 +48,18 @@ from sdk.protocol.manifest import Manifest
 from . import builds
 from .builds import ANY_WEIGHTS, NO_WEIGHTS
 from .errors import InvalidBenchmark, InvalidMarketRule, PluginNotServed
+from .figures import Figures, FigureStore
 from .store import AskStore
 from .throughput import ThroughputTracker
 
 log = logging.getLogger(__name__)
+
+class Elsewhere(Protocol):
+    """The providers other broker replicas hold, as a market that clears (admission only:
+    jobs are placed by the replica holding the winner's stream)."""
+
+    def clear(self, spec: JobSpec) -> ClearingResult: ...
+
 
 #: A provider's queue is re-posted when it drifts by this much (seconds): time passing
 #: shortens the backlog, and re-indexing on every tick would cost more than it tells.
@@ -128,11 +137,22 @@ class MarketService:
                  *, rng: random.Random | None = None, clock=time.time,
                  store: AskStore | None = None,
                  manifest_of: Callable[[str, str], Manifest | None] | None = None,
-                 linked_to: Callable[[str], frozenset[str]] | None = None):
+                 linked_to: Callable[[str], frozenset[str]] | None = None,
+                 bus=None, figures: FigureStore | None = None,
+                 elsewhere: "Elsewhere | None" = None):
+        """``bus`` (broker.replicas.ReplicaBus): a rule an admin changes on another broker
+        replica is read back from the store here at once. ``figures``: where θ,
+        reliability and canary times outlive the process (:mod:`.figures`; None: memory
+        only). ``elsewhere``: the providers other replicas hold, for admission
+        (:meth:`check_terms`; None: this process is the whole broker)."""
         self.settings = settings or MarketSettings()
         # The accounts tied to an operator (broker.links): a provider never wins the job of
         # a client linked to its operator (DESIGN §4).
         self.linked_to = linked_to or (lambda operator: frozenset())
+        self.bus = bus
+        self.figures = figures
+        self.elsewhere = elsewhere
+        self._dirty: set[tuple[str, str]] = set()  # figures changed since the last flush
         self.store = store
         self.manifest_of = manifest_of or (lambda plugin, version: None)
         self.warm: Callable[[str, str], bool] = lambda provider_id, plugin: True
@@ -156,6 +176,10 @@ class MarketService:
         self._canaries: dict[str, Canary] = {}
         self._last_canary: dict[tuple[str, str], float] = {}
         self._pins: dict[tuple[str, str], str] = {}
+        if bus is not None and store is not None:
+            bus.subscribe("market_rule", lambda _d: self.reload_rules())
+        if figures is not None:
+            self.load_figures(figures.load_figures())
 
     # ---- providers -----------------------------------------------------------------
     def connect(self, provider_id: str, operator_id: str, plugins: dict[str, str], *,
@@ -170,6 +194,7 @@ class MarketService:
         posted with the connection, None when accepted or the error that refused it (its
         previous valid ask then stands)."""
         results: dict[str, Exception | None] = {}
+        self._reload_figures(provider_id)  # another replica may have measured it since
         with self._lock:
             old = self._providers.get(provider_id)
             previous = self._stored_asks.get(provider_id, {})
@@ -204,6 +229,7 @@ class MarketService:
             if state is not None:
                 state.online = False
                 self.book.withdraw(provider_id)
+        self.flush_figures(provider_id)  # the replica it reconnects to reads them
 
     def mark_online(self, provider_id: str) -> None:
         """The provider's current session is registered: make sure it is in the book. (An
@@ -326,6 +352,7 @@ class MarketService:
                 raise PluginNotServed(f"benchmark for {plugin!r} refused: this agent does not "
                                       "serve it")
             self.tracker.claim(provider_id, plugin, float(units_per_s))
+            self._dirty.add((provider_id, plugin))
             if cold_start_s:
                 state.cold_start_s[plugin] = float(cold_start_s)
             self._repost(state)
@@ -336,13 +363,18 @@ class MarketService:
         with self._lock:
             if self.tracker.observe(provider_id, plugin, work_units, run_ms) is None:
                 return
+            self._dirty.add((provider_id, plugin))
+            first = self.tracker.record_of(provider_id, plugin).samples == 1
             state = self._providers.get(provider_id)
             if state is not None and state.online:
                 self._repost(state)
+        if first:  # measured at last: other replicas now count it eligible, at once
+            self.flush_figures(provider_id)
 
     def failed(self, provider_id: str, plugin: str) -> None:
         with self._lock:
             self.tracker.failed(provider_id, plugin)
+            self._dirty.add((provider_id, plugin))
             state = self._providers.get(provider_id)
             if state is not None and state.online:
                 self._repost(state)
@@ -421,6 +453,7 @@ class MarketService:
         with self._lock:
             self._canaries[canary.job_id] = canary
             self._last_canary[(canary.provider_id, canary.plugin)] = canary.sent_at
+            self._dirty.add((canary.provider_id, canary.plugin))
             self._refresh_queue_of(canary.provider_id)
 
     def canary(self, job_id: str) -> Canary | None:
@@ -489,13 +522,81 @@ class MarketService:
     def check_terms(self, spec: JobSpec) -> None:
         """Admission: raise :class:`CannotMeetTerms` when eligible providers exist but none
         meets the client's max price or deadline. A market with no free eligible provider
-        passes: the job may queue until capacity appears."""
+        passes: the job may queue until capacity appears. With replicas, the providers
+        other replicas hold count too (as free, from the database: ``elsewhere``): a job
+        one of them would take at its terms is admitted, one that none here nor there
+        meets is refused, on whichever replica it is submitted."""
         try:
             self.clear(spec)
-        except NoEligibleProvider:
             return
-        except CannotMeetTerms:
-            raise
+        except NoEligibleProvider:
+            refused = None
+        except CannotMeetTerms as exc:
+            refused = exc
+        if self.elsewhere is not None:
+            try:
+                self.elsewhere.clear(spec)
+                return  # a provider another replica holds meets the terms
+            except NoEligibleProvider:
+                pass
+            except CannotMeetTerms as exc:
+                refused = refused or exc
+            except Exception:  # noqa: BLE001 - a database blip: judge on this replica's view
+                log.exception("could not read the providers other replicas hold")
+        if refused is not None:
+            raise refused
+
+    # ---- figures (issue #21) ----------------------------------------------------------
+    def load_figures(self, rows) -> None:
+        with self._lock:
+            for f in rows:
+                key = (f.provider_id, f.plugin)
+                if key in self._dirty:
+                    continue  # this process's own newer figures win until flushed
+                rec = self.tracker.record_of(f.provider_id, f.plugin)
+                rec.measured_units_per_s = f.measured_units_per_s
+                rec.samples, rec.successes, rec.failures = f.samples, f.successes, f.failures
+                rec.claimed_units_per_s = None
+                rec.flagged = False
+                if f.claimed_units_per_s is not None:  # sets the claim and its flag
+                    self.tracker.claim(f.provider_id, f.plugin, f.claimed_units_per_s)
+                if f.last_canary_at is not None:
+                    self._last_canary[key] = max(f.last_canary_at,
+                                                 self._last_canary.get(key, 0.0))
+
+    def _reload_figures(self, provider_id: str) -> None:
+        if self.figures is None:
+            return
+        try:
+            self.flush_figures(provider_id)
+            self.load_figures(self.figures.load_figures([provider_id]))
+        except Exception:  # noqa: BLE001 - the figures in memory (if any) stand
+            log.exception("could not read the stored figures of %s", provider_id)
+
+    def flush_figures(self, provider_id: str | None = None) -> int:
+        """Write the figures changed since the last flush (of one provider, or all); the
+        maintenance thread calls it every pass. Returns how many rows were written."""
+        if self.figures is None:
+            return 0
+        with self._lock:
+            keys = [k for k in self._dirty if provider_id is None or k[0] == provider_id]
+            if not keys:
+                return 0
+            self._dirty.difference_update(keys)
+            rows = []
+            for pid, plugin in keys:
+                rec = self.tracker.record_of(pid, plugin)
+                rows.append(Figures(pid, plugin, rec.claimed_units_per_s,
+                                    rec.measured_units_per_s, rec.samples, rec.successes,
+                                    rec.failures, self._last_canary.get((pid, plugin))))
+        try:
+            self.figures.save_figures(rows, self.clock())
+        except Exception:
+            with self._lock:
+                self._dirty.update(keys)  # written next time
+            log.exception("could not store the market's figures of %d provider(s)", len(rows))
+            return 0
+        return len(rows)
 
     # ---- rules (admins) ----------------------------------------------------------------
     def set_reputation_floor(self, floor: float, *, by: str = "admin") -> float:
@@ -510,7 +611,20 @@ class MarketService:
             self.rules = replace(self.rules, reputation_floor=value)
             self.book.set_rules(self.rules)
         self.on_rule_changed("reputation_floor", before, value, by)
+        if self.bus is not None:
+            self.bus.publish("market_rule", {"rule": "reputation_floor"})
         return value
+
+    def reload_rules(self) -> None:
+        """Read the admin-set rules back from the store (changed on another replica)."""
+        if self.store is None:
+            return
+        floor = self.store.load_rules().get("reputation_floor")
+        if floor is None:
+            return
+        with self._lock:
+            self.rules = replace(self.rules, reputation_floor=_floor(floor))
+            self.book.set_rules(self.rules)
 
     def market_rules(self) -> dict:
         with self._lock:

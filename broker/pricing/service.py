@@ -29,12 +29,17 @@ class PricingService:
     # broker applies to the very next job, and one made on another replica within CACHE_S.
     CACHE_S = 2.0
 
-    def __init__(self, repo: PriceRepository, clock=time.time):
+    def __init__(self, repo: PriceRepository, clock=time.time, bus=None):
+        """``bus`` (broker.replicas.ReplicaBus): a change made on another broker replica
+        drops this one's cached price at once, not CACHE_S later."""
         self.repo = repo
         self.clock = clock
+        self.bus = bus
         # Called after every change with (before, after, by): the audit log hooks in here.
         self.on_changed = lambda before, after, by: None
         self._cache: TtlCache[str, PluginPrice | None] = TtlCache(self.CACHE_S)
+        if bus is not None:
+            bus.subscribe("price", lambda d: self._cache.invalidate(str(d.get("plugin"))))
 
     def price(self, plugin: str, *, fresh: bool = False) -> PluginPrice:
         """The admin's price of ``plugin``, else its built-in default, else the fallback
@@ -79,6 +84,8 @@ class PricingService:
         new = PluginPrice(plugin, **values, updated_at=self.clock(), updated_by=by)
         self.repo.put(new)
         self._cache.invalidate(plugin)
+        if self.bus is not None:
+            self.bus.publish("price", {"plugin": plugin})
         self.on_changed(current, new, by)
         return new
 

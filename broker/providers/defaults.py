@@ -21,13 +21,16 @@ wants a size names it; one that wants a given model pins ``weights_digest``.
 
 A report is checked against the catalog's manifest (only inputs declared so, only values
 the schema accepts); one that fails is logged and counts as no report. Like the market's
-view of providers, this is the view of the agents connected to this broker process.
+view of providers, this is the view of the agents connected to this broker process, and,
+with replicas, of those other replicas hold (read from the providers' stored records).
 """
 from __future__ import annotations
 
 import json
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from broker.catalog.registry import PluginCatalog
@@ -46,8 +49,19 @@ MAX_REPORT_CHARS = 4096
 class WeightsDefaults:
     """Thread-safe; one per broker process (see the module docstring)."""
 
-    def __init__(self, catalog: PluginCatalog):
+    def __init__(self, catalog: PluginCatalog,
+                 elsewhere: Callable[[], dict[str, list[dict]]] | None = None, *,
+                 ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        """``elsewhere()``: provider id -> the plugins it advertised (as stored, with
+        ``input_defaults``) of the providers other broker replicas hold now; their
+        reports count as this process's agents' do, so a submit fills in the same size on
+        every replica (read at most every ``ttl_s``). None: this process only."""
         self.catalog = catalog
+        self.elsewhere = elsewhere
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._remote: dict[str, dict[tuple[str, str], tuple[str, dict]]] = {}
+        self._remote_at = float("-inf")
         self._lock = threading.Lock()
         # provider id -> (session token, {(plugin, version): (weights digest, defaults)})
         self._by_provider: dict[str, tuple[object, dict[tuple[str, str], tuple[str, dict]]]] = {}
@@ -102,15 +116,42 @@ class WeightsDefaults:
             return {}
         pin = pinned_digest(manifest, weights_digest)
         key = (manifest.name, manifest.version, pin)
+        self._read_elsewhere()
         with self._lock:
             answer = self._answers.get(key)
             if answer is None:
                 answer = self._answers[key] = self._agreed(manifest, names, pin)
         return dict(answer)
 
+    def _read_elsewhere(self) -> None:
+        """Refresh the reports of the providers other replicas hold (every ``ttl_s``)."""
+        if self.elsewhere is None or self.clock() - self._remote_at < self.ttl_s:
+            return
+        try:
+            held = self.elsewhere()
+        except Exception:  # noqa: BLE001 - the last reports read stand until the next try
+            log.exception("could not read the providers other replicas hold")
+            held = None
+        remote = None
+        if held is not None:
+            remote = {pid: {(p["name"], str(p.get("version", ""))):
+                            (p.get("weights_digest") or "",
+                             self._checked(pid, (p["name"], str(p.get("version", ""))),
+                                           p.get("input_defaults")))
+                            for p in plugins if isinstance(p, dict) and "name" in p}
+                      for pid, plugins in held.items()}
+        with self._lock:
+            self._remote_at = self.clock()
+            if remote is not None and remote != self._remote:
+                self._remote = remote
+                self._answers.clear()
+
     def _agreed(self, manifest: Manifest, names: list[str], pin: str) -> dict[str, Any]:
         build = (manifest.name, manifest.version)
-        reports = [defaults for _, served in self._by_provider.values()
+        served_by = [served for _, served in self._by_provider.values()]
+        served_by += [served for pid, served in self._remote.items()
+                      if pid not in self._by_provider]
+        reports = [defaults for served in served_by
                    for (digest, defaults) in [served.get(build, (None, None))]
                    if defaults is not None and (pin == ANY_WEIGHTS or digest == pin)]
         declared = {f.name: f.default for f in manifest.inputs.fields}

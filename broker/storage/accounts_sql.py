@@ -63,6 +63,11 @@ class SqlProviderRepository:
             row = s.get(ProviderRow, provider_id)
             return _provider(row) if row else None
 
+    def many(self, provider_ids: list[str]) -> list[Provider]:
+        with self.sessions() as s:
+            return [_provider(r) for r in s.scalars(
+                select(ProviderRow).where(ProviderRow.id.in_(provider_ids)))]
+
     def add(self, p: Provider) -> None:
         with self.sessions.begin() as s:
             s.add(ProviderRow(id=p.id, account_id=p.account_id, public_key=p.public_key,

@@ -229,6 +229,17 @@ class SqlJobRepository:
                              .order_by(JOBS.c.lease_expires_at).limit(limit))
             return [_to_job(r) for r in rows]
 
+    def overdue(self, now: float, limit: int = 100) -> list[Job]:
+        """Unfinished jobs (queued or leased) whose deadline (``created_at + deadline_s``)
+        passed before ``now``, oldest first."""
+        with self.sessions() as s:
+            rows = s.execute(_SELECT.where(
+                JOBS.c.state.in_([JobState.QUEUED.value] + [x.value for x in LEASED]),
+                JOBS.c.deadline_s.is_not(None),
+                JOBS.c.created_at + JOBS.c.deadline_s < now)
+                .order_by(JOBS.c.created_at).limit(limit))
+            return [_to_job(r) for r in rows]
+
     def extend_leases(self, provider_id: str, job_ids: list[str], until: float) -> int:
         if not job_ids:
             return 0

@@ -38,6 +38,9 @@ class ProviderRow(Base):
     plugins: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[float] = mapped_column(Float)
     last_seen_at: Mapped[float] = mapped_column(Float)
+    # The broker replica holding the agent's stream now (None: not connected); believed
+    # only while that replica's row in broker_replicas is fresh (issue #21).
+    replica_id: Mapped[str | None] = mapped_column(String(100), nullable=True, index=True)
 
 
 class JobRow(Base):
@@ -171,3 +174,32 @@ class MarketRuleRow(Base):
     value: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
     updated_by: Mapped[str] = mapped_column(String(64))
+
+
+class BrokerReplicaRow(Base):
+    """A broker process serving on this database (issue #21): written at start, its
+    ``seen_at`` refreshed every few seconds; a replica whose row went stale is dead, and
+    the agent streams it held count as gone."""
+    __tablename__ = "broker_replicas"
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    public_key: Mapped[str] = mapped_column(String(64))  # its signing key: replicas share one
+    http: Mapped[str] = mapped_column(String(200), default="")
+    grpc: Mapped[str] = mapped_column(String(200), default="")
+    started_at: Mapped[float] = mapped_column(Float)
+    seen_at: Mapped[float] = mapped_column(Float)
+
+
+class ProviderThroughputRow(Base):
+    """The broker's own figures of a provider for a plugin (DESIGN §4): measured θ, the
+    claim beside it, successes and failures (reliability) and the last canary, so that a
+    restart or another replica sees the same market."""
+    __tablename__ = "provider_throughput"
+    provider_id: Mapped[str] = mapped_column(ForeignKey("providers.id"), primary_key=True)
+    plugin: Mapped[str] = mapped_column(String(64), primary_key=True)
+    claimed_units_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    measured_units_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    samples: Mapped[int] = mapped_column(Integer, default=0)
+    successes: Mapped[int] = mapped_column(Integer, default=0)
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    last_canary_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Float)
