@@ -37,6 +37,23 @@ def register(sub) -> None:
     r.add_argument("--throttle", action="append", default=[], metavar="PLUGIN=MS",
                    help="development/tests: wait MS per work unit after each run, to "
                         "emulate a slower machine")
+    t = r.add_argument_group("when to lend the GPU (override agent.toml)")
+    t.add_argument("--idle-only", action="store_true", default=None,
+                   help="take work only while no other process uses the GPU")
+    t.add_argument("--idle-resume-s", type=float, metavar="S",
+                   help="seconds of idleness before work resumes (default 60)")
+    t.add_argument("--on-owner", choices=("finish", "give_back", "checkpoint"),
+                   help="running jobs when the owner starts using the GPU")
+    t.add_argument("--schedule", action="append", metavar="WINDOW",
+                   help='a time window to work in, e.g. "22:00-07:00" or "weekdays '
+                        '18:00-23:00" (repeatable; replaces the config\'s)')
+    t.add_argument("--max-vram-gb", type=float, metavar="GB")
+    t.add_argument("--max-gpu-hours", type=float, metavar="H", dest="max_gpu_hours_per_day",
+                   help="GPU hours of work per day at most")
+    t.add_argument("--max-temperature", type=float, metavar="C", dest="max_temperature_c")
+    t.add_argument("--max-power", type=float, metavar="W", dest="max_power_w")
+    t.add_argument("--min-price", type=int, metavar="MICRO", dest="min_price_micro_per_unit",
+                   help="never ask less than this many micro-credits per work unit")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
 
@@ -112,6 +129,12 @@ def cmd_run(args) -> int:
             cfg.device = args.device
         cfg.asks.update(parse_pairs(args.ask, int, "--ask"))
         cfg.throttle_ms_per_unit.update(parse_pairs(args.throttle, float, "--throttle"))
+        for name in ("idle_only", "idle_resume_s", "on_owner", "schedule", "max_vram_gb",
+                     "max_gpu_hours_per_day", "max_temperature_c", "max_power_w",
+                     "min_price_micro_per_unit"):
+            if getattr(args, name, None) is not None:
+                setattr(cfg, name, getattr(args, name))
+        cfg.rules()  # bad terms are refused before anything starts
         # Built-in plugins, else installed from the registry (signed, sha256-checked); one
         # that cannot be had is left out and the others are served.
         from .installer import make_installer, resolve_plugins
@@ -127,9 +150,12 @@ def cmd_run(args) -> int:
             sandboxed=not args.no_sandbox, home=args.home, cfg=cfg,
             extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
             registry_root=installer.root if installer is not None else None)
+        from .availability import make_gate
+
         agent = Agent(cfg, load_identity(args.home), plugin_dirs=plugin_dirs,
                       sandboxed=not args.no_sandbox, launcher=launcher, home=args.home,
-                      cheat=cheat, installer=installer)
+                      cheat=cheat, installer=installer,
+                      gate=make_gate(cfg, device=cfg.device, home=args.home))
         agent.install_signal_handlers()
         return agent.run()
     except (AgentError, LookupError) as exc:

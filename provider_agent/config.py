@@ -33,6 +33,21 @@ agent.toml::
     cpu_cores = 0.0           # all plugin hosts together, e.g. 2.5 (0: every core)
     sandbox_user = ""         # host user the sandboxes run as when the agent is root
                               # ("": sparecycles-sandbox if it exists, else nobody)
+
+    # When to lend the GPU (provider_agent.availability):
+    idle_only = true          # work only while no other process uses the GPU
+    idle_resume_s = 60        # ... and it has been idle this long
+    idle_util_pct = 10        # utilisation that counts as use when no job of ours runs
+    owner_away_s = 0          # also wait until the owner is away this long (0: ignore)
+    on_owner = "finish"       # running jobs when the owner comes: finish | give_back |
+                              # checkpoint (wait up to checkpoint_wait_s for a checkpoint)
+    checkpoint_wait_s = 30
+    schedule = ["22:00-07:00", "weekends 00:00-24:00"]   # windows (empty: always)
+    max_vram_gb = 0           # 0: no limit (advertised VRAM is capped to it)
+    max_gpu_hours_per_day = 0
+    max_temperature_c = 0
+    max_power_w = 0
+    min_price_micro_per_unit = 0   # never ask less than this per work unit
 """
 from __future__ import annotations
 
@@ -87,6 +102,63 @@ class AgentConfig:
     memory_limit_mb: int = 0
     cpu_cores: float = 0.0
     sandbox_user: str = ""
+    idle_only: bool = False
+    idle_resume_s: float = 60.0
+    idle_util_pct: float = 10.0
+    owner_away_s: float = 0.0
+    on_owner: str = "finish"
+    checkpoint_wait_s: float = 30.0
+    schedule: list[str] = field(default_factory=list)
+    max_vram_gb: float = 0.0
+    max_gpu_hours_per_day: float = 0.0
+    max_temperature_c: float = 0.0
+    max_power_w: float = 0.0
+    min_price_micro_per_unit: int = 0
+
+    def rules(self):
+        """The owner's terms (provider_agent.availability.Rules), checked."""
+        from .availability import OWNER_POLICIES, Rules, Schedule
+
+        for name, low, high in (("idle_resume_s", 0, 86400), ("idle_util_pct", 0, 100),
+                                ("owner_away_s", 0, 86400), ("checkpoint_wait_s", 0, 3600),
+                                ("max_vram_gb", 0, 4096), ("max_gpu_hours_per_day", 0, 24),
+                                ("max_temperature_c", 0, 120), ("max_power_w", 0, 5000)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not low <= value <= high:
+                raise ConfigError(f"{name} is {value!r}; give a number from {low} to {high}"
+                                  + (" (0: no limit)" if name.startswith("max_") else ""))
+        if not isinstance(self.idle_only, bool):
+            raise ConfigError(f"idle_only is {self.idle_only!r}; give true or false")
+        if self.on_owner not in OWNER_POLICIES:
+            raise ConfigError(f"on_owner is {self.on_owner!r}; give one of "
+                              f"{', '.join(OWNER_POLICIES)}")
+        if isinstance(self.min_price_micro_per_unit, bool) \
+                or not isinstance(self.min_price_micro_per_unit, int) \
+                or self.min_price_micro_per_unit < 0:
+            raise ConfigError(f"min_price_micro_per_unit is {self.min_price_micro_per_unit!r}; "
+                              "give a whole number of micro-credits per work unit, 0 for none")
+        return Rules(idle_only=self.idle_only, idle_resume_s=float(self.idle_resume_s),
+                     idle_util_pct=float(self.idle_util_pct),
+                     owner_away_s=float(self.owner_away_s), on_owner=self.on_owner,
+                     checkpoint_wait_s=float(self.checkpoint_wait_s),
+                     schedule=Schedule.parse(self.schedule),
+                     max_vram_gb=float(self.max_vram_gb),
+                     max_gpu_hours_per_day=float(self.max_gpu_hours_per_day),
+                     max_temperature_c=float(self.max_temperature_c),
+                     max_power_w=float(self.max_power_w))
+
+    def effective_asks(self, plugins) -> dict[str, int]:
+        """The asks to post: each at least ``min_price_micro_per_unit``, and one at that
+        floor for every served plugin without an ask (else it would stand at the reserve,
+        possibly below the floor). Second-score clearing pays at least the ask."""
+        floor = self.min_price_micro_per_unit
+        asks = {p: int(v) for p, v in self.asks.items()}
+        if floor:
+            asks = {p: max(v, floor) for p, v in asks.items()}
+            for p in plugins:
+                asks.setdefault(p, floor)
+        return asks
 
     def registry_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -120,6 +192,7 @@ class AgentConfig:
             raise ConfigError(f"cpu_cores is {self.cpu_cores!r}; this machine has {cores} "
                               f"core(s): give how many all plugin hosts may use together, "
                               f"above 0 and at most {cores} (e.g. 1.5), or 0 for all of them")
+        self.rules()
         if not isinstance(self.sandbox_user, str):
             raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
                               "uid or uid:gid as a string, or \"\" for the default")

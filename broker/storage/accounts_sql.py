@@ -46,7 +46,8 @@ def _provider(row: ProviderRow) -> Provider:
     return Provider(id=row.id, account_id=row.account_id, public_key=row.public_key,
                     name=row.name, status=row.status, sandboxed=row.sandboxed,
                     hardware=dict(row.hardware or {}), plugins=list(row.plugins or []),
-                    created_at=row.created_at, last_seen_at=row.last_seen_at)
+                    created_at=row.created_at, last_seen_at=row.last_seen_at,
+                    availability=dict(row.availability or {}))
 
 
 class SqlProviderRepository:

@@ -38,6 +38,7 @@ class ProviderRow(Base):
     plugins: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[float] = mapped_column(Float)
     last_seen_at: Mapped[float] = mapped_column(Float)
+    availability: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the agent's own word
 
 
 class JobRow(Base):

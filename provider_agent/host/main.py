@@ -167,6 +167,19 @@ def _resolve_device(device: str) -> str:
     return "cpu"
 
 
+def _cap_vram(device: str, max_vram_gb: float) -> None:
+    """The owner's VRAM limit (agent.toml max_vram_gb): torch's allocator refuses to hold
+    more than that share of the GPU, so a job that needs more fails with out-of-memory
+    instead of pushing the owner's own programs out."""
+    if not max_vram_gb or not device.startswith("cuda"):
+        return
+    import torch
+
+    dev = torch.device(device)
+    total_gb = torch.cuda.get_device_properties(dev).total_memory / 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max_vram_gb / total_gb), dev)
+
+
 def _hardware(device: str) -> dict:
     info = {"device": device.split(":")[0], "cpu_count": os.cpu_count() or 1}
     torch = sys.modules.get("torch")  # loaded by the plugin's setup, if it uses torch
@@ -206,6 +219,7 @@ def main() -> int:
         plugin = cls()
         plugin.manifest = manifest
         device = _resolve_device(header.get("device", "auto"))
+        _cap_vram(device, header.get("max_vram_gb") or 0)
         weights = header.get("weights_dir")
         plugin.setup(Path(weights) if weights else None, device)
     except Exception as exc:  # noqa: BLE001 - report any load failure to the agent
