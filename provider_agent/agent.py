@@ -50,6 +50,10 @@ SUMMARY_EVERY_S = 60.0
 # a message and a write transaction per short job (what Celery's task_track_started=False
 # does). Leases do not depend on it: heartbeats extend them.
 START_REPORT_DELAY_S = 0.05
+# A device whose plugin host dies or cannot start this many jobs in a row is taken out:
+# this agent gives its jobs back and stops (the fleet's other devices go on serving).
+DEVICE_FAILURES_MAX = 3
+DEVICE_FAILURE_CODES = ("host_died", "host_start_failed", "start_timeout")
 # Outputs up to this size in all travel inside the receipt's message (one message, and one
 # lease check at the broker, per job); larger ones go ahead of it one message each.
 INLINE_OUTPUTS_BYTES = 1 << 20
@@ -85,9 +89,14 @@ class Agent:
     def __init__(self, cfg: AgentConfig, identity: KeyPair, *, plugin_dirs: dict[str, Path],
                  sandboxed: bool, launcher=None, home: Path | None = None,
                  max_backoff_s: float = 30.0, cheat: Cheat | None = None, installer=None,
-                 gate: Gate | None = None, availability_poll_s: float = 1.0):
+                 gate: Gate | None = None, availability_poll_s: float = 1.0,
+                 device: str | None = None, name: str | None = None):
         cfg.check()
         self.cfg = cfg
+        # One agent serves one device (provider_agent.fleet runs one per GPU): ``device``
+        # and ``name`` override agent.toml's for it; the file stays the machine's.
+        self.device = device or cfg.device
+        self.name = name or cfg.name
         self.identity = identity
         self.home = home
         self.sandboxed = sandboxed
@@ -114,7 +123,7 @@ class Agent:
             # A cheat may run other weights; the agent still advertises its own.
             run_weights = cheat.weights_for(manifest.output, weights) if cheat else weights
             self.plugins[name] = ServedPlugin(
-                manifest, PluginHost(folder, run_weights, device=cfg.device, launcher=launcher,
+                manifest, PluginHost(folder, run_weights, device=self.device, launcher=launcher,
                                      name=name, max_vram_gb=float(cfg.max_vram_gb or 0)),
                 folder_digest(weights, (home / "weights-cache.json") if home else None))
         self.replay = ReplayGuard()
@@ -143,8 +152,11 @@ class Agent:
         # always. The watch thread looks every availability_poll_s and tells the broker.
         self.gate = gate
         self.availability_poll_s = availability_poll_s
-        self.availability = DeviceState(cfg.device, AVAILABLE, "", time.time())
+        self.availability = DeviceState(self.device, AVAILABLE, "", time.time())
         self._given_back_for_owner = 0
+        self._done_by_day: dict[str, int] = {}   # local day -> jobs finished (receipts)
+        self.failed_reason = ""  # set when this device was taken out (provider_agent.fleet)
+        self._device_failures = 0
 
     # ---- outside control ---------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -262,6 +274,32 @@ class Agent:
             self._give_back_for_owner(st.reason)
         return st
 
+    def snapshot(self) -> dict:
+        """This device's state for `sparecycles agent status` (provider_agent.fleet
+        writes it to <home>/status.json): connection, availability, jobs."""
+        with self._lock:
+            connected = self._outq is not None
+            running = len(self.running)
+            today = self._done_by_day.get(time.strftime("%Y-%m-%d"), 0)
+        st = self.availability
+        if self.failed_reason:
+            state = "failed"
+        elif self.draining:
+            state = "draining"
+        elif not st.available:
+            state = st.state
+        else:
+            state = "working" if running else "ready"
+        return {"device": self.device, "name": self.name, "provider_id": self.provider_id,
+                "broker": self.cfg.broker, "connected": connected, "state": state,
+                "reason": self.failed_reason or st.reason, "since": st.since,
+                "running_jobs": running, "slots": self.cfg.slots, "jobs_today": today,
+                "given_back_for_owner": self._given_back_for_owner,
+                "gpu_hours_today": round(self.gate.hours_today(), 3) if self.gate else None,
+                "plugins": sorted(self.plugins),
+                "benchmarks": {p: round(u, 3) for p, u in self.benchmarks.items()},
+                "asks": self.cfg.effective_asks(self.plugins)}
+
     def _availability_message(self) -> pb.AgentMessage:
         st = self.availability
         return pb.AgentMessage(availability=pb.Availability(
@@ -303,7 +341,11 @@ class Agent:
             job_id=job_id, attempt=rj.envelope["attempt"], reason=reason, for_owner=True)))
 
     def run(self) -> int:
-        self.start_hosts()
+        try:
+            self.start_hosts()
+        except BaseException:  # e.g. this device's sandbox or model cannot start
+            self._release()
+            raise
         workers = [threading.Thread(target=self._worker, name=f"slot-{i}", daemon=True)
                    for i in range(self.cfg.slots)]
         workers.append(threading.Thread(target=self._report_starts, name="starts", daemon=True))
@@ -338,16 +380,22 @@ class Agent:
                 self._stop.wait(delay)
                 backoff = min(self.max_backoff_s, backoff * 2)
         finally:
-            if self.gate is not None:
-                self.gate.meter.save()  # today's GPU hours outlive a restart
-            for served in self.plugins.values():
-                served.host.stop()
-            close = getattr(self.launcher, "close", None)
-            if close is not None:
-                close()  # the plugin hosts' shared cgroup
-            if self.installer is not None:
-                self.installer.close()  # the packages' last-use times, the registry client
+            self._release()
         return 0
+
+    def _release(self) -> None:
+        """What the agent holds on this machine: the plugin hosts, their cgroup, the
+        registry client; and today's GPU hours, saved so they outlive a restart."""
+        self._stop.set()
+        if self.gate is not None:
+            self.gate.meter.save()
+        for served in self.plugins.values():
+            served.host.stop()
+        close = getattr(self.launcher, "close", None)
+        if close is not None:
+            close()  # the plugin hosts' shared cgroup
+        if self.installer is not None:
+            self.installer.close()  # the packages' last-use times, the registry client
 
     def _session(self) -> None:
         channel = grpc.insecure_channel(self.cfg.broker, options=GRPC_OPTIONS)
@@ -366,7 +414,7 @@ class Agent:
         try:
             me = self.identity.public_key_hex
             outq.put(pb.AgentMessage(hello=pb.Hello(public_key=me, agent_version=VERSION,
-                                                    name=self.cfg.name)))
+                                                    name=self.name)))
             challenge = next(call).challenge
             broker_key = challenge.broker_public_key
             if self.cfg.broker_public_key and self.cfg.broker_public_key != broker_key:
@@ -707,7 +755,9 @@ class Agent:
             self._send(pb.AgentMessage(failed=pb.JobFailed(
                 job_id=job_id, attempt=attempt, code=exc.code, message=str(exc),
                 retryable=exc.retryable)))
+            self._count_device_failure(exc)
             return
+        self._device_failures = 0
         if rj.cancelled.is_set():
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
@@ -739,10 +789,25 @@ class Agent:
             if not self._send(m):
                 log.info("job %s done while disconnected; the receipt goes out on reconnect", job_id)
                 break
+        today = time.strftime("%Y-%m-%d")
+        with self._lock:
+            self._done_by_day[today] = self._done_by_day.get(today, 0) + 1
         log.debug("job %s done in %d ms", job_id, result.run_ms)
         line = self._summary.add(result.run_ms)
         if line is not None:
             log.info("%s", line)
+
+    def _count_device_failure(self, exc: HostError) -> None:
+        if exc.code not in DEVICE_FAILURE_CODES:
+            self._device_failures = 0
+            return
+        self._device_failures += 1
+        if self._device_failures >= DEVICE_FAILURES_MAX and not self.failed_reason:
+            self.failed_reason = (f"{DEVICE_FAILURES_MAX} jobs in a row lost their plugin "
+                                  f"host on {self.device}; last: {exc}")
+            log.error("taking device %s out: %s", self.device, self.failed_reason)
+            threading.Thread(target=self.give_back_all, args=(self.failed_reason,),
+                             daemon=True).start()
 
     def _fetch_checkpoint(self, job_id: str, attempt: int, resume) -> bytes | None:
         """The checkpoint the envelope says to resume from, fetched from the broker and checked

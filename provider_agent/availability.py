@@ -355,8 +355,8 @@ class Gate:
 
 
 def make_gate(cfg, *, device: str, home: Path | None = None, clock: Clock | None = None,
-              source: GpuUsageSource | None = None,
-              presence: PresenceSource | None = None) -> Gate | None:
+              source: GpuUsageSource | None = None, presence: PresenceSource | None = None,
+              meter: UsageMeter | None = None, dev_root: Path = Path("/dev")) -> Gate | None:
     """The gate for one device under ``cfg``'s terms, or None when it sets none (always
     available). The GPU is watched through NVML unless ``source`` is given; the hours are
     kept in ``<home>/gpu-hours.json``."""
@@ -368,7 +368,7 @@ def make_gate(cfg, *, device: str, home: Path | None = None, clock: Clock | None
     from .gpu_usage import LogindPresence, default_source
     from .launch import gpu_indices_for
 
-    gpus = gpu_indices_for(device)
+    gpus = gpu_indices_for(device, dev_root)
     if rules.idle_only and not gpus:
         log.warning("idle_only is set but device %s is no NVIDIA GPU: only the schedule, "
                     "the limits and the owner's presence decide", device)
@@ -379,7 +379,7 @@ def make_gate(cfg, *, device: str, home: Path | None = None, clock: Clock | None
     folder = Path(home) if home is not None else config_dir()
     return Gate(rules, device=device, gpu_index=gpus[0] if gpus else None,
                 clock=clock or SystemClock(), source=source or _NoSource(),
-                meter=UsageMeter(folder / "gpu-hours.json"), presence=presence)
+                meter=meter or UsageMeter(folder / "gpu-hours.json"), presence=presence)
 
 
 class _NoSource:

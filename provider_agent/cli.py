@@ -28,6 +28,8 @@ def register(sub) -> None:
     r.add_argument("--plugins", help="comma-separated plugins to serve (overrides the config)")
     r.add_argument("--slots", type=int)
     r.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    r.add_argument("--devices", help='several GPUs, one agent each: "cuda:0,cuda:1" or '
+                                     '"all" (overrides `devices` in agent.toml)')
     r.add_argument("--no-sandbox", action="store_true",
                    help="run plugins WITHOUT the bubblewrap sandbox (unsafe; the broker and "
                         "its clients are told)")
@@ -111,11 +113,9 @@ def cmd_init(args) -> int:
 def cmd_run(args) -> int:
     from plugins import builtin_plugin_dir
 
-    from .agent import Agent
     from .cheats import from_env as cheat_from_env
-    from .config import load_config, load_identity
+    from .config import load_config
     from .errors import AgentError
-    from .launch import host_launcher
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -127,6 +127,8 @@ def cmd_run(args) -> int:
             cfg.slots = args.slots
         if args.device:
             cfg.device = args.device
+        if args.devices:
+            cfg.devices = [d.strip() for d in args.devices.split(",") if d.strip()]
         cfg.asks.update(parse_pairs(args.ask, int, "--ask"))
         cfg.throttle_ms_per_unit.update(parse_pairs(args.throttle, float, "--throttle"))
         for name in ("idle_only", "idle_resume_s", "on_owner", "schedule", "max_vram_gb",
@@ -146,18 +148,17 @@ def cmd_run(args) -> int:
         # SPARECYCLES_CHEAT: the verification harness's deliberately dishonest agent
         # (provider_agent.cheats); unset, this is None and the agent is honest.
         cheat = cheat_from_env()
-        launcher = host_launcher(
-            sandboxed=not args.no_sandbox, home=args.home, cfg=cfg,
-            extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
-            registry_root=installer.root if installer is not None else None)
-        from .availability import make_gate
+        cfg.check()
+        from .fleet import build_fleet
 
-        agent = Agent(cfg, load_identity(args.home), plugin_dirs=plugin_dirs,
-                      sandboxed=not args.no_sandbox, launcher=launcher, home=args.home,
-                      cheat=cheat, installer=installer,
-                      gate=make_gate(cfg, device=cfg.device, home=args.home))
-        agent.install_signal_handlers()
-        return agent.run()
+        # One agent per device (a single one without `devices`); the first reuses the
+        # installer made above, the others get their own.
+        installers = iter([installer])
+        fleet = build_fleet(cfg, home=args.home, plugin_dirs=plugin_dirs,
+                            sandboxed=not args.no_sandbox, cheat=cheat,
+                            make_installer=lambda: next(installers, None) or make_installer(cfg))
+        fleet.install_signal_handlers()
+        return fleet.run()
     except (AgentError, LookupError) as exc:
         logging.getLogger("agent").error("%s", exc)
         return 2

@@ -48,6 +48,8 @@ agent.toml::
     max_temperature_c = 0
     max_power_w = 0
     min_price_micro_per_unit = 0   # never ask less than this per work unit
+    devices = ["cuda:0", "cuda:1"]  # one agent per GPU (provider_agent.fleet); ["all"]:
+                                    # every /dev/nvidiaN; []: the one `device`
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ class AgentConfig:
     max_temperature_c: float = 0.0
     max_power_w: float = 0.0
     min_price_micro_per_unit: int = 0
+    devices: list[str] = field(default_factory=list)
 
     def rules(self):
         """The owner's terms (provider_agent.availability.Rules), checked."""
@@ -193,6 +196,13 @@ class AgentConfig:
                               f"core(s): give how many all plugin hosts may use together, "
                               f"above 0 and at most {cores} (e.g. 1.5), or 0 for all of them")
         self.rules()
+        if self.devices != ["all"] and (not isinstance(self.devices, list) or not all(
+                isinstance(d, str) and (d in ("cpu", "cuda", "auto") or (
+                    d.startswith("cuda:") and d[5:].isdigit())) for d in self.devices)
+                or len(set(self.devices)) != len(self.devices)):
+            raise ConfigError(f"devices is {self.devices!r}; give distinct devices such as "
+                              '["cuda:0", "cuda:1"], or ["all"] for every NVIDIA GPU, or [] '
+                              "for the one `device`")
         if not isinstance(self.sandbox_user, str):
             raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
                               "uid or uid:gid as a string, or \"\" for the default")

@@ -188,10 +188,13 @@ def _hardware(device: str) -> dict:
         # (reductions split across threads round differently): part of the repro class.
         info.update(threads=torch.get_num_threads(), torch=torch.__version__)
     if device.startswith("cuda"):
-        import torch
+        try:
+            import torch
 
-        props = torch.cuda.get_device_properties(torch.device(device))
-        info.update(gpu_name=props.name, vram_gb=round(props.total_memory / 2**30, 1))
+            props = torch.cuda.get_device_properties(torch.device(device))
+            info.update(gpu_name=props.name, vram_gb=round(props.total_memory / 2**30, 1))
+        except Exception as exc:  # noqa: BLE001 - a plugin that ran setup() without CUDA
+            info["gpu_error"] = f"{type(exc).__name__}: {exc}"
     return info
 
 
