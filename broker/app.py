@@ -24,11 +24,11 @@ def create_app(services) -> Flask:
     app.extensions["sparecycles"] = services
     app.config["MAX_CONTENT_LENGTH"] = 32 * 1024 * 1024
 
-    from .api import account, credits, health, jobs, market, openapi, plugins, stake
+    from .api import account, credits, health, jobs, market, openapi, plugins, providers, stake
     from .api import registry as registry_api
 
     for bp in (health.bp, jobs.bp, plugins.bp, openapi.bp, account.bp, credits.bp, market.bp,
-               stake.bp):
+               stake.bp, providers.bp):
         app.register_blueprint(bp)
     app.register_blueprint(registry_api.bp)  # the marketplace: publishers, packages, adapters
     from .admin.views import bp as admin_bp

@@ -1,4 +1,4 @@
-"""`sparecycles agent …`: init, run."""
+"""`sparecycles agent …`: init, run, status, payout (install-service: provider_agent.service)."""
 from __future__ import annotations
 
 import logging
@@ -58,6 +58,25 @@ def register(sub) -> None:
                    help="never ask less than this many micro-credits per work unit")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
+
+    s = asub.add_parser("status", help="connection, each device's state, jobs today, credits "
+                                       "and verification standing (a live view in a terminal)")
+    s.add_argument("--json", action="store_true", help="print one JSON document and exit")
+    s.add_argument("--once", action="store_true", help="print the view once, do not refresh")
+    s.add_argument("--interval", type=float, default=2.0, metavar="S",
+                   help="refresh period of the live view (default 2 s)")
+    s.add_argument("--url", help="the broker's REST address (default $SPARECYCLES_URL or "
+                                 "registry_url in agent.toml)")
+    s.add_argument("--home", type=Path)
+    s.set_defaults(func=cmd_status)
+
+    po = asub.add_parser("payout", help="pay out available credits (Stripe Connect)")
+    amount = po.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--credits", help="how many credits to pay out, e.g. 25 or 2.5")
+    amount.add_argument("--all", action="store_true", help="every available credit")
+    po.add_argument("--url")
+    po.add_argument("--home", type=Path)
+    po.set_defaults(func=cmd_payout)
 
 
 def parse_pairs(items: list[str], kind, what: str) -> dict:
@@ -162,3 +181,72 @@ def cmd_run(args) -> int:
     except (AgentError, LookupError) as exc:
         logging.getLogger("agent").error("%s", exc)
         return 2
+
+
+def cmd_status(args) -> int:
+    import json
+    import time
+
+    from .config import load_config
+    from .errors import AgentError
+    from .status import api_url, gather, render
+
+    try:
+        cfg = load_config(args.home)
+        url = api_url(cfg, args.url)
+    except AgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.interval <= 0:
+        print(f"error: --interval is {args.interval}; give seconds above 0", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = gather(cfg, args.home, url)
+        print(json.dumps(doc, indent=2))
+        return 0 if doc["broker"]["reachable"] and not doc["broker"]["error"] else 1
+    from rich.console import Console
+
+    console = Console()
+    if args.once or not console.is_terminal:
+        console.print(render(gather(cfg, args.home, url)))
+        return 0
+    from rich.live import Live
+
+    try:
+        with Live(render(gather(cfg, args.home, url)), console=console, screen=False,
+                  auto_refresh=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(render(gather(cfg, args.home, url)), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_payout(args) -> int:
+    import uuid
+
+    from .config import load_config
+    from .errors import AgentError
+    from .status import api_url, credits, payout
+
+    try:
+        cfg = load_config(args.home)
+        url = api_url(cfg, args.url)
+        if args.credits is not None:
+            from decimal import Decimal, InvalidOperation
+
+            try:
+                ok = Decimal(args.credits) > 0
+            except InvalidOperation:
+                ok = False
+            if not ok:
+                raise AgentError(f"--credits is {args.credits!r}; give a positive number of "
+                                 "credits, e.g. 25 or 2.5")
+        p = payout(url, cfg.api_key, credits_amount=args.credits, everything=args.all,
+                   idempotency_key=f"agent-payout-{uuid.uuid4().hex}")
+    except AgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"payout {p.get('id')}: {credits(p.get('amount_micro'))} credits to "
+          f"{p.get('destination')} ({p.get('status')})")
+    return 0

@@ -77,6 +77,7 @@ class Fleet:
     home: Path | None = None
     status_path: Path | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _writing: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def agents(self) -> list[Agent]:
@@ -147,14 +148,16 @@ class Fleet:
     def write_status(self) -> None:
         if self.status_path is None:
             return
+        doc = self.status()
         tmp = self.status_path.with_suffix(".tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.status(), f)
-            os.replace(tmp, self.status_path)
-        except OSError as exc:
-            log.warning("could not write %s: %s", self.status_path, exc)
+        with self._writing:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, self.status_path)
+            except OSError as exc:
+                log.warning("could not write %s: %s", self.status_path, exc)
 
     def _write_status_loop(self) -> None:
         while not self._stop.wait(STATUS_EVERY_S):

@@ -79,6 +79,10 @@ class ProviderService:
     def seen(self, provider_id: str) -> None:
         self.repo.update(provider_id, last_seen_at=self.clock())
 
+    def machines_of(self, account_id: str) -> list[Provider]:
+        """The machines (agent identities) of one provider account, oldest first."""
+        return self.repo.of_account(account_id)
+
     def all(self) -> list[Provider]:
         return self.repo.all()
 

@@ -93,6 +93,12 @@ class SqlProviderRepository:
             return list(s.scalars(select(ProviderRow.account_id).distinct()
                                   .order_by(ProviderRow.account_id)))
 
+    def of_account(self, account_id: str) -> list[Provider]:
+        with self.sessions() as s:
+            return [_provider(r) for r in s.scalars(
+                select(ProviderRow).where(ProviderRow.account_id == account_id)
+                .order_by(ProviderRow.created_at))]
+
     def all(self) -> list[Provider]:
         with self.sessions() as s:
             return [_provider(r) for r in s.scalars(select(ProviderRow).order_by(ProviderRow.created_at))]
