@@ -37,6 +37,15 @@ system-deps:
 	    echo "!! chromium is missing: install it (apt-get install chromium); browser tests will be skipped"; \
 	  fi; \
 	fi
+	@if ! command -v tmux >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing tmux for the agent status view's terminal test (apt)"; \
+	    (apt-get install -y -q tmux >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q tmux >/dev/null)); \
+	  else \
+	    echo "!! tmux is missing: install it (apt-get install tmux); the terminal test will be skipped"; \
+	  fi; \
+	fi
 
 demo: $(STAMP) system-deps
 	$(BIN)/sparecycles demo

@@ -78,6 +78,33 @@ def register(sub) -> None:
     po.add_argument("--home", type=Path)
     po.set_defaults(func=cmd_payout)
 
+    sv = asub.add_parser("install-service", help="run the agent under systemd as a non-root "
+                                                 "user (logs in the journal; reinstalling "
+                                                 "after an upgrade drains first)")
+    kind = sv.add_mutually_exclusive_group()
+    kind.add_argument("--user", dest="mode", action="store_const", const="user",
+                      help="a systemd user unit (default for an ordinary user)")
+    kind.add_argument("--system", dest="mode", action="store_const", const="system",
+                      help="a system unit (as root), running as --run-as")
+    sv.add_argument("--run-as", help="system units: the non-root account (default sparecycles)")
+    sv.add_argument("--exec", dest="exec_path", help="the sparecycles command (default this "
+                                                     "environment's)")
+    sv.add_argument("--run-arg", action="append", default=[], metavar="ARG",
+                    help="an argument for `agent run` (repeatable), e.g. --run-arg=--idle-only")
+    sv.add_argument("--print", dest="print_only", action="store_true",
+                    help="print the unit and change nothing")
+    sv.add_argument("--no-start", action="store_true",
+                    help="write the unit, do not enable or start it")
+    sv.add_argument("--unit-dir", type=Path, help=argparse_suppress())
+    sv.add_argument("--home", type=Path)
+    sv.set_defaults(func=cmd_install_service)
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
 
 def parse_pairs(items: list[str], kind, what: str) -> dict:
     """``["sd15=15000", "echo=10,llama=3"]`` -> ``{"sd15": 15000, ...}``."""
@@ -249,4 +276,28 @@ def cmd_payout(args) -> int:
         return 2
     print(f"payout {p.get('id')}: {credits(p.get('amount_micro'))} credits to "
           f"{p.get('destination')} ({p.get('status')})")
+    return 0
+
+
+def cmd_install_service(args) -> int:
+    from .config import config_dir
+    from .errors import AgentError
+    from .service import install, plan, render_unit
+
+    try:
+        spec = plan(mode=args.mode, run_as=args.run_as, home=args.home or config_dir(),
+                    exec_path=args.exec_path, extra_args=tuple(args.run_arg))
+        if args.print_only:
+            print(render_unit(spec), end="")
+            return 0
+        path, done = install(spec, directory=args.unit_dir, start=not args.no_start)
+    except AgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in done:
+        print(line)
+    scope = "--user " if spec.mode == "user" else ""
+    print(f"logs: journalctl {scope}-u sparecycles-agent -f")
+    if spec.mode == "user":
+        print("to keep it running while you are logged out: loginctl enable-linger $USER")
     return 0
