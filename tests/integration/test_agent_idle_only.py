@@ -150,3 +150,70 @@ def test_schedule_closed_agent_is_paused_not_failed(world):
     assert state(broker, job.id).state.value == "queued"
     clock.advance(10 * 3600)  # 22:00
     assert settled(broker, job, 20)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("for_owner", [True, False])
+def test_a_canary_given_back_for_the_owner_is_not_a_failure(world, for_owner):
+    """The broker's canary (a measuring job) given back for the owner counts against
+    nobody; given back for any other reason it still counts, as before."""
+    import json
+
+    from sdk.protocol import agent_pb2 as pb
+    from sdk.protocol.envelope import challenge_document
+    from sdk.protocol.signing import KeyPair
+    from tests.integration.test_gateway_and_sdk import RawAgent
+
+    broker, _ = world
+    raw = RawAgent(broker.grpc, broker.key("provider"))
+    key = KeyPair.generate()
+    raw.send(hello=pb.Hello(public_key=key.public_key_hex, name="raw"))
+    ch = raw.recv().challenge
+    raw.send(challenge_response=pb.ChallengeResponse(signature=key.sign(
+        "challenge", challenge_document(ch.nonce, key.public_key_hex, ch.broker_public_key))))
+    raw.send(capabilities=pb.Capabilities(  # a benchmark claim: the broker checks it
+        plugins=[pb.PluginCapability(name="echo", version="1.0.0")], slots=1, sandboxed=True,
+        benchmarks=[pb.PluginBenchmark(plugin="echo", units_per_s=50.0, runs=3)]))
+    provider_id = raw.recv().welcome.provider_id
+    msg = raw.recv()
+    while msg.WhichOneof("body") != "assignment":
+        msg = raw.recv()
+    canary = json.loads(msg.assignment.envelope)
+    assert broker.services.canaries.owns(canary["job_id"])
+    raw.send(give_back=pb.GiveBack(job_id=canary["job_id"], attempt=canary["attempt"],
+                                   reason="the owner started a game", for_owner=for_owner))
+    while (msg := raw.recv()).WhichOneof("body") != "ack":
+        pass
+    assert msg.ack.what == "give_back"
+    assert not broker.services.canaries.owns(canary["job_id"])
+    rec = broker.services.market.tracker.record_of(provider_id, "echo")
+    assert rec.failures == (0 if for_owner else 1)
+    raw.close()
+
+
+def test_min_price_floors_the_standing_ask(world):
+    broker, start = world
+    agent = start("proud", asks={"echo": 100}, min_price_micro_per_unit=500)
+    wait_for(lambda: agent.ask_status.get("echo"), what="the ask's answer")
+    [row] = [r for r in broker.services.market.asks({agent.provider_id}) if r["plugin"] == "echo"]
+    assert row["price_micro_per_unit"] == 500 and not row["at_reserve"]
+    agent.post_asks({"echo": 200})  # a later ask under the floor is lifted too
+    wait_for(lambda: agent.ask_status["echo"].standing_price_micro_per_unit == 500,
+             what="the lifted ask")
+
+
+def test_bad_terms_on_the_command_line_are_refused_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from provider_agent.config import save_config
+
+    save_config(AgentConfig(api_key="k"), tmp_path)
+    exe = Path(sys.executable).parent / "sparecycles"
+    for flags, words in ((["--schedule", "nightly"], "is not a time window"),
+                         (["--max-temperature", "500"], "max_temperature_c is 500.0"),
+                         (["--devices", "gpu0"], "devices is ['gpu0']")):
+        out = subprocess.run([str(exe), "agent", "run", "--home", str(tmp_path), "--no-sandbox",
+                              *flags], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and words in out.stderr, (flags, out.stderr)
