@@ -299,11 +299,12 @@ class Gate:
         r = self.rules
         usage = self._usage() if r.watches_gpu else None
         self.usage = usage
-        owner = self._owner_reason(usage, own, working) if r.idle_only else ""
+        owner = self._owner_reason(usage, own, working) \
+            if r.idle_only or r.owner_away_s else ""
         if owner:
             self._last_busy = mono
             return OWNER_ACTIVE, owner
-        if r.idle_only and self._last_busy is not None:
+        if (r.idle_only or r.owner_away_s) and self._last_busy is not None:
             quiet = mono - self._last_busy
             if quiet < r.idle_resume_s:
                 return IDLE_WAITING, (f"the owner stopped using the GPU; work resumes after "
@@ -338,7 +339,7 @@ class Gate:
 
     def _owner_reason(self, usage: DeviceUsage | None, own: set[int], working: bool) -> str:
         r = self.rules
-        if usage is not None:
+        if usage is not None and r.idle_only:
             others = usage.others(own)
             if others:
                 names = ", ".join(f"{p.name or 'pid'} ({p.pid})" for p in others[:3])

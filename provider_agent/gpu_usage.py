@@ -64,11 +64,12 @@ class NvmlUsageSource:
     temperature, power. A figure NVML cannot give on this GPU (a driver or permission
     limit) is None, never an error: the rest still counts."""
 
-    def __init__(self) -> None:
-        import pynvml  # nvidia-ml-py
+    def __init__(self, nvml=None) -> None:
+        if nvml is None:
+            import pynvml as nvml  # nvidia-ml-py
 
-        self._nvml = pynvml
-        pynvml.nvmlInit()
+        self._nvml = nvml
+        nvml.nvmlInit()
         self._lock = threading.Lock()
         self._names: dict[int, str] = {}
 
@@ -185,12 +186,13 @@ class LogindPresence:
     desktop's screen saver / idle monitor): the shortest idle time among active sessions,
     0 for an active session that is not idle, None when logind cannot be asked."""
 
-    def __init__(self, clock_monotonic_us=None) -> None:
+    def __init__(self, clock_monotonic_us=None, loginctl: str = "loginctl") -> None:
         self._now_us = clock_monotonic_us or (lambda: int(_monotonic_raw() * 1e6))
+        self.loginctl = loginctl
 
     def idle_s(self) -> float | None:
         try:
-            listed = subprocess.run(["loginctl", "list-sessions", "--no-legend"],
+            listed = subprocess.run([self.loginctl, "list-sessions", "--no-legend"],
                                     capture_output=True, text=True, timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             return None
@@ -201,7 +203,7 @@ class LogindPresence:
             parts = line.split()
             if not parts:
                 continue
-            props = _loginctl_props(parts[0])
+            props = _loginctl_props(self.loginctl, parts[0])
             if props.get("Active") != "yes" or props.get("Remote") == "yes":
                 continue
             if props.get("IdleHint") != "yes":
@@ -220,9 +222,9 @@ class FakePresence:
         return self.value
 
 
-def _loginctl_props(session: str) -> dict[str, str]:
+def _loginctl_props(loginctl: str, session: str) -> dict[str, str]:
     try:
-        out = subprocess.run(["loginctl", "show-session", session, "-p", "Active", "-p",
+        out = subprocess.run([loginctl, "show-session", session, "-p", "Active", "-p",
                               "Remote", "-p", "IdleHint", "-p", "IdleSinceHintMonotonic"],
                              capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.TimeoutExpired):

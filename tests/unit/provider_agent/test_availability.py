@@ -148,3 +148,13 @@ def test_config_terms_are_checked_and_min_price_lifts_asks():
                                 ("min_price_micro_per_unit", 1.5, "whole number")):
         with pytest.raises(ConfigError, match=words):
             AgentConfig(api_key="k", **{field: value}).check()
+
+
+def test_owner_away_alone_ignores_gpu_processes():
+    """owner_away_s without idle_only: only the keyboard counts, not the GPU's users."""
+    gpu, presence = FakeGpuUsageSource(), FakePresence(idle_s=10)
+    gpu.set(0, processes=[GpuProcess(777, "blender")])
+    g = gate(source=gpu, presence=presence, idle_only=False, owner_away_s=60, idle_resume_s=0)
+    assert g.look(own_pids=OWN, working=False).state == OWNER_ACTIVE
+    presence.value = 61
+    assert g.look(own_pids=OWN, working=False).state == AVAILABLE
