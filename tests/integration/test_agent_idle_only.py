@@ -148,6 +148,19 @@ def test_schedule_closed_agent_is_paused_not_failed(world):
     job = Client(broker.url, broker.key("client")).jobs.create("echo", text="at night")
     time.sleep(0.4)
     assert state(broker, job.id).state.value == "queued"
+    # The admin console shows it paused by its owner's terms, not failed.
+    import html
+
+    from broker.app import create_app
+    from tests.integration.test_admin_console_forms import _sign_in
+
+    console = create_app(broker.services).test_client()
+    _sign_in(console, broker.services)
+    page = html.unescape(console.get(f"/admin/providers/{agent.provider_id}")
+                         .get_data(as_text=True))
+    assert "paused by its owner's terms: schedule closed" in page
+    assert "paused: schedule closed" in html.unescape(
+        console.get("/admin/providers").get_data(as_text=True))
     clock.advance(10 * 3600)  # 22:00
     assert settled(broker, job, 20)
 
