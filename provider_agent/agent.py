@@ -34,7 +34,7 @@ from sdk.protocol.signing import KeyPair
 from .availability import AVAILABLE, OWNER_ACTIVE, DeviceState, Gate
 from .benchmark import benchmark_plugin, throttle
 from .cheats import Cheat
-from .config import AgentConfig, save_config
+from .config import AgentConfig, pin_broker_key
 from .errors import AgentError, ConfigError, HostError
 from .gpu_usage import own_pids
 from .host.manager import HostResult, PluginHost
@@ -425,7 +425,7 @@ class Agent:
             if not self.cfg.broker_public_key:
                 self.cfg.broker_public_key = broker_key
                 if self.home is not None:
-                    save_config(self.cfg, self.home)
+                    pin_broker_key(broker_key, self.home)
                 log.info("pinned broker key %s…", broker_key[:16])
             signature = self.identity.sign("challenge",
                                            challenge_document(challenge.nonce, me, broker_key))

@@ -50,6 +50,10 @@ agent.toml::
     min_price_micro_per_unit = 0   # never ask less than this per work unit
     devices = ["cuda:0", "cuda:1"]  # one agent per GPU (provider_agent.fleet); ["all"]:
                                     # every /dev/nvidiaN; []: the one `device`
+    [device_slots]                  # per device, over `slots`
+    "cuda:1" = 2
+    [device_asks."cuda:1"]          # per device, over [asks]
+    sd15 = 12000
 """
 from __future__ import annotations
 
@@ -117,6 +121,20 @@ class AgentConfig:
     max_power_w: float = 0.0
     min_price_micro_per_unit: int = 0
     devices: list[str] = field(default_factory=list)
+    device_slots: dict[str, int] = field(default_factory=dict)
+    device_asks: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def for_device(self, device: str) -> "AgentConfig":
+        """This config as one device's agent runs it: its own slots and asks
+        (``device_slots``, ``device_asks`` over ``slots``, ``asks``), its own copies."""
+        import copy
+
+        cfg = copy.deepcopy(self)
+        cfg.device, cfg.devices = device, []
+        cfg.slots = int(self.device_slots.get(device, self.slots))
+        cfg.asks = {**self.asks, **self.device_asks.get(device, {})}
+        cfg.device_slots, cfg.device_asks = {}, {}
+        return cfg
 
     def rules(self):
         """The owner's terms (provider_agent.availability.Rules), checked."""
@@ -203,6 +221,24 @@ class AgentConfig:
             raise ConfigError(f"devices is {self.devices!r}; give distinct devices such as "
                               '["cuda:0", "cuda:1"], or ["all"] for every NVIDIA GPU, or [] '
                               "for the one `device`")
+        for name, table in (("device_slots", self.device_slots),
+                            ("device_asks", self.device_asks)):
+            if not isinstance(table, dict):
+                raise ConfigError(f"{name} is {table!r}; give a table keyed by device, e.g. "
+                                  f'[{name}] "cuda:1" = …')
+            for dev, value in table.items():
+                if self.devices not in ([], ["all"]) and dev not in self.devices:
+                    raise ConfigError(f"{name} names {dev!r}, which is not among devices "
+                                      f"{self.devices}")
+                if name == "device_slots" and (isinstance(value, bool) or not isinstance(
+                        value, int) or not 1 <= value <= 64):
+                    raise ConfigError(f"device_slots.{dev} is {value!r}; must be between 1 "
+                                      "and 64")
+                if name == "device_asks" and (not isinstance(value, dict) or not all(
+                        isinstance(v, int) and not isinstance(v, bool) and v > 0
+                        for v in value.values())):
+                    raise ConfigError(f"device_asks.{dev} is {value!r}; give plugin = price "
+                                      "in micro-credits per work unit, e.g. sd15 = 12000")
         if not isinstance(self.sandbox_user, str):
             raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
                               "uid or uid:gid as a string, or \"\" for the default")
@@ -241,6 +277,18 @@ def save_config(cfg: AgentConfig, home: Path | None = None) -> Path:
         tomli_w.dump({k: v for k, v in asdict(cfg).items() if v not in (None,)}, f)
     os.chmod(path, 0o600)
     return path
+
+
+def pin_broker_key(key: str, home: Path | None = None) -> None:
+    """Write the broker's key into agent.toml, changing nothing else of the file (an
+    agent's settings may differ from it by flags, or per device)."""
+    try:
+        cfg = load_config(home)
+    except ConfigError:
+        return  # no file (an agent built in code): nothing to pin into
+    if cfg.broker_public_key != key:
+        cfg.broker_public_key = key
+        save_config(cfg, home)
 
 
 def load_identity(home: Path | None = None) -> KeyPair:

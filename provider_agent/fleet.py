@@ -8,6 +8,8 @@ the operator's one account: one operator's machines bid as one). The first devic
 ``identity.key`` (its standing survives adding a GPU); device ``cuda:N`` after it uses
 ``identity-cudaN.key``.
 
+Per device, ``device_slots`` and ``device_asks`` override ``slots`` and ``asks``; the
+machine's ``memory_limit_mb`` and ``cpu_cores`` are shared out equally between devices.
 A device that fails is taken out, not the machine: one whose sandbox or model cannot
 start, or whose plugin host dies under several jobs in a row (``DEVICE_FAILURES_MAX``),
 stops; the others go on serving. The fleet ends when every device has stopped, with 0 if
@@ -177,6 +179,13 @@ def build_fleet(cfg: AgentConfig, *, home: Path | None, plugin_dirs: dict[str, P
     several = len(devices) > 1
     folder = Path(home) if home is not None else config_dir()
     meter = UsageMeter(folder / "gpu-hours.json")  # one file, counted per device
+    # memory_limit_mb and cpu_cores are for all plugin hosts of the machine: each device's
+    # agent gets its share.
+    from .launch import default_memory_limit_mb
+
+    n = len(devices)
+    memory_mb = max(256, (cfg.memory_limit_mb or default_memory_limit_mb()) // n)
+    cores = (cfg.cpu_cores or float(os.cpu_count() or 1)) / n
     slots = []
     for i, device in enumerate(devices):
         slot = DeviceSlot(device)
@@ -185,12 +194,15 @@ def build_fleet(cfg: AgentConfig, *, home: Path | None, plugin_dirs: dict[str, P
             installer = make_installer()
             launcher = host_launcher(
                 sandboxed=sandboxed, home=home, cfg=cfg,
+                memory_limit_mb=memory_mb if several else None,
+                cpu_cores=cores if several else None,
                 gpu_devices=gpu_indices_for(device, dev_root), gpu_dev_root=dev_root,
                 extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
                 registry_root=installer.root if installer is not None else None)
             gate = make_gate(cfg, device=device, home=home, clock=clock, source=source,
                              meter=meter, dev_root=dev_root)
-            slot.agent = Agent(cfg, identity_for(device, i == 0, home), plugin_dirs=plugin_dirs,
+            slot.agent = Agent(cfg.for_device(device), identity_for(device, i == 0, home),
+                               plugin_dirs=plugin_dirs,
                                sandboxed=sandboxed, launcher=launcher, home=home, cheat=cheat,
                                installer=installer, gate=gate,
                                availability_poll_s=availability_poll_s, device=device,

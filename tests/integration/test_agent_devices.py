@@ -40,7 +40,8 @@ def test_two_devices_two_hosts_separate_asks_own_nodes(tmp_path, fake_dev):
     provider_key = broker.key("provider")
     cfg = AgentConfig(broker=broker.grpc, api_key=provider_key, name="rig",
                       plugins=["devices"], devices=["cuda:0", "cuda:1", "cuda:2"],
-                      asks={"devices": 7})
+                      asks={"devices": 7}, device_slots={"cuda:1": 2},
+                      device_asks={"cuda:1": {"devices": 9}})
     save_config(cfg, home)
     fleet = build_fleet(cfg, home=home, plugin_dirs={"devices": FIXTURES / "devices"},
                         sandboxed=True, dev_root=fake_dev)
@@ -61,8 +62,19 @@ def test_two_devices_two_hosts_separate_asks_own_nodes(tmp_path, fake_dev):
                          headers={"Authorization": f"Bearer {provider_key}"}).json()["data"]
         mine = {a["provider_id"]: a for a in asks if a["plugin"] == "devices"}
         assert set(mine) >= {one.agent.provider_id, two.agent.provider_id}
-        assert all(mine[p]["price_micro_per_unit"] == 7 and mine[p]["claimed_units_per_s"]
+        assert mine[one.agent.provider_id]["price_micro_per_unit"] == 7
+        assert mine[two.agent.provider_id]["price_micro_per_unit"] == 9  # its own ask
+        assert all(mine[p]["claimed_units_per_s"]
                    for p in (one.agent.provider_id, two.agent.provider_id))
+        sessions = broker.services.dispatcher
+        assert sessions.session(one.agent.provider_id).slots == 1
+        assert sessions.session(two.agent.provider_id).slots == 2
+        # agent.toml keeps the machine's settings; only the broker's key was pinned.
+        from provider_agent.config import load_config
+
+        saved = load_config(home)
+        assert saved.broker_public_key and saved.devices == cfg.devices
+        assert saved.device == "auto" and saved.name == "rig"
         # From inside each sandbox: its own GPU node and the shared ones, never the other's.
         for slot, own, other in ((one, "nvidia0", "nvidia1"), (two, "nvidia1", "nvidia0")):
             host = slot.agent.plugins["devices"].host
