@@ -171,3 +171,41 @@ def test_payout_through_stripe_connect(tmp_path):
     finally:
         broker.stop()
         stub.close()
+
+
+def test_cli_agent_outside_its_schedule_is_paused_and_status_says_so(tmp_path):
+    """The real `sparecycles agent run` process, its schedule closed now: the broker sees
+    it paused by schedule, `agent status --json` shows it, and SIGTERM stops it cleanly."""
+    import signal
+    from datetime import datetime, timedelta
+
+    broker = LiveBroker(tmp_path)
+    home = tmp_path / "home"
+    save_config(AgentConfig(broker=broker.grpc, api_key=broker.key("provider"), name="cli-pc",
+                            plugins=["echo"], device="cpu", registry_url=broker.url), home)
+    later = datetime.now() + timedelta(hours=2)
+    window = f"{later:%H}:00-{(later + timedelta(hours=1)):%H}:00"
+    agent = subprocess.Popen([str(SPARECYCLES), "agent", "run", "--home", str(home),
+                              "--no-sandbox", "--schedule", window],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def closed():
+            for p in broker.services.providers.all():
+                if p.name == "cli-pc" and (p.availability or {}).get("state") == "schedule_closed":
+                    return p
+            return None
+        provider = wait_for(closed, timeout=60, what="the agent to connect paused")
+        session = wait_for(lambda: broker.services.dispatcher.session(provider.id),
+                           what="its session")
+        assert session.free == 0
+        doc = wait_for(lambda: (d := json.loads(cli("status", "--json", home=home).stdout))
+                       ["agent"]["running"] and d, what="status.json")
+        [dev] = doc["devices"]
+        assert dev["state"] == "schedule_closed" and dev["connected"]
+        assert dev["reason"] == "outside the schedule's windows"
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        broker.stop()
