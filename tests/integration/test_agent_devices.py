@@ -97,3 +97,41 @@ def test_two_devices_two_hosts_separate_asks_own_nodes(tmp_path, fake_dev):
         fleet.stop()
         assert fleet.wait(timeout_s=20) == 0  # two devices stopped normally
         broker.stop()
+
+
+def test_a_device_whose_host_keeps_dying_is_taken_out(tmp_path):
+    """Three jobs in a row lose the plugin host: the device is taken out (its agent stops
+    and says why in status.json) instead of failing every job sent to it."""
+    from provider_agent.agent import DEVICE_FAILURES_MAX
+
+    broker = LiveBroker(tmp_path, plugin_dirs=[BUILTIN_DIR, FIXTURES], max_attempts=1)
+    home = tmp_path / "home"
+    cfg = AgentConfig(broker=broker.grpc, api_key=broker.key("provider"), name="flaky",
+                      plugins=["devices"], device="cpu")
+    save_config(cfg, home)
+    fleet = build_fleet(cfg, home=home, plugin_dirs={"devices": FIXTURES / "devices"},
+                        sandboxed=False)
+    try:
+        fleet.start()
+        [agent] = fleet.agents
+        deadline = time.monotonic() + 30
+        while not agent.provider_id and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = Client(broker.url, broker.key("client"))
+        assert client.generate("devices", note="fine", timeout=30).json[0]["note"] == "fine"
+        for i in range(DEVICE_FAILURES_MAX):
+            _wait_quietly(client.jobs.create("devices", note=str(i), crash=True))
+        assert fleet.wait(timeout_s=20) == 2  # its only device failed
+        assert "lost their plugin host" in agent.failed_reason
+        status = json.loads((home / "status.json").read_text())
+        assert status["devices"][0]["state"] == "failed"
+    finally:
+        fleet.stop()
+        broker.stop()
+
+
+def _wait_quietly(job):
+    try:
+        job.wait(timeout=30)
+    except Exception:  # noqa: BLE001 - the job fails, as it should
+        pass
