@@ -42,6 +42,10 @@ LIMIT_REACHED = "limit_reached"
 STATES = (AVAILABLE, OWNER_ACTIVE, IDLE_WAITING, SCHEDULE_CLOSED, LIMIT_REACHED)
 # What happens to running jobs when the owner comes back (``on_owner`` in agent.toml).
 OWNER_POLICIES = ("finish", "give_back", "checkpoint")
+# A GPU stopped at its temperature or power ceiling works again only once it is this far
+# below it, so that it does not start and stop at every degree around the ceiling.
+TEMPERATURE_HYSTERESIS_C = 5.0
+POWER_HYSTERESIS = 0.9
 
 
 class Clock(Protocol):
@@ -272,6 +276,7 @@ class Gate:
         self.presence = presence
         self._last_busy: float | None = None   # monotonic: the owner was last seen then
         self._last_look: float | None = None
+        self._hot = False      # stopped at the temperature or power ceiling
         self.state = DeviceState(device, AVAILABLE, "", clock.time())
         self.usage: DeviceUsage | None = None
 
@@ -316,12 +321,20 @@ class Gate:
             return LIMIT_REACHED, (f"{self.hours_today():.2f} of {r.max_gpu_hours_per_day:g} GPU "
                                    "hours used today")
         if usage is not None:
+            # Below the ceiling by the hysteresis once stopped at it.
+            temp_limit = r.max_temperature_c - (TEMPERATURE_HYSTERESIS_C if self._hot else 0)
+            power_limit = r.max_power_w * (POWER_HYSTERESIS if self._hot else 1)
+            self._hot = False
             if r.max_temperature_c and usage.temperature_c is not None \
-                    and usage.temperature_c >= r.max_temperature_c:
+                    and usage.temperature_c >= temp_limit:
+                self._hot = True
                 return LIMIT_REACHED, (f"GPU at {usage.temperature_c:.0f}°C, ceiling "
-                                       f"{r.max_temperature_c:g}°C")
-            if r.max_power_w and usage.power_w is not None and usage.power_w >= r.max_power_w:
-                return LIMIT_REACHED, f"GPU draws {usage.power_w:.0f} W, ceiling {r.max_power_w:g} W"
+                                       f"{r.max_temperature_c:g}°C (work resumes below "
+                                       f"{r.max_temperature_c - TEMPERATURE_HYSTERESIS_C:g}°C)")
+            if r.max_power_w and usage.power_w is not None and usage.power_w >= power_limit:
+                self._hot = True
+                return LIMIT_REACHED, (f"GPU draws {usage.power_w:.0f} W, ceiling "
+                                       f"{r.max_power_w:g} W")
             if r.max_vram_gb and usage.own_memory_mb(own) / 1024 > r.max_vram_gb:
                 return LIMIT_REACHED, (f"the agent's jobs hold {usage.own_memory_mb(own) / 1024:.1f}"
                                        f" GB of VRAM, limit {r.max_vram_gb:g} GB")

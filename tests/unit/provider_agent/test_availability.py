@@ -129,8 +129,12 @@ def test_temperature_power_and_vram_ceilings():
     gpu.set(0, temperature_c=83)
     st = g.look(own_pids=OWN, working=True)
     assert st.state == LIMIT_REACHED and "83°C" in st.reason
+    gpu.set(0, temperature_c=77)  # below the ceiling, not yet below it by 5°C
+    assert g.look(own_pids=OWN, working=True).state == LIMIT_REACHED
     gpu.set(0, temperature_c=70, power_w=300)
     assert "300 W" in g.look(own_pids=OWN, working=True).reason
+    gpu.set(0, power_w=240)  # under 250 W, not under 225 W
+    assert g.look(own_pids=OWN, working=True).state == LIMIT_REACHED
     gpu.set(0, power_w=100, processes=[GpuProcess(4242, "python", 5 * 1024)])
     assert "VRAM" in g.look(own_pids=OWN, working=True).reason
     gpu.set(0, processes=[GpuProcess(4242, "python", 3 * 1024)])
