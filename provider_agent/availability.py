@@ -42,6 +42,10 @@ LIMIT_REACHED = "limit_reached"
 STATES = (AVAILABLE, OWNER_ACTIVE, IDLE_WAITING, SCHEDULE_CLOSED, LIMIT_REACHED)
 # What happens to running jobs when the owner comes back (``on_owner`` in agent.toml).
 OWNER_POLICIES = ("finish", "give_back", "checkpoint")
+# Processes that hold a GPU context all the time on a desktop without being "the owner
+# using the GPU": display servers and compositors (NVML lists them as graphics processes).
+DISPLAY_PROCESSES = ("Xorg", "Xwayland", "gnome-shell", "kwin_wayland", "kwin_x11",
+                     "plasmashell", "mutter", "sway", "weston", "gamescope-wl")
 # A GPU stopped at its temperature or power ceiling works again only once it is this far
 # below it, so that it does not start and stop at every degree around the ceiling.
 TEMPERATURE_HYSTERESIS_C = 5.0
@@ -178,6 +182,7 @@ class Rules:
     idle_only: bool = False
     idle_resume_s: float = 60.0
     idle_util_pct: float = 10.0
+    idle_ignore_processes: tuple[str, ...] = DISPLAY_PROCESSES
     owner_away_s: float = 0.0
     on_owner: str = "finish"
     checkpoint_wait_s: float = 30.0
@@ -353,7 +358,7 @@ class Gate:
     def _owner_reason(self, usage: DeviceUsage | None, own: set[int], working: bool) -> str:
         r = self.rules
         if usage is not None and r.idle_only:
-            others = usage.others(own)
+            others = [p for p in usage.others(own) if p.name not in r.idle_ignore_processes]
             if others:
                 names = ", ".join(f"{p.name or 'pid'} ({p.pid})" for p in others[:3])
                 return f"in use by {names}"

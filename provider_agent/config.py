@@ -38,6 +38,8 @@ agent.toml::
     idle_only = true          # work only while no other process uses the GPU
     idle_resume_s = 60        # ... and it has been idle this long
     idle_util_pct = 10        # utilisation that counts as use when no job of ours runs
+    idle_ignore_processes = ["Xorg", "gnome-shell"]   # GPU users that are not "use"
+                              # (absent: the usual display servers and compositors)
     owner_away_s = 0          # also wait until the owner is away this long (0: ignore)
     on_owner = "finish"       # running jobs when the owner comes: finish | give_back |
                               # checkpoint (wait up to checkpoint_wait_s for a checkpoint)
@@ -111,6 +113,7 @@ class AgentConfig:
     idle_only: bool = False
     idle_resume_s: float = 60.0
     idle_util_pct: float = 10.0
+    idle_ignore_processes: list[str] | None = None   # None: the display servers
     owner_away_s: float = 0.0
     on_owner: str = "finish"
     checkpoint_wait_s: float = 30.0
@@ -149,6 +152,11 @@ class AgentConfig:
                     or not low <= value <= high:
                 raise ConfigError(f"{name} is {value!r}; give a number from {low} to {high}"
                                   + (" (0: no limit)" if name.startswith("max_") else ""))
+        ignore = self.idle_ignore_processes
+        if ignore is not None and (not isinstance(ignore, list)
+                                   or not all(isinstance(n, str) and n for n in ignore)):
+            raise ConfigError(f"idle_ignore_processes is {ignore!r}; give process names, e.g. "
+                              '["Xorg", "gnome-shell"]')
         if not isinstance(self.idle_only, bool):
             raise ConfigError(f"idle_only is {self.idle_only!r}; give true or false")
         if self.on_owner not in OWNER_POLICIES:
@@ -159,8 +167,12 @@ class AgentConfig:
                 or self.min_price_micro_per_unit < 0:
             raise ConfigError(f"min_price_micro_per_unit is {self.min_price_micro_per_unit!r}; "
                               "give a whole number of micro-credits per work unit, 0 for none")
+        from .availability import DISPLAY_PROCESSES
+
         return Rules(idle_only=self.idle_only, idle_resume_s=float(self.idle_resume_s),
                      idle_util_pct=float(self.idle_util_pct),
+                     idle_ignore_processes=tuple(DISPLAY_PROCESSES if ignore is None
+                                                 else ignore),
                      owner_away_s=float(self.owner_away_s), on_owner=self.on_owner,
                      checkpoint_wait_s=float(self.checkpoint_wait_s),
                      schedule=Schedule.parse(self.schedule),

@@ -162,3 +162,17 @@ def test_owner_away_alone_ignores_gpu_processes():
     assert g.look(own_pids=OWN, working=False).state == OWNER_ACTIVE
     presence.value = 61
     assert g.look(own_pids=OWN, working=False).state == AVAILABLE
+
+
+def test_display_servers_are_not_the_owner_using_the_gpu():
+    gpu = FakeGpuUsageSource()
+    gpu.set(0, processes=[GpuProcess(900, "Xorg", 300), GpuProcess(901, "gnome-shell", 150)])
+    g = gate(source=gpu)
+    assert g.look(own_pids=OWN, working=False).state == AVAILABLE
+    strict = gate(source=gpu, idle_ignore_processes=())
+    assert strict.look(own_pids=OWN, working=False).state == OWNER_ACTIVE
+    cfg = AgentConfig(api_key="k", idle_only=True, idle_ignore_processes=["Xorg"])
+    assert cfg.rules().idle_ignore_processes == ("Xorg",)
+    assert "Xorg" in AgentConfig(api_key="k").rules().idle_ignore_processes
+    with pytest.raises(ConfigError, match="process names"):
+        AgentConfig(api_key="k", idle_ignore_processes="Xorg").check()
