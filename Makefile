@@ -39,11 +39,11 @@ system-deps:
 	fi
 	@if ! command -v tmux >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "==> installing tmux for the CLI's terminal tests (apt)"; \
+	    echo "==> installing tmux for the terminal tests of the CLI and the agent status view (apt)"; \
 	    (apt-get install -y -q tmux >/dev/null 2>&1 || \
 	     (apt-get update -q >/dev/null && apt-get install -y -q tmux >/dev/null)); \
 	  else \
-	    echo "!! tmux is missing: install it (apt-get install tmux); the CLI terminal tests will be skipped"; \
+	    echo "!! tmux is missing: install it (apt-get install tmux); the terminal tests will be skipped"; \
 	  fi; \
 	fi
 

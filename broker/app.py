@@ -25,11 +25,11 @@ def create_app(services) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = 32 * 1024 * 1024
 
     from .api import (account, credits, health, jobs, market, openai_compat, openapi, plugins,
-                      stake)
+                      providers, stake)
     from .api import registry as registry_api
 
     for bp in (health.bp, jobs.bp, plugins.bp, openapi.bp, account.bp, credits.bp, market.bp,
-               stake.bp, openai_compat.bp):
+               stake.bp, openai_compat.bp, providers.bp):
         app.register_blueprint(bp)
     app.register_blueprint(registry_api.bp)  # the marketplace: publishers, packages, adapters
     from .admin.views import bp as admin_bp

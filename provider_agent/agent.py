@@ -31,11 +31,13 @@ from sdk.protocol.envelope import (EnvelopeError, ReplayGuard, challenge_documen
 from sdk.protocol.manifest import Manifest, load_manifest
 from sdk.protocol.signing import KeyPair
 
+from .availability import AVAILABLE, OWNER_ACTIVE, DeviceState, Gate
 from .benchmark import benchmark_plugin, throttle
 from .cheats import Cheat
-from .config import AgentConfig, save_config
+from .config import AgentConfig, pin_broker_key
 from .errors import AgentError, ConfigError, HostError
 from .fingerprint import machine_fingerprint
+from .gpu_usage import own_pids
 from .host.manager import HostResult, PluginHost
 from .weights import folder_digest
 
@@ -49,6 +51,10 @@ SUMMARY_EVERY_S = 60.0
 # a message and a write transaction per short job (what Celery's task_track_started=False
 # does). Leases do not depend on it: heartbeats extend them.
 START_REPORT_DELAY_S = 0.05
+# A device whose plugin host dies or cannot start this many jobs in a row is taken out:
+# this agent gives its jobs back and stops (the fleet's other devices go on serving).
+DEVICE_FAILURES_MAX = 3
+DEVICE_FAILURE_CODES = ("host_died", "host_start_failed", "start_timeout")
 # Outputs up to this size in all travel inside the receipt's message (one message, and one
 # lease check at the broker, per job); larger ones go ahead of it one message each.
 INLINE_OUTPUTS_BYTES = 1 << 20
@@ -86,9 +92,15 @@ class ServedPlugin:
 class Agent:
     def __init__(self, cfg: AgentConfig, identity: KeyPair, *, plugin_dirs: dict[str, Path],
                  sandboxed: bool, launcher=None, home: Path | None = None,
-                 max_backoff_s: float = 30.0, cheat: Cheat | None = None, installer=None):
+                 max_backoff_s: float = 30.0, cheat: Cheat | None = None, installer=None,
+                 gate: Gate | None = None, availability_poll_s: float = 1.0,
+                 device: str | None = None, name: str | None = None):
         cfg.check()
         self.cfg = cfg
+        # One agent serves one device (provider_agent.fleet runs one per GPU): ``device``
+        # and ``name`` override agent.toml's for it; the file stays the machine's.
+        self.device = device or cfg.device
+        self.name = name or cfg.name
         self.identity = identity
         self.home = home
         self.sandboxed = sandboxed
@@ -116,8 +128,8 @@ class Agent:
             # A cheat may run other weights; the agent still advertises its own.
             run_weights = cheat.weights_for(manifest.output, weights) if cheat else weights
             self.plugins[name] = ServedPlugin(
-                manifest, PluginHost(folder, run_weights, device=cfg.device, launcher=launcher,
-                                     name=name),
+                manifest, PluginHost(folder, run_weights, device=self.device, launcher=launcher,
+                                     name=name, max_vram_gb=float(cfg.max_vram_gb or 0)),
                 folder_digest(weights, (home / "weights-cache.json") if home else None))
         self.replay = ReplayGuard()
         # SimpleQueue (C) rather than Queue (Python locks and conditions): cheaper hand-offs.
@@ -141,6 +153,15 @@ class Agent:
         self._summary = _DoneSummary()
         self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
         self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
+        # When this machine's owner lets it work (provider_agent.availability): None is
+        # always. The watch thread looks every availability_poll_s and tells the broker.
+        self.gate = gate
+        self.availability_poll_s = availability_poll_s
+        self.availability = DeviceState(self.device, AVAILABLE, "", time.time())
+        self._given_back_for_owner = 0
+        self._done_by_day: dict[str, int] = {}   # local day -> jobs finished (receipts)
+        self.failed_reason = ""  # set when this device was taken out (provider_agent.fleet)
+        self._device_failures = 0
 
     # ---- outside control ---------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -215,16 +236,128 @@ class Agent:
         return float(self.cfg.throttle_ms_per_unit.get(plugin, 0.0))
 
     def post_asks(self, asks: dict[str, int]) -> bool:
-        """Post or update standing asks on the live stream (micro-credits per work unit)."""
+        """Post or update standing asks on the live stream (micro-credits per work unit;
+        never below ``min_price_micro_per_unit``)."""
         self.cfg.asks.update(asks)
+        floor = self.cfg.min_price_micro_per_unit
         return self._send(pb.AgentMessage(post_asks=pb.PostAsks(asks=[
-            pb.StandingAsk(plugin=p, price_micro_per_unit=int(v)) for p, v in asks.items()])))
+            pb.StandingAsk(plugin=p, price_micro_per_unit=max(int(v), floor))
+            for p, v in asks.items()])))
+
+    def _vram_gb(self, measured: float) -> float:
+        """The VRAM advertised: the GPU's, capped by the owner's max_vram_gb (jobs whose
+        plugin needs more are then never matched here)."""
+        cap = float(self.cfg.max_vram_gb or 0)
+        return min(measured, cap) if cap and measured else measured
+
+    # ---- the owner's terms: idle-only, schedule, limits (issue #26) ----------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(self.availability_poll_s):
+            try:
+                self.look()
+            except Exception:  # noqa: BLE001 - a bad look must not end the watch
+                log.exception("could not decide whether the GPU is free")
+
+    def look(self) -> DeviceState:
+        """Ask the gate now; on a change tell the broker, and when the owner came back
+        apply ``on_owner`` to the running jobs."""
+        with self._lock:
+            working = bool(self.running)
+        st = self.gate.look(own_pids=own_pids(), working=working)
+        prev = self.availability
+        if (st.state, st.reason) == (prev.state, prev.reason):
+            return st
+        self.availability = st
+        if st.available != prev.available:
+            if st.available:
+                log.info("the GPU is free to lend again: asking for work")
+            else:
+                log.warning("not taking work: %s (%s)", st.reason, st.state)
+        self._send(self._availability_message())
+        if st.state == OWNER_ACTIVE and prev.state != OWNER_ACTIVE \
+                and self.gate.rules.on_owner != "finish":
+            self._give_back_for_owner(st.reason)
+        return st
+
+    def snapshot(self) -> dict:
+        """This device's state for `sparecycles agent status` (provider_agent.fleet
+        writes it to <home>/status.json): connection, availability, jobs."""
+        with self._lock:
+            connected = self._outq is not None
+            running = len(self.running)
+            today = self._done_by_day.get(time.strftime("%Y-%m-%d"), 0)
+        st = self.availability
+        if self.failed_reason:
+            state = "failed"
+        elif self.draining:
+            state = "draining"
+        elif not st.available:
+            state = st.state
+        else:
+            state = "working" if running else "ready"
+        return {"device": self.device, "name": self.name, "provider_id": self.provider_id,
+                "broker": self.cfg.broker, "connected": connected, "state": state,
+                "reason": self.failed_reason or st.reason, "since": st.since,
+                "running_jobs": running, "slots": self.cfg.slots, "jobs_today": today,
+                "given_back_for_owner": self._given_back_for_owner,
+                "gpu_hours_today": round(self.gate.hours_today(), 3) if self.gate else None,
+                "plugins": sorted(self.plugins),
+                "benchmarks": {p: round(u, 3) for p, u in self.benchmarks.items()},
+                "asks": self.cfg.effective_asks(self.plugins)}
+
+    def _availability_message(self) -> pb.AgentMessage:
+        st = self.availability
+        return pb.AgentMessage(availability=pb.Availability(
+            available=st.available, state=st.state, reason=st.reason))
+
+    def _give_back_for_owner(self, reason: str) -> None:
+        """Hand the running jobs back for the owner: at once (``give_back``), or once each
+        has written a fresh checkpoint, for at most ``checkpoint_wait_s`` (``checkpoint``;
+        a job that does not checkpoint goes at once). The broker requeues them from their
+        latest checkpoint, counting nothing against this provider."""
+        with self._lock:
+            running = list(self.running.items())
+        for job_id, rj in running:
+            rules = self.gate.rules
+            wait = (rules.checkpoint_wait_s if rules.on_owner == "checkpoint"
+                    and int(rj.envelope.get("checkpoint_every") or 0) > 0 else 0.0)
+            threading.Thread(target=self._hand_back, args=(job_id, rj, reason, wait),
+                             name=f"give-back-{job_id[:8]}", daemon=True).start()
+
+    def _hand_back(self, job_id: str, rj: RunningJob, reason: str, wait_s: float) -> None:
+        if wait_s > 0:
+            with self._lock:
+                before = self.latest_checkpoint.get(job_id)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and not self._stop.is_set():
+                with self._lock:
+                    if job_id not in self.running or job_id in self.undelivered:
+                        return  # it finished meanwhile: its receipt stands
+                    if self.latest_checkpoint.get(job_id) is not before:
+                        break
+                time.sleep(0.05)
+        with self._lock:
+            if job_id not in self.running or job_id in self.undelivered or rj.cancelled.is_set():
+                return
+            rj.cancelled.set()
+            self._given_back_for_owner += 1
+        log.info("job %s given back for the owner (%s)", job_id, reason)
+        self._send(pb.AgentMessage(give_back=pb.GiveBack(
+            job_id=job_id, attempt=rj.envelope["attempt"], reason=reason, for_owner=True)))
 
     def run(self) -> int:
-        self.start_hosts()
+        try:
+            self.start_hosts()
+        except BaseException:  # e.g. this device's sandbox or model cannot start
+            self._release()
+            raise
         workers = [threading.Thread(target=self._worker, name=f"slot-{i}", daemon=True)
                    for i in range(self.cfg.slots)]
         workers.append(threading.Thread(target=self._report_starts, name="starts", daemon=True))
+        if self.gate is not None:
+            self.look()  # the first answer goes out with the connection
+            workers.append(threading.Thread(target=self._watch, name="availability",
+                                            daemon=True))
         for w in workers:
             w.start()
         backoff = 0.5
@@ -262,14 +395,22 @@ class Agent:
                 self._stop.wait(delay)
                 backoff = min(self.max_backoff_s, backoff * 2)
         finally:
-            for served in self.plugins.values():
-                served.host.stop()
-            close = getattr(self.launcher, "close", None)
-            if close is not None:
-                close()  # the plugin hosts' shared cgroup
-            if self.installer is not None:
-                self.installer.close()  # the packages' last-use times, the registry client
+            self._release()
         return 0
+
+    def _release(self) -> None:
+        """What the agent holds on this machine: the plugin hosts, their cgroup, the
+        registry client; and today's GPU hours, saved so they outlive a restart."""
+        self._stop.set()
+        if self.gate is not None:
+            self.gate.meter.save()
+        for served in self.plugins.values():
+            served.host.stop()
+        close = getattr(self.launcher, "close", None)
+        if close is not None:
+            close()  # the plugin hosts' shared cgroup
+        if self.installer is not None:
+            self.installer.close()  # the packages' last-use times, the registry client
 
     def _session(self) -> None:
         channel = grpc.insecure_channel(self.broker_address, options=GRPC_OPTIONS)
@@ -288,7 +429,7 @@ class Agent:
         try:
             me = self.identity.public_key_hex
             outq.put(pb.AgentMessage(hello=pb.Hello(public_key=me, agent_version=VERSION,
-                                                    name=self.cfg.name)))
+                                                    name=self.name)))
             challenge = next(call).challenge
             broker_key = challenge.broker_public_key
             if self.cfg.broker_public_key and self.cfg.broker_public_key != broker_key:
@@ -299,7 +440,7 @@ class Agent:
             if not self.cfg.broker_public_key:
                 self.cfg.broker_public_key = broker_key
                 if self.home is not None:
-                    save_config(self.cfg, self.home)
+                    pin_broker_key(broker_key, self.home)
                 log.info("pinned broker key %s…", broker_key[:16])
             signature = self.identity.sign("challenge",
                                            challenge_document(challenge.nonce, me, broker_key))
@@ -314,6 +455,8 @@ class Agent:
                 pending = [m for msgs in self.undelivered.values() for m in msgs]
                 pending += [m for job_id, m in self.latest_checkpoint.items()
                             if job_id in self.running and job_id not in self.undelivered]
+            if self.gate is not None:
+                outq.put(self._availability_message())
             if self.draining:
                 outq.put(pb.AgentMessage(drain=pb.Drain(reason="agent shutting down")))
             for m in pending:
@@ -338,7 +481,7 @@ class Agent:
         return pb.Capabilities(
             plugins=self._plugin_capabilities(),
             hardware=pb.Hardware(device=hw.get("device", "cpu"), gpu_name=hw.get("gpu_name", ""),
-                                 vram_gb=float(hw.get("vram_gb", 0.0)),
+                                 vram_gb=self._vram_gb(float(hw.get("vram_gb", 0.0))),
                                  cpu_count=int(hw.get("cpu_count", os.cpu_count() or 1)),
                                  memory_gb=_memory_gb(),
                                  fingerprint=machine_fingerprint()),
@@ -347,7 +490,7 @@ class Agent:
                                            cold_start_s=self._cold_start_s(p))
                         for p, u in self.benchmarks.items()],
             asks=[pb.StandingAsk(plugin=p, price_micro_per_unit=int(v))
-                  for p, v in self.cfg.asks.items()],
+                  for p, v in self.cfg.effective_asks(self.plugins).items()],
             adapters=self._installed_adapters())
 
     def _plugin_capabilities(self) -> list:
@@ -421,6 +564,12 @@ class Agent:
                                 my_key=self.identity.public_key_hex, replay=self.replay)
         except EnvelopeError as exc:
             log.error("refused a job envelope (%s): %s", exc.code, exc)
+            return
+        if not self.availability.available:
+            # Sent before the broker heard we stopped: back at once, counted against nobody.
+            self._send(pb.AgentMessage(give_back=pb.GiveBack(
+                job_id=env["job_id"], attempt=env["attempt"], for_owner=True,
+                reason=f"not taking work: {self.availability.reason}")))
             return
         if env["plugin"] not in self.plugins:
             self._send(pb.AgentMessage(failed=pb.JobFailed(
@@ -631,7 +780,9 @@ class Agent:
             self._send(pb.AgentMessage(failed=pb.JobFailed(
                 job_id=job_id, attempt=attempt, code=exc.code, message=str(exc),
                 retryable=exc.retryable)))
+            self._count_device_failure(exc)
             return
+        self._device_failures = 0
         if rj.cancelled.is_set():
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
@@ -669,10 +820,25 @@ class Agent:
             if not self._send(m):
                 log.info("job %s done while disconnected; the receipt goes out on reconnect", job_id)
                 break
+        today = time.strftime("%Y-%m-%d")
+        with self._lock:
+            self._done_by_day[today] = self._done_by_day.get(today, 0) + 1
         log.debug("job %s done in %d ms", job_id, result.run_ms)
         line = self._summary.add(result.run_ms)
         if line is not None:
             log.info("%s", line)
+
+    def _count_device_failure(self, exc: HostError) -> None:
+        if exc.code not in DEVICE_FAILURE_CODES:
+            self._device_failures = 0
+            return
+        self._device_failures += 1
+        if self._device_failures >= DEVICE_FAILURES_MAX and not self.failed_reason:
+            self.failed_reason = (f"{DEVICE_FAILURES_MAX} jobs in a row lost their plugin "
+                                  f"host on {self.device}; last: {exc}")
+            log.error("taking device %s out: %s", self.device, self.failed_reason)
+            threading.Thread(target=self.give_back_all, args=(self.failed_reason,),
+                             daemon=True).start()
 
     def _fetch_checkpoint(self, job_id: str, attempt: int, resume) -> bytes | None:
         """The checkpoint the envelope says to resume from, fetched from the broker and checked

@@ -1,4 +1,4 @@
-"""`sparecycles agent …`: init, run."""
+"""`sparecycles agent …`: init, run, status, payout (install-service: provider_agent.service)."""
 from __future__ import annotations
 
 import logging
@@ -30,6 +30,8 @@ def register(sub) -> None:
     r.add_argument("--plugins", help="comma-separated plugins to serve (overrides the config)")
     r.add_argument("--slots", type=int)
     r.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    r.add_argument("--devices", help='several GPUs, one agent each: "cuda:0,cuda:1" or '
+                                     '"all" (overrides `devices` in agent.toml)')
     r.add_argument("--no-sandbox", action="store_true",
                    help="run plugins WITHOUT the bubblewrap sandbox (unsafe; the broker and "
                         "its clients are told)")
@@ -39,8 +41,71 @@ def register(sub) -> None:
     r.add_argument("--throttle", action="append", default=[], metavar="PLUGIN=MS",
                    help="development/tests: wait MS per work unit after each run, to "
                         "emulate a slower machine")
+    t = r.add_argument_group("when to lend the GPU (override agent.toml)")
+    t.add_argument("--idle-only", action="store_true", default=None,
+                   help="take work only while no other process uses the GPU")
+    t.add_argument("--idle-resume-s", type=float, metavar="S",
+                   help="seconds of idleness before work resumes (default 60)")
+    t.add_argument("--on-owner", choices=("finish", "give_back", "checkpoint"),
+                   help="running jobs when the owner starts using the GPU")
+    t.add_argument("--schedule", action="append", metavar="WINDOW",
+                   help='a time window to work in, e.g. "22:00-07:00" or "weekdays '
+                        '18:00-23:00" (repeatable; replaces the config\'s)')
+    t.add_argument("--max-vram-gb", type=float, metavar="GB")
+    t.add_argument("--max-gpu-hours", type=float, metavar="H", dest="max_gpu_hours_per_day",
+                   help="GPU hours of work per day at most")
+    t.add_argument("--max-temperature", type=float, metavar="C", dest="max_temperature_c")
+    t.add_argument("--max-power", type=float, metavar="W", dest="max_power_w")
+    t.add_argument("--min-price", type=int, metavar="MICRO", dest="min_price_micro_per_unit",
+                   help="never ask less than this many micro-credits per work unit")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
+
+    s = asub.add_parser("status", help="connection, each device's state, jobs today, credits "
+                                       "and verification standing (a live view in a terminal)")
+    s.add_argument("--json", action="store_true", help="print one JSON document and exit")
+    s.add_argument("--once", action="store_true", help="print the view once, do not refresh")
+    s.add_argument("--interval", type=float, default=2.0, metavar="S",
+                   help="refresh period of the live view (default 2 s)")
+    s.add_argument("--url", help="the broker's REST address (default $SPARECYCLES_URL or "
+                                 "registry_url in agent.toml)")
+    s.add_argument("--home", type=Path)
+    s.set_defaults(func=cmd_status)
+
+    po = asub.add_parser("payout", help="pay out available credits (Stripe Connect)")
+    amount = po.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--credits", help="how many credits to pay out, e.g. 25 or 2.5")
+    amount.add_argument("--all", action="store_true", help="every available credit")
+    po.add_argument("--url")
+    po.add_argument("--home", type=Path)
+    po.set_defaults(func=cmd_payout)
+
+    sv = asub.add_parser("install-service", help="run the agent under systemd as a non-root "
+                                                 "user (logs in the journal; reinstalling "
+                                                 "after an upgrade drains first)")
+    kind = sv.add_mutually_exclusive_group()
+    kind.add_argument("--user", dest="mode", action="store_const", const="user",
+                      help="a systemd user unit (default for an ordinary user)")
+    kind.add_argument("--system", dest="mode", action="store_const", const="system",
+                      help="a system unit (as root), running as --run-as")
+    sv.add_argument("--run-as", help="system units: the non-root account (default sparecycles)")
+    sv.add_argument("--exec", dest="exec_path", help="the sparecycles command (default this "
+                                                     "environment's)")
+    sv.add_argument("--run-arg", action="append", default=[], metavar="ARG",
+                    help="an argument for `agent run` (repeatable), e.g. --run-arg=--idle-only")
+    sv.add_argument("--print", dest="print_only", action="store_true",
+                    help="print the unit and change nothing")
+    sv.add_argument("--no-start", action="store_true",
+                    help="write the unit, do not enable or start it")
+    sv.add_argument("--unit-dir", type=Path, help=argparse_suppress())
+    sv.add_argument("--home", type=Path)
+    sv.set_defaults(func=cmd_install_service)
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
 
 
 def parse_pairs(items: list[str], kind, what: str) -> dict:
@@ -96,11 +161,9 @@ def cmd_init(args) -> int:
 def cmd_run(args) -> int:
     from plugins import builtin_plugin_dir
 
-    from .agent import Agent
     from .cheats import from_env as cheat_from_env
-    from .config import load_config, load_identity
+    from .config import load_config
     from .errors import AgentError
-    from .launch import host_launcher
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -112,8 +175,16 @@ def cmd_run(args) -> int:
             cfg.slots = args.slots
         if args.device:
             cfg.device = args.device
+        if args.devices:
+            cfg.devices = [d.strip() for d in args.devices.split(",") if d.strip()]
         cfg.asks.update(parse_pairs(args.ask, int, "--ask"))
         cfg.throttle_ms_per_unit.update(parse_pairs(args.throttle, float, "--throttle"))
+        for name in ("idle_only", "idle_resume_s", "on_owner", "schedule", "max_vram_gb",
+                     "max_gpu_hours_per_day", "max_temperature_c", "max_power_w",
+                     "min_price_micro_per_unit"):
+            if getattr(args, name, None) is not None:
+                setattr(cfg, name, getattr(args, name))
+        cfg.rules()  # bad terms are refused before anything starts
         # Built-in plugins, else installed from the registry (signed, sha256-checked); one
         # that cannot be had is left out and the others are served.
         from .installer import make_installer, resolve_plugins
@@ -125,15 +196,110 @@ def cmd_run(args) -> int:
         # SPARECYCLES_CHEAT: the verification harness's deliberately dishonest agent
         # (provider_agent.cheats); unset, this is None and the agent is honest.
         cheat = cheat_from_env()
-        launcher = host_launcher(
-            sandboxed=not args.no_sandbox, home=args.home, cfg=cfg,
-            extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
-            registry_root=installer.root if installer is not None else None)
-        agent = Agent(cfg, load_identity(args.home), plugin_dirs=plugin_dirs,
-                      sandboxed=not args.no_sandbox, launcher=launcher, home=args.home,
-                      cheat=cheat, installer=installer)
-        agent.install_signal_handlers()
-        return agent.run()
+        cfg.check()
+        from .fleet import build_fleet
+
+        # One agent per device (a single one without `devices`); the first reuses the
+        # installer made above, the others get their own.
+        installers = iter([installer])
+        fleet = build_fleet(cfg, home=args.home, plugin_dirs=plugin_dirs,
+                            sandboxed=not args.no_sandbox, cheat=cheat,
+                            make_installer=lambda: next(installers, None) or make_installer(cfg))
+        fleet.install_signal_handlers()
+        return fleet.run()
     except (AgentError, LookupError) as exc:
         logging.getLogger("agent").error("%s", exc)
         return 2
+
+
+def cmd_status(args) -> int:
+    import json
+    import time
+
+    from .config import load_config
+    from .errors import AgentError
+    from .status import api_url, gather, render
+
+    try:
+        cfg = load_config(args.home)
+        url = api_url(cfg, args.url)
+    except AgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.interval <= 0:
+        print(f"error: --interval is {args.interval}; give seconds above 0", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = gather(cfg, args.home, url)
+        print(json.dumps(doc, indent=2))
+        return 0 if doc["broker"]["reachable"] and not doc["broker"]["error"] else 1
+    from rich.console import Console
+
+    console = Console()
+    if args.once or not console.is_terminal:
+        console.print(render(gather(cfg, args.home, url)))
+        return 0
+    from rich.live import Live
+
+    try:
+        with Live(render(gather(cfg, args.home, url)), console=console, screen=False,
+                  auto_refresh=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(render(gather(cfg, args.home, url)), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_payout(args) -> int:
+    import uuid
+
+    from .config import load_config
+    from .errors import AgentError
+    from .status import api_url, credits, payout
+
+    try:
+        cfg = load_config(args.home)
+        url = api_url(cfg, args.url)
+        if args.credits is not None:
+            from decimal import Decimal, InvalidOperation
+
+            try:
+                ok = Decimal(args.credits) > 0
+            except InvalidOperation:
+                ok = False
+            if not ok:
+                raise AgentError(f"--credits is {args.credits!r}; give a positive number of "
+                                 "credits, e.g. 25 or 2.5")
+        p = payout(url, cfg.api_key, credits_amount=args.credits, everything=args.all,
+                   idempotency_key=f"agent-payout-{uuid.uuid4().hex}")
+    except AgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"payout {p.get('id')}: {credits(p.get('amount_micro'))} credits to "
+          f"{p.get('destination')} ({p.get('status')})")
+    return 0
+
+
+def cmd_install_service(args) -> int:
+    from .config import config_dir
+    from .errors import AgentError
+    from .service import install, plan, render_unit
+
+    try:
+        spec = plan(mode=args.mode, run_as=args.run_as, home=args.home or config_dir(),
+                    exec_path=args.exec_path, extra_args=tuple(args.run_arg))
+        if args.print_only:
+            print(render_unit(spec), end="")
+            return 0
+        path, done = install(spec, directory=args.unit_dir, start=not args.no_start)
+    except AgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in done:
+        print(line)
+    scope = "--user " if spec.mode == "user" else ""
+    print(f"logs: journalctl {scope}-u sparecycles-agent -f")
+    if spec.mode == "user":
+        print("to keep it running while you are logged out: loginctl enable-linger $USER")
+    return 0

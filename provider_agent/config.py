@@ -33,6 +33,29 @@ agent.toml::
     cpu_cores = 0.0           # all plugin hosts together, e.g. 2.5 (0: every core)
     sandbox_user = ""         # host user the sandboxes run as when the agent is root
                               # ("": sparecycles-sandbox if it exists, else nobody)
+
+    # When to lend the GPU (provider_agent.availability):
+    idle_only = true          # work only while no other process uses the GPU
+    idle_resume_s = 60        # ... and it has been idle this long
+    idle_util_pct = 10        # utilisation that counts as use when no job of ours runs
+    idle_ignore_processes = ["Xorg", "gnome-shell"]   # GPU users that are not "use"
+                              # (absent: the usual display servers and compositors)
+    owner_away_s = 0          # also wait until the owner is away this long (0: ignore)
+    on_owner = "finish"       # running jobs when the owner comes: finish | give_back |
+                              # checkpoint (wait up to checkpoint_wait_s for a checkpoint)
+    checkpoint_wait_s = 30
+    schedule = ["22:00-07:00", "weekends 00:00-24:00"]   # windows (empty: always)
+    max_vram_gb = 0           # 0: no limit (advertised VRAM is capped to it)
+    max_gpu_hours_per_day = 0
+    max_temperature_c = 0
+    max_power_w = 0
+    min_price_micro_per_unit = 0   # never ask less than this per work unit
+    devices = ["cuda:0", "cuda:1"]  # one agent per GPU (provider_agent.fleet); ["all"]:
+                                    # every /dev/nvidiaN; []: the one `device`
+    [device_slots]                  # per device, over `slots`
+    "cuda:1" = 2
+    [device_asks."cuda:1"]          # per device, over [asks]
+    sd15 = 12000
 """
 from __future__ import annotations
 
@@ -87,6 +110,88 @@ class AgentConfig:
     memory_limit_mb: int = 0
     cpu_cores: float = 0.0
     sandbox_user: str = ""
+    idle_only: bool = False
+    idle_resume_s: float = 60.0
+    idle_util_pct: float = 10.0
+    idle_ignore_processes: list[str] | None = None   # None: the display servers
+    owner_away_s: float = 0.0
+    on_owner: str = "finish"
+    checkpoint_wait_s: float = 30.0
+    schedule: list[str] = field(default_factory=list)
+    max_vram_gb: float = 0.0
+    max_gpu_hours_per_day: float = 0.0
+    max_temperature_c: float = 0.0
+    max_power_w: float = 0.0
+    min_price_micro_per_unit: int = 0
+    devices: list[str] = field(default_factory=list)
+    device_slots: dict[str, int] = field(default_factory=dict)
+    device_asks: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def for_device(self, device: str) -> "AgentConfig":
+        """This config as one device's agent runs it: its own slots and asks
+        (``device_slots``, ``device_asks`` over ``slots``, ``asks``), its own copies."""
+        import copy
+
+        cfg = copy.deepcopy(self)
+        cfg.device, cfg.devices = device, []
+        cfg.slots = int(self.device_slots.get(device, self.slots))
+        cfg.asks = {**self.asks, **self.device_asks.get(device, {})}
+        cfg.device_slots, cfg.device_asks = {}, {}
+        return cfg
+
+    def rules(self):
+        """The owner's terms (provider_agent.availability.Rules), checked."""
+        from .availability import OWNER_POLICIES, Rules, Schedule
+
+        for name, low, high in (("idle_resume_s", 0, 86400), ("idle_util_pct", 0, 100),
+                                ("owner_away_s", 0, 86400), ("checkpoint_wait_s", 0, 3600),
+                                ("max_vram_gb", 0, 4096), ("max_gpu_hours_per_day", 0, 24),
+                                ("max_temperature_c", 0, 120), ("max_power_w", 0, 5000)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not low <= value <= high:
+                raise ConfigError(f"{name} is {value!r}; give a number from {low} to {high}"
+                                  + (" (0: no limit)" if name.startswith("max_") else ""))
+        ignore = self.idle_ignore_processes
+        if ignore is not None and (not isinstance(ignore, list)
+                                   or not all(isinstance(n, str) and n for n in ignore)):
+            raise ConfigError(f"idle_ignore_processes is {ignore!r}; give process names, e.g. "
+                              '["Xorg", "gnome-shell"]')
+        if not isinstance(self.idle_only, bool):
+            raise ConfigError(f"idle_only is {self.idle_only!r}; give true or false")
+        if self.on_owner not in OWNER_POLICIES:
+            raise ConfigError(f"on_owner is {self.on_owner!r}; give one of "
+                              f"{', '.join(OWNER_POLICIES)}")
+        if isinstance(self.min_price_micro_per_unit, bool) \
+                or not isinstance(self.min_price_micro_per_unit, int) \
+                or self.min_price_micro_per_unit < 0:
+            raise ConfigError(f"min_price_micro_per_unit is {self.min_price_micro_per_unit!r}; "
+                              "give a whole number of micro-credits per work unit, 0 for none")
+        from .availability import DISPLAY_PROCESSES
+
+        return Rules(idle_only=self.idle_only, idle_resume_s=float(self.idle_resume_s),
+                     idle_util_pct=float(self.idle_util_pct),
+                     idle_ignore_processes=tuple(DISPLAY_PROCESSES if ignore is None
+                                                 else ignore),
+                     owner_away_s=float(self.owner_away_s), on_owner=self.on_owner,
+                     checkpoint_wait_s=float(self.checkpoint_wait_s),
+                     schedule=Schedule.parse(self.schedule),
+                     max_vram_gb=float(self.max_vram_gb),
+                     max_gpu_hours_per_day=float(self.max_gpu_hours_per_day),
+                     max_temperature_c=float(self.max_temperature_c),
+                     max_power_w=float(self.max_power_w))
+
+    def effective_asks(self, plugins) -> dict[str, int]:
+        """The asks to post: each at least ``min_price_micro_per_unit``, and one at that
+        floor for every served plugin without an ask (else it would stand at the reserve,
+        possibly below the floor). Second-score clearing pays at least the ask."""
+        floor = self.min_price_micro_per_unit
+        asks = {p: int(v) for p, v in self.asks.items()}
+        if floor:
+            asks = {p: max(v, floor) for p, v in asks.items()}
+            for p in plugins:
+                asks.setdefault(p, floor)
+        return asks
 
     def registry_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -129,6 +234,32 @@ class AgentConfig:
             raise ConfigError(f"cpu_cores is {self.cpu_cores!r}; this machine has {cores} "
                               f"core(s): give how many all plugin hosts may use together, "
                               f"above 0 and at most {cores} (e.g. 1.5), or 0 for all of them")
+        self.rules()
+        if self.devices != ["all"] and (not isinstance(self.devices, list) or not all(
+                isinstance(d, str) and (d in ("cpu", "cuda", "auto") or (
+                    d.startswith("cuda:") and d[5:].isdigit())) for d in self.devices)
+                or len(set(self.devices)) != len(self.devices)):
+            raise ConfigError(f"devices is {self.devices!r}; give distinct devices such as "
+                              '["cuda:0", "cuda:1"], or ["all"] for every NVIDIA GPU, or [] '
+                              "for the one `device`")
+        for name, table in (("device_slots", self.device_slots),
+                            ("device_asks", self.device_asks)):
+            if not isinstance(table, dict):
+                raise ConfigError(f"{name} is {table!r}; give a table keyed by device, e.g. "
+                                  f'[{name}] "cuda:1" = …')
+            for dev, value in table.items():
+                if self.devices not in ([], ["all"]) and dev not in self.devices:
+                    raise ConfigError(f"{name} names {dev!r}, which is not among devices "
+                                      f"{self.devices}")
+                if name == "device_slots" and (isinstance(value, bool) or not isinstance(
+                        value, int) or not 1 <= value <= 64):
+                    raise ConfigError(f"device_slots.{dev} is {value!r}; must be between 1 "
+                                      "and 64")
+                if name == "device_asks" and (not isinstance(value, dict) or not all(
+                        isinstance(v, int) and not isinstance(v, bool) and v > 0
+                        for v in value.values())):
+                    raise ConfigError(f"device_asks.{dev} is {value!r}; give plugin = price "
+                                      "in micro-credits per work unit, e.g. sd15 = 12000")
         if not isinstance(self.sandbox_user, str):
             raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
                               "uid or uid:gid as a string, or \"\" for the default")
@@ -167,6 +298,18 @@ def save_config(cfg: AgentConfig, home: Path | None = None) -> Path:
         tomli_w.dump({k: v for k, v in asdict(cfg).items() if v not in (None,)}, f)
     os.chmod(path, 0o600)
     return path
+
+
+def pin_broker_key(key: str, home: Path | None = None) -> None:
+    """Write the broker's key into agent.toml, changing nothing else of the file (an
+    agent's settings may differ from it by flags, or per device)."""
+    try:
+        cfg = load_config(home)
+    except ConfigError:
+        return  # no file (an agent built in code): nothing to pin into
+    if cfg.broker_public_key != key:
+        cfg.broker_public_key = key
+        save_config(cfg, home)
 
 
 def load_identity(home: Path | None = None) -> KeyPair:

@@ -142,7 +142,8 @@ class HostLauncher:
     def __init__(self, *, home: Path | None = None, memory_limit_mb: int | None = None,
                  cpu_cores: float | None = None, pids_limit: int = 256,
                  gpu_devices: list[int] | None = None, sandbox_user: str = "",
-                 extra_ro_paths: list[Path] = (), registry_root: Path | None = None):
+                 extra_ro_paths: list[Path] = (), registry_root: Path | None = None,
+                 gpu_dev_root: Path = Path("/dev")):
         from .sandbox import SandboxError, SandboxUser
         from .sandbox.launcher import host_user
 
@@ -170,6 +171,7 @@ class HostLauncher:
         self.cpu_cores = float(cpu_cores) if cpu_cores else float(machine)
         self.pids_limit = pids_limit
         self.gpu_devices = list(gpu_devices or [])
+        self.gpu_dev_root = Path(gpu_dev_root)
         self.extra_ro_paths = [Path(p).resolve() for p in extra_ro_paths]
         self.registry_root = Path(registry_root).resolve() if registry_root else None
         self.hide = secret_paths(home)
@@ -203,7 +205,8 @@ class HostLauncher:
               *self.extra_ro_paths]
         return SandboxPolicy.for_current_python(
             ro_paths=list(dict.fromkeys(ro)), memory_limit_mb=self.memory_limit_mb,
-            pids_limit=self.pids_limit, gpu_devices=self.gpu_devices, hide_paths=self.hide,
+            pids_limit=self.pids_limit, gpu_devices=self.gpu_devices,
+            gpu_dev_root=self.gpu_dev_root, hide_paths=self.hide,
             env=self.env)
 
     def __call__(self, argv: list[str], *, plugin: str, plugin_dir: Path,
@@ -231,7 +234,8 @@ def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
                   memory_limit_mb: int | None = None, cpu_cores: float | None = None,
                   pids_limit: int = 256, gpu_devices: list[int] | None = None,
                   extra_ro_paths: list[Path] = (), registry_root: Path | None = None,
-                  sandbox_user: str | None = None) -> HostLauncher | None:
+                  sandbox_user: str | None = None,
+                  gpu_dev_root: Path = Path("/dev")) -> HostLauncher | None:
     """The launcher for PluginHost: a ``HostLauncher``, or None for plain subprocesses.
     Limits and the host user not given come from ``cfg`` (agent.toml), then defaults."""
     if not sandboxed:
@@ -247,7 +251,7 @@ def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
     if sandbox_user is None:
         sandbox_user = getattr(cfg, "sandbox_user", "") or ""
     if gpu_devices is None:
-        gpu_devices = gpu_indices_for(getattr(cfg, "device", "auto") or "auto")
+        gpu_devices = gpu_indices_for(getattr(cfg, "device", "auto") or "auto", gpu_dev_root)
     try:
         user = SandboxUser.resolve(sandbox_user) if os.geteuid() == 0 else None
     except SandboxError as exc:
@@ -259,4 +263,4 @@ def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
     return HostLauncher(home=home, memory_limit_mb=memory_limit_mb, cpu_cores=cpu_cores,
                         pids_limit=pids_limit, gpu_devices=gpu_devices,
                         sandbox_user=sandbox_user, extra_ro_paths=extra_ro_paths,
-                        registry_root=registry_root)
+                        registry_root=registry_root, gpu_dev_root=gpu_dev_root)

@@ -254,6 +254,15 @@ def document() -> dict:
                          "operationId": "payout", "parameters": [_key(150)],
                          "responses": {"201": {"description": "The payout"},
                                        **_errors(400, 401, 402, 403, 409, 422, 502)}}},
+            "/v1/providers": {"get": {
+                "summary": "Your machines at a glance: connection, availability, jobs today, "
+                           "credits pending/vesting/available/paid, verification standing",
+                "operationId": "listMachines",
+                "parameters": [{"name": "account_id", "in": "query", "required": False,
+                                "description": "admins: the provider account to read",
+                                "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "The provider overview"},
+                              **_errors(400, 401, 403)}}},
             "/v1/payouts/onboarding": {"post": {
                 "summary": "A Stripe Connect onboarding link", "operationId": "onboarding",
                 "responses": {"201": {"description": "The link"},

@@ -489,7 +489,12 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         job_id = getattr(msg, kind).job_id
         if not self.canaries.owns(job_id):
             return False
-        if kind in ("failed", "give_back"):
+        if kind == "give_back" and msg.give_back.for_owner:
+            # The owner needed the GPU: the canary says nothing of this provider's honesty.
+            self.canaries.withdrawn(session, job_id)
+            session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what=kind)))
+            self.dispatcher.kick()
+        elif kind in ("failed", "give_back"):
             self.canaries.failed(session, job_id)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what=kind)))
             self.dispatcher.kick()
@@ -534,7 +539,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=f.job_id, what="failed")))
         elif kind == "give_back":
             g = msg.give_back
-            self.jobs.give_back(pid, g.job_id, g.attempt, g.reason)
+            self.jobs.give_back(pid, g.job_id, g.attempt,
+                                f"for the machine's owner: {g.reason}" if g.for_owner else g.reason)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=g.job_id, what="give_back")))
         elif kind == "checkpoint" and self.jobs.checkpoints is not None:
             c = msg.checkpoint
@@ -556,6 +562,16 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                                  _adapters(inv.adapters))
                 if self.market is not None:
                     self.market.refresh(pid)  # its cold-start term may have changed
+        elif kind == "availability":
+            a = msg.availability
+            was = session.unavailable
+            session.unavailable = "" if a.available else (a.state or "paused")
+            self.providers.set_availability(pid, available=a.available, state=a.state,
+                                            reason=a.reason)
+            self.dispatcher.changed(session)  # free slots: none while unavailable
+            if bool(was) != bool(session.unavailable):
+                log.info("provider %s %s%s", pid, "is available again" if a.available
+                         else f"paused itself ({a.state})", f": {a.reason}" if a.reason else "")
         elif kind == "drain":
             session.draining = True
             self.dispatcher.changed(session)  # no new jobs: the market hears of it

@@ -48,6 +48,10 @@ class AgentSession:
     active: set[str] = field(default_factory=set)
     draining: bool = False
     paused: bool = False
+    # The agent said it takes no work now (its owner's terms: idle-only, schedule,
+    # limits, issue #26): the state it gave, "" while it takes work. Like a drain it gets
+    # no new jobs; unlike a drain it comes back.
+    unavailable: str = ""
     quota_factor: float = 1.0        # cut by lost verification disputes (DESIGN §6)
     resumed: dict[str, Job] = field(default_factory=dict)  # jobs it held when it connected
 
@@ -60,7 +64,7 @@ class AgentSession:
 
     @property
     def free(self) -> int:
-        if self.draining or self.paused:
+        if self.draining or self.paused or self.unavailable:
             return 0
         return max(1, int(self.slots * self.quota_factor)) - len(self.active)
 

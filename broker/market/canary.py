@@ -168,6 +168,12 @@ class CanaryService:
                  *sample)
         return canary.job_id
 
+    def withdrawn(self, session, job_id: str) -> None:
+        """The agent gave the canary back for its machine's owner (idle-only mode): it is
+        done with, measured nothing and counts against nobody; another comes in time."""
+        if self.market.canary_done(job_id) is not None:
+            session.active.discard(job_id)
+
     def failed(self, session, job_id: str) -> None:
         canary = self.market.canary_done(job_id)
         if canary is not None:

@@ -16,3 +16,7 @@ class Provider:
     plugins: list = field(default_factory=list)
     created_at: float = 0.0
     last_seen_at: float = 0.0
+    # What the agent said of itself last (Availability, issue #26): {"available", "state",
+    # "reason", "since"}; {} until it says anything. Not available = paused by its owner's
+    # terms (idle-only, schedule, limits), which is not a failure.
+    availability: dict = field(default_factory=dict)

@@ -55,10 +55,13 @@ class ProviderService:
             raise Forbidden("this agent key is registered to another provider account")
         if p.status == "banned":
             raise Forbidden(f"provider {p.id} is banned; contact the broker's admins")
+        # availability: what the previous connection said no longer holds; an agent that
+        # watches its owner's terms tells it again right after the handshake.
         self.repo.update(p.id, name=name, sandboxed=sandboxed, hardware=hardware,
-                         plugins=plugins, last_seen_at=now)
+                         plugins=plugins, last_seen_at=now, availability=None)
         p.name, p.sandboxed, p.hardware, p.plugins, p.last_seen_at = (name, sandboxed, hardware,
                                                                       plugins, now)
+        p.availability = {}
         self._facts.invalidate(p.id)
         self.on_connected(p)
         return p
@@ -81,6 +84,10 @@ class ProviderService:
     def seen(self, provider_id: str) -> None:
         self.repo.update(provider_id, last_seen_at=self.clock())
 
+    def machines_of(self, account_id: str) -> list[Provider]:
+        """The machines (agent identities) of one provider account, oldest first."""
+        return self.repo.of_account(account_id)
+
     def all(self) -> list[Provider]:
         return self.repo.all()
 
@@ -101,6 +108,15 @@ class ProviderService:
                         "dtype": str(entry.get("dtype") or ""),
                         "weights_digest": str(entry.get("weights_digest") or "")}
         return {"hardware_class": "", "dtype": "", "weights_digest": ""}
+    def set_availability(self, provider_id: str, *, available: bool, state: str,
+                         reason: str) -> dict:
+        """Record what the agent says of its availability (idle-only mode, schedule,
+        limits): shown to its owner and admins, from any replica."""
+        doc = {"available": bool(available), "state": state[:40] or
+               ("available" if available else "paused"), "reason": reason[:300],
+               "since": self.clock()}
+        self.repo.update(provider_id, availability=doc)
+        return doc
 
     def set_status(self, provider_id: str, status: str) -> tuple[Provider, str]:
         """Persist ``status`` (active | paused | banned); returns (provider, previous status).

@@ -46,7 +46,8 @@ def _provider(row: ProviderRow) -> Provider:
     return Provider(id=row.id, account_id=row.account_id, public_key=row.public_key,
                     name=row.name, status=row.status, sandboxed=row.sandboxed,
                     hardware=dict(row.hardware or {}), plugins=list(row.plugins or []),
-                    created_at=row.created_at, last_seen_at=row.last_seen_at)
+                    created_at=row.created_at, last_seen_at=row.last_seen_at,
+                    availability=dict(row.availability or {}))
 
 
 class SqlProviderRepository:
@@ -96,6 +97,12 @@ class SqlProviderRepository:
         with self.sessions() as s:
             return list(s.scalars(select(ProviderRow.account_id).distinct()
                                   .order_by(ProviderRow.account_id)))
+
+    def of_account(self, account_id: str) -> list[Provider]:
+        with self.sessions() as s:
+            return [_provider(r) for r in s.scalars(
+                select(ProviderRow).where(ProviderRow.account_id == account_id)
+                .order_by(ProviderRow.created_at))]
 
     def all(self) -> list[Provider]:
         with self.sessions() as s:

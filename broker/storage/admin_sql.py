@@ -7,8 +7,8 @@ import time
 from datetime import datetime, timezone
 from typing import Iterator
 
-from sqlalchemy import (JSON, BigInteger, Float, Index, Integer, String, Text, bindparam, insert,
-                        select, update)
+from sqlalchemy import (JSON, BigInteger, Float, Index, Integer, String, Text, bindparam, func,
+                        insert, select, update)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
@@ -20,7 +20,7 @@ from broker.pricing.policy import PluginPolicy
 from .base import Base, atomic, begin, read_only
 from .fast import Prepared
 from .ledger_sql import LedgerAccountRow, LedgerHoldRow, LedgerIdempotencyRow, LedgerTransactionRow
-from .models import AccountRow, JobRow
+from .models import AccountRow, JobEventRow, JobRow
 
 
 class AuditRow(Base):
@@ -258,6 +258,40 @@ class SqlAdminQueries:
         failed = sum(1 for st, _ in rows if st == JobState.FAILED.value)
         return {"jobs": len(rows), "settled": done, "failed": failed,
                 "reliability": (done / (done + failed)) if done + failed else None}
+
+    def provider_jobs(self, provider_ids: list[str], *, since: float) -> dict[str, dict]:
+        """Per provider (broker.providers.overview): jobs settled and failed since
+        ``since``, jobs given back since then, and its unsettled jobs (leased, submitted,
+        being verified, disputed) with what pricing them needs."""
+        unsettled_states = [JobState.MATCHED.value, JobState.RUNNING.value,
+                            JobState.SUBMITTED.value, JobState.VERIFYING.value,
+                            JobState.DISPUTED.value]
+        out: dict[str, dict] = {pid: {"settled_today": 0, "failed_today": 0,
+                                      "given_back_today": 0, "unsettled": []}
+                                for pid in provider_ids}
+        with self.sessions() as s:
+            for pid, state, n in s.execute(
+                    select(JobRow.provider_id, JobRow.state, func.count())
+                    .where(JobRow.provider_id.in_(provider_ids),
+                           JobRow.state.in_([JobState.SETTLED.value, JobState.FAILED.value]),
+                           JobRow.finished_at >= since)
+                    .group_by(JobRow.provider_id, JobRow.state)):
+                key = "settled_today" if state == JobState.SETTLED.value else "failed_today"
+                out[pid][key] = int(n)
+            for row in s.execute(
+                    select(JobRow.provider_id, JobRow.state, JobRow.plugin,
+                           JobRow.price_micro_per_unit, JobRow.work_units, JobRow.max_price_micro)
+                    .where(JobRow.provider_id.in_(provider_ids),
+                           JobRow.state.in_(unsettled_states))):
+                out[row[0]]["unsettled"].append(
+                    {"state": row[1], "plugin": row[2], "price_micro_per_unit": row[3],
+                     "work_units": row[4], "max_price_micro": row[5]})
+            for data in s.scalars(select(JobEventRow.data).where(
+                    JobEventRow.kind == "requeued", JobEventRow.created_at >= since)):
+                pid = (data or {}).get("provider_id")
+                if pid in out and (data or {}).get("why") == "given_back":
+                    out[pid]["given_back_today"] += 1
+        return out
 
     def account_names(self, ids: list[str]) -> dict[str, str]:
         if not ids:

@@ -41,6 +41,7 @@ class ProviderRow(Base):
     # The broker replica holding the agent's stream now (None: not connected); believed
     # only while that replica's row in broker_replicas is fresh (issue #21).
     replica_id: Mapped[str | None] = mapped_column(String(100), nullable=True, index=True)
+    availability: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the agent's own word
 
 
 class JobRow(Base):

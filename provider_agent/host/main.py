@@ -173,6 +173,17 @@ def _dtype_of(plugin) -> str:
     dtype = getattr(plugin, "dtype", None) or getattr(getattr(plugin, "model", None),
                                                       "dtype", None)
     return str(dtype or "").removeprefix("torch.")
+def _cap_vram(device: str, max_vram_gb: float) -> None:
+    """The owner's VRAM limit (agent.toml max_vram_gb): torch's allocator refuses to hold
+    more than that share of the GPU, so a job that needs more fails with out-of-memory
+    instead of pushing the owner's own programs out."""
+    if not max_vram_gb or not device.startswith("cuda"):
+        return
+    import torch
+
+    dev = torch.device(device)
+    total_gb = torch.cuda.get_device_properties(dev).total_memory / 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max_vram_gb / total_gb), dev)
 
 
 def _hardware(device: str) -> dict:
@@ -183,10 +194,14 @@ def _hardware(device: str) -> dict:
         # (reductions split across threads round differently): part of the repro class.
         info.update(threads=torch.get_num_threads(), torch=torch.__version__)
     if device.startswith("cuda"):
-        import torch
-
-        props = torch.cuda.get_device_properties(torch.device(device))
-        info.update(gpu_name=props.name, vram_gb=round(props.total_memory / 2**30, 1))
+        if torch is None:  # a plugin that needs no torch (tests' fake devices)
+            info["gpu_error"] = "the plugin did not load torch: GPU figures unknown"
+            return info
+        try:
+            props = torch.cuda.get_device_properties(torch.device(device))
+            info.update(gpu_name=props.name, vram_gb=round(props.total_memory / 2**30, 1))
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal: the plugin loaded
+            info["gpu_error"] = f"{type(exc).__name__}: {exc}"
     return info
 
 
@@ -214,6 +229,7 @@ def main() -> int:
         plugin = cls()
         plugin.manifest = manifest
         device = _resolve_device(header.get("device", "auto"))
+        _cap_vram(device, header.get("max_vram_gb") or 0)
         weights = header.get("weights_dir")
         plugin.setup(Path(weights) if weights else None, device)
     except Exception as exc:  # noqa: BLE001 - report any load failure to the agent

@@ -46,7 +46,8 @@ class PluginHost:
 
     def __init__(self, plugin_dir: Path, weights_dir: Path | None, *, device: str = "auto",
                  launcher: Callable[..., subprocess.Popen] | None = None,
-                 start_timeout_s: float = 600.0, name: str | None = None):
+                 start_timeout_s: float = 600.0, name: str | None = None,
+                 max_vram_gb: float = 0.0):
         self.plugin_dir = Path(plugin_dir)
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.device = device
@@ -60,6 +61,7 @@ class PluginHost:
         self._writer: FrameWriter | None = None
         self._lock = threading.Lock()  # one job at a time
         self.name = name or self.plugin_dir.name
+        self.max_vram_gb = max_vram_gb  # the owner's cap on this host's GPU memory (0: none)
 
     # ---- lifecycle ---------------------------------------------------------------------
     @staticmethod
@@ -84,7 +86,8 @@ class PluginHost:
         try:
             self._writer.send({"type": "init", "plugin_dir": str(self.plugin_dir),
                                "weights_dir": str(self.weights_dir) if self.weights_dir else None,
-                               "device": self.device, "scratch_dir": "/tmp"})
+                               "device": self.device, "scratch_dir": "/tmp",
+                               "max_vram_gb": self.max_vram_gb})
         except (OSError, ValueError):  # the pipe broke (or was closed): the host died at once
             self.kill()
             raise HostError("host_died", f"plugin host {self.name} exited while starting",

@@ -224,7 +224,7 @@ def build_command(policy: SandboxPolicy, argv: list[str], fds: BwrapFds,
             "--size", scratch_bytes, "--tmpfs", "/dev/shm",
             "--size", scratch_bytes, "--perms", "0777", "--tmpfs", SCRATCH]
     if policy.gpu_devices:
-        cmd += gpu_device_args(policy.gpu_devices)
+        cmd += gpu_device_args(policy.gpu_devices, policy.gpu_dev_root)
         cmd += ["--ro-bind", "/sys", "/sys"]  # the CUDA driver reads PCI topology here
         cmd += _mask_args("/sys")
     # The root itself is a tmpfs bwrap made to hold the mount points: freeze it.

@@ -33,6 +33,9 @@ class SandboxPolicy:
     nofile_limit: int = 1024
     fsize_limit_mb: int = 1024
     gpu_devices: list[int] = field(default_factory=list)
+    # Where the NVIDIA nodes of ``gpu_devices`` are found (bound at /dev/<name> inside);
+    # only tests with fake devices move it.
+    gpu_dev_root: Path = Path("/dev")
     hide_paths: list[Path] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -40,6 +43,7 @@ class SandboxPolicy:
         self.python_prefixes = [Path(p) for p in self.python_prefixes]
         self.ro_paths = [Path(p) for p in self.ro_paths]
         self.hide_paths = [Path(p) for p in self.hide_paths]
+        self.gpu_dev_root = Path(self.gpu_dev_root)
         for name in ("scratch_size_mb", "pids_limit", "nofile_limit", "fsize_limit_mb"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
