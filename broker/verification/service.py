@@ -675,7 +675,7 @@ class VerificationService:
         if slashes and int((v.outcome or {}).get("escalations", 0)) == 0:
             job = jobs[loser.provider_id]
             standing = self.repo.standing(loser.provider_id, plugin,
-                                          repro_of(job.receipt).hardware_class)
+                                          self._repro(job).hardware_class)
             if standing.consecutive_valid >= self.settings.protect_cv:
                 return (f"the {loser.role.value} has {standing.consecutive_valid} consecutive "
                         "valid checks: one dispute does not slash it"), False
