@@ -1,4 +1,4 @@
-"""`sparecycles broker …`: serve, create-key."""
+"""`sparecycles broker …`: serve, create-key, grant, dev-cert."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,10 @@ def _settings(args):
     settings = Settings.from_env(data_dir=args.data_dir, db_url=args.db, blob_dir=args.blob_dir,
                                  http=getattr(args, "http", None),
                                  grpc=getattr(args, "grpc", None),
-                                 lease_timeout_s=getattr(args, "lease_timeout", None))
+                                 lease_timeout_s=getattr(args, "lease_timeout", None),
+                                 tls_cert=getattr(args, "tls_cert", None),
+                                 tls_key=getattr(args, "tls_key", None),
+                                 insecure=True if getattr(args, "insecure", False) else None)
     legacy = Path(".sparecycles")
     if args.data_dir is None and (legacy / "broker.key").exists() \
             and legacy.resolve() != settings.data_dir.resolve():
@@ -46,7 +49,25 @@ def register(sub) -> None:
                                                        "job is taken back (default 30)")
     s.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON "
                                                    "once serving")
+    s.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) to serve REST and "
+                                                 "gRPC with ($SPARECYCLES_TLS_CERT; a dev one: "
+                                                 "`broker dev-cert`)")
+    s.add_argument("--tls-key", type=Path, help="its PEM private key ($SPARECYCLES_TLS_KEY)")
+    s.add_argument("--insecure", action="store_true",
+                   help="serve plaintext on a non-loopback address (logged as a warning; API "
+                        "keys and prompts cross the network in clear)")
     s.set_defaults(func=cmd_serve)
+
+    d = bsub.add_parser("dev-cert", help="make a local CA and a server certificate for a first "
+                                         "TLS run (kept in <data-dir>/tls)")
+    _common(d)
+    d.add_argument("--host", action="append", default=[],
+                   help="a name or address the certificate is for (repeatable; default "
+                        "localhost, 127.0.0.1 and ::1, plus this machine's host name)")
+    d.add_argument("--out", type=Path, help="folder to write ca.pem, server.pem and their keys "
+                                            "(default <data-dir>/tls)")
+    d.add_argument("--days", type=int, default=397, help="server certificate validity (days)")
+    d.set_defaults(func=cmd_dev_cert)
 
     k = bsub.add_parser("create-key", help="create an account and print its API key once")
     _common(k)
@@ -69,6 +90,33 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(_settings(args), ready_file=args.ready_file)
+    return 0
+
+
+def cmd_dev_cert(args) -> int:
+    import socket
+
+    from broker.tls import DEFAULT_HOSTS, TLSError, issue_server_cert
+
+    out = args.out or _settings(args).data_dir / "tls"
+    hosts = args.host or [*DEFAULT_HOSTS, socket.gethostname()]
+    if not 1 <= args.days <= 3650:
+        print(f"error: --days is {args.days}; give 1 to 3650", file=sys.stderr)
+        return 2
+    try:
+        made_ca = not (out / "ca.key").exists()
+        cert = issue_server_cert(out, dict.fromkeys(hosts), days=args.days)
+    except (TLSError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{'made a new' if made_ca else 'kept the'} CA: {out / 'ca.pem'} (its key "
+          f"{out / 'ca.key'} stays here)")
+    print(f"server certificate for {', '.join(cert.names)}: {cert.cert_file} (key "
+          f"{cert.key_file}), valid until {cert.not_after:%Y-%m-%d}")
+    print("serve with:\n"
+          f"  sparecycles broker serve --tls-cert {cert.cert_file} --tls-key {cert.key_file}\n"
+          "and have clients and agents trust the CA:\n"
+          f"  export SPARECYCLES_CA_BUNDLE={out / 'ca.pem'}")
     return 0
 
 

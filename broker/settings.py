@@ -39,7 +39,14 @@ check_delay_max_s            SPARECYCLES_CHECK_DELAY_MAX_S       5 (checks wait 
 verification                 SPARECYCLES_VERIFICATION            on (off: no job is re-run)
 admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept in <data_dir>/admin_session.key)
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
+tls_cert                     SPARECYCLES_TLS_CERT                (none: plaintext, loopback only)
+tls_key                      SPARECYCLES_TLS_KEY                 (none)
+insecure                     SPARECYCLES_INSECURE                off (on: plaintext off loopback too)
 ===========================  ==================================  ===========================
+
+With ``tls_cert`` and ``tls_key`` the broker serves REST and gRPC over TLS with them
+(``sparecycles broker dev-cert`` makes a dev pair in ``<data_dir>/tls``); without them it
+listens only on loopback addresses unless ``insecure`` is on (logged as a warning).
 
 ``<user data dir>`` is the platform's (``platformdirs.user_data_dir``): ``$XDG_DATA_HOME``,
 else ``~/.local/share``, on Linux. The default lies outside any source tree on purpose: the
@@ -115,6 +122,9 @@ class Settings:
     verification: bool = True
     admin_session_secret: str = ""
     admin_session_ttl_s: int = 1800
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    insecure: bool = False
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -123,8 +133,13 @@ class Settings:
         self.blob_dir = Path(self.blob_dir) if self.blob_dir else self.data_dir / "blobs"
         self.key_path = Path(self.key_path) if self.key_path else self.data_dir / "broker.key"
         self.plugin_dirs = [Path(p) for p in self.plugin_dirs]
+        self.tls_cert = Path(self.tls_cert) if self.tls_cert else None
+        self.tls_key = Path(self.tls_key) if self.tls_key else None
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (the certificate "
+                             "and its private key, PEM) or neither")
         if not self.public_url:
-            self.public_url = f"http://{self.http}"
+            self.public_url = f"{'https' if self.tls else 'http'}://{self.http}"
         if self.credit_price_cents <= 0 or 1_000_000 % self.credit_price_cents:
             raise ValueError(f"credit_price_cents must divide 1,000,000, got {self.credit_price_cents}")
         if self.lease_timeout_s <= 0:
@@ -136,6 +151,10 @@ class Settings:
                      "max_waiting_clients", "max_pool_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -182,6 +201,10 @@ class Settings:
                              lambda v: v.strip().lower() not in ("0", "off", "false", "no")),
             "admin_session_secret": ("SPARECYCLES_ADMIN_SESSION_SECRET", str),
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
+            "tls_cert": ("SPARECYCLES_TLS_CERT", Path),
+            "tls_key": ("SPARECYCLES_TLS_KEY", Path),
+            "insecure": ("SPARECYCLES_INSECURE",
+                         lambda v: v.strip().lower() in ("1", "on", "true", "yes")),
         }
         values = {}
         for name, (var, fn) in conv.items():

@@ -33,6 +33,7 @@ from sdk.protocol.signing import KeyPair
 
 from .benchmark import benchmark_plugin, throttle
 from .cheats import Cheat
+from . import transport as broker_transport
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
 from .host.manager import HostResult, PluginHost
@@ -133,6 +134,9 @@ class Agent:
         self.draining = False
         self._signals = 0
         self.provider_id = ""
+        # Why the last connection failed, in words (a refused certificate says which check).
+        self.last_error = ""
+        self.transport: broker_transport.Transport | None = None
         self._summary = _DoneSummary()
         self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
         self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
@@ -234,8 +238,15 @@ class Agent:
                     code = exc.code() if hasattr(exc, "code") else None
                     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                         raise ConfigError(f"the broker refused this agent: {exc.details()}") from None
-                    log.warning("connection to %s lost: %s", self.cfg.broker,
-                                exc.details() if hasattr(exc, "details") else exc)
+                    why = (broker_transport.explain(self.transport, exc)
+                           if self.transport is not None and hasattr(exc, "code") else "")
+                    self.last_error = why or (exc.details() if hasattr(exc, "details")
+                                              else str(exc))
+                    if why:
+                        log.error("cannot connect to %s: %s", self.cfg.broker, why)
+                    else:
+                        log.warning("connection to %s lost: %s", self.cfg.broker,
+                                    self.last_error)
                 except Exception as exc:  # noqa: BLE001 - keep the agent alive, reconnect
                     log.exception("connection error: %s", exc)
                 if self._stop.is_set():
@@ -257,7 +268,9 @@ class Agent:
         return 0
 
     def _session(self) -> None:
-        channel = grpc.insecure_channel(self.cfg.broker, options=GRPC_OPTIONS)
+        self.transport = broker_transport.choose(self.cfg.broker, self.cfg.ca_file,
+                                                 self.cfg.insecure)
+        channel = broker_transport.open_channel(self.cfg.broker, self.transport, GRPC_OPTIONS)
         outq: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests():
@@ -292,8 +305,10 @@ class Agent:
             outq.put(pb.AgentMessage(capabilities=self._capabilities()))
             welcome = next(call).welcome
             self.provider_id = welcome.provider_id
-            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s))",
-                     self.cfg.broker, welcome.provider_id, len(self.plugins), self.cfg.slots)
+            self.last_error = ""
+            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s); %s)",
+                     self.cfg.broker, welcome.provider_id, len(self.plugins), self.cfg.slots,
+                     self.transport.describe())
             with self._lock:
                 self._outq = outq
                 pending = [m for msgs in self.undelivered.values() for m in msgs]

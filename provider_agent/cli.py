@@ -19,6 +19,10 @@ def register(sub) -> None:
     i.add_argument("--weights-dir", help="folder holding <plugin>/ weight folders")
     i.add_argument("--registry", help="the broker's REST address, to install published "
                                       "plugins and adapters from (e.g. http://HOST:8080)")
+    i.add_argument("--ca-file", help="the broker's CA certificate, PEM (default "
+                                     "$SPARECYCLES_CA_BUNDLE, else the system trust store)")
+    i.add_argument("--insecure", action="store_true",
+                   help="connect in plaintext even off loopback (logged as a warning)")
     i.add_argument("--home", type=Path, help="config folder (default $SPARECYCLES_AGENT_HOME "
                                              "or the platform config dir)")
     i.add_argument("--force", action="store_true", help="overwrite an existing config")
@@ -37,6 +41,8 @@ def register(sub) -> None:
     r.add_argument("--throttle", action="append", default=[], metavar="PLUGIN=MS",
                    help="development/tests: wait MS per work unit after each run, to "
                         "emulate a slower machine")
+    r.add_argument("--insecure", action="store_true",
+                   help="connect in plaintext even off loopback (logged as a warning)")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
 
@@ -82,6 +88,9 @@ def cmd_init(args) -> int:
         cfg.weights_dir = str(Path(args.weights_dir).resolve())
     if args.registry:
         cfg.registry_url = args.registry
+    if args.ca_file:
+        cfg.ca_file = str(Path(args.ca_file).expanduser().resolve())
+    cfg.insecure = bool(args.insecure)
     save_config(cfg, home)
     key = load_identity(home)
     print(f"agent config: {path}\nidentity key: {identity_path(home)} "
@@ -110,6 +119,8 @@ def cmd_run(args) -> int:
             cfg.slots = args.slots
         if args.device:
             cfg.device = args.device
+        if args.insecure:
+            cfg.insecure = True
         cfg.asks.update(parse_pairs(args.ask, int, "--ask"))
         cfg.throttle_ms_per_unit.update(parse_pairs(args.throttle, float, "--throttle"))
         # Built-in plugins, else installed from the registry (signed, sha256-checked); one

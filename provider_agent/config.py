@@ -9,6 +9,10 @@ agent.toml::
 
     broker = "127.0.0.1:50051"
     api_key = "sc_provider_…"
+    ca_file = ""                # the broker's CA (PEM); "": $SPARECYCLES_CA_BUNDLE, else
+                                # the system trust store
+    insecure = false            # plaintext to a non-loopback broker (logged as a warning;
+                                # loopback brokers without TLS are reached in plaintext)
     name = "gaming-pc"
     broker_public_key = "…"     # pinned on first connect; a different key is refused
     slots = 1
@@ -87,6 +91,8 @@ class AgentConfig:
     memory_limit_mb: int = 0
     cpu_cores: float = 0.0
     sandbox_user: str = ""
+    ca_file: str = ""
+    insecure: bool = False
 
     def registry_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -120,6 +126,11 @@ class AgentConfig:
             raise ConfigError(f"cpu_cores is {self.cpu_cores!r}; this machine has {cores} "
                               f"core(s): give how many all plugin hosts may use together, "
                               f"above 0 and at most {cores} (e.g. 1.5), or 0 for all of them")
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"insecure is {self.insecure!r}; give true or false")
+        if not isinstance(self.ca_file, str):
+            raise ConfigError(f"ca_file is {self.ca_file!r}; give the path of the broker's CA "
+                              "certificate (PEM) as a string, or \"\" for the system trust")
         if not isinstance(self.sandbox_user, str):
             raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
                               "uid or uid:gid as a string, or \"\" for the default")

@@ -1,7 +1,10 @@
 """The Python client: ``Client(...).generate("sd15", prompt=...)``.
 
 The key comes from the argument or ``SPARECYCLES_API_KEY``; the broker address from the
-argument or ``SPARECYCLES_URL`` (default http://127.0.0.1:8080). Every POST carries an
+argument or ``SPARECYCLES_URL`` (default http://127.0.0.1:8080). An https:// broker's
+certificate is verified against ``ca_file``, else ``SPARECYCLES_CA_BUNDLE``, else the
+system's trust store; http:// is allowed only to loopback, or with ``insecure=True``
+(``SPARECYCLES_INSECURE=1``), logged as a warning (sdk/tls.py). Every POST carries an
 Idempotency-Key that retries reuse, so a retried submit never makes a second job.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, BinaryIO, Iterator
 
 import urllib3
 
+from sdk import tls
 from sdk._http import Response, TransportError, describe, iter_lines, with_query
 from sdk.errors import (APIConnectionError, ConfigurationError, InvalidInputError,
                         JobFailedError, JobTimeoutError, NotFoundError, error_for)
@@ -37,6 +41,30 @@ def _held_timeout(wait_s: float) -> float:
     return wait_s + 30.0
 
 
+def _tls_refusal(url: str, exc: BaseException) -> str:
+    """A refused TLS handshake in words that say which check failed."""
+    text = describe(exc)
+    if "expired" in text:
+        why = "its certificate has expired (the broker's operator must renew it)"
+    elif "mismatch" in text or "not valid for" in text:
+        why = "its certificate is not for this host name (connect by a name it lists)"
+    elif "issuer" in text or "self-signed" in text or "self signed" in text:
+        why = (f"its certificate is not signed by a CA this client trusts (give the broker's "
+               f"CA with ca_file= or {tls.CA_BUNDLE_ENV})")
+    elif "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
+        why = "it does not speak TLS there (use http:// for a plaintext loopback broker)"
+    else:
+        why = "the TLS handshake failed"
+    return f"refused the broker at {url}: {why}: {text}"
+
+
+def _plaintext_hint(url: str, exc: BaseException) -> str:
+    if url.startswith("http://") and ("RemoteDisconnected" in repr(exc)
+                                      or "without response" in str(exc)):
+        return " (if the broker serves TLS, use https:// and trust its CA)"
+    return ""
+
+
 @dataclass
 class Event:
     id: int
@@ -46,7 +74,8 @@ class Event:
 
 class Client:
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 timeout: float = 30.0, max_retries: int = 3):
+                 timeout: float = 30.0, max_retries: int = 3, ca_file: str | None = None,
+                 insecure: bool | None = None):
         self.base_url = (base_url or os.environ.get("SPARECYCLES_URL") or DEFAULT_URL).rstrip("/")
         self.api_key = api_key or os.environ.get("SPARECYCLES_API_KEY")
         if not self.api_key:
@@ -60,14 +89,19 @@ class Client:
             if base.scheme not in ("http", "https") or not base.host:
                 raise urllib3.exceptions.LocationValueError(
                     f"the scheme is {base.scheme!r}, not http or https")
+            tls.check_url(self.base_url, tls.env_insecure() if insecure is None else insecure)
+            tls_kw = ({"ca_certs": tls.ca_bundle(ca_file), "cert_reqs": "CERT_REQUIRED"}
+                      if base.scheme == "https" else {})
             # One pool for the broker, shared by every thread using this client
             # (thread-safe); retries and redirects are this class's business, not urllib3's.
             self._pool = urllib3.connection_from_url(self.base_url, maxsize=POOL_SIZE,
                                                      block=False, retries=False,
-                                                     timeout=self._timeout)
+                                                     timeout=self._timeout, **tls_kw)
         except urllib3.exceptions.LocationValueError as exc:
             raise ConfigurationError(f"bad broker URL {self.base_url!r} ({exc}): give one like "
                                      f"{DEFAULT_URL}") from None
+        except tls.TLSConfigError as exc:
+            raise ConfigurationError(str(exc)) from None
         # The only origin this client sends its API key to.
         self._origin = (base.scheme, base.host.lower(),
                         base.port or (443 if base.scheme == "https" else 80))
@@ -117,10 +151,13 @@ class Client:
                 raw = self._pool.urlopen(method, target, body=body, headers=hdrs, timeout=tmo,
                                          retries=False, redirect=False)
             except TransportError as exc:
+                if isinstance(exc, urllib3.exceptions.SSLError):  # retrying will not help
+                    raise APIConnectionError(_tls_refusal(self.base_url, exc)) from exc
                 if attempt == self.max_retries:
                     raise APIConnectionError(f"cannot reach the broker at {self.base_url}: "
                                              f"{describe(exc)}; "
-                                             "is `sparecycles broker serve` running?") from exc
+                                             "is `sparecycles broker serve` running?"
+                                             f"{_plaintext_hint(self.base_url, exc)}") from exc
                 self._backoff(attempt)
                 continue
             resp = Response(raw.status, raw.headers, raw.data)
