@@ -24,11 +24,13 @@ def create_app(services) -> Flask:
     app.extensions["sparecycles"] = services
     app.config["MAX_CONTENT_LENGTH"] = 32 * 1024 * 1024
 
-    from .api import account, credits, health, jobs, market, openapi, plugins, stake
+    from broker.auth.scopes import check_route
+
+    from .api import account, credits, health, jobs, keys, market, openapi, plugins, stake
     from .api import registry as registry_api
 
     for bp in (health.bp, jobs.bp, plugins.bp, openapi.bp, account.bp, credits.bp, market.bp,
-               stake.bp):
+               stake.bp, keys.bp):
         app.register_blueprint(bp)
     app.register_blueprint(registry_api.bp)  # the marketplace: publishers, packages, adapters
     from .admin.views import bp as admin_bp
@@ -43,6 +45,8 @@ def create_app(services) -> Flask:
         header = request.headers.get("Authorization", "")
         token = header[7:].strip() if header.lower().startswith("bearer ") else ""
         g.principal = services.auth.authenticate(token)
+        if request.url_rule is not None:  # (no route: the 404 says so)
+            check_route(g.principal, request.endpoint, request.method, request.path)
         return None
 
     @app.after_request

@@ -1,4 +1,5 @@
-"""`sparecycles broker …`: serve, create-key, grant, dev-cert."""
+"""`sparecycles broker …`: serve, create-key, keys (list, create, revoke, rotate), grant,
+dev-cert."""
 from __future__ import annotations
 
 import argparse
@@ -75,13 +76,163 @@ def register(sub) -> None:
     k.add_argument("--name", default="", help="account name shown to admins")
     k.add_argument("--credits", help="grant this many credits to the new account (dev funding "
                                      "mode only; same as `broker grant` afterwards)")
+    _key_options(k)
     k.set_defaults(func=cmd_create_key)
+
+    keys = bsub.add_parser("keys", help="list, create, revoke and rotate API keys")
+    ksub = keys.add_subparsers(dest="keys_command", required=True)
+    kl = ksub.add_parser("list", help="every key (or one account's), with scopes and state")
+    _common(kl)
+    kl.add_argument("--account", help="only this account's keys")
+    kl.add_argument("--json", action="store_true", help="print JSON lines")
+    kl.set_defaults(func=cmd_keys_list)
+    kc = ksub.add_parser("create", help="a new key for an existing account")
+    _common(kc)
+    kc.add_argument("--account", required=True, help="the account id")
+    kc.add_argument("--name", default="", help="a label shown in lists")
+    _key_options(kc)
+    kc.set_defaults(func=cmd_keys_create)
+    kr = ksub.add_parser("revoke", help="revoke a key now (every replica refuses it within "
+                                        "seconds, its tokens and agent streams too)")
+    _common(kr)
+    kr.add_argument("key_id", help="the key's id (the third part of sc_<role>_<id>_…)")
+    kr.set_defaults(func=cmd_keys_revoke)
+    ko = ksub.add_parser("rotate", help="a new key like this one; the old one stops working "
+                                        "after --grace")
+    _common(ko)
+    ko.add_argument("key_id")
+    ko.add_argument("--grace", default="0", help="how long the old key keeps working, e.g. "
+                                                 "0, 3600, 90m, 1d (default 0: now)")
+    ko.set_defaults(func=cmd_keys_rotate)
 
     g = bsub.add_parser("grant", help="credit an account (dev funding mode: no Stripe keys)")
     _common(g)
     g.add_argument("--account", required=True, help="the account id printed by create-key")
     g.add_argument("--credits", required=True, help="credits to grant, e.g. 100 or 2.5")
     g.set_defaults(func=cmd_grant)
+
+
+def _key_options(p) -> None:
+    p.add_argument("--scopes", help="comma-separated scopes, fewer than the role's (default "
+                                    "all of the role's); e.g. jobs:read,account:read")
+    p.add_argument("--expires", help="the key stops working after this long (e.g. 3600, 90m, "
+                                     "12h, 30d) or at this UTC time (2027-01-31T00:00:00)")
+
+
+def parse_duration(text: str, what: str) -> float:
+    """``3600``, ``90s``, ``90m``, ``12h``, ``30d`` -> seconds; else ValueError naming them."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        value = -1
+    if not value >= 0 or value != value:
+        raise ValueError(f"{what} {text!r} is not a duration: give seconds or a number with "
+                         "s, m, h or d (e.g. 90m, 30d)")
+    return value
+
+
+def expiry(text: str | None) -> float | None:
+    import datetime as dt
+    import time
+
+    if not text:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        seconds = parse_duration(text, "--expires")
+        if seconds <= 0:
+            raise ValueError("--expires must be after now") from None
+        return time.time() + seconds
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return when.timestamp()
+
+
+def _fmt_time(t: float | None) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else "-"
+
+
+def _with_services(args, fn) -> int:
+    from broker.errors import BrokerError
+    from broker.services import build_services
+
+    services = build_services(_settings(args))
+    try:
+        return fn(services)
+    except BrokerError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        services.engine.dispose()
+
+
+def cmd_keys_list(args) -> int:
+    import json
+    import time
+
+    def run(services):
+        now = time.time()
+        from broker.api.keys import key_to_json
+
+        rows = [key_to_json(k, now) for k in services.auth.list_keys(args.account)]
+        if args.json:
+            for r in rows:
+                print(json.dumps(r))
+            return 0
+        print(f"{'KEY ID':<17} {'ROLE':<9} {'STATE':<8} {'EXPIRES':<20} {'ACCOUNT':<36} "
+              "SCOPES")
+        for r in rows:
+            print(f"{r['id']:<17} {r['role']:<9} {r['state']:<8} "
+                  f"{_fmt_time(r['expires_at']):<20} {r['account_id']:<36} "
+                  f"{' '.join(r['scopes'])}")
+        print(f"# {len(rows)} key(s)", file=sys.stderr)
+        return 0
+    return _with_services(args, run)
+
+
+def cmd_keys_create(args) -> int:
+    def run(services):
+        account = services.auth.repo.get_account(args.account)
+        if account is None:
+            print(f"error: no account {args.account!r}; `sparecycles broker keys list` shows "
+                  "them", file=sys.stderr)
+            return 1
+        key, who = services.auth.add_key(args.account, account[1], scopes=args.scopes,
+                                         expires_at=expiry(args.expires), name=args.name)
+        print(key)
+        print(f"# key {who.key_id} of {account[1]} account {args.account}; scopes "
+              f"{' '.join(sorted(who.scopes))}; shown only once", file=sys.stderr)
+        return 0
+    return _with_services(args, run)
+
+
+def cmd_keys_revoke(args) -> int:
+    def run(services):
+        done = services.auth.revoke(args.key_id)
+        print(f"key {args.key_id} {'revoked' if done else 'was already revoked'}; every "
+              "replica refuses it (and its tokens and agent streams) within a few seconds")
+        return 0
+    return _with_services(args, run)
+
+
+def cmd_keys_rotate(args) -> int:
+    def run(services):
+        grace = parse_duration(args.grace, "--grace")
+        key, old = services.auth.rotate(args.key_id, grace_s=grace)
+        print(key)
+        print(f"# replaces key {old.id}, which stops working "
+              f"{'now' if not grace else 'at ' + _fmt_time(services.auth.get_key(old.id).revoked_at)}"
+              "; the new key is shown only once", file=sys.stderr)
+        return 0
+    return _with_services(args, run)
 
 
 def cmd_serve(args) -> int:
@@ -121,11 +272,17 @@ def cmd_dev_cert(args) -> int:
 
 
 def cmd_create_key(args) -> int:
+    from broker.errors import BrokerError
     from broker.services import build_services
 
     services = build_services(_settings(args))
     try:
-        key, who = services.auth.create_account_with_key(args.role, args.name)
+        try:
+            key, who = services.auth.create_account_with_key(
+                args.role, args.name, scopes=args.scopes, expires_at=expiry(args.expires))
+        except (ValueError, BrokerError) as exc:
+            print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+            return 2
         if args.credits:
             from broker.payments.service import credits_to_micro
 

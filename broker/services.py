@@ -124,7 +124,12 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                       input_defaults=WeightsDefaults(catalog))
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
-    auth = ApiKeyService(accounts)
+    from broker.admin.session import load_or_create_secret
+
+    # Exchanged API tokens are signed with a key derived from the console's secret, which
+    # replicas share (SPARECYCLES_ADMIN_SESSION_SECRET) so a token works on any of them.
+    auth = ApiKeyService(accounts, token_secret=settings.admin_session_secret
+                         or load_or_create_secret(settings.data_dir / "admin_session.key"))
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
     dispatcher = Dispatcher(jobs)

@@ -6,6 +6,7 @@ and the bounds the server enforces on parameters (``limit``, ``wait``, ``after``
 from flask import Blueprint
 
 from . import registry as registry_api
+from . import keys as keys_api
 from .common import INT64_MAX, MAX_WAIT_S
 
 bp = Blueprint("openapi", __name__)
@@ -293,6 +294,7 @@ def document() -> dict:
                 "responses": {"201": {"description": "The deposit"},
                               **_errors(400, 401, 403, 404, 409, 422)}}},
             **registry_api.openapi_paths(_errors),  # the marketplace (broker/api/registry.py)
+            **keys_api.openapi_paths(_errors),  # keys and tokens (broker/api/keys.py)
             "/livez": {"get": {"summary": "Liveness", "security": [],
                                "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness", "security": [],

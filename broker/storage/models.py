@@ -23,7 +23,12 @@ class ApiKeyRow(Base):
     role: Mapped[str] = mapped_column(String(20))
     secret_sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[float] = mapped_column(Float)
+    # May lie in the future: a rotated key works until then (its grace period).
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Space-separated scopes (broker/auth/scopes.py); "": every scope of the role.
+    scopes: Mapped[str] = mapped_column(String(400), default="", server_default="")
+    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    name: Mapped[str] = mapped_column(String(200), default="", server_default="")
 
 
 class ProviderRow(Base):
