@@ -34,7 +34,8 @@ def sessions() -> AdminSessions:
 
 
 def _secure() -> bool:
-    return svc().settings.public_url.startswith("https://")
+    """Cookies are ``Secure`` whenever the console is reached over TLS (or says it is)."""
+    return request.is_secure or svc().settings.public_url.startswith("https://")
 
 
 # ---- flash messages in a signed cookie (the app has no Flask session) -------------------
@@ -307,6 +308,48 @@ def provider_action(provider_id):
                     provider_id=provider_id)
     verb = {"pause": "paused", "ban": "banned", "unban": "unbanned", "resume": "resumed"}[action]
     return back("admin.provider", f"provider {verb}", provider_id=provider_id)
+
+
+# ---- keys ---------------------------------------------------------------------------------
+@bp.get("/keys")
+def keys():
+    from broker.api.keys import key_to_json
+
+    s = svc()
+    account = request.args.get("account") or None
+    rows = [key_to_json(k) for k in s.auth.list_keys(account)]
+    names = s.admin.queries.account_names(sorted({r["account_id"] for r in rows}))
+    return render_template("admin/keys.html", keys=rows, names=names, account=account,
+                           page="keys")
+
+
+@bp.post("/keys/<key_id>/action")
+def key_action(key_id):
+    action = request.form.get("action", "")
+    auth = svc().auth
+    try:
+        if action == "revoke":
+            auth.revoke(key_id)
+            svc().audit.record(f"admin:{g.admin.account_id}", "key.revoke", f"key:{key_id}", {})
+            return back("admin.keys", f"key {key_id} revoked: every replica refuses it within "
+                                      "seconds")
+        if action == "rotate":
+            grace = request.form.get("grace_s", "0").strip() or "0"
+            try:
+                grace_s = float(grace)
+            except ValueError:
+                return back("admin.keys", f"nothing changed — grace {grace!r} is not a number "
+                                          "of seconds", "error")
+            new_key, old = auth.rotate(key_id, grace_s=grace_s)
+            svc().audit.record(f"admin:{g.admin.account_id}", "key.rotate", f"key:{key_id}",
+                               {"new_key_id": new_key.split("_")[2], "grace_s": grace_s})
+            # The one time the plaintext is shown: on the page, never in a cookie.
+            return render_template("admin/key_created.html", key=new_key, old=old,
+                                   page="keys")
+    except BrokerError as exc:
+        return back("admin.keys", f"nothing changed — {exc.message}", "error")
+    return back("admin.keys", f"nothing changed — unknown action {action!r} (revoke or "
+                              "rotate)", "error")
 
 
 # ---- jobs ---------------------------------------------------------------------------------
