@@ -24,7 +24,8 @@ def create_app(services) -> Flask:
     app.extensions["sparecycles"] = services
     app.config["MAX_CONTENT_LENGTH"] = 32 * 1024 * 1024
 
-    from broker.auth.scopes import check_route
+    from broker.auth.scopes import ROUTE_SCOPES, check_route
+    from broker.ratelimit import RateLimited
 
     from .api import account, credits, health, jobs, keys, market, openapi, plugins, stake
     from .api import registry as registry_api
@@ -47,6 +48,9 @@ def create_app(services) -> Flask:
         g.principal = services.auth.authenticate(token)
         if request.url_rule is not None:  # (no route: the 404 says so)
             check_route(g.principal, request.endpoint, request.method, request.path)
+            limiter = getattr(services, "rate_limiter", None)
+            if limiter is not None:
+                limiter.hit(g.principal.key_id, ROUTE_SCOPES.get(request.endpoint))
         return None
 
     @app.after_request
@@ -59,7 +63,10 @@ def create_app(services) -> Flask:
 
     @app.errorhandler(BrokerError)
     def broker_error(exc: BrokerError):
-        return problem(exc.problem(), exc.http_status)
+        resp = problem(exc.problem(), exc.http_status)
+        if isinstance(exc, RateLimited):
+            resp.headers["Retry-After"] = str(exc.retry_after_s)
+        return resp
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):

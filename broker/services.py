@@ -71,6 +71,7 @@ class Services:
     admin: object | None = None             # broker.admin.service.AdminService
     admin_sessions: object | None = None    # broker.admin.session.AdminSessions
     verification: object | None = None      # broker.verification.service.VerificationService
+    rate_limiter: object | None = None      # broker.ratelimit.RateLimiter (None: off)
 
     def close(self) -> None:
         self.maintenance.stop()
@@ -163,7 +164,12 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
         verification = _attach_verification(settings, sessions, accounts, jobs, catalog, ledger,
                                             providers, admin, dispatcher, canaries)
         maintenance.tasks.append(verification.sweep)
+    from broker.ratelimit import RateLimiter, parse_limits
+
+    spec = parse_limits(settings.rate_limits)
+    rate_limiter = RateLimiter(spec, settings.rate_limit_storage) if spec else None
     return Services(settings=settings, engine=engine, signer=signer, auth=auth, catalog=catalog,
+                    rate_limiter=rate_limiter,
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,

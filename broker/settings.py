@@ -42,6 +42,8 @@ admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 tls_cert                     SPARECYCLES_TLS_CERT                (none: plaintext, loopback only)
 tls_key                      SPARECYCLES_TLS_KEY                 (none)
 insecure                     SPARECYCLES_INSECURE                off (on: plaintext off loopback too)
+rate_limits                  SPARECYCLES_RATE_LIMITS             (broker/ratelimit.py defaults; off)
+rate_limit_storage           SPARECYCLES_RATE_LIMIT_STORAGE      memory:// (redis://…: shared)
 ===========================  ==================================  ===========================
 
 With ``tls_cert`` and ``tls_key`` the broker serves REST and gRPC over TLS with them
@@ -125,6 +127,8 @@ class Settings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     insecure: bool = False
+    rate_limits: str = ""
+    rate_limit_storage: str = "memory://"
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -138,6 +142,9 @@ class Settings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both (the certificate "
                              "and its private key, PEM) or neither")
+        from broker.ratelimit import parse_limits
+
+        parse_limits(self.rate_limits)  # a bad spec is an error at start, naming the pair
         if not self.public_url:
             self.public_url = f"{'https' if self.tls else 'http'}://{self.http}"
         if self.credit_price_cents <= 0 or 1_000_000 % self.credit_price_cents:
@@ -203,6 +210,8 @@ class Settings:
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
             "tls_cert": ("SPARECYCLES_TLS_CERT", Path),
             "tls_key": ("SPARECYCLES_TLS_KEY", Path),
+            "rate_limits": ("SPARECYCLES_RATE_LIMITS", str),
+            "rate_limit_storage": ("SPARECYCLES_RATE_LIMIT_STORAGE", str),
             "insecure": ("SPARECYCLES_INSECURE",
                          lambda v: v.strip().lower() in ("1", "on", "true", "yes")),
         }

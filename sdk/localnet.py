@@ -52,6 +52,9 @@ class LocalNetwork:
         self.lease_timeout_s = lease_timeout_s
         self.tls = tls
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        # Benchmarks drive the broker from one key far past any per-key budget: no rate
+        # limits here unless the caller sets them (broker/ratelimit.py).
+        self.env.setdefault("SPARECYCLES_RATE_LIMITS", "off")
         self.ca_file: Path | None = None
         if tls:
             self._make_cert()

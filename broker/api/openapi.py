@@ -51,17 +51,21 @@ def _errors(*codes):
                          (404, "No such job, output or plugin"), (409, "Conflict"),
                          (413, "Payload too large"),
                          (422, "Inputs outside the plugin's schema"),
+                         (429, "Rate limited: this key's budget for the route group is spent; "
+                               "retry after the Retry-After header's seconds"),
                          (502, "The payment provider failed; nothing was charged"),
                          (503, "Not ready")) if c in codes}
 
 
 def _with_auth_errors(paths: dict) -> dict:
-    """Every operation that needs an API key also answers 401 (no key, a bad one): added
-    here once rather than route by route."""
+    """Every operation that needs an API key also answers 401 (no key, a bad one) and 429
+    (rate limits are per key: broker/ratelimit.py): added here once rather than route by
+    route."""
     for path, operations in paths.items():
         for op in operations.values():
             if path.startswith("/v1") and op.get("security") != []:
                 op["responses"].setdefault("401", _errors(401)["401"])
+                op["responses"].setdefault("429", _errors(429)["429"])
     return paths
 
 
