@@ -17,6 +17,8 @@ from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService
 from broker.billing.service import JobBilling
 from broker.blobs.local import LocalBlobStore
+from broker.storage.sealed import AtRestCipher, SealedBlobStore
+from broker.storage.sealed import attach as attach_at_rest
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
 from broker.fault_tolerance import attach_fault_tolerance, use_measured_throughput
@@ -84,6 +86,9 @@ class Services:
 def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.db_url)
+    # Prompts, envelopes, events and job blobs are sealed with this key (broker/storage/sealed.py)
+    at_rest = AtRestCipher.load(settings.at_rest_key, settings.data_dir / "at_rest.key")
+    attach_at_rest(engine, at_rest)
     if migrate:
         upgrade(engine)
     sessions = sessionmaker(engine, expire_on_commit=False)
@@ -115,7 +120,8 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
-    jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
+    jobs = JobService(SqlJobRepository(sessions), SealedBlobStore(settings.blob_dir, at_rest),
+                      catalog,
                       signer, EventHub(),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,

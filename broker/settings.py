@@ -42,6 +42,7 @@ admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
 tls_cert                     SPARECYCLES_TLS_CERT                (none: plaintext, loopback only)
 tls_key                      SPARECYCLES_TLS_KEY                 (none)
 insecure                     SPARECYCLES_INSECURE                off (on: plaintext off loopback too)
+at_rest_key                  SPARECYCLES_AT_REST_KEY             (kept in <data_dir>/at_rest.key)
 rate_limits                  SPARECYCLES_RATE_LIMITS             (broker/ratelimit.py defaults; off)
 rate_limit_storage           SPARECYCLES_RATE_LIMIT_STORAGE      memory:// (redis://…: shared)
 ===========================  ==================================  ===========================
@@ -127,6 +128,7 @@ class Settings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     insecure: bool = False
+    at_rest_key: str = ""
     rate_limits: str = ""
     rate_limit_storage: str = "memory://"
 
@@ -210,6 +212,7 @@ class Settings:
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
             "tls_cert": ("SPARECYCLES_TLS_CERT", Path),
             "tls_key": ("SPARECYCLES_TLS_KEY", Path),
+            "at_rest_key": ("SPARECYCLES_AT_REST_KEY", str),
             "rate_limits": ("SPARECYCLES_RATE_LIMITS", str),
             "rate_limit_storage": ("SPARECYCLES_RATE_LIMIT_STORAGE", str),
             "insecure": ("SPARECYCLES_INSECURE",

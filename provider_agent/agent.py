@@ -416,7 +416,8 @@ class Agent:
     def _on_assignment(self, a: pb.Assignment) -> None:
         try:
             env = open_envelope(a.envelope, a.signature, broker_key=self.cfg.broker_public_key,
-                                my_key=self.identity.public_key_hex, replay=self.replay)
+                                my_key=self.identity.public_key_hex, replay=self.replay,
+                                identity=self.identity)
         except EnvelopeError as exc:
             log.error("refused a job envelope (%s): %s", exc.code, exc)
             return

@@ -490,7 +490,8 @@ class JobService:
                                  version=job.plugin_version, inputs=job.inputs,
                                  provider_key=target.public_key,
                                  lease_timeout_s=self.settings.lease_timeout_s,
-                                 ttl_s=self.settings.envelope_ttl_s, now=now, extra=extra)
+                                 ttl_s=self.settings.envelope_ttl_s, now=now, extra=extra,
+                                 sealed=True)  # only the assigned provider reads the inputs
         # Signed first, so the copy kept for the receipt holds the signed bytes' hash.
         data, signature = sign_envelope(self.signer, envelope)
         moved = self.repo.transition(
