@@ -391,6 +391,8 @@ def job(job_id):
         from broker.errors import NotFound
         raise NotFound(f"no job {job_id!r}")
     j = row[0]
+    # An admin reads a client's prompt and outputs only under audit: each view is recorded.
+    _audit_read(job_id, "job.viewed")
     outputs = s.jobs.repo.outputs(job_id)
     texts = {}
     for o in outputs:
@@ -414,11 +416,16 @@ def job(job_id):
                            page="jobs")
 
 
+def _audit_read(job_id: str, action: str, **data) -> None:
+    svc().audit.record(f"admin:{g.admin.account_id}", action, f"job:{job_id}", data)
+
+
 @bp.get("/jobs/<job_id>/outputs/<int:index>")
 def job_output(job_id, index):
     s = svc()
     for o in s.jobs.repo.outputs(job_id):
         if o.index == index:
+            _audit_read(job_id, "job.output_viewed", index=index)
             return output_response(s.jobs.blobs.get(o.sha256), o.media_type,
                                    headers={"Cache-Control": "private, max-age=3600"})
     abort(404)
@@ -435,6 +442,7 @@ def job_run_output(job_id, index):
         abort(404)
     for o in s.admin.run_outputs(job):
         if o["index"] == index:
+            _audit_read(job_id, "job.output_viewed", index=index, run=True)
             try:
                 data = s.jobs.blobs.get(o["sha256"])
             except NotFound:  # gone from the blob store

@@ -64,3 +64,19 @@ def test_console_cookies_are_secure_over_tls_and_pages_carry_a_csp(console):
                     data={"api_key": key, "csrf_token": _csrf(form.get_data(as_text=True))})
     session = [c for c in r.headers.getlist("Set-Cookie") if c.startswith("sc_admin=")]
     assert session and "Secure" not in session[0]
+
+
+def test_an_admin_reading_a_prompt_is_audited(console):
+    from tests.integration.conftest import seen_provider
+
+    client, services = console
+    _sign_in(client, services)
+    seen_provider(services, ["echo"])
+    key, _ = services.auth.create_account_with_key("client")
+    services.payments.grant(services.auth.authenticate(key).account_id, 10**7, by="test")
+    job = client.post("/v1/jobs", json={"plugin": "echo", "inputs": {"text": "private"}},
+                      headers={"Authorization": f"Bearer {key}"}).json
+    page = client.get(f"/admin/jobs/{job['id']}").get_data(as_text=True)
+    assert "private" in page
+    viewed = services.audit.repo.search(subject=f"job:{job['id']}", action="job.viewed")
+    assert len(viewed) == 1 and viewed[0].actor.startswith("admin:")
