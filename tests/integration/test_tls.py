@@ -68,6 +68,7 @@ def test_good_certificate_on_both_hops(tls_broker, pki, start_agent_tls):
     with Client(tls_broker.url, tls_broker.key("client"), ca_file=str(pki["ca"])) as client:
         assert tls_broker.url.startswith("https://")
         assert client.account()["role"] == "client"
+        assert client.request("GET", "/readyz").json()["transport"] == "tls"
         agent = start_agent_tls(ca_file=str(pki["ca"]))
         assert agent.transport.tls and agent.transport.ca_file == str(pki["ca"])
         result = client.generate("echo", text="over tls", timeout=60)
