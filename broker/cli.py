@@ -105,6 +105,11 @@ def register(sub) -> None:
                                                  "0, 3600, 90m, 1d (default 0: now)")
     ko.set_defaults(func=cmd_keys_rotate)
 
+    sr = bsub.add_parser("seal-at-rest", help="encrypt job inputs, envelopes, events and job "
+                                              "blobs stored before the broker sealed them")
+    _common(sr)
+    sr.set_defaults(func=cmd_seal_at_rest)
+
     g = bsub.add_parser("grant", help="credit an account (dev funding mode: no Stripe keys)")
     _common(g)
     g.add_argument("--account", required=True, help="the account id printed by create-key")
@@ -242,6 +247,17 @@ def cmd_serve(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(_settings(args), ready_file=args.ready_file)
     return 0
+
+
+def cmd_seal_at_rest(args) -> int:
+    def run(services):
+        from broker.storage.sealed import seal_existing
+
+        counts = seal_existing(services.engine, services.jobs.blobs)
+        print(f"sealed {counts['jobs']} job row(s), {counts['events']} event(s) and "
+              f"{counts['blobs']} blob file(s) that were stored in plaintext")
+        return 0
+    return _with_services(args, run)
 
 
 def cmd_dev_cert(args) -> int:

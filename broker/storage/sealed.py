@@ -169,3 +169,80 @@ class SealedBlobStore(LocalBlobStore):
     def path(self, key: str) -> Path:
         raise AtRestError("sealed blobs cannot be served from disk as they are; read them "
                           "with get()")
+
+
+def seal_existing(engine, blobs: SealedBlobStore, batch: int = 500) -> dict[str, int]:
+    """Seal what was stored in plaintext before this broker sealed at rest (or by an
+    engine without the key): job inputs, envelopes, error messages, event data, job blob
+    files; then compact the database so the old plaintext is gone from its files too.
+    Idempotent; returns how many of each it sealed. (PostgreSQL's WAL segments and any
+    backups still hold what was written before: rotate those as your retention allows.)"""
+    from sqlalchemy import select, type_coerce, update
+
+    from .models import JobEventRow, JobRow
+
+    counts = {"jobs": 0, "events": 0, "blobs": 0}
+    jobs, events = JobRow.__table__, JobEventRow.__table__
+    for table, key, columns, what in (
+            (jobs, jobs.c.id, ("inputs", "envelope", "error_message"), "jobs"),
+            (events, events.c.id, ("data",), "events")):
+        raw = [type_coerce(table.c[name], JSON if name != "error_message" else Text).label(name)
+               for name in columns]
+        last = None
+        while True:
+            with engine.begin() as c:
+                q = select(key, *raw).order_by(key).limit(batch)
+                if last is not None:
+                    q = q.where(key > last)
+                rows = c.execute(q).all()
+                for row in rows:
+                    plain = {name: getattr(row, name) for name in columns
+                             if getattr(row, name) is not None and not _is_sealed(
+                                 getattr(row, name))}
+                    if plain:
+                        c.execute(update(table).where(key == row[0]).values(**plain))
+                        counts[what] += 1
+            if len(rows) < batch:
+                break
+            last = rows[-1][0]
+    for path in blobs.root.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*"):
+        if not path.is_file() or path.name.startswith(".tmp-"):
+            continue
+        with open(path, "rb") as f:
+            if f.read(len(_BLOB_MARK)) == _BLOB_MARK:
+                continue
+        data = path.read_bytes()
+        tmp = path.with_name(f".tmp-{path.name}")
+        tmp.write_bytes(_BLOB_MARK + blobs.cipher.seal(data))
+        os.replace(tmp, path)
+        counts["blobs"] += 1
+    if counts["jobs"] or counts["events"]:
+        _compact(engine)
+    return counts
+
+
+def _compact(engine) -> None:
+    """Drop the plaintext that rewritten rows leave behind: SQLite keeps old pages in its
+    free list and old frames in the WAL file (VACUUM rewrites the file, a TRUNCATE
+    checkpoint empties the WAL); PostgreSQL keeps dead row versions until a VACUUM FULL
+    rewrites the tables (it locks them meanwhile: run this in a quiet moment)."""
+    from sqlalchemy import text
+
+    if engine.dialect.name == "sqlite":
+        raw = engine.raw_connection()  # (the engine's connections BEGIN on their own)
+        try:
+            cur = raw.cursor()
+            cur.execute("VACUUM")
+            cur.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            cur.close()
+        finally:
+            raw.close()
+    elif engine.dialect.name == "postgresql":
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            c.execute(text("VACUUM FULL jobs, job_events"))
+
+
+def _is_sealed(value) -> bool:
+    if isinstance(value, dict):
+        return len(value) == 1 and _JSON_MARK in value
+    return isinstance(value, str) and value.startswith(_TEXT_MARK)

@@ -98,3 +98,77 @@ def test_an_envelope_opens_only_for_its_provider(vbroker, agents):
                       my_key=other.identity.public_key_hex, replay=ReplayGuard(),
                       now=job.envelope["issued_at_ms"] / 1000, identity=other.identity)
     assert refused.value.code == "unsealable_inputs"
+
+
+def test_plaintext_stored_before_sealing_is_sealed_by_the_command(tmp_path, capsys):
+    """Rows and blobs a broker wrote before it sealed at rest keep working, and
+    `sparecycles broker seal-at-rest` seals them."""
+    from sqlalchemy import update
+
+    from broker.services import build_services
+    from broker.settings import Settings
+    from broker.storage.base import make_engine
+    from broker.storage.models import JobEventRow, JobRow
+    from sdk.cli import main
+    from tests.integration.conftest import seen_provider
+
+    settings = Settings(data_dir=tmp_path / "b", verification=False)
+    svc = build_services(settings)
+    seen_provider(svc, ["echo"])
+    key, who = svc.auth.create_account_with_key("client")
+    svc.payments.grant(who.account_id, 10**7, by="test")
+    job, _ = svc.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "x"}})
+    old = f"old-secret-{uuid.uuid4().hex}"
+    bare = make_engine(settings.db_url)  # no at-rest key: writes plaintext, as before
+    with bare.begin() as c:
+        c.execute(update(JobRow.__table__).where(JobRow.__table__.c.id == job.id)
+                  .values(inputs={"text": old}, error_message=old))
+        c.execute(update(JobEventRow.__table__).values(data={"note": old}))
+    bare.dispose()
+    blob = svc.jobs.blobs.root / "ab" / "cd" / ("abcd" + "0" * 60)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(old.encode())
+    assert svc.jobs.repo.get(job.id).inputs == {"text": old}  # old rows still read
+    assert svc.jobs.blobs.get(blob.name) == old.encode()
+    svc.close()
+
+    assert main(["broker", "seal-at-rest", "--data-dir", str(tmp_path / "b")]) == 0
+    assert "sealed 1 job row(s)" in capsys.readouterr().out
+    for path in _files(tmp_path / "b"):
+        assert old.encode() not in path.read_bytes(), path
+    svc = build_services(settings)
+    try:
+        assert svc.jobs.repo.get(job.id).inputs == {"text": old}
+        assert svc.jobs.blobs.get(blob.name) == old.encode()
+    finally:
+        svc.close()
+    assert main(["broker", "seal-at-rest", "--data-dir", str(tmp_path / "b")]) == 0
+    assert "sealed 0 job row(s), 0 event(s) and 0 blob" in capsys.readouterr().out
+
+
+def test_sealed_columns_on_postgresql(pg_url, tmp_path):
+    """The same on PostgreSQL: a job's inputs and events are ciphertext in the table and
+    plaintext to the broker (the hot path's prepared statements included)."""
+    from sqlalchemy import select, type_coerce, JSON
+
+    from broker.services import build_services
+    from broker.settings import Settings
+    from broker.storage.models import JobRow
+    from tests.integration.conftest import seen_provider
+
+    svc = build_services(Settings(data_dir=tmp_path / "b", db_url=pg_url, verification=False))
+    try:
+        seen_provider(svc, ["echo"])
+        _, who = svc.auth.create_account_with_key("client")
+        svc.payments.grant(who.account_id, 10**7, by="test")
+        job, _ = svc.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "pg-secret"}})
+        assert svc.jobs.repo.get(job.id).inputs["text"] == "pg-secret"
+        t = JobRow.__table__
+        with svc.engine.connect() as c:
+            raw = c.execute(select(type_coerce(t.c.inputs, JSON)).where(t.c.id == job.id)
+                            ).scalar_one()
+        assert set(raw) == {"$sealed"} and "pg-secret" not in str(raw)
+        svc.jobs.cancel(who, job.id)  # an event with data, written and read back
+        assert [e.kind for e in svc.jobs.repo.events_after(job.id, 0)][0] == "queued"
+    finally:
+        svc.close()
