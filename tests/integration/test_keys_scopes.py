@@ -149,7 +149,22 @@ def test_grpc_needs_agent_connect_and_a_revoked_key_drops_the_stream(live_broker
     assert "'agent:connect'" in refused.value.details()
     raw.close()
 
+    # A token exchanged for a provider key connects an agent; one without the scope is
+    # refused naming it.
     key, who = svc.auth.create_account_with_key("provider")
+    token = svc.auth.issue_token(svc.auth.authenticate(key))["access_token"]
+    raw = RawAgent(live_broker.grpc, token)
+    assert _handshake(raw, KeyPair.generate()).WhichOneof("body") == "welcome"
+    raw.close()
+    narrow = svc.auth.issue_token(svc.auth.authenticate(key), ["account:read"])["access_token"]
+    raw = RawAgent(live_broker.grpc, narrow)
+    raw.send(hello=pb_hello())
+    with pytest.raises(grpc.RpcError) as refused:
+        raw.recv()
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "'agent:connect'" in refused.value.details()
+    raw.close()
+
     raw = RawAgent(live_broker.grpc, key)
     assert _handshake(raw, KeyPair.generate()).WhichOneof("body") == "welcome"
     revoked_at = time.monotonic()
