@@ -47,7 +47,8 @@ def _errors(*codes):
     return {str(c): {"description": d, "content": {"application/problem+json": {"schema": _PROBLEM}}}
             for c, d in ((400, "Malformed request"), (401, "Missing or bad API key"),
                          (402, "Not enough credits"),
-                         (403, "Not allowed for this API key's role"),
+                         (403, "Not allowed for this API key's role, or a scope it lacks "
+                               "(code missing_scope, field missing_scope)"),
                          (404, "No such job, output or plugin"), (409, "Conflict"),
                          (413, "Payload too large"),
                          (422, "Inputs outside the plugin's schema"),
@@ -77,7 +78,8 @@ def document() -> dict:
                  "description": "Submit inference jobs to the Sparecycles network."},
         "components": {
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
-                                           "description": "An API key: sc_<role>_<id>_<secret>"}},
+                                           "description": "An API key (sc_<role>_<id>_<secret>) or a "
+                                                          "token from POST /v1/auth/token"}},
             "schemas": {
                 "Problem": {"type": "object", "description": "RFC 7807 problem details",
                             "required": ["type", "title", "status", "code", "detail"],
