@@ -22,8 +22,13 @@ The broker is one GIL-bound Python process, so its CPU per job caps the rate how
 cores there are (docs/architecture.md, "Dispatch throughput", says where it goes).
 
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
-                             [--svg out/bench-dispatch.svg]
+                             [--tls] [--svg out/bench-dispatch.svg]
                              [--db postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
+
+With --tls each agent count runs twice, plaintext and then TLS on both hops (clients to
+the REST API, agents to the gateway; a dev CA from `broker dev-cert`), in the same run, and
+the cost of TLS is printed: the ratio of jobs/s and the added p50 latency. Job inputs are
+sealed to the provider in both (sealing is always on).
 
 With --db naming a PostgreSQL server, each run gets a fresh database there (dropped after).
 
@@ -55,7 +60,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sdk import Client  # noqa: E402
 from sdk.localnet import LocalNetwork  # noqa: E402
 
 
@@ -185,11 +189,12 @@ def fresh_database(url: str | None):
 
 
 def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
-            db_url: str | None = None, split: int = 1) -> dict:
+            db_url: str | None = None, split: int = 1, tls: bool = False) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sc-bench-"))
     # The dispatch path alone: verification (re-running sampled jobs) is measured by
-    # bench/cheaters.py.
-    net = LocalNetwork(work, db_url=db_url, env={"SPARECYCLES_VERIFICATION": "off"})
+    # bench/cheaters.py; rate limits (per key: every client here shares one) are off.
+    net = LocalNetwork(work, db_url=db_url, env={"SPARECYCLES_VERIFICATION": "off",
+                                                  "SPARECYCLES_RATE_LIMITS": "off"}, tls=tls)
     try:
         net.start_broker()
         pkey = net.create_key("provider")
@@ -197,7 +202,7 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
         for i in range(n_agents):
             net.start_agent(f"a{i}", pkey, plugins="echo", slots=slots, sandbox=sandbox)
         net.wait_for_providers(n_agents)
-        client = Client(net.url, ckey)
+        client = net.client(ckey)
         for _ in range(20):  # warm-up: connections, caches, first-call paths
             client.generate("echo", text="warm")
         lat = []
@@ -213,7 +218,7 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
 
         def worker():
             nonlocal done
-            with Client(net.url, ckey) as c:
+            with net.client(ckey) as c:
                 for _ in range(per_client):
                     c.generate("echo", text="y", n=split)
                     with lock:
@@ -229,7 +234,7 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
         elapsed = time.perf_counter() - t0
         cpu1 = cpu_split(net, os.getpid())
         cpu_ms = {k: (cpu1[k] - cpu0[k]) * 1000 / max(done, 1) for k in cpu0}
-        return {"agents": n_agents, "lat": lat, "jobs_per_s": done / elapsed, "done": done,
+        return {"agents": n_agents, "tls": tls, "lat": lat, "jobs_per_s": done / elapsed, "done": done,
                 "cpu_ms": cpu_ms}
     finally:
         net.stop()
@@ -441,6 +446,9 @@ def main() -> int:
                     help="jobs per client request: n > 1 sends split requests of n sibling "
                          "jobs (client.generate(..., n=N)); default 1, one job per request")
     ap.add_argument("--no-sandbox", action="store_true")
+    ap.add_argument("--tls", action="store_true",
+                    help="run each agent count in plaintext and over TLS (both hops), and "
+                         "print what TLS costs")
     ap.add_argument("--svg", type=Path, help="also draw the figures into this SVG file")
     ap.add_argument("--db", help="the broker's database: a PostgreSQL server's URL (each run "
                     "gets a fresh database there); default: SQLite, as make demo runs")
@@ -465,22 +473,37 @@ def main() -> int:
           f"{args.slots} slot(s) per agent, "
           + (f"{args.split} jobs per request (split)" if args.split > 1 else
              "one job per request"))
-    print(f"{'agents':>6} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
+    print(f"{'agents':>6} {'hops':>9} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
           f"{'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
           "plugin hosts / clients" + (" / database server" if db == "PostgreSQL" else "")
           + ("" if args.no_raw else "   | raw queue jobs/s, ours ÷ raw"))
-    rows = []
+    rows, pairs = [], []
     for n in [int(x) for x in args.agents.split(",")]:
-        with fresh_database(args.db) as url:
-            r = run_one(n, args.jobs, args.clients, args.slots, sandbox, url, args.split)
-        rows.append(r)
-        p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
-        c = r["cpu_ms"]
-        print(f"{n:>6} {r['jobs_per_s']:>8.0f} {p50:>8.2f} {p99:>8.2f} {p50 - d50:>10.2f} "
-              f"{p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x   {c['broker']:6.2f} / "
-              f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}"
-              + (f" / {c['database']:5.2f}" if "database" in c else "")
-              + raw_column(r, n, args, url_for_raw=args.db), flush=True)
+        pair = {}
+        for tls in ((False, True) if args.tls else (False,)):
+            with fresh_database(args.db) as url:
+                r = run_one(n, args.jobs, args.clients, args.slots, sandbox, url, args.split,
+                            tls=tls)
+            pair[tls] = r
+            if not tls:
+                rows.append(r)
+            p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
+            c = r["cpu_ms"]
+            print(f"{n:>6} {'TLS' if tls else 'plaintext':>9} {r['jobs_per_s']:>8.0f} "
+                  f"{p50:>8.2f} {p99:>8.2f} {p50 - d50:>10.2f} "
+                  f"{p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x   {c['broker']:6.2f} / "
+                  f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}"
+                  + (f" / {c['database']:5.2f}" if "database" in c else "")
+                  + ("" if tls else raw_column(r, n, args, url_for_raw=args.db)), flush=True)
+        if args.tls:
+            pairs.append((n, pair[False], pair[True]))
+    for n, plain, tls in pairs:
+        dp50 = statistics.median(tls["lat"]) - statistics.median(plain["lat"])
+        dp99 = pct(tls["lat"], 99) - pct(plain["lat"], 99)
+        print(f"TLS cost, {n} agent(s): {tls['jobs_per_s']:.0f} vs {plain['jobs_per_s']:.0f} "
+              f"jobs/s ({tls['jobs_per_s'] / max(plain['jobs_per_s'], 1e-9):.2f}x), "
+              f"{dp50:+.2f} ms p50 and {dp99:+.2f} ms p99 per job, broker CPU "
+              f"{tls['cpu_ms']['broker']:.2f} vs {plain['cpu_ms']['broker']:.2f} ms per job")
     print("targets: >= 300 jobs/s, <= 15 ms added p50, >= 0.5x the raw queue. The CPU columns say where the "
           "machine's cores went during the throughput run (all processes share them).")
     if args.svg:

@@ -24,12 +24,15 @@ def create_app(services) -> Flask:
     app.extensions["sparecycles"] = services
     app.config["MAX_CONTENT_LENGTH"] = 32 * 1024 * 1024
 
-    from .api import (account, credits, health, jobs, market, openai_compat, openapi, plugins,
-                      providers, stake)
+    from broker.auth.scopes import ROUTE_SCOPES, check_route
+    from broker.ratelimit import RateLimited
+
+    from .api import (account, credits, health, jobs, keys, market, openai_compat, openapi,
+                      plugins, providers, stake)
     from .api import registry as registry_api
 
     for bp in (health.bp, jobs.bp, plugins.bp, openapi.bp, account.bp, credits.bp, market.bp,
-               stake.bp, openai_compat.bp, providers.bp):
+               stake.bp, keys.bp, openai_compat.bp, providers.bp):
         app.register_blueprint(bp)
     app.register_blueprint(registry_api.bp)  # the marketplace: publishers, packages, adapters
     from .admin.views import bp as admin_bp
@@ -45,6 +48,11 @@ def create_app(services) -> Flask:
         header = request.headers.get("Authorization", "")
         token = header[7:].strip() if header.lower().startswith("bearer ") else ""
         g.principal = services.auth.authenticate(token)
+        if request.url_rule is not None:  # (no route: the 404 says so)
+            check_route(g.principal, request.endpoint, request.method, request.path)
+            limiter = getattr(services, "rate_limiter", None)
+            if limiter is not None:
+                limiter.hit(g.principal.key_id, ROUTE_SCOPES.get(request.endpoint))
         return None
 
     @app.after_request
@@ -64,7 +72,10 @@ def create_app(services) -> Flask:
 
     @app.errorhandler(BrokerError)
     def broker_error(exc: BrokerError):
-        return problem(exc.problem(), exc.http_status)
+        resp = problem(exc.problem(), exc.http_status)
+        if isinstance(exc, RateLimited):
+            resp.headers["Retry-After"] = str(exc.retry_after_s)
+        return resp
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):

@@ -33,6 +33,7 @@ from broker.replicas.service import ReplicaMismatch
 from broker.settings import Settings
 from broker.storage.lock import DatabaseInUse, hold_serve_lock
 from broker.storage.migrate import NotMigrated
+from broker.tls import TLSError, check_plaintext, check_server_cert
 from broker.web.bridge import Pool
 from broker.web.front import Front, FrontLimits
 
@@ -110,6 +111,16 @@ class BrokerServer:
                  migrate: bool | str = True):
         """``migrate``: as for :func:`build_services` (``broker serve`` passes "auto")."""
         self.settings = settings
+        try:
+            # Checked before anything listens: a bad certificate is an error at start, not
+            # a handshake failure on every connection.
+            self.cert = (check_server_cert(settings.tls_cert, settings.tls_key)
+                         if settings.tls else None)
+            if self.cert is None:
+                check_plaintext({"REST": settings.http, "gRPC": settings.grpc},
+                                settings.insecure)
+        except TLSError as exc:
+            raise SystemExit(str(exc)) from None
         # One broker process per SQLite file (PostgreSQL takes replicas): refused before
         # anything is built (DatabaseInUse).
         self._serve_lock = hold_serve_lock(settings.db_url)
@@ -167,7 +178,12 @@ class BrokerServer:
             max_streams=settings.max_agent_streams, outbox_max=settings.agent_outbox_max,
             stats=self.gateway_stats, links=svc.links, replicas=svc.replicas)
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, self.grpc_server)
-        self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
+        if self.cert is not None:
+            creds = grpc.ssl_server_credentials(
+                [(self.cert.key_file.read_bytes(), self.cert.cert_file.read_bytes())])
+            self.grpc_port = self.grpc_server.add_secure_port(settings.grpc, creds)
+        else:
+            self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:
             raise SystemExit(f"cannot listen for agents on {settings.grpc}: address in use?")
         self.front = Front(self.app, svc, Pool(self.http_pool, self.loop), self.health_pool,
@@ -178,7 +194,11 @@ class BrokerServer:
             self.front, http="httptools", ws="none", lifespan="off", interface="asgi3",
             log_config=None, access_log=False, proxy_headers=False, server_header=False,
             headers=[("server", "sparecycles")], timeout_keep_alive=HTTP_IDLE_TIMEOUT_S,
-            backlog=4096, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+            backlog=4096, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            ssl_certfile=str(self.cert.cert_file) if self.cert else None,
+            ssl_keyfile=str(self.cert.key_file) if self.cert else None))
+        if self.cert is not None:
+            self.http.config.load()  # builds the TLS context now: a bad pair fails here
 
     # ---- running -----------------------------------------------------------------------
     def start_background(self) -> None:
@@ -203,13 +223,16 @@ class BrokerServer:
                 self._http_task.result()  # it failed to start: say why
                 return
             host = self.settings.http.rpartition(":")[0]
-            info = {"http": f"http://{host}:{self.http_port}",
+            scheme = "https" if self.cert else "http"
+            info = {"http": f"{scheme}://{host}:{self.http_port}",
                     "grpc": f"{self.settings.grpc.rpartition(':')[0]}:{self.grpc_port}",
+                    "tls": self.cert is not None,
                     "broker_public_key": self.services.signer.public_key_hex,
                     "db_url": self.settings.db_url if "@" not in self.settings.db_url
                     else "(hidden)"}
-            log.info("broker ready: HTTP %s, agents on %s, key %s…", info["http"],
-                     info["grpc"], info["broker_public_key"][:16])
+            log.info("broker ready: HTTP %s, agents on %s (%s), key %s…", info["http"],
+                     info["grpc"], "TLS" if self.cert else "PLAINTEXT",
+                     info["broker_public_key"][:16])
             if ready_file:
                 tmp = Path(ready_file).with_suffix(".tmp")
                 tmp.write_text(json.dumps(info))

@@ -17,6 +17,8 @@ from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService
 from broker.billing.service import JobBilling
 from broker.blobs.local import LocalBlobStore
+from broker.storage.sealed import AtRestCipher, SealedBlobStore
+from broker.storage.sealed import attach as attach_at_rest
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
 from broker.fault_tolerance import attach_fault_tolerance, use_measured_throughput
@@ -89,6 +91,7 @@ class Services:
     links: LinkService | None = None        # operators linked by what the broker sees
     bus: ReplicaBus = field(default_factory=LocalBus)  # wake-ups to and from other replicas
     replicas: ReplicaRegistry | None = None  # the replicas serving on this database
+    rate_limiter: object | None = None      # broker.ratelimit.RateLimiter (None: off)
 
     def close(self) -> None:
         self.maintenance.stop()
@@ -107,6 +110,9 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     (NotMigrated); False neither upgrades nor checks."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.db_url)
+    # Prompts, envelopes, events and job blobs are sealed with this key (broker/storage/sealed.py)
+    at_rest = AtRestCipher.load(settings.at_rest_key, settings.data_dir / "at_rest.key")
+    attach_at_rest(engine, at_rest)
     if migrate == "auto" and engine.dialect.name == "postgresql":
         require_current(engine, shown_url(settings.db_url))
     elif migrate:
@@ -148,8 +154,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
-    jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
-                      signer, EventHub(bus, SettledCopyCodec()),
+    jobs = JobService(SqlJobRepository(sessions), SealedBlobStore(settings.blob_dir, at_rest),
+                      catalog, signer, EventHub(bus, SettledCopyCodec()),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
@@ -159,7 +165,12 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                           catalog, _held_plugins(replicas, providers) if bus.shared else None))
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
-    auth = ApiKeyService(accounts)
+    from broker.admin.session import load_or_create_secret
+
+    # Exchanged API tokens are signed with a key derived from the console's secret, which
+    # replicas share (SPARECYCLES_ADMIN_SESSION_SECRET) so a token works on any of them.
+    auth = ApiKeyService(accounts, token_secret=settings.admin_session_secret
+                         or load_or_create_secret(settings.admin_session_key_path))
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
     dispatcher = Dispatcher(jobs, bus=bus)
@@ -202,7 +213,12 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
         verification = _attach_verification(settings, sessions, accounts, jobs, catalog, ledger,
                                             providers, admin, dispatcher, canaries, links)
         maintenance.tasks.append(verification.sweep)
+    from broker.ratelimit import RateLimiter, parse_limits
+
+    spec = parse_limits(settings.rate_limits)
+    rate_limiter = RateLimiter(spec, settings.rate_limit_storage) if spec else None
     return Services(settings=settings, engine=engine, signer=signer, auth=auth, catalog=catalog,
+                    rate_limiter=rate_limiter,
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,

@@ -42,7 +42,17 @@ link_loopback                SPARECYCLES_LINK_LOOPBACK           off (on: loopba
 admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (none: the secret file below)
 admin_session_key_path       SPARECYCLES_ADMIN_SESSION_KEY       <data_dir>/admin_session.key (random)
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
+tls_cert                     SPARECYCLES_TLS_CERT                (none: plaintext, loopback only)
+tls_key                      SPARECYCLES_TLS_KEY                 (none)
+insecure                     SPARECYCLES_INSECURE                off (on: plaintext off loopback too)
+at_rest_key                  SPARECYCLES_AT_REST_KEY             (kept in <data_dir>/at_rest.key)
+rate_limits                  SPARECYCLES_RATE_LIMITS             (broker/ratelimit.py defaults; off)
+rate_limit_storage           SPARECYCLES_RATE_LIMIT_STORAGE      memory:// (redis://…: shared)
 ===========================  ==================================  ===========================
+
+With ``tls_cert`` and ``tls_key`` the broker serves REST and gRPC over TLS with them
+(``sparecycles broker dev-cert`` makes a dev pair in ``<data_dir>/tls``); without them it
+listens only on loopback addresses unless ``insecure`` is on (logged as a warning).
 
 ``<user data dir>`` is the platform's (``platformdirs.user_data_dir``): ``$XDG_DATA_HOME``,
 else ``~/.local/share``, on Linux. The default lies outside any source tree on purpose: the
@@ -130,6 +140,12 @@ class Settings:
     admin_session_secret: str = ""
     admin_session_key_path: Path | None = None
     admin_session_ttl_s: int = 1800
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    insecure: bool = False
+    at_rest_key: str = ""
+    rate_limits: str = ""
+    rate_limit_storage: str = "memory://"
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -148,8 +164,16 @@ class Settings:
                              f"{len(self.signing_key)} characters")
         self.signing_key = key
         self.plugin_dirs = [Path(p) for p in self.plugin_dirs]
+        self.tls_cert = Path(self.tls_cert) if self.tls_cert else None
+        self.tls_key = Path(self.tls_key) if self.tls_key else None
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (the certificate "
+                             "and its private key, PEM) or neither")
+        from broker.ratelimit import parse_limits
+
+        parse_limits(self.rate_limits)  # a bad spec is an error at start, naming the pair
         if not self.public_url:
-            self.public_url = f"http://{self.http}"
+            self.public_url = f"{'https' if self.tls else 'http'}://{self.http}"
         if self.credit_price_cents <= 0 or 1_000_000 % self.credit_price_cents:
             raise ValueError(f"credit_price_cents must divide 1,000,000, got {self.credit_price_cents}")
         if self.lease_timeout_s <= 0:
@@ -170,6 +194,10 @@ class Settings:
         if self.signing_key:
             return KeyPair.from_seed_hex(self.signing_key)
         return KeyPair.load_or_create(self.key_path)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -220,6 +248,13 @@ class Settings:
             "admin_session_secret": ("SPARECYCLES_ADMIN_SESSION_SECRET", str),
             "admin_session_key_path": ("SPARECYCLES_ADMIN_SESSION_KEY", Path),
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
+            "tls_cert": ("SPARECYCLES_TLS_CERT", Path),
+            "tls_key": ("SPARECYCLES_TLS_KEY", Path),
+            "at_rest_key": ("SPARECYCLES_AT_REST_KEY", str),
+            "rate_limits": ("SPARECYCLES_RATE_LIMITS", str),
+            "rate_limit_storage": ("SPARECYCLES_RATE_LIMIT_STORAGE", str),
+            "insecure": ("SPARECYCLES_INSECURE",
+                         lambda v: v.strip().lower() in ("1", "on", "true", "yes")),
         }
         values = {}
         for name, (var, fn) in conv.items():

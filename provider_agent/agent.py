@@ -34,6 +34,7 @@ from sdk.protocol.signing import KeyPair
 from .availability import AVAILABLE, OWNER_ACTIVE, DeviceState, Gate
 from .benchmark import benchmark_plugin, throttle
 from .cheats import Cheat
+from . import transport as broker_transport
 from .config import AgentConfig, pin_broker_key
 from .errors import AgentError, ConfigError, HostError
 from .fingerprint import machine_fingerprint
@@ -150,6 +151,9 @@ class Agent:
         self.draining = False
         self._signals = 0
         self.provider_id = ""
+        # Why the last connection failed, in words (a refused certificate says which check).
+        self.last_error = ""
+        self.transport: broker_transport.Transport | None = None
         self._summary = _DoneSummary()
         self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
         self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
@@ -375,8 +379,15 @@ class Agent:
                     code = exc.code() if hasattr(exc, "code") else None
                     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                         raise ConfigError(f"the broker refused this agent: {exc.details()}") from None
-                    log.warning("connection to %s lost: %s", self.broker_address,
-                                exc.details() if hasattr(exc, "details") else exc)
+                    why = (broker_transport.explain(self.transport, exc)
+                           if self.transport is not None and hasattr(exc, "code") else "")
+                    self.last_error = why or (exc.details() if hasattr(exc, "details")
+                                              else str(exc))
+                    if why:
+                        log.error("cannot connect to %s: %s", self.broker_address, why)
+                    else:
+                        log.warning("connection to %s lost: %s", self.broker_address,
+                                    self.last_error)
                 except Exception as exc:  # noqa: BLE001 - keep the agent alive, reconnect
                     log.exception("connection error: %s", exc)
                 if self._stop.is_set():
@@ -413,7 +424,10 @@ class Agent:
             self.installer.close()  # the packages' last-use times, the registry client
 
     def _session(self) -> None:
-        channel = grpc.insecure_channel(self.broker_address, options=GRPC_OPTIONS)
+        self.transport = broker_transport.choose(self.broker_address, self.cfg.ca_file,
+                                                 self.cfg.insecure)
+        channel = broker_transport.open_channel(self.broker_address, self.transport,
+                                                GRPC_OPTIONS)
         outq: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests():
@@ -448,8 +462,10 @@ class Agent:
             outq.put(pb.AgentMessage(capabilities=self._capabilities()))
             welcome = next(call).welcome
             self.provider_id = welcome.provider_id
-            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s))",
-                     self.broker_address, welcome.provider_id, len(self.plugins), self.cfg.slots)
+            self.last_error = ""
+            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s); %s)",
+                     self.broker_address, welcome.provider_id, len(self.plugins),
+                     self.cfg.slots, self.transport.describe())
             with self._lock:
                 self._outq = outq
                 pending = [m for msgs in self.undelivered.values() for m in msgs]
@@ -561,7 +577,8 @@ class Agent:
     def _on_assignment(self, a: pb.Assignment) -> None:
         try:
             env = open_envelope(a.envelope, a.signature, broker_key=self.cfg.broker_public_key,
-                                my_key=self.identity.public_key_hex, replay=self.replay)
+                                my_key=self.identity.public_key_hex, replay=self.replay,
+                                identity=self.identity)
         except EnvelopeError as exc:
             log.error("refused a job envelope (%s): %s", exc.code, exc)
             return

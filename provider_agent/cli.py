@@ -21,6 +21,10 @@ def register(sub) -> None:
     i.add_argument("--weights-dir", help="folder holding <plugin>/ weight folders")
     i.add_argument("--registry", help="the broker's REST address, to install published "
                                       "plugins and adapters from (e.g. http://HOST:8080)")
+    i.add_argument("--ca-file", help="the broker's CA certificate, PEM (default "
+                                     "$SPARECYCLES_CA_BUNDLE, else the system trust store)")
+    i.add_argument("--insecure", action="store_true",
+                   help="connect in plaintext even off loopback (logged as a warning)")
     i.add_argument("--home", type=Path, help="config folder (default $SPARECYCLES_AGENT_HOME "
                                              "or the platform config dir)")
     i.add_argument("--force", action="store_true", help="overwrite an existing config")
@@ -58,6 +62,8 @@ def register(sub) -> None:
     t.add_argument("--max-power", type=float, metavar="W", dest="max_power_w")
     t.add_argument("--min-price", type=int, metavar="MICRO", dest="min_price_micro_per_unit",
                    help="never ask less than this many micro-credits per work unit")
+    r.add_argument("--insecure", action="store_true",
+                   help="connect in plaintext even off loopback (logged as a warning)")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
 
@@ -149,6 +155,9 @@ def cmd_init(args) -> int:
         cfg.weights_dir = str(Path(args.weights_dir).resolve())
     if args.registry:
         cfg.registry_url = args.registry
+    if args.ca_file:
+        cfg.ca_file = str(Path(args.ca_file).expanduser().resolve())
+    cfg.insecure = bool(args.insecure)
     save_config(cfg, home)
     key = load_identity(home)
     print(f"agent config: {path}\nidentity key: {identity_path(home)} "
@@ -177,6 +186,8 @@ def cmd_run(args) -> int:
             cfg.device = args.device
         if args.devices:
             cfg.devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+        if args.insecure:
+            cfg.insecure = True
         cfg.asks.update(parse_pairs(args.ask, int, "--ask"))
         cfg.throttle_ms_per_unit.update(parse_pairs(args.throttle, float, "--throttle"))
         for name in ("idle_only", "idle_resume_s", "on_owner", "schedule", "max_vram_gb",

@@ -9,6 +9,10 @@ agent.toml::
 
     broker = "127.0.0.1:50051"
     api_key = "sc_provider_…"
+    ca_file = ""                # the broker's CA (PEM); "": $SPARECYCLES_CA_BUNDLE, else
+                                # the system trust store
+    insecure = false            # plaintext to a non-loopback broker (logged as a warning;
+                                # loopback brokers without TLS are reached in plaintext)
     name = "gaming-pc"
     broker_public_key = "…"     # pinned on first connect; a different key is refused
     slots = 1
@@ -192,6 +196,8 @@ class AgentConfig:
             for p in plugins:
                 asks.setdefault(p, floor)
         return asks
+    ca_file: str = ""
+    insecure: bool = False
 
     def registry_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -260,6 +266,11 @@ class AgentConfig:
                         for v in value.values())):
                     raise ConfigError(f"device_asks.{dev} is {value!r}; give plugin = price "
                                       "in micro-credits per work unit, e.g. sd15 = 12000")
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"insecure is {self.insecure!r}; give true or false")
+        if not isinstance(self.ca_file, str):
+            raise ConfigError(f"ca_file is {self.ca_file!r}; give the path of the broker's CA "
+                              "certificate (PEM) as a string, or \"\" for the system trust")
         if not isinstance(self.sandbox_user, str):
             raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
                               "uid or uid:gid as a string, or \"\" for the default")

@@ -58,7 +58,7 @@ from sdk.protocol.package import (Package, PackageError, check_adapter_files, ch
                                   document_digest, verify_document)
 from sdk.protocol.digest import file_sha256
 
-from .errors import AgentError
+from .errors import AgentError, ConfigError
 
 log = logging.getLogger("agent.installer")
 INDEX = "index.json"
@@ -116,7 +116,7 @@ class Installer:
     def __init__(self, broker_url: str | None, api_key: str | None, cache_dir: Path | str, *,
                  max_bytes: int = DEFAULT_MAX_BYTES, http: httpx.Client | None = None,
                  trusted_keys: set[str] | None = None, timeout_s: float = 300.0,
-                 clock=time.time):
+                 clock=time.time, ca_file: str | None = None, insecure: bool = False):
         self.root = Path(cache_dir).resolve()
         self.max_bytes = int(max_bytes)
         self.trusted_keys = set(trusted_keys or ())
@@ -134,9 +134,16 @@ class Installer:
         self._dirty = False               # last-use times not yet written
         self._saved_at = time.monotonic()
         if http is None and broker_url:
+            from sdk.tls import check_url, client_context
+
+            try:  # the API key goes in clear over http:// only to loopback or when insecure
+                check_url(broker_url, insecure, what="registry_url")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
             http = httpx.Client(base_url=broker_url.rstrip("/"), headers=headers,
-                                timeout=timeout_s, follow_redirects=False)
+                                timeout=timeout_s, follow_redirects=False,
+                                verify=client_context(ca_file))
         self.http = http
         self.root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.root / ".tmp", ignore_errors=True)  # downloads a crash left
@@ -603,7 +610,17 @@ def make_installer(cfg) -> Installer | None:
         return None
     return Installer(cfg.registry_url, cfg.api_key, cfg.registry_cache_dir(),
                      max_bytes=int(cfg.cache_max_gb * 1024**3),
-                     trusted_keys=set(cfg.trusted_publishers))
+                     trusted_keys=set(cfg.trusted_publishers),
+                     ca_file=_ca(cfg), insecure=cfg.insecure)
+
+
+def _ca(cfg) -> str | None:
+    from sdk.tls import TLSConfigError, ca_bundle
+
+    try:
+        return ca_bundle(cfg.ca_file or None)
+    except TLSConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def resolve_plugins(cfg, installer: Installer | None, builtin=None) -> dict[str, Path]:

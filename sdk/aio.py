@@ -15,6 +15,7 @@ running event loop instead of urllib3; many calls in one loop share one connecti
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 
 import httpx
@@ -23,7 +24,8 @@ import urllib3
 from sdk import _core as core
 from sdk._core import Call, Failed, Sleep
 from sdk._http import Response
-from sdk.client import EVENT_READ_TIMEOUT_S, Job, _ClientBase, _Follow
+from sdk import tls
+from sdk.client import EVENT_READ_TIMEOUT_S, Job, _ClientBase, _Follow, _tls_refusal
 from sdk.errors import APIConnectionError
 from sdk.models import Event
 
@@ -32,10 +34,14 @@ class AsyncClient(_ClientBase):
     prefetch = True  # a Result holds its bytes: no I/O hides behind its properties
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 timeout: float = 30.0, max_retries: int = 3, max_connections: int = 256):
-        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries)
+                 timeout: float = 30.0, max_retries: int = 3, max_connections: int = 256,
+                 ca_file: str | None = None, insecure: bool | None = None):
+        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries,
+                         ca_file=ca_file, insecure=insecure)
         self._http = httpx.AsyncClient(
             base_url=self._cfg.url_root, follow_redirects=False, trust_env=False,
+            verify=(tls.client_context(self._ca_file) if self.base_url.startswith("https")
+                    else True),
             limits=httpx.Limits(max_connections=max_connections,
                                 max_keepalive_connections=min(64, max_connections)))
 
@@ -63,6 +69,10 @@ class AsyncClient(_ClientBase):
                                             headers=call.headers,
                                             timeout=httpx.Timeout(call.timeout))
         except httpx.TransportError as exc:
+            if isinstance(exc, httpx.ConnectError) and isinstance(
+                    exc.__context__ or exc.__cause__, ssl.SSLError):  # retrying will not help
+                raise APIConnectionError(_tls_refusal(self.base_url, exc.__context__
+                                                      or exc.__cause__)) from exc
             return Failed(str(exc) or type(exc).__name__, exc)
         return Response(resp.status_code, _headers(resp.headers), resp.content)
 

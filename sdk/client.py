@@ -2,7 +2,10 @@
 ``AsyncClient`` (:mod:`sdk.aio`) with the same names.
 
 The key comes from the argument or ``SPARECYCLES_API_KEY``; the broker address from the
-argument or ``SPARECYCLES_URL`` (default http://127.0.0.1:8080). Every POST carries an
+argument or ``SPARECYCLES_URL`` (default http://127.0.0.1:8080). An https:// broker's
+certificate is verified against ``ca_file``, else ``SPARECYCLES_CA_BUNDLE``, else the
+system's trust store; http:// is allowed only to loopback, or with ``insecure=True``
+(``SPARECYCLES_INSECURE=1``), logged as a warning (sdk/tls.py). Every POST carries an
 Idempotency-Key that retries reuse, so a retried submit never makes a second job.
 
 Every method is written once, as a plan of :mod:`sdk._core` (what to send, what to do with
@@ -26,6 +29,7 @@ import urllib3
 from sdk import _core as core
 from sdk._core import DEFAULT_URL, TERMINAL, Call, Failed, Sleep  # noqa: F401 (re-exported)
 from sdk._http import Response, TransportError, describe, iter_lines
+from sdk import tls
 from sdk.errors import (APIConnectionError, ConfigurationError, InvalidInputError,
                         JobFailedError, NotFoundError)
 from sdk.models import Account, Event, Quote, Transaction
@@ -33,6 +37,30 @@ from sdk.protocol.schema import InputError, InputSchema
 
 POOL_SIZE = 32  # keep-alive connections kept per broker (more threads may open more)
 EVENT_READ_TIMEOUT_S = 60.0  # a stream silent this long is reopened (the broker pings at 15)
+
+
+def _tls_refusal(url: str, exc: BaseException) -> str:
+    """A refused TLS handshake in words that say which check failed."""
+    text = describe(exc)
+    if "expired" in text:
+        why = "its certificate has expired (the broker's operator must renew it)"
+    elif "mismatch" in text or "not valid for" in text:
+        why = "its certificate is not for this host name (connect by a name it lists)"
+    elif "issuer" in text or "self-signed" in text or "self signed" in text:
+        why = (f"its certificate is not signed by a CA this client trusts (give the broker's "
+               f"CA with ca_file= or {tls.CA_BUNDLE_ENV})")
+    elif "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
+        why = "it does not speak TLS there (use http:// for a plaintext loopback broker)"
+    else:
+        why = "the TLS handshake failed"
+    return f"refused the broker at {url}: {why}: {text}"
+
+
+def _plaintext_hint(url: str, exc: BaseException) -> str:
+    if url.startswith("http://") and ("RemoteDisconnected" in repr(exc)
+                                      or "without response" in str(exc)):
+        return " (if the broker serves TLS, use https:// and trust its CA)"
+    return ""
 
 
 class _ClientBase:
@@ -45,11 +73,20 @@ class _ClientBase:
     _backoff = staticmethod(core.backoff_s)  # attempt -> seconds (a seam for tests)
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 timeout: float = 30.0, max_retries: int = 3):
+                 timeout: float = 30.0, max_retries: int = 3, ca_file: str | None = None,
+                 insecure: bool | None = None):
         self._cfg = core.Config.build(base_url, api_key, timeout, max_retries)
         self._cfg.backoff = self._backoff
         self.base_url, self.api_key = self._cfg.base_url, self._cfg.api_key
         self.max_retries = max_retries
+        try:
+            # https: the broker's certificate verified against ca_file, else
+            # $SPARECYCLES_CA_BUNDLE, else the system's trust; http: loopback only, unless
+            # insecure (sdk/tls.py).
+            tls.check_url(self.base_url, tls.env_insecure() if insecure is None else insecure)
+            self._ca_file = tls.ca_bundle(ca_file) if self.base_url.startswith("https") else None
+        except tls.TLSConfigError as exc:
+            raise ConfigurationError(str(exc)) from None
         self._schemas: dict[str, InputSchema] = {}
         self.jobs = Jobs(self)
 
@@ -196,13 +233,17 @@ class Client(_ClientBase):
     thread using the client)."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 timeout: float = 30.0, max_retries: int = 3):
-        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries)
+                 timeout: float = 30.0, max_retries: int = 3, ca_file: str | None = None,
+                 insecure: bool | None = None):
+        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries,
+                         ca_file=ca_file, insecure=insecure)
+        tls_kw = ({"ca_certs": self._ca_file, "cert_reqs": "CERT_REQUIRED"}
+                  if self.base_url.startswith("https") else {})
         try:
             # Retries and redirects are this class's business, not urllib3's.
             self._pool = urllib3.connection_from_url(
                 self._cfg.url_root, maxsize=POOL_SIZE, block=False, retries=False,
-                timeout=urllib3.Timeout(connect=timeout, read=timeout))
+                timeout=urllib3.Timeout(connect=timeout, read=timeout), **tls_kw)
         except urllib3.exceptions.LocationValueError as exc:
             raise ConfigurationError(f"bad broker URL {self.base_url!r} ({exc}): give one "
                                      f"like {DEFAULT_URL}") from None
@@ -231,7 +272,9 @@ class Client(_ClientBase):
                                      timeout=urllib3.Timeout(connect=call.timeout,
                                                              read=call.timeout))
         except TransportError as exc:
-            return Failed(describe(exc), exc)
+            if isinstance(exc, urllib3.exceptions.SSLError):  # retrying will not help
+                raise APIConnectionError(_tls_refusal(self.base_url, exc)) from exc
+            return Failed(describe(exc) + _plaintext_hint(self.base_url, exc), exc)
         return Response(raw.status, raw.headers, raw.data)
 
     def _events(self, job: "Job", after: int) -> Iterator[Event]:

@@ -30,8 +30,6 @@ def _say(msg: str) -> None:
 
 
 def run_demo(workdir: Path | None, out_dir: Path, *, sandbox: bool = True) -> int:
-    from sdk import Client
-
     workdir = Path(workdir) if workdir is not None else default_workdir()
 
     weights_root = _cache_dir() / "weights"
@@ -45,11 +43,13 @@ def run_demo(workdir: Path | None, out_dir: Path, *, sandbox: bool = True) -> in
         sandbox = False
     if workdir.exists():
         shutil.rmtree(workdir)
-    net = LocalNetwork(workdir)
+    net = LocalNetwork(workdir, tls=True)
     try:
-        _say("starting a broker (SQLite, local blob folder)")
+        _say(f"made a dev CA and a TLS certificate for the broker ({net.ca_file}); the "
+             "agents and this client trust that CA")
+        _say("starting a broker (SQLite, local blob folder; REST and gRPC over TLS)")
         info = net.start_broker()
-        _say(f"broker: REST {info['http']}, agents {info['grpc']}")
+        _say(f"broker: REST {info['http']}, agents {info['grpc']} (TLS)")
         client_key = net.create_key("client", "demo-client")
         for name in ("alpha", "beta"):  # two operators, so each can check the other's work
             provider_key = net.create_key("provider", f"demo-provider-{name}")
@@ -60,7 +60,7 @@ def run_demo(workdir: Path | None, out_dir: Path, *, sandbox: bool = True) -> in
         _say("both agents connected; running the README's first example, "
              'client.generate("sd15", prompt="a lighthouse at dusk", seed=7, steps=30)')
         t0 = time.perf_counter()
-        with Client(info["http"], client_key) as client:
+        with net.client(client_key) as client:
             # No size: the model's own (64×64 for these tiny weights, 512×512 for real ones)
             result = client.generate("sd15", prompt="a lighthouse at dusk", seed=7, steps=30)
             elapsed = time.perf_counter() - t0

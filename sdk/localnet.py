@@ -4,6 +4,12 @@ loopback.
 Used by `sparecycles demo`, the end-to-end tests and the benchmarks. It drives the same
 `sparecycles` commands a person would type (through ``python -m sdk.cli``), so it needs no
 import of the broker or the agent.
+
+With ``tls=True`` it makes a dev CA and a server certificate first (`sparecycles broker
+dev-cert`), serves REST and gRPC over TLS with them, and gives every agent and the
+processes it starts the CA (``ca_file`` in agent.toml, ``SPARECYCLES_CA_BUNDLE``); a
+client in the caller's process trusts it with ``Client(net.url, key, ca_file=net.ca_file)``
+or that variable.
 """
 from __future__ import annotations
 
@@ -40,12 +46,22 @@ class AgentProcess:
 
 class LocalNetwork:
     def __init__(self, workdir: Path, *, db_url: str | None = None, lease_timeout_s: float = 30,
-                 env: dict | None = None):
+                 env: dict | None = None, tls: bool = False):
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.db_url = db_url
         self.lease_timeout_s = lease_timeout_s
+        self.tls = tls
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        # Benchmarks drive the broker from one key far past any per-key budget: no rate
+        # limits here unless the caller sets them (broker/ratelimit.py).
+        self.env.setdefault("SPARECYCLES_RATE_LIMITS", "off")
+        self.ca_file: Path | None = None
+        if tls:
+            self._make_cert()
+            self.env["SPARECYCLES_CA_BUNDLE"] = str(self.ca_file)
+        self._http = urllib3.PoolManager(
+            ca_certs=str(self.ca_file) if self.ca_file else None)
         self.broker: subprocess.Popen | None = None
         self.info: dict = {}
         self.agents: list[AgentProcess] = []
@@ -62,6 +78,19 @@ class LocalNetwork:
         if self.db_url:
             args += ["--db", self.db_url]
         return args
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.data_dir / "tls"
+
+    def _make_cert(self) -> None:
+        out = subprocess.run(cli("broker", "dev-cert", "--data-dir", str(self.data_dir),
+                                 "--host", "127.0.0.1", "--host", "localhost",
+                                 "--host", "::1"),
+                             capture_output=True, text=True, env=self.env, cwd=self.workdir)
+        if out.returncode != 0:
+            raise LocalNetworkError(f"broker dev-cert failed: {out.stderr.strip()}")
+        self.ca_file = self.tls_dir / "ca.pem"
 
     def start_broker(self, http: str = "127.0.0.1:0", grpc: str = "127.0.0.1:0",
                      timeout_s: float = 60) -> dict:
@@ -97,9 +126,12 @@ class LocalNetwork:
         ready.unlink(missing_ok=True)
         log = open(self.workdir / f"{name}.log", "ab")
         self._logs.append(log)
+        tls = (["--tls-cert", str(self.tls_dir / "server.pem"),
+                "--tls-key", str(self.tls_dir / "server.key")] if self.tls else [])
         proc = subprocess.Popen(
             cli("broker", "serve", *self._broker_args(), "--http", http, "--grpc", grpc,
-                "--lease-timeout", str(self.lease_timeout_s), "--ready-file", str(ready)),
+                "--lease-timeout", str(self.lease_timeout_s), "--ready-file", str(ready),
+                *tls),
             stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
@@ -118,12 +150,19 @@ class LocalNetwork:
         if self.broker and self.broker.poll() is None:
             self.broker.send_signal(signal.SIGKILL if hard else signal.SIGTERM)
             self.broker.wait(30)
-        http = self.info["http"].removeprefix("http://")
+        http = self.info["http"].split("://", 1)[1]
         return self.start_broker(http=http, grpc=self.info["grpc"])
 
     @property
     def url(self) -> str:
         return self.info["http"]
+
+    def client(self, api_key: str, **kwargs):
+        """An SDK client of this network's broker (trusting its dev CA when on TLS)."""
+        from sdk.client import Client
+
+        return Client(self.url, api_key, ca_file=str(self.ca_file) if self.ca_file else None,
+                      **kwargs)
 
     def create_key(self, role: str, name: str = "", *, credits: str | None = "1000") -> str:
         """A new account's API key; a client account is granted ``credits`` (dev funding)."""
@@ -155,6 +194,8 @@ class LocalNetwork:
                        "--slots", str(slots))
             if weights_dir:
                 init += ["--weights-dir", str(weights_dir)]
+            if self.ca_file:
+                init += ["--ca-file", str(self.ca_file)]
             out = subprocess.run(init, capture_output=True, text=True, env=self.env)
             if out.returncode != 0:
                 raise LocalNetworkError(f"agent init failed: {out.stderr.strip()}")
@@ -191,7 +232,8 @@ class LocalNetwork:
             for url in [self.url] + [info["http"] for proc, info in self.replicas
                                      if proc.poll() is None]:
                 try:
-                    resp = urllib3.request("GET", f"{url}/readyz", timeout=5, retries=False)
+                    resp = self._http.request("GET", f"{url}/readyz", timeout=5,
+                                              retries=False)
                     body = json.loads(resp.data)
                     if isinstance(body, dict):
                         online += int(body.get("providers_online", 0))

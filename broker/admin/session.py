@@ -85,6 +85,10 @@ class AdminSessions:
         if who.role != "admin":
             raise Forbidden(f"this is a {who.role} key; the console needs an admin key "
                             "(`sparecycles broker create-key --role admin`)")
+        if "admin" not in who.scopes:
+            raise Forbidden("this admin key is narrowed to "
+                            f"{' '.join(sorted(who.scopes))}; the console needs the scope "
+                            "'admin'", missing_scope="admin", code_override="missing_scope")
         now = int(self.clock())
         claims = {"sub": who.account_id, "kid": who.key_id, "iat": now, "exp": now + self.ttl_s,
                   "jti": secrets.token_hex(16), "csrf": secrets.token_urlsafe(24),
@@ -106,7 +110,8 @@ class AdminSessions:
         if self.revocations.is_revoked(claims["jti"]):
             raise SessionRefused("ended")
         record = self.auth.repo.get_key(claims["kid"])
-        if record is None or record.revoked_at is not None or record.role != "admin":
+        if record is None or record.state(self.clock()) != "active" or record.role != "admin" \
+                or "admin" not in record.effective_scopes():
             raise SessionRefused("revoked")
         return self._session(claims)
 

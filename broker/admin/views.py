@@ -34,7 +34,8 @@ def sessions() -> AdminSessions:
 
 
 def _secure() -> bool:
-    return svc().settings.public_url.startswith("https://")
+    """Cookies are ``Secure`` whenever the console is reached over TLS (or says it is)."""
+    return request.is_secure or svc().settings.public_url.startswith("https://")
 
 
 # ---- flash messages in a signed cookie (the app has no Flask session) -------------------
@@ -309,6 +310,48 @@ def provider_action(provider_id):
     return back("admin.provider", f"provider {verb}", provider_id=provider_id)
 
 
+# ---- keys ---------------------------------------------------------------------------------
+@bp.get("/keys")
+def keys():
+    from broker.api.keys import key_to_json
+
+    s = svc()
+    account = request.args.get("account") or None
+    rows = [key_to_json(k) for k in s.auth.list_keys(account)]
+    names = s.admin.queries.account_names(sorted({r["account_id"] for r in rows}))
+    return render_template("admin/keys.html", keys=rows, names=names, account=account,
+                           page="keys")
+
+
+@bp.post("/keys/<key_id>/action")
+def key_action(key_id):
+    action = request.form.get("action", "")
+    auth = svc().auth
+    try:
+        if action == "revoke":
+            auth.revoke(key_id)
+            svc().audit.record(f"admin:{g.admin.account_id}", "key.revoke", f"key:{key_id}", {})
+            return back("admin.keys", f"key {key_id} revoked: every replica refuses it within "
+                                      "seconds")
+        if action == "rotate":
+            grace = request.form.get("grace_s", "0").strip() or "0"
+            try:
+                grace_s = float(grace)
+            except ValueError:
+                return back("admin.keys", f"nothing changed — grace {grace!r} is not a number "
+                                          "of seconds", "error")
+            new_key, old = auth.rotate(key_id, grace_s=grace_s)
+            svc().audit.record(f"admin:{g.admin.account_id}", "key.rotate", f"key:{key_id}",
+                               {"new_key_id": new_key.split("_")[2], "grace_s": grace_s})
+            # The one time the plaintext is shown: on the page, never in a cookie.
+            return render_template("admin/key_created.html", key=new_key, old=old,
+                                   page="keys")
+    except BrokerError as exc:
+        return back("admin.keys", f"nothing changed — {exc.message}", "error")
+    return back("admin.keys", f"nothing changed — unknown action {action!r} (revoke or "
+                              "rotate)", "error")
+
+
 # ---- jobs ---------------------------------------------------------------------------------
 def _job_marks(rows) -> dict:
     """What the jobs tables show beside each row: its verification status, and for a
@@ -348,6 +391,8 @@ def job(job_id):
         from broker.errors import NotFound
         raise NotFound(f"no job {job_id!r}")
     j = row[0]
+    # An admin reads a client's prompt and outputs only under audit: each view is recorded.
+    _audit_read(job_id, "job.viewed")
     outputs = s.jobs.repo.outputs(job_id)
     texts = {}
     for o in outputs:
@@ -371,11 +416,16 @@ def job(job_id):
                            page="jobs")
 
 
+def _audit_read(job_id: str, action: str, **data) -> None:
+    svc().audit.record(f"admin:{g.admin.account_id}", action, f"job:{job_id}", data)
+
+
 @bp.get("/jobs/<job_id>/outputs/<int:index>")
 def job_output(job_id, index):
     s = svc()
     for o in s.jobs.repo.outputs(job_id):
         if o.index == index:
+            _audit_read(job_id, "job.output_viewed", index=index)
             return output_response(s.jobs.blobs.get(o.sha256), o.media_type,
                                    headers={"Cache-Control": "private, max-age=3600"})
     abort(404)
@@ -392,6 +442,7 @@ def job_run_output(job_id, index):
         abort(404)
     for o in s.admin.run_outputs(job):
         if o["index"] == index:
+            _audit_read(job_id, "job.output_viewed", index=index, run=True)
             try:
                 data = s.jobs.blobs.get(o["sha256"])
             except NotFound:  # gone from the blob store

@@ -33,5 +33,13 @@ def check_database(svc) -> None:
 
 def readiness(svc) -> dict:
     """/readyz's answer once the database answered."""
+    from sdk.tls import is_loopback
+
+    settings = svc.settings
+    loopback = all(is_loopback(a.rpartition(":")[0]) for a in (settings.http, settings.grpc))
     return {"status": "ok", "providers_online": svc.dispatcher.session_count(),
-            "broker_public_key": svc.signer.public_key_hex}
+            "broker_public_key": svc.signer.public_key_hex,
+            # how clients and agents reach this replica: "tls", "plaintext (loopback)" or
+            # "plaintext (insecure)", the last also logged as a warning at start
+            "transport": "tls" if settings.tls else
+                         "plaintext (loopback)" if loopback else "plaintext (insecure)"}

@@ -5,6 +5,7 @@ test_openapi_contract.py drives the app and checks the answers against this docu
 and the bounds the server enforces on parameters (``limit``, ``wait``, ``after``...)."""
 from flask import Blueprint
 
+from . import keys as keys_api
 from . import openai_compat, registry as registry_api
 from .common import INT64_MAX, MAX_WAIT_S
 
@@ -46,21 +47,26 @@ def _errors(*codes):
     return {str(c): {"description": d, "content": {"application/problem+json": {"schema": _PROBLEM}}}
             for c, d in ((400, "Malformed request"), (401, "Missing or bad API key"),
                          (402, "Not enough credits"),
-                         (403, "Not allowed for this API key's role"),
+                         (403, "Not allowed for this API key's role, or a scope it lacks "
+                               "(code missing_scope, field missing_scope)"),
                          (404, "No such job, output or plugin"), (409, "Conflict"),
                          (413, "Payload too large"),
                          (422, "Inputs outside the plugin's schema"),
+                         (429, "Rate limited: this key's budget for the route group is spent; "
+                               "retry after the Retry-After header's seconds"),
                          (502, "The payment provider failed; nothing was charged"),
                          (503, "Not ready")) if c in codes}
 
 
 def _with_auth_errors(paths: dict) -> dict:
-    """Every operation that needs an API key also answers 401 (no key, a bad one): added
-    here once rather than route by route."""
+    """Every operation that needs an API key also answers 401 (no key, a bad one) and 429
+    (rate limits are per key: broker/ratelimit.py): added here once rather than route by
+    route."""
     for path, operations in paths.items():
         for op in operations.values():
             if path.startswith("/v1") and op.get("security") != []:
                 op["responses"].setdefault("401", _errors(401)["401"])
+                op["responses"].setdefault("429", _errors(429)["429"])
     return paths
 
 
@@ -72,7 +78,8 @@ def document() -> dict:
                  "description": "Submit inference jobs to the Sparecycles network."},
         "components": {
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
-                                           "description": "An API key: sc_<role>_<id>_<secret>"}},
+                                           "description": "An API key (sc_<role>_<id>_<secret>) or a "
+                                                          "token from POST /v1/auth/token"}},
             "schemas": {
                 "Problem": {"type": "object", "description": "RFC 7807 problem details",
                             "required": ["type", "title", "status", "code", "detail"],
@@ -303,6 +310,7 @@ def document() -> dict:
                               **_errors(400, 401, 403, 404, 409, 422)}}},
             **registry_api.openapi_paths(_errors),  # the marketplace (broker/api/registry.py)
             **openai_compat.openapi_paths(),  # the OpenAI-compatible surface
+            **keys_api.openapi_paths(_errors),  # keys and tokens (broker/api/keys.py)
             "/livez": {"get": {"summary": "Liveness", "security": [],
                                "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness", "security": [],

@@ -33,7 +33,8 @@ from sdk.protocol import agent_pb2_grpc as pb_grpc
 from sdk.protocol.envelope import challenge_document, receipt_job_id
 from sdk.protocol.signing import KeyPair, SignatureError, verify
 
-from broker.auth.service import ApiKeyService
+from broker.auth import scopes
+from broker.auth.service import KEY_CACHE_S, ApiKeyService
 from broker.errors import BrokerError
 from broker.jobs.dispatch import AgentSession, Dispatcher
 from broker.jobs.service import JobService
@@ -45,6 +46,7 @@ _CLOSE = object()
 HANDSHAKE_TIMEOUT_S = 30.0  # for each handshake message: a silent connection is let go
 ABORT_TIMEOUT_S = 5.0       # a cut-off agent that reads nothing gets no status: the call ends
 OUTBOX_MAX_BYTES = 64 << 20  # per stream (a larger message alone is still taken)
+KEY_RECHECK_S = KEY_CACHE_S  # how often connected agents' keys are checked again
 INBOX_MAX = 32  # messages read ahead of their handling, per stream (then reading stops)
 
 
@@ -76,6 +78,7 @@ class GatewaySession(AgentSession):
         self._stats = stats or GatewayStats()
         self._closed = False
         self.cut_off: str | None = None  # why the broker cut the stream off
+        self.revoked: str | None = None  # why its key stopped working meanwhile
         self._writer: asyncio.Task | None = None
 
     def send(self, msg: pb.BrokerMessage) -> None:
@@ -123,8 +126,11 @@ class GatewaySession(AgentSession):
             return self._queued
 
     # ---- on the event loop ---------------------------------------------------------
-    def _cut(self, why: str) -> None:
-        self.cut_off = why
+    def _cut(self, why: str, *, revoked: bool = False) -> None:
+        if revoked:
+            self.revoked = why
+        else:
+            self.cut_off = why
         while not self._outbox.empty():  # drop what was queued: that memory goes now
             self._outbox.get_nowait()
         with self._lock:
@@ -193,6 +199,43 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.stats = stats or GatewayStats()
         # Records which replica holds each stream (other replicas read it: issue #21).
         self.replicas = replicas
+        # The live streams by the credential they connected with: checked again every
+        # KEY_RECHECK_S, so a revoked or expired key's agents are let go within seconds.
+        self._by_token: dict[str, set[GatewaySession]] = {}
+        self._key_sweeper: asyncio.Task | None = None
+
+    def _authenticate(self, token: str):
+        principal = self.auth.authenticate(token)
+        scopes.require(principal, "agent:connect", "connecting an agent")
+        return principal
+
+    def _refused_tokens(self, tokens: list[str]) -> dict[str, str]:
+        """In the pool: the credentials among ``tokens`` that no longer authenticate."""
+        bad = {}
+        for token in tokens:
+            try:
+                self._authenticate(token)
+            except BrokerError as exc:
+                bad[token] = exc.message
+        return bad
+
+    async def _sweep_keys(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(KEY_RECHECK_S)
+            if not self._by_token:
+                continue
+            try:
+                bad = await loop.run_in_executor(self.executor, self._refused_tokens,
+                                                 list(self._by_token))
+            except Exception:  # noqa: BLE001 - the database may be away; try again later
+                log.exception("could not check the connected agents' keys again")
+                continue
+            for token, why in bad.items():
+                for session in list(self._by_token.get(token, ())):
+                    log.warning("letting agent of provider %s go: %s", session.provider_id,
+                                why)
+                    session._cut(why, revoked=True)
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
         if self.stats.streams >= self.max_streams:
@@ -220,7 +263,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         loop = asyncio.get_running_loop()
         metadata = dict(context.invocation_metadata())
         token = metadata.get("authorization", "").removeprefix("Bearer ").strip()
-        principal = await self._call(self.auth.authenticate, token)
+        principal = await self._call(self._authenticate, token)
 
         hello = (await self._next(context, "hello")).hello
         if len(hello.public_key) != 64:
@@ -253,6 +296,9 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         except _Refused:
             raise
         writer = reader = None
+        self._by_token.setdefault(token, set()).add(session)
+        if self._key_sweeper is None or self._key_sweeper.done():
+            self._key_sweeper = asyncio.ensure_future(self._sweep_keys())
         try:
             for msg in greeting:
                 await context.write(msg)
@@ -265,6 +311,14 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                     task.cancel()
                     task.add_done_callback(_retrieved)
             self.executor.submit(self._leave, session, hello.name)
+            streams = self._by_token.get(token)
+            if streams is not None:
+                streams.discard(session)
+                if not streams:
+                    del self._by_token[token]
+        if session.revoked:
+            await asyncio.wait_for(context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                                 session.revoked), ABORT_TIMEOUT_S)
         if session.cut_off:
             self.stats.cut_off += 1
             self.stats.cut_offs.append((session.provider_id, session.cut_off))

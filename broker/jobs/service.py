@@ -546,7 +546,8 @@ class JobService:
                                  version=job.plugin_version, inputs=job.inputs,
                                  provider_key=target.public_key,
                                  lease_timeout_s=self.settings.lease_timeout_s,
-                                 ttl_s=self.settings.envelope_ttl_s, now=now, extra=extra)
+                                 ttl_s=self.settings.envelope_ttl_s, now=now, extra=extra,
+                                 sealed=True)  # only the assigned provider reads the inputs
         # Signed first, so the copy kept for the receipt holds the signed bytes' hash.
         data, signature = sign_envelope(self.signer, envelope)
         moved = self.repo.transition(
@@ -733,7 +734,9 @@ class JobService:
             return self._input_refused(job, provider_id, message)
         self.on_failure(provider_id, job.plugin)
         if retryable:
-            return self._requeue(job, "failed", f"{code}: {message}")
+            # (the provider's message may quote the inputs: it goes to the sealed event,
+            # the log gets its code alone)
+            return self._requeue(job, "failed", f"{code}: {message}", logged=code)
         return self._fail(job, code, message)
 
     def _input_refused(self, job: Job, provider_id: str, message: str) -> Job | None:
@@ -837,9 +840,10 @@ class JobService:
         return moved
 
     def _requeue(self, job: Job, kind: str, reason: str, count_attempt: bool = True,
-                 exclude: list[str] = ()) -> Job | None:
+                 exclude: list[str] = (), logged: str | None = None) -> Job | None:
         """Back to the queue for another provider, or FAILED once attempts run out.
-        ``exclude``: more exclusions (``operator:<account>`` ones are hard)."""
+        ``exclude``: more exclusions (``operator:<account>`` ones are hard); ``logged``:
+        what the log line says instead of ``reason`` (a provider's words stay out of it)."""
         used = job.attempt + 1
         if count_attempt and used >= job.max_attempts:
             return self._fail(job, "attempts_exhausted",
@@ -855,7 +859,8 @@ class JobService:
             attempt=job.attempt + 1, provider_id=None, lease_expires_at=None, envelope=None,
             excluded_providers=excluded, progress_step=0, progress_total=0)
         if moved is not None:
-            log.info("job %s requeued (%s): %s", job.id, kind, reason)
+            log.info("job %s requeued (%s): %s", job.id, kind,
+                     reason if logged is None else logged)
             self.hub.notify(job.id)
             self.on_queued(moved)
         return moved

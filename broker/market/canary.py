@@ -85,7 +85,8 @@ class CanaryService:
                                      provider_key=session.public_key,
                                      lease_timeout_s=self.lease_timeout_s,
                                      ttl_s=self.envelope_ttl_s, now=now,
-                                     extra=self._extra(session, manifest, inputs, job_id, now))
+                                     extra=self._extra(session, manifest, inputs, job_id, now),
+                                     sealed=True)  # as a job's: canaries look like jobs
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now,
                                            version=manifest.version, inputs=inputs))

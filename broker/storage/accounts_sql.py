@@ -1,7 +1,7 @@
 """SQL implementations of the account/key and provider repositories."""
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker.auth.service import KeyRecord
@@ -26,20 +26,43 @@ class SqlAccountRepository:
     def add_key(self, record: KeyRecord, now: float) -> None:
         with self.sessions.begin() as s:
             s.add(ApiKeyRow(id=record.id, account_id=record.account_id, role=record.role,
-                            secret_sha256=record.secret_sha256, created_at=now))
+                            secret_sha256=record.secret_sha256, created_at=now,
+                            scopes=" ".join(record.scopes), expires_at=record.expires_at,
+                            name=record.name[:200]))
 
     def get_key(self, key_id: str) -> KeyRecord | None:
         with self.sessions() as s:
             row = s.get(ApiKeyRow, key_id)
-            if row is None:
-                return None
-            return KeyRecord(row.id, row.account_id, row.role, row.secret_sha256, row.revoked_at)
+            return _key(row) if row is not None else None
+
+    def list_keys(self, account_id: str | None = None) -> list[KeyRecord]:
+        with self.sessions() as s:
+            q = select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id)
+            if account_id is not None:
+                q = q.where(ApiKeyRow.account_id == account_id)
+            return [_key(r) for r in s.scalars(q)]
 
     def revoke_key(self, key_id: str, now: float) -> bool:
+        """Revoked now (also a rotated key still in its grace period)."""
         with self.sessions.begin() as s:
-            return s.execute(update(ApiKeyRow).where(ApiKeyRow.id == key_id,
-                                                     ApiKeyRow.revoked_at.is_(None))
-                             .values(revoked_at=now)).rowcount == 1
+            return s.execute(update(ApiKeyRow).where(
+                ApiKeyRow.id == key_id,
+                or_(ApiKeyRow.revoked_at.is_(None), ApiKeyRow.revoked_at > now))
+                .values(revoked_at=now)).rowcount == 1
+
+    def set_key_end(self, key_id: str, revoked_at: float) -> bool:
+        """The key stops working at ``revoked_at`` (a rotation's grace), unless sooner."""
+        with self.sessions.begin() as s:
+            return s.execute(update(ApiKeyRow).where(
+                ApiKeyRow.id == key_id,
+                or_(ApiKeyRow.revoked_at.is_(None), ApiKeyRow.revoked_at > revoked_at))
+                .values(revoked_at=revoked_at)).rowcount == 1
+
+
+def _key(row: ApiKeyRow) -> KeyRecord:
+    return KeyRecord(row.id, row.account_id, row.role, row.secret_sha256, row.revoked_at,
+                     scopes=tuple((row.scopes or "").split()), expires_at=row.expires_at,
+                     name=row.name or "", created_at=row.created_at)
 
 
 def _provider(row: ProviderRow) -> Provider:

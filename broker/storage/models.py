@@ -6,6 +6,7 @@ from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Index, Int
 from sqlalchemy.orm import Mapped, mapped_column
 
 from .base import Base
+from .sealed import SealedJSON, SealedText
 
 
 class AccountRow(Base):
@@ -23,7 +24,12 @@ class ApiKeyRow(Base):
     role: Mapped[str] = mapped_column(String(20))
     secret_sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[float] = mapped_column(Float)
+    # May lie in the future: a rotated key works until then (its grace period).
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Space-separated scopes (broker/auth/scopes.py); "": every scope of the role.
+    scopes: Mapped[str] = mapped_column(String(400), default="", server_default="")
+    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    name: Mapped[str] = mapped_column(String(200), default="", server_default="")
 
 
 class ProviderRow(Base):
@@ -57,7 +63,7 @@ class JobRow(Base):
     account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"))
     plugin: Mapped[str] = mapped_column(String(64))
     plugin_version: Mapped[str] = mapped_column(String(64))
-    inputs: Mapped[dict] = mapped_column(JSON)
+    inputs: Mapped[dict] = mapped_column(SealedJSON)  # the prompt: sealed at rest
     state: Mapped[str] = mapped_column(String(16))
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
@@ -67,8 +73,8 @@ class JobRow(Base):
     progress_step: Mapped[int] = mapped_column(Integer, default=0)
     progress_total: Mapped[int] = mapped_column(Integer, default=0)
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
-    envelope: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    error_message: Mapped[str | None] = mapped_column(SealedText, nullable=True)
+    envelope: Mapped[dict | None] = mapped_column(SealedJSON, nullable=True)
     receipt: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     receipt_signature: Mapped[str | None] = mapped_column(String(128), nullable=True)
     excluded_providers: Mapped[list] = mapped_column(JSON, default=list)
@@ -101,7 +107,7 @@ class JobEventRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
     kind: Mapped[str] = mapped_column(String(32))
-    data: Mapped[dict] = mapped_column(JSON)
+    data: Mapped[dict] = mapped_column(SealedJSON)  # streamed tokens, failure messages
     created_at: Mapped[float] = mapped_column(Float)
 
 

@@ -29,7 +29,10 @@ class EnvelopeError(ValueError):
 
 def make_envelope(*, job_id: str, attempt: int, plugin: str, version: str, inputs: dict,
                   provider_key: str, lease_timeout_s: float, ttl_s: float = 60.0,
-                  now: float | None = None, extra: dict | None = None) -> dict:
+                  now: float | None = None, extra: dict | None = None,
+                  sealed: bool = False) -> dict:
+    """``sealed``: the inputs travel as ``sealed_inputs``, encrypted to ``provider_key``
+    (sdk/protocol/sealing.py), which the broker always does."""
     now = time.time() if now is None else now
     env = {
         "v": ENVELOPE_VERSION,
@@ -44,6 +47,10 @@ def make_envelope(*, job_id: str, attempt: int, plugin: str, version: str, input
         "lease_timeout_ms": int(lease_timeout_s * 1000),
         "nonce": secrets.token_hex(16),
     }
+    if sealed:
+        from .sealing import SEALED_FIELD, seal_inputs
+
+        env[SEALED_FIELD] = seal_inputs(env.pop("inputs"), provider_key)
     if extra:
         env.update(extra)
     return env
@@ -76,8 +83,9 @@ class ReplayGuard:
 
 
 def open_envelope(data: bytes, signature: str, *, broker_key: str, my_key: str,
-                  replay: ReplayGuard, now: float | None = None) -> dict:
-    """Verify and decode an envelope for this agent; raise EnvelopeError otherwise."""
+                  replay: ReplayGuard, now: float | None = None, identity=None) -> dict:
+    """Verify and decode an envelope for this agent; raise EnvelopeError otherwise.
+    Sealed inputs are opened with ``identity`` (this agent's KeyPair) into ``inputs``."""
     now_ms = int((time.time() if now is None else now) * 1000)
     try:
         env = loads(data)
@@ -95,6 +103,16 @@ def open_envelope(data: bytes, signature: str, *, broker_key: str, my_key: str,
         raise EnvelopeError("expired_envelope",
                             f"envelope expired {(now_ms - env['expires_at_ms']) / 1000:.1f}s ago")
     replay.check_and_add(str(env.get("nonce", "")), int(env["expires_at_ms"]), now_ms)
+    from .sealing import SEALED_FIELD, SealingError, open_inputs
+
+    if SEALED_FIELD in env:
+        if identity is None:
+            raise EnvelopeError("sealed_inputs", "the inputs are sealed; open the envelope "
+                                "with the provider's identity key")
+        try:
+            env["inputs"] = open_inputs(env[SEALED_FIELD], identity)
+        except SealingError as exc:
+            raise EnvelopeError("unsealable_inputs", str(exc)) from None
     return env
 
 

@@ -21,14 +21,20 @@ def tiny_weights(tmp_path_factory):
 
 
 @pytest.fixture
-def localnet(tmp_path, request):
+def localnet(tmp_path, request, monkeypatch):
+    """A broker serving REST and gRPC over TLS with a dev CA, which the agents and this
+    process's SDK clients trust (SPARECYCLES_CA_BUNDLE); @pytest.mark.localnet(tls=False)
+    for plaintext on loopback."""
     marker = request.node.get_closest_marker("localnet")
     kwargs = dict(marker.kwargs) if marker else {}
+    kwargs.setdefault("tls", True)
     # Verification re-runs sampled jobs on other agents: off unless a test turns it on
     # (@pytest.mark.localnet(env={"SPARECYCLES_VERIFICATION": "on"})).
     kwargs["env"] = {"SPARECYCLES_VERIFICATION": "off", "SPARECYCLES_CHECK_DELAY_MAX_S": "0",
                      **(kwargs.get("env") or {})}
     net = LocalNetwork(tmp_path / "net", **kwargs)
+    if net.ca_file:
+        monkeypatch.setenv("SPARECYCLES_CA_BUNDLE", str(net.ca_file))
     yield net
     net.stop()
     if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:

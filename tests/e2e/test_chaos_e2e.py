@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sdk import Client
 from sdk.localnet import LocalNetwork
 
 SANDBOX = shutil.which("bwrap") is not None
@@ -22,7 +21,7 @@ pytestmark = [pytest.mark.e2e]
 
 def test_chaos_every_job_settles_once_or_fails_with_a_full_refund(tmp_path, pg_url):
     rng = random.Random(8)
-    net = LocalNetwork(tmp_path / "net", db_url=pg_url, lease_timeout_s=2,
+    net = LocalNetwork(tmp_path / "net", db_url=pg_url, lease_timeout_s=2, tls=True,
                        env={"SPARECYCLES_MAX_ATTEMPTS": "4",
                             # agents restarted mid-canary stay eligible on their claims
                             "SPARECYCLES_MARKET_CLAIM_FACTOR": "1",
@@ -36,7 +35,7 @@ def test_chaos_every_job_settles_once_or_fails_with_a_full_refund(tmp_path, pg_u
         agents = [net.start_agent(f"a{i}", provider_keys[i], plugins="echo", slots=2,
                                   sandbox=SANDBOX) for i in range(AGENTS)]
         net.wait_for_providers(AGENTS)
-        client = Client(net.url, client_key)
+        client = net.client(client_key)  # over TLS, trusting the network's dev CA
         start_balance = client.account()["available_micro"]
 
         def submit(i):

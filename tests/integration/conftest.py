@@ -43,7 +43,8 @@ class LiveBroker:
         self.server = BrokerServer(self.settings)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        self.url = (f"{'https' if self.settings.tls else 'http'}://127.0.0.1:"
+                    f"{self.server.http_port}")
         self.grpc = f"127.0.0.1:{self.server.grpc_port}"
         self.services = self.server.services
         time.sleep(0.05)

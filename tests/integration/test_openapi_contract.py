@@ -62,7 +62,7 @@ def _fill(rule: str, job_id: str) -> list[str]:
     something that does not."""
     known = {"job_id": job_id, "batch_id": job_id, "index": "0", "name": "echo",
              "plugin": "echo", "version": "1.0.0", "sha256": "0" * 64, "path": "plugin.toml",
-             "provider_id": "p"}
+             "provider_id": "p", "key_id": "0000000000000000"}
     unknown = {**known, "job_id": "nope", "batch_id": "nope", "index": "9", "name": "nope",
                "plugin": "nope", "version": "9.9.9", "path": "nope.txt"}
     return sorted({re.sub(r"<(?:\w+:)?(\w+)>", lambda m: table[m.group(1)], rule)

@@ -82,7 +82,10 @@ def test_a_check_job_and_a_normal_job_look_the_same_on_the_wire(vbroker, agents)
     check = svc.jobs.repo.checks_of(primary.id)[0]
     assert _shape(check.envelope) == _shape(primary.envelope)
     assert set(check.envelope) == set(primary.envelope)
-    assert check.envelope["inputs"] == primary.envelope["inputs"]
+    # The same inputs, each sealed to its own provider (a check looks like any job).
+    assert check.inputs == primary.inputs
+    assert "inputs" not in check.envelope
+    assert check.envelope["sealed_inputs"] != primary.envelope["sealed_inputs"]
     assert check.envelope["attempt"] == primary.envelope["attempt"] == 0
     assert uuid.UUID(check.id).version == 4 and check.id != primary.id
     # the client's job id, derived from its Idempotency-Key, is shaped as a random one too
