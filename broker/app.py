@@ -6,6 +6,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from broker.errors import BrokerError
 from .api.common import REQUEST_ID, check_url_text, internal_problem, request_id
+from .api.waiting import HANDOVER
 
 PUBLIC = ("/livez", "/readyz", "/openapi.json", "/v1/stripe/webhook")
 
@@ -48,6 +49,9 @@ def create_app(services) -> Flask:
     @app.after_request
     def tag_request(response):
         response.headers[REQUEST_ID] = request_id()
+        handover = request.environ.get(HANDOVER)
+        if handover is not None:  # the metrics' route label: the rule, never the raw path
+            handover.route = request.url_rule.rule if request.url_rule else "(unmatched)"
         return response
 
     def problem(body: dict, status: int):

@@ -28,6 +28,7 @@ from sdk.protocol import agent_pb2_grpc as pb_grpc
 
 from broker.app import create_app
 from broker.gateway.servicer import AgentGatewayServicer, GatewayStats
+from broker.observability.metrics import agent_families
 from broker.services import Services, build_services
 from broker.settings import Settings
 from broker.web.bridge import Pool
@@ -148,10 +149,12 @@ class BrokerServer:
         self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:
             raise SystemExit(f"cannot listen for agents on {settings.grpc}: address in use?")
+        svc.metrics.add_collector(self.gateway_stats.collect)
+        svc.metrics.add_collector(lambda: agent_families(svc.dispatcher.sessions()))
         self.front = Front(self.app, svc, Pool(self.http_pool, self.loop), self.health_pool,
                            FrontLimits(max_waiting_clients=settings.max_waiting_clients,
                                        max_pool_requests=settings.max_pool_requests),
-                           gateway_stats=self.gateway_stats)
+                           metrics=svc.metrics, count_requests=settings.metrics)
         self.http = uvicorn.Server(uvicorn.Config(
             self.front, http="httptools", ws="none", lifespan="off", interface="asgi3",
             log_config=None, access_log=False, proxy_headers=False, server_header=False,

@@ -5,6 +5,8 @@ This is the only module that knows which implementation backs which port.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass
 
 from sqlalchemy.orm import sessionmaker
@@ -44,6 +46,9 @@ from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
 from broker.storage.registry_sql import SqlRegistryRepository
 from broker.storage.migrate import upgrade
+from broker.observability.metered import MeteredBlobStore, MeteredLedger
+from broker.observability.metrics import BrokerMetrics
+from broker.storage.metrics_sql import SqlMetricsReader
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ class Services:
     market: MarketService
     canaries: CanaryService
     registry: RegistryService               # the marketplace: publishers, packages, warm facts
+    metrics: BrokerMetrics | None = None    # /metrics (broker.observability.metrics)
     audit: AuditLog | None = None           # hash-chained audit log (broker/audit)
     disputes: object | None = None          # broker.admin.disputes.DisputeService
     admin: object | None = None             # broker.admin.service.AdminService
@@ -87,6 +93,14 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
         upgrade(engine)
     sessions = sessionmaker(engine, expire_on_commit=False)
     signer = KeyPair.load_or_create(settings.key_path)
+    metrics = BrokerMetrics(replica=settings.replica_name or f"{socket.gethostname()}:{os.getpid()}",
+                            version=_version(), db_reader=SqlMetricsReader(sessions),
+                            db_interval_s=settings.metrics_db_interval_s)
+    # Metrics off (bench/dispatch.py --metrics off): nothing on the hot path counts.
+    counting = metrics if settings.metrics else None
+
+    def blobs(store, name: str):
+        return MeteredBlobStore(store, counting, name) if counting else store
     catalog = PluginCatalog.from_folders(settings.plugin_dirs)
     accounts = SqlAccountRepository(sessions)
     providers = ProviderService(SqlProviderRepository(sessions))
@@ -94,6 +108,8 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     ledger.open_platform_accounts()
     audit = AuditLog(SqlAuditRepository(sessions))
     ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
+    if counting:
+        ledger = MeteredLedger(ledger, counting)  # postings and earnings in /metrics
     pricing = PricingService(SqlPriceRepository(sessions))
     pricing.on_changed = audit_price_changes(audit)
     gateway = None
@@ -109,19 +125,21 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     # The marketplace (issue #3): signed plugin/adapter versions, files in the blob store;
     # published plugins join the job catalog; adapter royalties are paid at settlement.
     registry = RegistryService(SqlRegistryRepository(sessions),
-                               LocalBlobStore(settings.blob_dir / "registry"),  # not job outputs
+                               blobs(LocalBlobStore(settings.blob_dir / "registry"),
+                                     "registry"),  # not job outputs
                                catalog, on_publisher=ledger.open_publisher)
     registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
-    jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
+    jobs = JobService(SqlJobRepository(sessions), blobs(LocalBlobStore(settings.blob_dir),
+                                                        "jobs"), catalog,
                       signer, EventHub(),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
-                      input_defaults=WeightsDefaults(catalog))
+                      input_defaults=WeightsDefaults(catalog), metrics=counting)
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)
@@ -162,7 +180,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
-                    maintenance=maintenance)
+                    maintenance=maintenance, metrics=metrics)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,
@@ -198,6 +216,15 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     dispatcher.quota = repo.quota_factor
     verification.on_quota = dispatcher.set_quota
     return verification
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sparecycles")
+    except PackageNotFoundError:
+        return ""
 
 
 def _open_ledger_accounts(ledger: LedgerService, account_id: str, role: str) -> None:

@@ -39,6 +39,10 @@ check_delay_max_s            SPARECYCLES_CHECK_DELAY_MAX_S       5 (checks wait 
 verification                 SPARECYCLES_VERIFICATION            on (off: no job is re-run)
 admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept in <data_dir>/admin_session.key)
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
+metrics                      SPARECYCLES_METRICS                 on (off: /metrics keeps only gauges)
+replica_name                 SPARECYCLES_REPLICA_NAME            <hostname>:<pid> (in sparecycles_broker_info)
+metrics_db_interval_s        SPARECYCLES_METRICS_DB_INTERVAL_S   5 (shared facts re-read at most this often)
+log_format                   SPARECYCLES_LOG_FORMAT              text (json: one JSON object a line)
 ===========================  ==================================  ===========================
 
 ``<user data dir>`` is the platform's (``platformdirs.user_data_dir``): ``$XDG_DATA_HOME``,
@@ -115,6 +119,12 @@ class Settings:
     verification: bool = True
     admin_session_secret: str = ""
     admin_session_ttl_s: int = 1800
+    # Observability (docs/architecture.md, *Observability*): off leaves the hot path
+    # uncounted (HTTP requests, job events); /metrics then keeps the scrape-time gauges.
+    metrics: bool = True
+    replica_name: str = ""
+    metrics_db_interval_s: float = 5.0
+    log_format: str = "text"
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -132,6 +142,11 @@ class Settings:
         if not self.unserved_expiry_s >= 0:
             raise ValueError(f"unserved_expiry_s must be >= 0 (0: off), got "
                              f"{self.unserved_expiry_s}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if not self.metrics_db_interval_s >= 0:
+            raise ValueError(f"metrics_db_interval_s must be >= 0, got "
+                             f"{self.metrics_db_interval_s}")
         for name in ("http_threads", "agent_threads", "max_agent_streams", "agent_outbox_max",
                      "max_waiting_clients", "max_pool_requests"):
             if getattr(self, name) < 1:
@@ -182,6 +197,11 @@ class Settings:
                              lambda v: v.strip().lower() not in ("0", "off", "false", "no")),
             "admin_session_secret": ("SPARECYCLES_ADMIN_SESSION_SECRET", str),
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
+            "metrics": ("SPARECYCLES_METRICS",
+                        lambda v: v.strip().lower() not in ("0", "off", "false", "no")),
+            "replica_name": ("SPARECYCLES_REPLICA_NAME", str),
+            "metrics_db_interval_s": ("SPARECYCLES_METRICS_DB_INTERVAL_S", float),
+            "log_format": ("SPARECYCLES_LOG_FORMAT", str),
         }
         values = {}
         for name, (var, fn) in conv.items():

@@ -59,6 +59,27 @@ class GatewayStats:
         self.outbox_peak = 0  # the most messages any outbox held
         self.cut_offs: deque[tuple[str, str]] = deque(maxlen=64)  # (provider id, why)
 
+    def collect(self):
+        """These counters as Prometheus metric families (at scrape time)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, doc, value, family in (
+                ("sparecycles_agent_streams", "Agent streams open now, handshakes included.",
+                 self.streams, GaugeMetricFamily),
+                ("sparecycles_agent_outbox_peak_messages", "The most messages any agent's "
+                 "outbox held.", self.outbox_peak, GaugeMetricFamily),
+                ("sparecycles_agent_heartbeats", "Heartbeats from agents.", self.heartbeats,
+                 CounterMetricFamily),
+                ("sparecycles_agent_messages", "Messages from agents, heartbeats included.",
+                 self.messages, CounterMetricFamily),
+                ("sparecycles_agent_streams_refused", "Agent streams refused: the replica "
+                 "held max_agent_streams.", self.refused, CounterMetricFamily),
+                ("sparecycles_agent_streams_cut_off", "Agent streams cut off: the agent "
+                 "stopped reading.", self.cut_off, CounterMetricFamily)):
+            f = family(name, doc)
+            f.add_metric([], value)
+            yield f
+
 
 class GatewaySession(AgentSession):
     """An agent's session; :meth:`send` may be called from any thread."""

@@ -26,7 +26,7 @@ from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidR
 from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, ReceiptRefused
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
-from .ports import BlobStore, JobRepository, Presence
+from .ports import BlobStore, JobMetrics, JobRepository, NoMetrics, Presence
 
 log = logging.getLogger(__name__)
 ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
@@ -63,8 +63,10 @@ class JobService:
     def __init__(self, repo: JobRepository, blobs: BlobStore, catalog: PluginCatalog,
                  signer: KeyPair, hub: EventHub | None = None,
                  settings: JobSettings | None = None, clock=time.time, billing=None,
-                 input_defaults: InputDefaults | None = None):
+                 input_defaults: InputDefaults | None = None,
+                 metrics: JobMetrics | None = None):
         self.repo = repo
+        self.metrics = metrics or NoMetrics()  # broker.observability.metrics
         self.input_defaults = input_defaults  # None: the manifests' defaults only
         self.billing = billing  # broker.billing.JobBilling; None: jobs cost nothing
         self.blobs = blobs
@@ -179,6 +181,7 @@ class JobService:
             if existing is None:
                 raise
             return _replayed(existing, request_hash, idempotency_key), False
+        self.metrics.submitted(job.plugin, terms["n"])
         if not job.batch_id:
             self.hub.notify(job.id)
             self.on_queued(job)
@@ -344,7 +347,8 @@ class JobService:
             # caller's block, when there is one (verification records the check with it).
             # Waking it is a hint only (it re-reads the queue every 0.5 s); ``atomic`` logs
             # a failure, which never reads as a failed submit.
-            tx.after_commit(lambda: (self.hub.notify(job.id), self.on_queued(job)))
+            tx.after_commit(lambda: (self.hub.notify(job.id), self.on_queued(job),
+                                     self.metrics.submitted(job.plugin)))
         return job
 
     def batch(self, who: Principal, batch_id: str) -> list[Job]:
@@ -460,6 +464,7 @@ class JobService:
                     self.cancel_hook(job)
                     self.on_released(job.provider_id, job.id)
                 self.hub.notify(job.id, ended=True)
+                self._ended(moved)
                 self.on_ended(moved)
                 return moved
             job = self.get(who, job_id)
@@ -501,6 +506,7 @@ class JobService:
             price_micro_per_unit=price_micro_per_unit)
         if moved is None:
             return None
+        self.metrics.placed(job.plugin, now - (job.updated_at or job.created_at or now))
         with self._assigned_lock:
             self._assigned[moved.id] = (moved, sha256_hex(data))
             self._assigned.move_to_end(moved.id)
@@ -561,6 +567,7 @@ class JobService:
         """Verify a signed receipt and settle the job; idempotent for the same receipt.
         ``uploads``: (data, sha256) of outputs that came with the receipt, stored once it
         verifies and the job's lease is the sender's (each must be one the receipt names)."""
+        received_at = time.perf_counter()
         try:
             rec = open_receipt(data, signature, provider_key=provider_key)
         except EnvelopeError as exc:
@@ -578,7 +585,8 @@ class JobService:
                 copy = None
         if copy is not None:
             try:
-                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1])
+                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1],
+                                    received_at=received_at)
             except _Moved:
                 pass
         job = self.repo.get(job_id) if _is_uuid(job_id) else None
@@ -591,10 +599,10 @@ class JobService:
             self._charge(job, rec)
             return job
         job = self._leased(provider_id, job_id, attempt, job)
-        return self._settle(job, rec, signature, uploads)
+        return self._settle(job, rec, signature, uploads, received_at=received_at)
 
     def _settle(self, job: Job, rec: dict, signature: str, uploads,
-                envelope_sha: str | None = None) -> Job:
+                envelope_sha: str | None = None, received_at: float = 0.0) -> Job:
         """Settle ``job`` (leased to the receipt's sender) on its verified receipt ``rec``.
         ``envelope_sha``: ``job`` is assign()'s copy and this the hash of its envelope as
         signed; a job that has moved since then raises _Moved instead of being refused."""
@@ -660,6 +668,9 @@ class JobService:
         # settled, before the client is woken, so it never sees a status that changes back.
         self.on_settled(settled, rec)
         self.hub.notify(job.id, ended=True, copy=(settled, tuple(outputs)))
+        self._ended(settled)
+        if received_at:
+            self.metrics.settled(job.plugin, time.perf_counter() - received_at)
         return settled
 
     def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
@@ -804,8 +815,14 @@ class JobService:
                             lambda: self.billing.failed(moved, f"{code}: {message}"))
         if moved is not None:
             self.hub.notify(job.id, ended=True)
+            self._ended(moved)
             self.on_ended(moved)
         return moved
+
+    def _ended(self, job: Job) -> None:
+        """Tell the metrics a job reached its end state."""
+        end = job.finished_at or self.clock()
+        self.metrics.ended(job.plugin, job.state.value, end - (job.created_at or end))
 
     # ---- money -----------------------------------------------------------------------
     def _charge(self, job: Job, receipt: dict) -> None:
