@@ -23,6 +23,8 @@ from pathlib import Path
 import grpc
 import uvicorn
 import uvloop
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sdk.protocol import agent_pb2_grpc as pb_grpc
 
@@ -45,6 +47,8 @@ GRPC_OPTIONS = [
 ]
 HTTP_IDLE_TIMEOUT_S = 120  # an idle keep-alive connection is closed after this
 SHUTDOWN_GRACE_S = 2.0
+HEALTH_INTERVAL_S = 5.0  # how often the gRPC health service's status is re-checked
+GATEWAY_SERVICE = "sparecycles.v1.AgentGateway"
 # Young collections every 50,000 allocations, full ones rarely: see tune_gc.
 GC_THRESHOLDS = (50_000, 20, 100)
 
@@ -146,6 +150,11 @@ class BrokerServer:
             max_streams=settings.max_agent_streams, outbox_max=settings.agent_outbox_max,
             stats=self.gateway_stats)
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, self.grpc_server)
+        # The standard health service (grpc.health.v1): NOT_SERVING until started, while
+        # the database or its schema is not ready, and once the broker drains.
+        self.health = grpc_health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:
             raise SystemExit(f"cannot listen for agents on {settings.grpc}: address in use?")
@@ -167,6 +176,7 @@ class BrokerServer:
         self.services.dispatcher.start()
         self.services.maintenance.start()
         self._on_loop(self.grpc_server.start())
+        self._on_loop(self._start_health())
 
     def serve_forever(self, ready_file: Path | None = None) -> None:
         try:
@@ -195,6 +205,11 @@ class BrokerServer:
         finally:
             self.stop()
 
+    def drain(self) -> None:
+        """Stop taking traffic (``/readyz`` 503 ``draining``, gRPC health NOT_SERVING)
+        while everything still runs; :meth:`stop` drains first too."""
+        self._on_loop(self._drain())
+
     def stop(self) -> None:
         if self._stopped.is_set():
             self._done.wait(30)
@@ -215,7 +230,45 @@ class BrokerServer:
         self.services.engine.dispose()
         self._done.set()
 
+    async def _set_health(self, status) -> None:
+        for service in ("", GATEWAY_SERVICE):
+            await self.health.set(service, status)
+
+    async def _watch_health(self) -> None:
+        """Keep the gRPC health status what /readyz would say (see broker.api.health)."""
+        from broker.api.health import check_ready
+        from broker.errors import NotReady
+
+        loop = asyncio.get_running_loop()
+        serving = None
+        while not self.front.draining:
+            try:
+                await asyncio.wait_for(loop.run_in_executor(
+                    self.health_pool, check_ready, self.services), HEALTH_INTERVAL_S)
+                ok = True
+            except (NotReady, asyncio.TimeoutError) as exc:
+                ok = False
+                if serving is not False:
+                    log.warning("not ready: %s", getattr(exc, "message", "the database did "
+                                                     "not answer in time"))
+            if ok != serving and not self.front.draining:
+                serving = ok
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING if ok
+                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _start_health(self) -> None:
+        self._health_task = asyncio.ensure_future(self._watch_health())
+
+    async def _drain(self) -> None:
+        self.front.draining = True
+        task = getattr(self, "_health_task", None)
+        if task is not None:
+            task.cancel()
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
+
     async def _shutdown(self) -> None:
+        await self._drain()
         self.http.should_exit = True
         await self.grpc_server.stop(grace=SHUTDOWN_GRACE_S)
         task = getattr(self, "_http_task", None)

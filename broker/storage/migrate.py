@@ -23,3 +23,26 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
 def downgrade(engine: Engine, revision: str) -> None:
     command.downgrade(alembic_config(engine), revision)
+
+
+_HEADS: dict[str, frozenset[str]] = {}
+
+
+def schema_behind(engine: Engine) -> str | None:
+    """None when the database's schema is at the migrations' head; else what is wrong, in
+    words (``sparecycles broker migrate`` or a restart of ``serve`` brings it up)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    heads = _HEADS.get(str(MIGRATIONS))
+    if heads is None:  # the scripts are read once per process
+        heads = _HEADS[str(MIGRATIONS)] = frozenset(
+            ScriptDirectory.from_config(alembic_config(engine)).get_heads())
+    with engine.connect() as conn:
+        current = frozenset(MigrationContext.configure(conn).get_current_heads())
+    if current == heads:
+        return None
+    if not current:
+        return "the database has no schema yet (no migration ran)"
+    return (f"the database schema is at {', '.join(sorted(current))}, this broker needs "
+            f"{', '.join(sorted(heads))}")

@@ -68,6 +68,7 @@ class Front:
         self.waiting = 0            # requests holding a waiting slot now
         self.refused = {"waiting": 0, "pool": 0}
         self._db_check: asyncio.Future | None = None
+        self.draining = False  # set as the broker starts to stop: /readyz says so
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -168,12 +169,13 @@ class Front:
             # One statement at a time, shared by every /readyz meanwhile, on a thread that
             # job traffic never occupies.
             self._db_check = asyncio.get_running_loop().run_in_executor(
-                self.health_executor, health.check_database, svc)
+                self.health_executor, lambda: health.check_ready(svc, draining=self.draining))
         try:
             await asyncio.wait_for(asyncio.shield(self._db_check), READYZ_DB_TIMEOUT_S)
         except asyncio.TimeoutError:
-            await self._problem(send, NotReady(
-                f"the database did not answer within {READYZ_DB_TIMEOUT_S:g} s"))
+            detail = f"the database did not answer within {READYZ_DB_TIMEOUT_S:g} s"
+            await self._problem(send, NotReady(detail, reasons=[
+                {"check": "database", "detail": detail}]))
             return
         except BrokerError as exc:
             await self._problem(send, exc)
