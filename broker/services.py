@@ -48,6 +48,7 @@ from broker.storage.registry_sql import SqlRegistryRepository
 from broker.storage.migrate import upgrade
 from broker.observability.metered import MeteredBlobStore, MeteredLedger
 from broker.observability.metrics import BrokerMetrics
+from broker.observability.telemetry import TelemetryStore
 from broker.storage.metrics_sql import SqlMetricsReader
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Services:
     canaries: CanaryService
     registry: RegistryService               # the marketplace: publishers, packages, warm facts
     metrics: BrokerMetrics | None = None    # /metrics (broker.observability.metrics)
+    telemetry: TelemetryStore | None = None  # agents' latest GPU/CPU reports, per provider
     audit: AuditLog | None = None           # hash-chained audit log (broker/audit)
     disputes: object | None = None          # broker.admin.disputes.DisputeService
     admin: object | None = None             # broker.admin.service.AdminService
@@ -104,6 +106,8 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     catalog = PluginCatalog.from_folders(settings.plugin_dirs)
     accounts = SqlAccountRepository(sessions)
     providers = ProviderService(SqlProviderRepository(sessions))
+    telemetry = TelemetryStore(providers.repo, registry=metrics.registry)
+    metrics.add_collector(telemetry.collect)
     ledger = LedgerService(SqlLedgerRepository(engine))
     ledger.open_platform_accounts()
     audit = AuditLog(SqlAuditRepository(sessions))
@@ -180,7 +184,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
-                    maintenance=maintenance, metrics=metrics)
+                    maintenance=maintenance, metrics=metrics, telemetry=telemetry)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,

@@ -36,6 +36,7 @@ from .cheats import Cheat
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
 from .host.manager import HostResult, PluginHost
+from .telemetry import JobTimes, Telemetry, to_proto
 from .weights import folder_digest
 
 log = logging.getLogger("agent")
@@ -51,6 +52,7 @@ START_REPORT_DELAY_S = 0.05
 # Outputs up to this size in all travel inside the receipt's message (one message, and one
 # lease check at the broker, per job); larger ones go ahead of it one message each.
 INLINE_OUTPUTS_BYTES = 1 << 20
+MAX_UPLOADING = 256  # receipts whose ack is awaited for their upload time (telemetry)
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 20_000),
@@ -64,6 +66,7 @@ class RunningJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Installer keys of the registry adapters the job uses: kept from eviction while it runs.
     held: list[str] = field(default_factory=list)
+    times: JobTimes | None = None  # where its time went (telemetry)
 
 
 @dataclass
@@ -82,8 +85,14 @@ class ServedPlugin:
 class Agent:
     def __init__(self, cfg: AgentConfig, identity: KeyPair, *, plugin_dirs: dict[str, Path],
                  sandboxed: bool, launcher=None, home: Path | None = None,
-                 max_backoff_s: float = 30.0, cheat: Cheat | None = None, installer=None):
+                 max_backoff_s: float = 30.0, cheat: Cheat | None = None, installer=None,
+                 telemetry: Telemetry | None = None):
         cfg.check()
+        # GPU (NVML), CPU and memory figures and job timings, sent in heartbeats.
+        self.telemetry = telemetry or Telemetry(interval_s=cfg.telemetry_interval_s)
+        self._uploading: dict[str, tuple[float, JobTimes]] = {}  # receipt sent, no ack yet
+        self.metrics = None      # provider_agent.metrics.AgentMetrics with metrics_addr
+        self.metrics_port = 0    # where its /metrics listens
         self.cfg = cfg
         self.identity = identity
         self.home = home
@@ -216,6 +225,11 @@ class Agent:
             pb.StandingAsk(plugin=p, price_micro_per_unit=int(v)) for p, v in asks.items()])))
 
     def run(self) -> int:
+        if self.cfg.metrics_addr:  # before the hosts start: benchmarks take a while
+            from .metrics import AgentMetrics
+
+            self.metrics = AgentMetrics(self.telemetry, agent_name=self.cfg.name)
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_addr)
         self.start_hosts()
         workers = [threading.Thread(target=self._worker, name=f"slot-{i}", daemon=True)
                    for i in range(self.cfg.slots)]
@@ -247,6 +261,8 @@ class Agent:
                 self._stop.wait(delay)
                 backoff = min(self.max_backoff_s, backoff * 2)
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             for served in self.plugins.values():
                 served.host.stop()
             close = getattr(self.launcher, "close", None)
@@ -352,7 +368,15 @@ class Agent:
         while not stop.wait(interval):
             with self._lock:
                 ids = list(self.running) + list(self.undelivered)
-            outq.put(pb.AgentMessage(heartbeat=pb.Heartbeat(running_job_ids=ids)))
+            beat = pb.Heartbeat(running_job_ids=ids)
+            try:
+                sample = self.telemetry.due()
+            except Exception:  # noqa: BLE001 - a failed reading must not stop heartbeats
+                log.exception("telemetry: reading the machine failed")
+                sample = None
+            if sample is not None:
+                beat.telemetry.CopyFrom(to_proto(sample, pb))
+            outq.put(pb.AgentMessage(heartbeat=beat))
 
     def _send(self, msg: pb.AgentMessage) -> bool:
         with self._lock:
@@ -382,6 +406,11 @@ class Agent:
             if msg.ack.what == "receipt":
                 with self._lock:
                     self.undelivered.pop(msg.ack.job_id, None)
+                    uploading = self._uploading.pop(msg.ack.job_id, None)
+                if uploading is not None:
+                    sent_at, times = uploading
+                    times.upload_s = time.perf_counter() - sent_at
+                    self.telemetry.job_finished(times)
         elif kind == "ask_status":
             st = msg.ask_status
             self.ask_status[st.plugin] = st
@@ -523,8 +552,14 @@ class Agent:
                 rj = self.running.get(job_id)
             if rj is None:
                 continue
+            rj.times = JobTimes(job_id, rj.envelope.get("plugin", ""),
+                                request_id=str(rj.envelope.get("request_id") or ""),
+                                outcome="failed")
+            prepared_at = time.perf_counter()
             try:
-                if self._prepare_job(job_id, rj):
+                ready = self._prepare_job(job_id, rj)
+                rj.times.load_s = time.perf_counter() - prepared_at
+                if ready:
                     self._run_job(job_id, rj)
             except Exception as exc:  # noqa: BLE001 - a bad job must never stop this worker
                 log.exception("job %s: unexpected error in the agent", job_id)
@@ -540,6 +575,11 @@ class Agent:
                     self.running.pop(job_id, None)
                     self._unreported.pop(job_id, None)
                     self.latest_checkpoint.pop(job_id, None)
+                    uploading = job_id in self._uploading
+                if not uploading:  # else the receipt's ack finishes its timing
+                    if rj.cancelled.is_set():
+                        rj.times.outcome = "cancelled"
+                    self.telemetry.job_finished(rj.times)
                 if rj.held:
                     self.installer.release(rj.held)
 
@@ -574,6 +614,8 @@ class Agent:
 
         t0 = time.perf_counter()
         resume_from = self._fetch_checkpoint(job_id, attempt, env.get("resume"))
+        run_at = time.perf_counter()
+        rj.times.load_s += run_at - t0
         inputs, cheated = env["inputs"], None
         try:
             if self.cheat is not None:  # the verification harness's cheating agent
@@ -607,6 +649,7 @@ class Agent:
                 job_id=job_id, attempt=attempt, code=exc.code, message=str(exc),
                 retryable=exc.retryable)))
             return
+        rj.times.run_s = time.perf_counter() - run_at
         if rj.cancelled.is_set():
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
@@ -631,9 +674,13 @@ class Agent:
         messages.append(pb.AgentMessage(receipt=pb.Receipt(
             receipt=data, signature=self.identity.sign_canonical("receipt", data),
             outputs=chunks if inline else [])))
+        rj.times.outcome = "done"
         with self._lock:
             self._unreported.pop(job_id, None)  # the receipt says it ran
             self.undelivered[job_id] = messages
+            self._uploading[job_id] = (time.perf_counter(), rj.times)
+            while len(self._uploading) > MAX_UPLOADING:  # acks lost to a reconnect
+                self._uploading.pop(next(iter(self._uploading)))
         for m in messages:
             if not self._send(m):
                 log.info("job %s done while disconnected; the receipt goes out on reconnect", job_id)

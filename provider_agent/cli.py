@@ -37,6 +37,9 @@ def register(sub) -> None:
     r.add_argument("--throttle", action="append", default=[], metavar="PLUGIN=MS",
                    help="development/tests: wait MS per work unit after each run, to "
                         "emulate a slower machine")
+    r.add_argument("--metrics-addr", metavar="HOST:PORT",
+                   help="serve the agent's Prometheus /metrics here (GPU, CPU, memory, job "
+                        "times; overrides metrics_addr in agent.toml; default: none)")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
 
@@ -112,6 +115,8 @@ def cmd_run(args) -> int:
             cfg.device = args.device
         cfg.asks.update(parse_pairs(args.ask, int, "--ask"))
         cfg.throttle_ms_per_unit.update(parse_pairs(args.throttle, float, "--throttle"))
+        if args.metrics_addr is not None:
+            cfg.metrics_addr = args.metrics_addr
         # Built-in plugins, else installed from the registry (signed, sha256-checked); one
         # that cannot be had is left out and the others are served.
         from .installer import make_installer, resolve_plugins

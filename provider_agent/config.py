@@ -33,6 +33,9 @@ agent.toml::
     cpu_cores = 0.0           # all plugin hosts together, e.g. 2.5 (0: every core)
     sandbox_user = ""         # host user the sandboxes run as when the agent is root
                               # ("": sparecycles-sandbox if it exists, else nobody)
+    telemetry_interval_s = 15.0   # GPU/CPU/memory and job timings sent in heartbeats at
+                                  # most this often
+    metrics_addr = ""             # e.g. "127.0.0.1:9464": a local Prometheus /metrics
 """
 from __future__ import annotations
 
@@ -87,6 +90,8 @@ class AgentConfig:
     memory_limit_mb: int = 0
     cpu_cores: float = 0.0
     sandbox_user: str = ""
+    telemetry_interval_s: float = 15.0  # least time between telemetry reports in heartbeats
+    metrics_addr: str = ""              # HOST:PORT of an agent-local /metrics ("": none)
 
     def registry_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -120,6 +125,14 @@ class AgentConfig:
             raise ConfigError(f"cpu_cores is {self.cpu_cores!r}; this machine has {cores} "
                               f"core(s): give how many all plugin hosts may use together, "
                               f"above 0 and at most {cores} (e.g. 1.5), or 0 for all of them")
+        if isinstance(self.telemetry_interval_s, bool) or not isinstance(
+                self.telemetry_interval_s, (int, float)) or not self.telemetry_interval_s >= 1:
+            raise ConfigError(f"telemetry_interval_s is {self.telemetry_interval_s!r}; give "
+                              "the seconds between telemetry reports, at least 1 (e.g. 15)")
+        if self.metrics_addr and (":" not in self.metrics_addr
+                                  or not self.metrics_addr.rpartition(":")[2].isdigit()):
+            raise ConfigError(f"metrics_addr is {self.metrics_addr!r}; give HOST:PORT for the "
+                              "agent's /metrics (e.g. 127.0.0.1:9464), or \"\" for none")
         if not isinstance(self.sandbox_user, str):
             raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
                               "uid or uid:gid as a string, or \"\" for the default")

@@ -85,8 +85,9 @@ class GatewaySession(AgentSession):
     """An agent's session; :meth:`send` may be called from any thread."""
 
     def __init__(self, *args, loop: asyncio.AbstractEventLoop, outbox_max: int = 256,
-                 stats: GatewayStats | None = None, **kwargs):
+                 stats: GatewayStats | None = None, name: str = "", **kwargs):
         super().__init__(*args, **kwargs)
+        self.name = name  # the operator's name for the machine (its hello)
         self._loop = loop
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._lock = threading.Lock()
@@ -194,7 +195,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
-                 stats: GatewayStats | None = None):
+                 stats: GatewayStats | None = None, telemetry=None):
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
         self.canaries = canaries    # broker.market.canary.CanaryService
@@ -209,6 +210,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.max_streams = max_streams
         self.outbox_max = outbox_max
         self.stats = stats or GatewayStats()
+        # broker.observability.telemetry.TelemetryStore: heartbeats' telemetry (None: dropped)
+        self.telemetry = telemetry
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
         if self.stats.streams >= self.max_streams:
@@ -327,7 +330,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             account_id=provider.account_id,
             plugins={f"{p['name']}@{p['version']}": p["weights_digest"] for p in plugins},
             slots=caps.slots, paused=provider.status != "active", loop=loop,
-            outbox_max=self.outbox_max, stats=self.stats)
+            outbox_max=self.outbox_max, stats=self.stats, name=hello.name[:200])
         session.resumed = {j.id: j for j in self.jobs.repo.leased_to(provider.id)}
         resumed = list(session.resumed)
         session.active.update(resumed)
@@ -355,6 +358,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
 
     def _leave(self, session: GatewaySession, name: str) -> None:
         self.dispatcher.unregister(session)
+        if self.telemetry is not None:
+            self.telemetry.forget(session.provider_id)
         if self.warm is not None:
             self.warm.forget(session.provider_id)
         if self.jobs.input_defaults is not None:
@@ -380,7 +385,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 stats.messages += 1
                 if msg.WhichOneof("body") == "heartbeat":
                     stats.heartbeats += 1
-                    if not msg.heartbeat.running_job_ids:
+                    if not msg.heartbeat.running_job_ids and not (
+                            self.telemetry is not None and msg.heartbeat.HasField("telemetry")):
                         continue  # it renews no lease: nothing to write, no thread needed
                 with lock:
                     inbox.append(msg)
@@ -507,7 +513,11 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 for reply in self._benchmark(session, b):
                     session.send(reply)
         elif kind == "heartbeat":
-            self.jobs.heartbeat(pid, list(msg.heartbeat.running_job_ids))
+            hb = msg.heartbeat
+            if hb.running_job_ids:
+                self.jobs.heartbeat(pid, list(hb.running_job_ids))
+            if self.telemetry is not None and hb.HasField("telemetry"):
+                self.telemetry.record(pid, session.name, hb.telemetry)
         elif kind == "accepted":
             self.jobs.accepted(pid, msg.accepted.job_id, msg.accepted.attempt)
         elif kind == "progress":

@@ -16,3 +16,5 @@ class Provider:
     plugins: list = field(default_factory=list)
     created_at: float = 0.0
     last_seen_at: float = 0.0
+    telemetry: dict | None = None      # the agent's latest report (broker.observability)
+    telemetry_at: float | None = None

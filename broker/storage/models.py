@@ -38,6 +38,9 @@ class ProviderRow(Base):
     plugins: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[float] = mapped_column(Float)
     last_seen_at: Mapped[float] = mapped_column(Float)
+    # The agent's latest telemetry (broker.observability.telemetry), and when it came.
+    telemetry: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    telemetry_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class JobRow(Base):
@@ -89,6 +92,8 @@ class JobRow(Base):
     not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
     verify: Mapped[str] = mapped_column(String(12), default="sampled", server_default="sampled")
     weights_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The X-Request-Id of the request that created the job (observability, issue #25).
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class JobEventRow(Base):

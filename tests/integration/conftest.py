@@ -68,8 +68,8 @@ def live_broker(tmp_path):
 
 
 def agent_starter(broker: LiveBroker):
-    """(start, stop_all): ``start(name, slots=1, key=None, cheat=None, plugins=None)`` runs
-    an in-process agent (plain subprocess hosts) on ``broker`` serving ``plugins`` ({name:
+    """(start, stop_all): ``start(name, slots=1, key=None, cheat=None, plugins=None,
+    telemetry=None, **config)`` runs an in-process agent (plain subprocess hosts) on ``broker`` serving ``plugins`` ({name:
     folder}, default echo); ``cheat(bytes) -> bytes`` rewrites every output it returns (a
     cheating provider, for verification tests)."""
     from plugins import builtin_plugin_dir
@@ -79,11 +79,14 @@ def agent_starter(broker: LiveBroker):
 
     agents = []
 
-    def start(name="agent", slots=1, key=None, cheat=None, plugins=None):
+    def start(name="agent", slots=1, key=None, cheat=None, plugins=None, telemetry=None,
+              **cfg_fields):
         plugins = plugins or {"echo": builtin_plugin_dir("echo")}
         cfg = AgentConfig(broker=broker.grpc, api_key=key or broker.key("provider"),
-                          name=name, slots=slots, plugins=list(plugins), device="cpu")
-        agent = Agent(cfg, KeyPair.generate(), plugin_dirs=dict(plugins), sandboxed=False)
+                          name=name, slots=slots, plugins=list(plugins), device="cpu",
+                          **cfg_fields)
+        agent = Agent(cfg, KeyPair.generate(), plugin_dirs=dict(plugins), sandboxed=False,
+                      telemetry=telemetry)
         # The cheat is in place before the agent connects: its very first run (the
         # broker's canary) is already cheated.
         for served in (agent.plugins.values() if cheat is not None else ()):
