@@ -5,6 +5,7 @@ from flask import Flask, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from broker.errors import BrokerError
+from sdk import logs
 from .api.common import REQUEST_ID, check_url_text, internal_problem, request_id
 from .api.waiting import HANDOVER
 
@@ -35,6 +36,17 @@ def create_app(services) -> Flask:
     from .admin.views import bp as admin_bp
 
     app.register_blueprint(admin_bp)  # /admin: cookie sessions of its own, not API keys
+
+    @app.before_request
+    def bind_request_id():
+        # Every log line written while this request is handled names it (sdk.logs).
+        g.log_token = logs.bind(request_id=request_id())
+
+    @app.teardown_request
+    def unbind_request_id(_exc):
+        token = g.pop("log_token", None)
+        if token is not None:
+            logs.unbind(token)
 
     @app.before_request
     def authenticate():

@@ -13,7 +13,8 @@ def _settings(args):
     settings = Settings.from_env(data_dir=args.data_dir, db_url=args.db, blob_dir=args.blob_dir,
                                  http=getattr(args, "http", None),
                                  grpc=getattr(args, "grpc", None),
-                                 lease_timeout_s=getattr(args, "lease_timeout", None))
+                                 lease_timeout_s=getattr(args, "lease_timeout", None),
+                                 log_format=getattr(args, "log_format", None))
     legacy = Path(".sparecycles")
     if args.data_dir is None and (legacy / "broker.key").exists() \
             and legacy.resolve() != settings.data_dir.resolve():
@@ -46,6 +47,9 @@ def register(sub) -> None:
                                                        "job is taken back (default 30)")
     s.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON "
                                                    "once serving")
+    s.add_argument("--log-format", choices=["text", "json"],
+                   help="text lines, or one JSON object a line naming the request and job "
+                        "each is about (default text; $SPARECYCLES_LOG_FORMAT)")
     s.set_defaults(func=cmd_serve)
 
     k = bsub.add_parser("create-key", help="create an account and print its API key once")
@@ -65,10 +69,15 @@ def register(sub) -> None:
 
 def cmd_serve(args) -> int:
     from broker.server import serve
+    from sdk import logs
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(_settings(args), ready_file=args.ready_file)
+    try:
+        settings = _settings(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format)
+    serve(settings, ready_file=args.ready_file)
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from sdk import logs
 from sdk.protocol import agent_pb2 as pb
 from sdk.protocol import agent_pb2_grpc as pb_grpc
 from sdk.protocol.canonical import canonical_bytes, sha256_hex
@@ -556,6 +557,8 @@ class Agent:
                                 request_id=str(rj.envelope.get("request_id") or ""),
                                 outcome="failed")
             prepared_at = time.perf_counter()
+            # Every log line about the job names it and its request (sdk.logs).
+            log_token = logs.bind(job_id=job_id, request_id=rj.times.request_id)
             try:
                 ready = self._prepare_job(job_id, rj)
                 rj.times.load_s = time.perf_counter() - prepared_at
@@ -582,6 +585,7 @@ class Agent:
                     self.telemetry.job_finished(rj.times)
                 if rj.held:
                     self.installer.release(rj.held)
+                logs.unbind(log_token)
 
     def _run_job(self, job_id: str, rj: RunningJob) -> None:
         env = rj.envelope
@@ -631,7 +635,8 @@ class Agent:
                                          on_progress=progress_with_total, on_stream=stream,
                                          cancelled=rj.cancelled,
                                          checkpoint_every=int(env.get("checkpoint_every") or 0),
-                                         resume_from=resume_from, on_checkpoint=checkpoint)
+                                         resume_from=resume_from, on_checkpoint=checkpoint,
+                                         request_id=rj.times.request_id)
             if cheated is not None:
                 result.outputs = self.cheat.after(env["plugin"], cheated, result.outputs)
                 if cheated.validated is not None:  # claim the work the job asked for

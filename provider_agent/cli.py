@@ -40,6 +40,10 @@ def register(sub) -> None:
     r.add_argument("--metrics-addr", metavar="HOST:PORT",
                    help="serve the agent's Prometheus /metrics here (GPU, CPU, memory, job "
                         "times; overrides metrics_addr in agent.toml; default: none)")
+    r.add_argument("--log-format", choices=["text", "json"],
+                   help="text lines, or one JSON object a line naming the job and request "
+                        "each is about; plugin hosts log alike (default text; "
+                        "$SPARECYCLES_LOG_FORMAT)")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
 
@@ -103,8 +107,15 @@ def cmd_run(args) -> int:
     from .errors import AgentError
     from .launch import host_launcher
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import os
+
+    from sdk import logs
+
+    log_format = args.log_format or os.environ.get("SPARECYCLES_LOG_FORMAT") or "text"
+    if log_format not in logs.FORMATS:
+        print(f"SPARECYCLES_LOG_FORMAT is {log_format!r}; use text or json", file=sys.stderr)
+        return 2
+    logs.configure(log_format)
     try:
         cfg = load_config(args.home)
         if args.plugins:

@@ -65,6 +65,8 @@ class JobFailedError(SparecyclesError):
     def __init__(self, job: Any, message: str):
         super().__init__(message)
         self.job = job
+        # The request that created the job (as the broker keeps it), as an APIError's.
+        self.request_id = getattr(job, "request_id", None)
 
 
 class JobTimeoutError(JobFailedError):
@@ -90,4 +92,5 @@ def error_for(status: int, body: dict, request_id: str | None) -> APIError:
     if code in ("invalid_request", "malformed_json") and status == 400:
         cls = InvalidInputError
     return cls(status, code, str(body.get("detail", body.get("title", "error"))),
-               field=body.get("field"), request_id=request_id, body=body)
+               field=body.get("field"), request_id=request_id or body.get("request_id"),
+               body=body)

@@ -124,6 +124,9 @@ def document() -> dict:
                     "attempt": {"type": "integer"}, "inputs": {"type": "object"},
                     "progress": {"type": "object"}, "error": {"type": ["object", "null"]},
                     "verify": {"type": "string"}, "weights_digest": {"type": ["string", "null"]},
+                    # The X-Request-Id of the request that created the job; agents' logs
+                    # name it as its digest, rq_ + 24 hex digits of its SHA-256.
+                    "request_id": {"type": ["string", "null"]},
                     "verification": {"$ref": "#/components/schemas/Verification"},
                     "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Output"}}}},
                 "Plugin": {"type": "object", "properties": {

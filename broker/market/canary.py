@@ -12,6 +12,7 @@ import logging
 import secrets
 import uuid
 
+from sdk.logs import new_request_digest
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
 from sdk.protocol.signing import KeyPair
 
@@ -63,7 +64,9 @@ class CanaryService:
                                      version=manifest.version, inputs=inputs,
                                      provider_key=session.public_key,
                                      lease_timeout_s=self.lease_timeout_s,
-                                     ttl_s=self.envelope_ttl_s, now=now)
+                                     ttl_s=self.envelope_ttl_s, now=now,
+                                     # as every job's envelope: a canary looks like one
+                                     extra={"request_id": new_request_digest()})
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now,
                                            version=manifest.version, inputs=inputs))

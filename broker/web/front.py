@@ -26,6 +26,7 @@ from urllib.parse import parse_qs
 from broker.api import health
 from broker.api.account import FUNDING_HEADER
 from broker.api.waiting import Handover
+from broker.api.common import REQUEST_ID, new_request_id, sane_request_id
 from broker.app import problem_response
 from broker.errors import BrokerError, NotReady, ReplicaFull
 from broker.observability.metrics import CONTENT_TYPE, BrokerMetrics
@@ -102,7 +103,7 @@ class Front:
         handover = handover or Handover()
         if method in ("GET", "HEAD") and path in _OWN:
             handover.route = path
-            await _OWN[path](self, send, method)
+            await _OWN[path](self, send, method, scope)
             return
         if self.bridge.starting >= self.limits.max_pool_requests:
             self.refused["pool"] += 1
@@ -110,7 +111,7 @@ class Front:
             await self._refuse(send, ReplicaFull(
                 f"this broker replica has {self.bridge.starting} requests in or waiting for "
                 f"its thread pool (max_pool_requests {self.limits.max_pool_requests}); retry "
-                f"after {RETRY_AFTER_S} s, or send it to another replica"))
+                f"after {RETRY_AFTER_S} s, or send it to another replica"), scope)
             return
         reserved = False
         if _waits(method, path, scope):
@@ -125,7 +126,8 @@ class Front:
                 await self._refuse(send, ReplicaFull(
                     f"this broker replica holds {self.waiting} waiting clients "
                     f"(max_waiting_clients {self.limits.max_waiting_clients}); retry after "
-                    f"{RETRY_AFTER_S} s without waiting, or send it to another replica"))
+                    f"{RETRY_AFTER_S} s without waiting, or send it to another replica"),
+                    scope)
                 return
 
         def on_wait(waiting: bool) -> None:  # a wait no route rule foresaw counts too
@@ -151,8 +153,12 @@ class Front:
                                     self._funding_mode().encode())],
                     b"" if method == "HEAD" else data)
 
-    async def _problem(self, send, exc: BrokerError, extra: dict | None = None) -> None:
-        resp = problem_response(self.app, exc.problem(), exc.http_status)
+    async def _problem(self, send, exc: BrokerError, extra: dict | None = None,
+                       scope=None) -> None:
+        rid = _request_id(scope)
+        resp = problem_response(self.app, {**exc.problem(), "request_id": rid},
+                                exc.http_status)
+        resp.headers[REQUEST_ID] = rid
         for k, v in (extra or {}).items():
             resp.headers[k] = v
         resp.headers[FUNDING_HEADER] = self._funding_mode()
@@ -160,10 +166,10 @@ class Front:
                     [(k.lower().encode("latin1"), v.encode("latin1"))
                      for k, v in resp.headers.to_wsgi_list()], resp.get_data())
 
-    async def _refuse(self, send, exc: ReplicaFull) -> None:
-        await self._problem(send, exc, {"Retry-After": str(RETRY_AFTER_S)})
+    async def _refuse(self, send, exc: ReplicaFull, scope=None) -> None:
+        await self._problem(send, exc, {"Retry-After": str(RETRY_AFTER_S)}, scope)
 
-    async def _readyz(self, send, method: str) -> None:
+    async def _readyz(self, send, method: str, scope=None) -> None:
         svc = self.services
         if self._db_check is None or self._db_check.done():
             # One statement at a time, shared by every /readyz meanwhile, on a thread that
@@ -175,17 +181,17 @@ class Front:
         except asyncio.TimeoutError:
             detail = f"the database did not answer within {READYZ_DB_TIMEOUT_S:g} s"
             await self._problem(send, NotReady(detail, reasons=[
-                {"check": "database", "detail": detail}]))
+                {"check": "database", "detail": detail}]), scope=scope)
             return
         except BrokerError as exc:
-            await self._problem(send, exc)
+            await self._problem(send, exc, scope=scope)
             return
         await self._json(send, 200, health.readiness(svc), method)
 
-    async def _livez(self, send, method: str) -> None:
+    async def _livez(self, send, method: str, scope=None) -> None:
         await self._json(send, 200, {"status": "ok"}, method)
 
-    async def _metrics(self, send, method: str) -> None:
+    async def _metrics(self, send, method: str, scope=None) -> None:
         # Off the loop: the database's shared facts may need a read (cached a while).
         try:
             data = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
@@ -193,7 +199,7 @@ class Front:
         except asyncio.TimeoutError:
             await self._problem(send, NotReady(
                 f"/metrics took longer than {METRICS_TIMEOUT_S:g} s (the database's "
-                "facts did not come); see sparecycles_metrics_database_up"))
+                "facts did not come); see sparecycles_metrics_database_up"), scope=scope)
             return
         await _send(send, 200, [(b"content-type", CONTENT_TYPE.encode()),
                                 (b"content-length", str(len(data)).encode())],
@@ -220,6 +226,17 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     g = GaugeMetricFamily(name, doc)
     g.add_metric([], value)
     return g
+
+
+def _request_id(scope) -> str:
+    """The client's X-Request-Id when it sent a sane one, else a new one (as the Flask
+    app's, broker.api.common.request_id)."""
+    for name, value in (scope or {}).get("headers", ()):
+        if name == b"x-request-id":
+            sent = sane_request_id(value.decode("latin1"))
+            if sent:
+                return sent
+    return new_request_id()
 
 
 _OWN = {"/livez": Front._livez, "/readyz": Front._readyz, "/metrics": Front._metrics}
