@@ -299,8 +299,16 @@ def document() -> dict:
             "/livez": {"get": {"summary": "Liveness", "security": [],
                                "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness", "security": [],
+                                "description": "503 not_ready names each reason in "
+                                               "`reasons` ([{check, detail}], check one "
+                                               "of database, migrations, draining)",
                                 "responses": {"200": {"description": "ready"},
                                               **_errors(503)}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format "
+                                            "0.0.4; sparecycles_*)", "security": [],
+                                 "responses": {"200": {"description": "the metrics",
+                                                       "content": {"text/plain": {}}},
+                                               **_errors(503)}}},
         }),
     }
 

@@ -58,6 +58,8 @@ def test_gpu_telemetry_reaches_metrics_and_console(live_broker, start_agent):
     assert page.status_code == 200
     assert 'id="telemetry"' in page.text and "NVIDIA GeForce RTX 4090" in page.text
     assert "73%" in page.text and "61 °C" in page.text
+    listing = _console(live_broker).get("/admin/providers")
+    assert "GPU0 73% · 61 °C" in listing.text
 
 
 def test_without_a_gpu_the_console_says_cpu_only(live_broker, start_agent):
