@@ -517,7 +517,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             if hb.running_job_ids:
                 self.jobs.heartbeat(pid, list(hb.running_job_ids))
             if self.telemetry is not None and hb.HasField("telemetry"):
-                self.telemetry.record(pid, session.name, hb.telemetry)
+                self.telemetry.record(pid, session.name, hb.telemetry,
+                                      plugins={k.split("@", 1)[0] for k in session.plugins})
         elif kind == "accepted":
             self.jobs.accepted(pid, msg.accepted.job_id, msg.accepted.attempt)
         elif kind == "progress":

@@ -132,7 +132,9 @@ class BrokerMetrics:
         return child
 
     def http_request(self, route: str, method: str, status: int, duration_s: float) -> None:
-        self._child(self.http_requests, route, method, _STATUS.get(status) or str(status)).inc()
+        # Label values a client cannot multiply: known methods, statuses 100-599.
+        method = method if method in _METHODS else "other"
+        self._child(self.http_requests, route, method, _STATUS.get(status, "other")).inc()
         self._child(self.http_duration, route, method).observe(duration_s)
 
     # JobMetrics (broker.jobs.ports)
@@ -172,6 +174,7 @@ class BrokerMetrics:
 
 
 _STATUS = {s: str(s) for s in range(100, 600)}
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class _Callback:

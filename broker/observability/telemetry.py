@@ -79,8 +79,10 @@ class TelemetryStore:
             ["plugin", "phase"], buckets=PHASE_BUCKETS_S,
             registry=registry) if registry is not None else None
 
-    def record(self, provider_id: str, name: str, telemetry) -> None:
-        """A heartbeat's ``pb.Telemetry`` from ``provider_id`` (in the agents' pool)."""
+    def record(self, provider_id: str, name: str, telemetry, plugins=()) -> None:
+        """A heartbeat's ``pb.Telemetry`` from ``provider_id`` (in the agents' pool).
+        ``plugins``: the plugin names it serves; job timings naming another plugin are
+        counted as "other" (an agent must not mint label values)."""
         report = report_dict(telemetry)
         now = self.clock()
         with self._lock:
@@ -89,8 +91,8 @@ class TelemetryStore:
             if due:
                 self._persisted_at[provider_id] = now
         if self.phase is not None:
-            for j in telemetry.jobs:
-                plugin = j.plugin[:64]
+            for j in list(telemetry.jobs)[:256]:
+                plugin = j.plugin if j.plugin in plugins else "other"
                 for phase, seconds in (("load", j.load_s), ("run", j.run_s),
                                        ("upload", j.upload_s)):
                     if seconds > 0 or phase == "run":

@@ -83,7 +83,7 @@ class Front:
             return
         started = time.perf_counter()
         handover = Handover()
-        status = 500
+        status = 499  # (nginx's "client closed request": no answer was started)
 
         async def counted_send(message) -> None:
             nonlocal status
