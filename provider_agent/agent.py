@@ -69,6 +69,13 @@ class RunningJob:
     held: list[str] = field(default_factory=list)
     times: JobTimes | None = None  # where its time went (telemetry)
 
+    def __post_init__(self):
+        if self.times is None:
+            env = self.envelope
+            self.times = JobTimes(str(env.get("job_id", "")), str(env.get("plugin", "")),
+                                  request_id=str(env.get("request_id") or ""),
+                                  outcome="failed")  # until it is done
+
 
 @dataclass
 class ServedPlugin:
@@ -553,9 +560,6 @@ class Agent:
                 rj = self.running.get(job_id)
             if rj is None:
                 continue
-            rj.times = JobTimes(job_id, rj.envelope.get("plugin", ""),
-                                request_id=str(rj.envelope.get("request_id") or ""),
-                                outcome="failed")
             prepared_at = time.perf_counter()
             # Every log line about the job names it and its request (sdk.logs).
             log_token = logs.bind(job_id=job_id, request_id=rj.times.request_id)
