@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml setup.py constraints.txt sdk/protocol/agent.proto
 
 venv: $(STAMP)
 
-# bubblewrap sandboxes plugin hosts; libseccomp backs its syscall filter. Installed when
+# bubblewrap sandboxes plugin hosts; libseccomp backs its syscall filter; chromium drives
+# the console's browser tests; prometheus scrapes a live broker in tests/e2e. Installed when
 # missing and we are root with apt (CI, fresh dev machines); otherwise say what to do.
 system-deps:
 	@if ! command -v bwrap >/dev/null 2>&1; then \
@@ -44,6 +45,15 @@ system-deps:
 	     (apt-get update -q >/dev/null && apt-get install -y -q tmux >/dev/null)); \
 	  else \
 	    echo "!! tmux is missing: install it (apt-get install tmux); the terminal tests will be skipped"; \
+	  fi; \
+	fi
+	@if ! command -v prometheus >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing prometheus for the metrics tests (apt; its service is not started)"; \
+	    (apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null)); \
+	  else \
+	    echo "!! prometheus is missing: install it (apt-get install prometheus); the Prometheus test will be skipped"; \
 	  fi; \
 	fi
 

@@ -22,7 +22,7 @@ The broker is one GIL-bound Python process, so its CPU per job caps the rate how
 cores there are (docs/architecture.md, "Dispatch throughput", says where it goes).
 
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
-                             [--tls] [--svg out/bench-dispatch.svg]
+                             [--tls] [--metrics on|off|on,off] [--svg out/bench-dispatch.svg]
                              [--db postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
 
 With --tls each agent count runs twice, plaintext and then TLS on both hops (clients to
@@ -31,6 +31,11 @@ the cost of TLS is printed: the ratio of jobs/s and the added p50 latency. Job i
 sealed to the provider in both (sealing is always on).
 
 With --db naming a PostgreSQL server, each run gets a fresh database there (dropped after).
+
+--metrics on,off runs each agent count with the broker's metrics on (every request and job
+event counted, /metrics scraped every second during the throughput run: harsher than a
+Prometheus at its usual 15 s) and off (SPARECYCLES_METRICS=off), alternately, and prints
+what metrics cost in jobs/s (issue #25: target at most 3 %).
 
     python bench/dispatch.py --replicas 3 --db postgresql+psycopg://postgres@127.0.0.1:5432/postgres
                              [--agents 2] [--jobs 300] [--clients 12] [--slots 8]
@@ -88,6 +93,43 @@ def direct_call_ms(n: int = 2000) -> list[float]:
         plugin.run(manifest.validate_inputs({"text": "x"}), Ctx())
         out.append((time.perf_counter() - t) * 1000)
     return out
+
+
+def _spread(values: list[float]) -> float:
+    """(max - min) / mean, in per cent: how far runs of the same code differ."""
+    return (max(values) - min(values)) / statistics.mean(values) * 100 if values else 0.0
+
+
+def metrics_us_per_job(n: int = 20_000) -> float:
+    """What the broker's metrics add to one job, in microseconds, timed in-process: the
+    calls one echo job makes (two HTTP answers, submitted, placed, ended, settled, an
+    output's bytes, a hold and a post through the metered ledger)."""
+    from types import SimpleNamespace
+
+    from broker.observability.metered import MeteredBlobStore, MeteredLedger
+    from broker.observability.metrics import BrokerMetrics
+
+    m = BrokerMetrics(replica="bench")
+    txn = SimpleNamespace(kind=SimpleNamespace(value="post"), entries=(
+        SimpleNamespace(account=SimpleNamespace(kind=SimpleNamespace(value="provider_vesting")),
+                        amount_micro=900),
+        SimpleNamespace(account=SimpleNamespace(kind=SimpleNamespace(value="client_held")),
+                        amount_micro=-900)))
+    ledger = MeteredLedger(SimpleNamespace(post=lambda *a, **k: txn, hold=lambda *a, **k: 1), m)
+    blobs = MeteredBlobStore(SimpleNamespace(put=lambda data: "k"), m, "jobs")
+    data = b"x" * 64
+    t = time.perf_counter()
+    for _ in range(n):
+        m.http_request("/v1/jobs", "POST", 202, 0.002)
+        m.http_request("/v1/jobs/<job_id>", "GET", 200, 0.004)
+        m.submitted("echo")
+        ledger.hold("h", 1)
+        m.placed("echo", 0.001)
+        blobs.put(data)
+        ledger.post("h", None)
+        m.settled("echo", 0.001)
+        m.ended("echo", "settled", 0.01)
+    return (time.perf_counter() - t) / n * 1e6
 
 
 def _cpu_s(pid: int) -> tuple[float, float]:
@@ -189,12 +231,15 @@ def fresh_database(url: str | None):
 
 
 def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
-            db_url: str | None = None, split: int = 1, tls: bool = False) -> dict:
+             db_url: str | None = None, split: int = 1, tls: bool = False,
+             metrics: bool = True) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sc-bench-"))
     # The dispatch path alone: verification (re-running sampled jobs) is measured by
     # bench/cheaters.py; rate limits (per key: every client here shares one) are off.
     net = LocalNetwork(work, db_url=db_url, env={"SPARECYCLES_VERIFICATION": "off",
-                                                  "SPARECYCLES_RATE_LIMITS": "off"}, tls=tls)
+                                                  "SPARECYCLES_RATE_LIMITS": "off",
+                                                  "SPARECYCLES_METRICS": "on" if metrics
+                                                  else "off"}, tls=tls)
     try:
         net.start_broker()
         pkey = net.create_key("provider")
@@ -225,17 +270,31 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
                         done += split
 
         threads = [threading.Thread(target=worker) for _ in range(clients)]
+        scraped = threading.Event()
+        scrapes = []
+
+        def scrape():  # as a (very eager) Prometheus would
+            import urllib.request
+            while not scraped.wait(1.0):
+                t = time.perf_counter()
+                with urllib.request.urlopen(f"{net.url}/metrics", timeout=10) as resp:
+                    resp.read()
+                scrapes.append((time.perf_counter() - t) * 1000)
+        scraper = threading.Thread(target=scrape, daemon=True) if metrics else None
         cpu0 = cpu_split(net, os.getpid())
         t0 = time.perf_counter()
         for t in threads:
             t.start()
+        if scraper is not None:
+            scraper.start()
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - t0
+        scraped.set()
         cpu1 = cpu_split(net, os.getpid())
         cpu_ms = {k: (cpu1[k] - cpu0[k]) * 1000 / max(done, 1) for k in cpu0}
-        return {"agents": n_agents, "tls": tls, "lat": lat, "jobs_per_s": done / elapsed, "done": done,
-                "cpu_ms": cpu_ms}
+        return {"agents": n_agents, "tls": tls, "lat": lat, "jobs_per_s": done / elapsed,
+                "done": done, "cpu_ms": cpu_ms, "metrics": metrics, "scrapes_ms": scrapes}
     finally:
         net.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -457,10 +516,20 @@ def main() -> int:
     ap.add_argument("--replicas", help="run N broker replicas on the --db PostgreSQL server "
                     "(N: 1, 2 … N in turn; or a list like 1,3), agents on the first, "
                     "clients spread over all: jobs/s and same- vs cross-replica latency")
+    ap.add_argument("--metrics", default="on",
+                    help="on, off, or on,off: each agent count with the broker's metrics "
+                         "on and off in the same run, and what they cost (default on)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of each agent count and metrics mode (alternating order)")
     args = ap.parse_args()
     if args.replicas and not (args.db or "").startswith("postgresql"):
         ap.error("--replicas needs --db postgresql+psycopg://… (replicas share PostgreSQL; "
                  "SQLite serves one broker process)")
+    if args.rounds < 1:
+        ap.error(f"--rounds is {args.rounds}; give 1 or more")
+    modes = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        ap.error(f"--metrics is {args.metrics!r}; give on, off or on,off")
     db = "PostgreSQL" if (args.db or "").startswith("postgresql") else "SQLite"
     sandbox = not args.no_sandbox and shutil.which("bwrap") is not None
 
@@ -473,28 +542,35 @@ def main() -> int:
           f"{args.slots} slot(s) per agent, "
           + (f"{args.split} jobs per request (split)" if args.split > 1 else
              "one job per request"))
-    print(f"{'agents':>6} {'hops':>9} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
-          f"{'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
+    print(f"{'agents':>6} {'hops':>9} {'metrics':>7} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'added p50':>10} {'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
           "plugin hosts / clients" + (" / database server" if db == "PostgreSQL" else "")
           + ("" if args.no_raw else "   | raw queue jobs/s, ours ÷ raw"))
     rows, pairs = [], []
     for n in [int(x) for x in args.agents.split(",")]:
         pair = {}
-        for tls in ((False, True) if args.tls else (False,)):
-            with fresh_database(args.db) as url:
-                r = run_one(n, args.jobs, args.clients, args.slots, sandbox, url, args.split,
-                            tls=tls)
-            pair[tls] = r
-            if not tls:
-                rows.append(r)
-            p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
-            c = r["cpu_ms"]
-            print(f"{n:>6} {'TLS' if tls else 'plaintext':>9} {r['jobs_per_s']:>8.0f} "
-                  f"{p50:>8.2f} {p99:>8.2f} {p50 - d50:>10.2f} "
-                  f"{p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x   {c['broker']:6.2f} / "
-                  f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}"
-                  + (f" / {c['database']:5.2f}" if "database" in c else "")
-                  + ("" if tls else raw_column(r, n, args, url_for_raw=args.db)), flush=True)
+        # Rounds alternate the order of the modes, so drift over the run hits both alike.
+        sequence = [m for rnd in range(args.rounds)
+                    for m in (modes if rnd % 2 == 0 else modes[::-1])]
+        for k, mode in enumerate(sequence):
+            for tls in ((False, True) if args.tls else (False,)):
+                with fresh_database(args.db) as url:
+                    r = run_one(n, args.jobs, args.clients, args.slots, sandbox, url,
+                                args.split, tls=tls, metrics=mode == "on")
+                pair.setdefault(tls, r)
+                if not tls:
+                    rows.append(r)
+                p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
+                c = r["cpu_ms"]
+                # the raw queue once per agent count, beside its first plaintext row
+                raw = raw_column(r, n, args, url_for_raw=args.db) if not tls and k == 0 else ""
+                print(f"{n:>6} {'TLS' if tls else 'plaintext':>9} {mode:>7} "
+                      f"{r['jobs_per_s']:>8.0f} {p50:>8.2f} {p99:>8.2f} "
+                      f"{p50 - d50:>10.2f} {p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x   "
+                      f"{c['broker']:6.2f} / "
+                      f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}"
+                      + (f" / {c['database']:5.2f}" if "database" in c else "") + raw,
+                      flush=True)
         if args.tls:
             pairs.append((n, pair[False], pair[True]))
     for n, plain, tls in pairs:
@@ -504,6 +580,28 @@ def main() -> int:
               f"jobs/s ({tls['jobs_per_s'] / max(plain['jobs_per_s'], 1e-9):.2f}x), "
               f"{dp50:+.2f} ms p50 and {dp99:+.2f} ms p99 per job, broker CPU "
               f"{tls['cpu_ms']['broker']:.2f} vs {plain['cpu_ms']['broker']:.2f} ms per job")
+    if "on" in modes:
+        us = metrics_us_per_job()
+        broker_ms = statistics.mean(r["cpu_ms"]["broker"] for r in rows if r["metrics"])
+        print(f"metrics on the hot path, timed in-process: {us:.1f} us per job = "
+              f"{us / 10 / broker_ms:.2f} % of the broker's {broker_ms:.2f} ms of CPU per job")
+    if set(modes) == {"on", "off"}:
+        for n in sorted({r["agents"] for r in rows}):
+            on = [r for r in rows if r["agents"] == n and r["metrics"]]
+            off = [r for r in rows if r["agents"] == n and not r["metrics"]]
+            js_on = statistics.mean(r["jobs_per_s"] for r in on)
+            js_off = statistics.mean(r["jobs_per_s"] for r in off)
+            cpu_on = statistics.mean(r["cpu_ms"]["broker"] for r in on)
+            cpu_off = statistics.mean(r["cpu_ms"]["broker"] for r in off)
+            scrapes = [s for r in on for s in r["scrapes_ms"]]
+            spread = max(_spread([r["jobs_per_s"] for r in group]) for group in (on, off))
+            print(f"metrics cost, {n} agent(s): {js_on:.0f} jobs/s on, {js_off:.0f} off: "
+                  f"{(js_off - js_on) / js_off * 100:+.1f} % of throughput (target <= 3 %; "
+                  f"negative: on was faster; runs of one mode spread {spread:.0f} %); "
+                  f"broker CPU {cpu_on:.2f} ms/job on, {cpu_off:.2f} off "
+                  f"({(cpu_on - cpu_off) / cpu_off * 100:+.1f} %)"
+                  + (f"; a scrape of /metrics took {statistics.median(scrapes):.1f} ms "
+                     f"(median of {len(scrapes)})" if scrapes else ""))
     print("targets: >= 300 jobs/s, <= 15 ms added p50, >= 0.5x the raw queue. The CPU columns say where the "
           "machine's cores went during the throughput run (all processes share them).")
     if args.svg:

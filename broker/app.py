@@ -5,7 +5,9 @@ from flask import Flask, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from broker.errors import BrokerError
+from sdk import logs
 from .api.common import REQUEST_ID, check_url_text, internal_problem, request_id
+from .api.waiting import HANDOVER
 
 PUBLIC = ("/livez", "/readyz", "/openapi.json", "/v1/stripe/webhook")
 
@@ -40,6 +42,17 @@ def create_app(services) -> Flask:
     app.register_blueprint(admin_bp)  # /admin: cookie sessions of its own, not API keys
 
     @app.before_request
+    def bind_request_id():
+        # Every log line written while this request is handled names it (sdk.logs).
+        g.log_token = logs.bind(request_id=request_id())
+
+    @app.teardown_request
+    def unbind_request_id(_exc):
+        token = g.pop("log_token", None)
+        if token is not None:
+            logs.unbind(token)
+
+    @app.before_request
     def authenticate():
         check_url_text()  # every route, the console's too: no column stores a NUL
         if (request.path in PUBLIC or not request.path.startswith("/v1")
@@ -58,6 +71,9 @@ def create_app(services) -> Flask:
     @app.after_request
     def tag_request(response):
         response.headers[REQUEST_ID] = request_id()
+        handover = request.environ.get(HANDOVER)
+        if handover is not None:  # the metrics' route label: the rule, never the raw path
+            handover.route = request.url_rule.rule if request.url_rule else "(unmatched)"
         return response
 
     def problem(body: dict, status: int):

@@ -17,7 +17,8 @@ def _settings(args):
                                  lease_timeout_s=getattr(args, "lease_timeout", None),
                                  tls_cert=getattr(args, "tls_cert", None),
                                  tls_key=getattr(args, "tls_key", None),
-                                 insecure=True if getattr(args, "insecure", False) else None)
+                                 insecure=True if getattr(args, "insecure", False) else None,
+                                 log_format=getattr(args, "log_format", None))
     legacy = Path(".sparecycles")
     if args.data_dir is None and (legacy / "broker.key").exists() \
             and legacy.resolve() != settings.data_dir.resolve():
@@ -57,6 +58,9 @@ def register(sub) -> None:
     s.add_argument("--insecure", action="store_true",
                    help="serve plaintext on a non-loopback address (logged as a warning; API "
                         "keys and prompts cross the network in clear)")
+    s.add_argument("--log-format", choices=["text", "json"],
+                   help="text lines, or one JSON object a line naming the request and job "
+                        "each is about (default text; $SPARECYCLES_LOG_FORMAT)")
     s.set_defaults(func=cmd_serve)
 
     m = bsub.add_parser("migrate", help="upgrade the database schema (run once per release, "
@@ -255,10 +259,15 @@ def cmd_keys_rotate(args) -> int:
 
 def cmd_serve(args) -> int:
     from broker.server import serve
+    from sdk import logs
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(_settings(args), ready_file=args.ready_file)
+    try:
+        settings = _settings(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format)
+    serve(settings, ready_file=args.ready_file)
     return 0
 
 

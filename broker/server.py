@@ -23,11 +23,14 @@ from pathlib import Path
 import grpc
 import uvicorn
 import uvloop
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sdk.protocol import agent_pb2_grpc as pb_grpc
 
 from broker.app import create_app
 from broker.gateway.servicer import AgentGatewayServicer, GatewayStats
+from broker.observability.metrics import agent_families
 from broker.services import Services, build_services
 from broker.replicas.service import ReplicaMismatch
 from broker.settings import Settings
@@ -48,6 +51,8 @@ GRPC_OPTIONS = [
 ]
 HTTP_IDLE_TIMEOUT_S = 120  # an idle keep-alive connection is closed after this
 SHUTDOWN_GRACE_S = 2.0
+HEALTH_INTERVAL_S = 5.0  # how often the gRPC health service's status is re-checked
+GATEWAY_SERVICE = "sparecycles.v1.AgentGateway"
 # Young collections every 50,000 allocations, full ones rarely: see tune_gc.
 GC_THRESHOLDS = (50_000, 20, 100)
 
@@ -176,8 +181,14 @@ class BrokerServer:
             lease_timeout_s=settings.lease_timeout_s, market=svc.market,
             canaries=svc.canaries, warm=svc.registry.warm, executor=self.agent_pool,
             max_streams=settings.max_agent_streams, outbox_max=settings.agent_outbox_max,
-            stats=self.gateway_stats, links=svc.links, replicas=svc.replicas)
+            stats=self.gateway_stats, links=svc.links, replicas=svc.replicas,
+            telemetry=svc.telemetry)
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, self.grpc_server)
+        # The standard health service (grpc.health.v1): NOT_SERVING until started, while
+        # the database or its schema is not ready, and once the broker drains.
+        self.health = grpc_health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.cert is not None:
             creds = grpc.ssl_server_credentials(
                 [(self.cert.key_file.read_bytes(), self.cert.cert_file.read_bytes())])
@@ -186,10 +197,12 @@ class BrokerServer:
             self.grpc_port = self.grpc_server.add_insecure_port(settings.grpc)
         if self.grpc_port == 0:
             raise SystemExit(f"cannot listen for agents on {settings.grpc}: address in use?")
+        svc.metrics.add_collector(self.gateway_stats.collect)
+        svc.metrics.add_collector(lambda: agent_families(svc.dispatcher.sessions()))
         self.front = Front(self.app, svc, Pool(self.http_pool, self.loop), self.health_pool,
                            FrontLimits(max_waiting_clients=settings.max_waiting_clients,
                                        max_pool_requests=settings.max_pool_requests),
-                           gateway_stats=self.gateway_stats)
+                           metrics=svc.metrics, count_requests=settings.metrics)
         self.http = uvicorn.Server(uvicorn.Config(
             self.front, http="httptools", ws="none", lifespan="off", interface="asgi3",
             log_config=None, access_log=False, proxy_headers=False, server_header=False,
@@ -210,6 +223,7 @@ class BrokerServer:
         self.services.dispatcher.start()
         self.services.maintenance.start()
         self._on_loop(self.grpc_server.start())
+        self._on_loop(self._start_health())
 
     def serve_forever(self, ready_file: Path | None = None) -> None:
         try:
@@ -241,6 +255,11 @@ class BrokerServer:
         finally:
             self.stop()
 
+    def drain(self) -> None:
+        """Stop taking traffic (``/readyz`` 503 ``draining``, gRPC health NOT_SERVING)
+        while everything still runs; :meth:`stop` drains first too."""
+        self._on_loop(self._drain())
+
     def stop(self) -> None:
         if self._stopped.is_set():
             self._done.wait(30)
@@ -267,7 +286,45 @@ class BrokerServer:
             self._serve_lock.close()
         self._done.set()
 
+    async def _set_health(self, status) -> None:
+        for service in ("", GATEWAY_SERVICE):
+            await self.health.set(service, status)
+
+    async def _watch_health(self) -> None:
+        """Keep the gRPC health status what /readyz would say (see broker.api.health)."""
+        from broker.api.health import check_ready
+        from broker.errors import NotReady
+
+        loop = asyncio.get_running_loop()
+        serving = None
+        while not self.front.draining:
+            try:
+                await asyncio.wait_for(loop.run_in_executor(
+                    self.health_pool, check_ready, self.services), HEALTH_INTERVAL_S)
+                ok = True
+            except (NotReady, asyncio.TimeoutError) as exc:
+                ok = False
+                if serving is not False:
+                    log.warning("not ready: %s", getattr(exc, "message", "the database did "
+                                                     "not answer in time"))
+            if ok != serving and not self.front.draining:
+                serving = ok
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING if ok
+                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _start_health(self) -> None:
+        self._health_task = asyncio.ensure_future(self._watch_health())
+
+    async def _drain(self) -> None:
+        self.front.draining = True
+        task = getattr(self, "_health_task", None)
+        if task is not None:
+            task.cancel()
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
+
     async def _shutdown(self) -> None:
+        await self._drain()
         self.http.should_exit = True
         await self.grpc_server.stop(grace=SHUTDOWN_GRACE_S)
         task = getattr(self, "_http_task", None)

@@ -5,6 +5,8 @@ This is the only module that knows which implementation backs which port.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 
 from sqlalchemy.orm import sessionmaker
@@ -54,6 +56,10 @@ from broker.storage.registry_sql import SqlRegistryRepository
 from broker.storage.migrate import require_current, upgrade
 from broker.storage.replicas_sql import SqlFigureStore, SqlReplicaStore
 from broker.storage.notify_pg import bus_for
+from broker.observability.metered import MeteredBlobStore, MeteredLedger
+from broker.observability.metrics import BrokerMetrics
+from broker.observability.telemetry import TelemetryStore
+from broker.storage.metrics_sql import SqlMetricsReader
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,8 @@ class Services:
     market: MarketService
     canaries: CanaryService
     registry: RegistryService               # the marketplace: publishers, packages, warm facts
+    metrics: BrokerMetrics | None = None    # /metrics (broker.observability.metrics)
+    telemetry: TelemetryStore | None = None  # agents' latest GPU/CPU reports, per provider
     audit: AuditLog | None = None           # hash-chained audit log (broker/audit)
     disputes: object | None = None          # broker.admin.disputes.DisputeService
     admin: object | None = None             # broker.admin.service.AdminService
@@ -123,6 +131,14 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     bus = bus_for(settings.db_url)
     signer = settings.signer()
     replicas = ReplicaRegistry(SqlReplicaStore(sessions), bus.replica_id, signer.public_key_hex)
+    metrics = BrokerMetrics(replica=settings.replica_name or f"{socket.gethostname()}:{os.getpid()}",
+                            version=_version(), db_reader=SqlMetricsReader(sessions),
+                            db_interval_s=settings.metrics_db_interval_s)
+    # Metrics off (bench/dispatch.py --metrics off): nothing on the hot path counts.
+    counting = metrics if settings.metrics else None
+
+    def blobs(store, name: str):
+        return MeteredBlobStore(store, counting, name) if counting else store
     catalog = PluginCatalog.from_folders(settings.plugin_dirs)
     accounts = SqlAccountRepository(sessions)
     audit = AuditLog(SqlAuditRepository(sessions))
@@ -130,9 +146,13 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     links = LinkService(SqlLinkRepository(sessions),
                         LinkSettings(link_loopback=settings.link_loopback), audit=audit)
     providers = ProviderService(SqlProviderRepository(sessions), links=links)
+    telemetry = TelemetryStore(providers.repo, registry=metrics.registry)
+    metrics.add_collector(telemetry.collect)
     ledger = LedgerService(SqlLedgerRepository(engine))
     ledger.open_platform_accounts()
     ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
+    if counting:
+        ledger = MeteredLedger(ledger, counting)  # postings and earnings in /metrics
     pricing = PricingService(SqlPriceRepository(sessions), bus=bus)
     pricing.on_changed = audit_price_changes(audit)
     gateway = None
@@ -149,12 +169,14 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     # The marketplace (issue #3): signed plugin/adapter versions, files in the blob store;
     # published plugins join the job catalog; adapter royalties are paid at settlement.
     registry = RegistryService(SqlRegistryRepository(sessions),
-                               LocalBlobStore(settings.blob_dir / "registry"),  # not job outputs
+                               blobs(LocalBlobStore(settings.blob_dir / "registry"),
+                                     "registry"),  # not job outputs
                                catalog, on_publisher=ledger.open_publisher)
     registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
-    jobs = JobService(SqlJobRepository(sessions), SealedBlobStore(settings.blob_dir, at_rest),
+    jobs = JobService(SqlJobRepository(sessions),
+                      blobs(SealedBlobStore(settings.blob_dir, at_rest), "jobs"),
                       catalog, signer, EventHub(bus, SettledCopyCodec()),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
@@ -162,7 +184,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
                       input_defaults=WeightsDefaults(
-                          catalog, _held_plugins(replicas, providers) if bus.shared else None))
+                          catalog, _held_plugins(replicas, providers) if bus.shared else None),
+                      metrics=counting)
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     from broker.admin.session import load_or_create_secret
@@ -222,7 +245,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
-                    maintenance=maintenance, links=links, bus=bus, replicas=replicas)
+                    maintenance=maintenance, links=links, bus=bus, replicas=replicas,
+                    metrics=metrics, telemetry=telemetry)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,
@@ -266,6 +290,15 @@ def _held_plugins(replicas: ReplicaRegistry, providers: ProviderService):
         ids = list(replicas.held_elsewhere())
         return {p.id: list(p.plugins or []) for p in providers.repo.many(ids)} if ids else {}
     return held
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sparecycles")
+    except PackageNotFoundError:
+        return ""
 
 
 def _open_ledger_accounts(ledger: LedgerService, account_id: str, role: str) -> None:

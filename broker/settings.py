@@ -48,6 +48,10 @@ insecure                     SPARECYCLES_INSECURE                off (on: plaint
 at_rest_key                  SPARECYCLES_AT_REST_KEY             (kept in <data_dir>/at_rest.key)
 rate_limits                  SPARECYCLES_RATE_LIMITS             (broker/ratelimit.py defaults; off)
 rate_limit_storage           SPARECYCLES_RATE_LIMIT_STORAGE      memory:// (redis://…: shared)
+metrics                      SPARECYCLES_METRICS                 on (off: /metrics keeps only gauges)
+replica_name                 SPARECYCLES_REPLICA_NAME            <hostname>:<pid> (in sparecycles_broker_info)
+metrics_db_interval_s        SPARECYCLES_METRICS_DB_INTERVAL_S   5 (shared facts re-read at most this often)
+log_format                   SPARECYCLES_LOG_FORMAT              text (json: one JSON object a line)
 ===========================  ==================================  ===========================
 
 With ``tls_cert`` and ``tls_key`` the broker serves REST and gRPC over TLS with them
@@ -146,6 +150,12 @@ class Settings:
     at_rest_key: str = ""
     rate_limits: str = ""
     rate_limit_storage: str = "memory://"
+    # Observability (docs/architecture.md, *Observability*): off leaves the hot path
+    # uncounted (HTTP requests, job events); /metrics then keeps the scrape-time gauges.
+    metrics: bool = True
+    replica_name: str = ""
+    metrics_db_interval_s: float = 5.0
+    log_format: str = "text"
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -181,6 +191,11 @@ class Settings:
         if not self.unserved_expiry_s >= 0:
             raise ValueError(f"unserved_expiry_s must be >= 0 (0: off), got "
                              f"{self.unserved_expiry_s}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if not self.metrics_db_interval_s >= 0:
+            raise ValueError(f"metrics_db_interval_s must be >= 0, got "
+                             f"{self.metrics_db_interval_s}")
         for name in ("http_threads", "agent_threads", "max_agent_streams", "agent_outbox_max",
                      "max_waiting_clients", "max_pool_requests"):
             if getattr(self, name) < 1:
@@ -255,6 +270,11 @@ class Settings:
             "rate_limit_storage": ("SPARECYCLES_RATE_LIMIT_STORAGE", str),
             "insecure": ("SPARECYCLES_INSECURE",
                          lambda v: v.strip().lower() in ("1", "on", "true", "yes")),
+            "metrics": ("SPARECYCLES_METRICS",
+                        lambda v: v.strip().lower() not in ("0", "off", "false", "no")),
+            "replica_name": ("SPARECYCLES_REPLICA_NAME", str),
+            "metrics_db_interval_s": ("SPARECYCLES_METRICS_DB_INTERVAL_S", float),
+            "log_format": ("SPARECYCLES_LOG_FORMAT", str),
         }
         values = {}
         for name, (var, fn) in conv.items():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from sdk import logs
 from sdk.protocol import agent_pb2 as pb
 from sdk.protocol import agent_pb2_grpc as pb_grpc
 from sdk.protocol.canonical import canonical_bytes, sha256_hex
@@ -40,6 +41,7 @@ from .errors import AgentError, ConfigError, HostError
 from .fingerprint import machine_fingerprint
 from .gpu_usage import own_pids
 from .host.manager import HostResult, PluginHost
+from .telemetry import JobTimes, Telemetry, to_proto
 from .weights import folder_digest
 
 log = logging.getLogger("agent")
@@ -59,6 +61,7 @@ DEVICE_FAILURE_CODES = ("host_died", "host_start_failed", "start_timeout")
 # Outputs up to this size in all travel inside the receipt's message (one message, and one
 # lease check at the broker, per job); larger ones go ahead of it one message each.
 INLINE_OUTPUTS_BYTES = 1 << 20
+MAX_UPLOADING = 256  # receipts whose ack is awaited for their upload time (telemetry)
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 20_000),
@@ -75,6 +78,14 @@ class RunningJob:
     # When the assignment arrived (perf_counter): the wait before a worker ran it is the
     # receipt's "queue" timing, which the broker deducts (within a bound) from the run it times.
     received: float = field(default_factory=time.perf_counter)
+    times: JobTimes | None = None  # where its time went (telemetry)
+
+    def __post_init__(self):
+        if self.times is None:
+            env = self.envelope
+            self.times = JobTimes(str(env.get("job_id", "")), str(env.get("plugin", "")),
+                                  request_id=str(env.get("request_id") or ""),
+                                  outcome="failed")  # until it is done
 
 
 @dataclass
@@ -95,8 +106,14 @@ class Agent:
                  sandboxed: bool, launcher=None, home: Path | None = None,
                  max_backoff_s: float = 30.0, cheat: Cheat | None = None, installer=None,
                  gate: Gate | None = None, availability_poll_s: float = 1.0,
-                 device: str | None = None, name: str | None = None):
+                 device: str | None = None, name: str | None = None,
+                 telemetry: Telemetry | None = None):
         cfg.check()
+        # GPU (NVML), CPU and memory figures and job timings, sent in heartbeats.
+        self.telemetry = telemetry or Telemetry(interval_s=cfg.telemetry_interval_s)
+        self._uploading: dict[str, tuple[float, JobTimes]] = {}  # receipt sent, no ack yet
+        self.metrics = None      # provider_agent.metrics.AgentMetrics with metrics_addr
+        self.metrics_port = 0    # where its /metrics listens
         self.cfg = cfg
         # One agent serves one device (provider_agent.fleet runs one per GPU): ``device``
         # and ``name`` override agent.toml's for it; the file stays the machine's.
@@ -350,6 +367,11 @@ class Agent:
             job_id=job_id, attempt=rj.envelope["attempt"], reason=reason, for_owner=True)))
 
     def run(self) -> int:
+        if self.cfg.metrics_addr:  # before the hosts start: benchmarks take a while
+            from .metrics import AgentMetrics
+
+            self.metrics = AgentMetrics(self.telemetry, agent_name=self.cfg.name)
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_addr)
         try:
             self.start_hosts()
         except BaseException:  # e.g. this device's sandbox or model cannot start
@@ -415,6 +437,9 @@ class Agent:
         self._stop.set()
         if self.gate is not None:
             self.gate.meter.save()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         for served in self.plugins.values():
             served.host.stop()
         close = getattr(self.launcher, "close", None)
@@ -528,7 +553,15 @@ class Agent:
         while not stop.wait(interval):
             with self._lock:
                 ids = list(self.running) + list(self.undelivered)
-            outq.put(pb.AgentMessage(heartbeat=pb.Heartbeat(running_job_ids=ids)))
+            beat = pb.Heartbeat(running_job_ids=ids)
+            try:
+                sample = self.telemetry.due()
+            except Exception:  # noqa: BLE001 - a failed reading must not stop heartbeats
+                log.exception("telemetry: reading the machine failed")
+                sample = None
+            if sample is not None:
+                beat.telemetry.CopyFrom(to_proto(sample, pb))
+            outq.put(pb.AgentMessage(heartbeat=beat))
 
     def _send(self, msg: pb.AgentMessage) -> bool:
         with self._lock:
@@ -558,6 +591,11 @@ class Agent:
             if msg.ack.what == "receipt":
                 with self._lock:
                     self.undelivered.pop(msg.ack.job_id, None)
+                    uploading = self._uploading.pop(msg.ack.job_id, None)
+                if uploading is not None:
+                    sent_at, times = uploading
+                    times.upload_s = time.perf_counter() - sent_at
+                    self.telemetry.job_finished(times)
         elif kind == "ask_status":
             st = msg.ask_status
             self.ask_status[st.plugin] = st
@@ -706,8 +744,13 @@ class Agent:
                 rj = self.running.get(job_id)
             if rj is None:
                 continue
+            prepared_at = time.perf_counter()
+            # Every log line about the job names it and its request (sdk.logs).
+            log_token = logs.bind(job_id=job_id, request_id=rj.times.request_id)
             try:
-                if self._prepare_job(job_id, rj):
+                ready = self._prepare_job(job_id, rj)
+                rj.times.load_s = time.perf_counter() - prepared_at
+                if ready:
                     self._run_job(job_id, rj)
             except Exception as exc:  # noqa: BLE001 - a bad job must never stop this worker
                 log.exception("job %s: unexpected error in the agent", job_id)
@@ -723,8 +766,14 @@ class Agent:
                     self.running.pop(job_id, None)
                     self._unreported.pop(job_id, None)
                     self.latest_checkpoint.pop(job_id, None)
+                    uploading = job_id in self._uploading
+                if not uploading:  # else the receipt's ack finishes its timing
+                    if rj.cancelled.is_set():
+                        rj.times.outcome = "cancelled"
+                    self.telemetry.job_finished(rj.times)
                 if rj.held:
                     self.installer.release(rj.held)
+                logs.unbind(log_token)
 
     def _run_job(self, job_id: str, rj: RunningJob) -> None:
         env = rj.envelope
@@ -757,6 +806,8 @@ class Agent:
 
         t0 = time.perf_counter()
         resume_from = self._fetch_checkpoint(job_id, attempt, env.get("resume"))
+        run_at = time.perf_counter()
+        rj.times.load_s += run_at - t0
         inputs, cheated = env["inputs"], None
         try:
             if self.cheat is not None:  # the verification harness's cheating agent
@@ -780,7 +831,8 @@ class Agent:
                                          on_progress=progress_with_total, on_stream=stream,
                                          cancelled=rj.cancelled,
                                          checkpoint_every=int(env.get("checkpoint_every") or 0),
-                                         resume_from=resume_from, on_checkpoint=checkpoint)
+                                         resume_from=resume_from, on_checkpoint=checkpoint,
+                                         request_id=rj.times.request_id)
             if cheated is not None:
                 result.outputs = self.cheat.after(env["plugin"], cheated, result.outputs)
                 if cheated.validated is not None:  # claim the work the job asked for
@@ -800,6 +852,7 @@ class Agent:
             self._count_device_failure(exc)
             return
         self._device_failures = 0
+        rj.times.run_s = time.perf_counter() - run_at
         if rj.cancelled.is_set():
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
@@ -830,9 +883,13 @@ class Agent:
         messages.append(pb.AgentMessage(receipt=pb.Receipt(
             receipt=data, signature=self.identity.sign_canonical("receipt", data),
             outputs=chunks if inline else [])))
+        rj.times.outcome = "done"
         with self._lock:
             self._unreported.pop(job_id, None)  # the receipt says it ran
             self.undelivered[job_id] = messages
+            self._uploading[job_id] = (time.perf_counter(), rj.times)
+            while len(self._uploading) > MAX_UPLOADING:  # acks lost to a reconnect
+                self._uploading.pop(next(iter(self._uploading)))
         for m in messages:
             if not self._send(m):
                 log.info("job %s done while disconnected; the receipt goes out on reconnect", job_id)

@@ -64,6 +64,13 @@ def register(sub) -> None:
                    help="never ask less than this many micro-credits per work unit")
     r.add_argument("--insecure", action="store_true",
                    help="connect in plaintext even off loopback (logged as a warning)")
+    r.add_argument("--metrics-addr", metavar="HOST:PORT",
+                   help="serve the agent's Prometheus /metrics here (GPU, CPU, memory, job "
+                        "times; overrides metrics_addr in agent.toml; default: none)")
+    r.add_argument("--log-format", choices=["text", "json"],
+                   help="text lines, or one JSON object a line naming the job and request "
+                        "each is about; plugin hosts log alike (default text; "
+                        "$SPARECYCLES_LOG_FORMAT)")
     r.add_argument("--home", type=Path)
     r.set_defaults(func=cmd_run)
 
@@ -174,8 +181,15 @@ def cmd_run(args) -> int:
     from .config import load_config
     from .errors import AgentError
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import os
+
+    from sdk import logs
+
+    log_format = args.log_format or os.environ.get("SPARECYCLES_LOG_FORMAT") or "text"
+    if log_format not in logs.FORMATS:
+        print(f"SPARECYCLES_LOG_FORMAT is {log_format!r}; use text or json", file=sys.stderr)
+        return 2
+    logs.configure(log_format)
     try:
         cfg = load_config(args.home)
         if args.plugins:
@@ -196,6 +210,8 @@ def cmd_run(args) -> int:
             if getattr(args, name, None) is not None:
                 setattr(cfg, name, getattr(args, name))
         cfg.rules()  # bad terms are refused before anything starts
+        if args.metrics_addr is not None:
+            cfg.metrics_addr = args.metrics_addr
         # Built-in plugins, else installed from the registry (signed, sha256-checked); one
         # that cannot be had is left out and the others are served.
         from .installer import make_installer, resolve_plugins

@@ -60,6 +60,9 @@ agent.toml::
     "cuda:1" = 2
     [device_asks."cuda:1"]          # per device, over [asks]
     sd15 = 12000
+    telemetry_interval_s = 15.0   # GPU/CPU/memory and job timings sent in heartbeats at
+                                  # most this often
+    metrics_addr = ""             # e.g. "127.0.0.1:9464": a local Prometheus /metrics
 """
 from __future__ import annotations
 
@@ -198,6 +201,8 @@ class AgentConfig:
         return asks
     ca_file: str = ""
     insecure: bool = False
+    telemetry_interval_s: float = 15.0  # least time between telemetry reports in heartbeats
+    metrics_addr: str = ""              # HOST:PORT of an agent-local /metrics ("": none)
 
     def registry_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -271,6 +276,14 @@ class AgentConfig:
         if not isinstance(self.ca_file, str):
             raise ConfigError(f"ca_file is {self.ca_file!r}; give the path of the broker's CA "
                               "certificate (PEM) as a string, or \"\" for the system trust")
+        if isinstance(self.telemetry_interval_s, bool) or not isinstance(
+                self.telemetry_interval_s, (int, float)) or not self.telemetry_interval_s >= 1:
+            raise ConfigError(f"telemetry_interval_s is {self.telemetry_interval_s!r}; give "
+                              "the seconds between telemetry reports, at least 1 (e.g. 15)")
+        if self.metrics_addr and (":" not in self.metrics_addr
+                                  or not self.metrics_addr.rpartition(":")[2].isdigit()):
+            raise ConfigError(f"metrics_addr is {self.metrics_addr!r}; give HOST:PORT for the "
+                              "agent's /metrics (e.g. 127.0.0.1:9464), or \"\" for none")
         if not isinstance(self.sandbox_user, str):
             raise ConfigError(f"sandbox_user is {self.sandbox_user!r}; give a user name, a "
                               "uid or uid:gid as a string, or \"\" for the default")

@@ -423,6 +423,7 @@ class Installer:
         dest.parent.mkdir(parents=True, exist_ok=True)
         h, n = hashlib.sha256(), 0
         url = f"/v1/{kind}s/{package.name}/{package.version}/files/{f.path}"
+        bar = download_progress(f"{package.ref} {f.path}", f.size)
         try:
             with self.http.stream("GET", url) as resp:
                 if resp.status_code >= 400:
@@ -431,6 +432,7 @@ class Installer:
                 with open(dest, "wb") as out:
                     for block in resp.iter_bytes(1 << 20):
                         n += len(block)
+                        bar.update(len(block))
                         if n > f.size:
                             raise InstallError("size_mismatch", f"refusing {package.ref}: "
                                                f"{f.path} is larger than the signed "
@@ -440,6 +442,8 @@ class Installer:
         except httpx.HTTPError as exc:
             raise InstallError("download_failed", f"{package.ref}: downloading {f.path} "
                                f"failed: {exc}") from None
+        finally:
+            bar.close()
         if n != f.size:
             raise InstallError("size_mismatch", f"refusing {package.ref}: {f.path} has {n} "
                                f"bytes, the signed document says {f.size}")
@@ -604,6 +608,34 @@ class Installer:
 
 
 # ---- the agent's start -------------------------------------------------------------------
+PROGRESS_MIN_BYTES = 8 << 20  # smaller downloads show no progress
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def download_progress(what: str, size: int, stream=None):
+    """Progress of a download of ``size`` bytes: a tqdm bar on a terminal, else one log
+    line as it starts (downloads below PROGRESS_MIN_BYTES show nothing)."""
+    import sys
+
+    stream = stream or sys.stderr
+    if size < PROGRESS_MIN_BYTES:
+        return _NoBar()
+    if stream.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=size, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
+                    file=stream, leave=False, dynamic_ncols=True)
+    log.info("downloading %s (%.1f MiB)", what, size / 2**20)
+    return _NoBar()
+
+
 def make_installer(cfg) -> Installer | None:
     """The agent's installer, or None when agent.toml names no registry_url."""
     if not cfg.registry_url:

@@ -56,8 +56,9 @@ def host_code_paths() -> list[Path]:
     """What of the project a plugin host imports, and nothing else of the checkout:
     ``provider_agent/host`` (the host process) with the package's ``__init__``, the
     ``plugins`` package's own modules (the plugin API and the shared plugin code, not the
-    plugin folders beside them), and ``sdk/protocol`` (manifests, schemas) with the
-    ``sdk`` package's ``__init__``. Secrets and data directories are never among them."""
+    plugin folders beside them), and ``sdk/protocol`` (manifests, schemas) and
+    ``sdk/logs.py`` (log lines naming the job and request) with the ``sdk`` package's
+    ``__init__``. Secrets and data directories are never among them."""
     import plugins
     import provider_agent
     import sdk
@@ -67,7 +68,7 @@ def host_code_paths() -> list[Path]:
     sdk_pkg = Path(sdk.__file__).resolve().parent
     paths = [agent_pkg / "__init__.py", agent_pkg / "host",
              *sorted(plugins_pkg.glob("*.py")),
-             sdk_pkg / "__init__.py", sdk_pkg / "protocol"]
+             sdk_pkg / "__init__.py", sdk_pkg / "protocol", sdk_pkg / "logs.py"]
     if (plugins_pkg / "__pycache__").is_dir():
         paths.append(plugins_pkg / "__pycache__")  # compiled plugin API: faster starts
     return paths

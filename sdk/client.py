@@ -482,6 +482,12 @@ class Job:
         return JobInfo.from_json(self.data)
 
     @property
+    def request_id(self) -> str | None:
+        """The X-Request-Id of the request that created the job (quote it when reporting
+        a problem; the provider's agent logs it as ``sdk.logs.request_digest`` of it)."""
+        return self.data.get("request_id")
+
+    @property
     def verification(self) -> str:
         """unchecked | checking | verified | disputed | overturned | nondeterministic."""
         return (self.data.get("verification") or {}).get("status", "unchecked")

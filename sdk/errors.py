@@ -89,6 +89,8 @@ class JobFailedError(SparecyclesError):
         err = (data.get("error") if isinstance(data, dict) else None) or {}
         self.code = str(err.get("code") or ("job_" + str(data.get("state", "failed"))
                                             if isinstance(data, dict) else "job_failed"))
+        # The request that created the job (as the broker keeps it), as an APIError's.
+        self.request_id = getattr(job, "request_id", None)
 
 
 class JobTimeoutError(JobFailedError):
@@ -117,4 +119,4 @@ def error_for(status: int, body: dict, request_id: str | None, *,
     extra = {"retry_after_s": retry_after_s} if cls is RateLimitError else {}
     return cls(status, code, str(body.get("detail", body.get("title", "error"))),
                field=body.get("field"), request_id=request_id or body.get("request_id"),
-               body=body, **extra)
+                 body=body, **extra)

@@ -293,8 +293,13 @@ def providers():
 def provider(provider_id):
     s = svc()
     d = s.admin.provider_detail(provider_id, market=s.market, verification=s.verification)
-    return render_template("admin/provider.html", d=d, p=d["provider"],
-                           marks=_job_marks(d["jobs"]), page="providers")
+    p = d["provider"]
+    # The agent's latest telemetry: as this replica holds it, else as last kept in its row.
+    held = s.telemetry.latest(provider_id) if s.telemetry is not None else None
+    telemetry, telemetry_at = held if held is not None else (p.telemetry, p.telemetry_at)
+    return render_template("admin/provider.html", d=d, p=p, telemetry=telemetry,
+                           telemetry_at=telemetry_at, marks=_job_marks(d["jobs"]),
+                           page="providers")
 
 
 @bp.post("/providers/<provider_id>/action")

@@ -43,15 +43,24 @@ _ID_COUNTER = itertools.count(1)
 
 
 def request_id() -> str:
-    """This request's id: the client's ``X-Request-Id`` when it sent a sane one, else a
-    new one. Every answer carries it back, every problem body names it, and the log line
-    of an unexpected error quotes it."""
+    """This request's id: the client's ``X-Request-Id`` when it sent a sane one (1 to 128
+    of letters, digits and ``._:-``), else a new one. Every answer carries it back, every
+    problem body names it, every log line written while it is handled names it, and the
+    jobs it creates keep it (their envelopes carry its digest, sdk.logs)."""
     rid = g.get("request_id")
     if rid is None:
-        sent = request.headers.get(REQUEST_ID, "")
-        rid = g.request_id = (sent if sent and _REQUEST_ID_RE.fullmatch(sent)
-                              else f"{_ID_PREFIX}{next(_ID_COUNTER):08x}")
+        rid = g.request_id = (sane_request_id(request.headers.get(REQUEST_ID, ""))
+                              or new_request_id())
     return rid
+
+
+def sane_request_id(sent: str) -> str | None:
+    """``sent`` when it may serve as a request id, else None."""
+    return sent if sent and _REQUEST_ID_RE.fullmatch(sent) else None
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
 def internal_problem(exc: BaseException, rid: str | None = None) -> dict:

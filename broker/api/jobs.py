@@ -68,6 +68,7 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
         "batch_id": job.batch_id, "batch_index": job.batch_index,
         "verify": job.verify, "weights_digest": job.weights_digest,
         "verification": verification_to_json(verification),
+        "request_id": job.request_id,
     }
     if job.check_of:
         body["check_of"] = job.check_of
@@ -98,7 +99,8 @@ def create_job():
     if wait_s is not None and not waiting.may_wait():
         wait_s = None  # the replica holds all the waiting clients it may: answer at once
     svc, who = services(), principal()
-    job, created = svc.jobs.submit(who, json_body(), idempotency_key=key)
+    job, created = svc.jobs.submit(who, json_body(), idempotency_key=key,
+                                   request_id=request_id())
     status = 202 if created else 200
     applied = {"Preference-Applied": f"wait={wait_s:g}"} if wait_s is not None else {}
     if job.batch_id:

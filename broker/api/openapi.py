@@ -131,6 +131,9 @@ def document() -> dict:
                     "attempt": {"type": "integer"}, "inputs": {"type": "object"},
                     "progress": {"type": "object"}, "error": {"type": ["object", "null"]},
                     "verify": {"type": "string"}, "weights_digest": {"type": ["string", "null"]},
+                    # The X-Request-Id of the request that created the job; agents' logs
+                    # name it as its digest, rq_ + 24 hex digits of its SHA-256.
+                    "request_id": {"type": ["string", "null"]},
                     "verification": {"$ref": "#/components/schemas/Verification"},
                     "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Output"}}}},
                 "Plugin": {"type": "object", "properties": {
@@ -314,8 +317,16 @@ def document() -> dict:
             "/livez": {"get": {"summary": "Liveness", "security": [],
                                "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness", "security": [],
+                                "description": "503 not_ready names each reason in "
+                                               "`reasons` ([{check, detail}], check one "
+                                               "of database, migrations, draining)",
                                 "responses": {"200": {"description": "ready"},
                                               **_errors(503)}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format "
+                                            "0.0.4; sparecycles_*)", "security": [],
+                                 "responses": {"200": {"description": "the metrics",
+                                                       "content": {"text/plain": {}}},
+                                               **_errors(503)}}},
         }),
     }
 

@@ -28,7 +28,7 @@ class Handover:
     ``may_wait``: the replica has room for one more waiting client (else a ``Prefer:
     wait`` is ignored, as RFC 7240 allows). The view sets ``steps`` and ``then`` (a long
     poll), or ``chunks`` (a stream whose response headers the view's answer gives)."""
-    __slots__ = ("may_wait", "steps", "then", "wait", "chunks")
+    __slots__ = ("may_wait", "steps", "then", "wait", "chunks", "route")
 
     def __init__(self, may_wait: bool = True):
         self.may_wait = may_wait
@@ -36,6 +36,9 @@ class Handover:
         self.then: Callable[[Any], Any] | None = None
         self.wait: HubWait | None = None  # the first wait ``steps`` yielded
         self.chunks: Iterator[str | HubWait] | None = None
+        # The Flask rule that answered ("/v1/jobs/<job_id>"), for the metrics' route label
+        # (the front's own answers and its refusals name theirs).
+        self.route: str | None = None
 
 
 def _handover() -> Handover | None:

@@ -62,13 +62,35 @@ class GatewayStats:
         self.outbox_peak = 0  # the most messages any outbox held
         self.cut_offs: deque[tuple[str, str]] = deque(maxlen=64)  # (provider id, why)
 
+    def collect(self):
+        """These counters as Prometheus metric families (at scrape time)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, doc, value, family in (
+                ("sparecycles_agent_streams", "Agent streams open now, handshakes included.",
+                 self.streams, GaugeMetricFamily),
+                ("sparecycles_agent_outbox_peak_messages", "The most messages any agent's "
+                 "outbox held.", self.outbox_peak, GaugeMetricFamily),
+                ("sparecycles_agent_heartbeats", "Heartbeats from agents.", self.heartbeats,
+                 CounterMetricFamily),
+                ("sparecycles_agent_messages", "Messages from agents, heartbeats included.",
+                 self.messages, CounterMetricFamily),
+                ("sparecycles_agent_streams_refused", "Agent streams refused: the replica "
+                 "held max_agent_streams.", self.refused, CounterMetricFamily),
+                ("sparecycles_agent_streams_cut_off", "Agent streams cut off: the agent "
+                 "stopped reading.", self.cut_off, CounterMetricFamily)):
+            f = family(name, doc)
+            f.add_metric([], value)
+            yield f
+
 
 class GatewaySession(AgentSession):
     """An agent's session; :meth:`send` may be called from any thread."""
 
     def __init__(self, *args, loop: asyncio.AbstractEventLoop, outbox_max: int = 256,
-                 stats: GatewayStats | None = None, **kwargs):
+                 stats: GatewayStats | None = None, name: str = "", **kwargs):
         super().__init__(*args, **kwargs)
+        self.name = name  # the operator's name for the machine (its hello)
         self._loop = loop
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._lock = threading.Lock()
@@ -181,7 +203,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
                  stats: GatewayStats | None = None, links=None,
-                 replicas: ReplicaRegistry | None = None):
+                 replicas: ReplicaRegistry | None = None, telemetry=None):
         self.links = links          # broker.links.LinkService: address and hardware link accounts
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
@@ -236,6 +258,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                     log.warning("letting agent of provider %s go: %s", session.provider_id,
                                 why)
                     session._cut(why, revoked=True)
+        # broker.observability.telemetry.TelemetryStore: heartbeats' telemetry (None: dropped)
+        self.telemetry = telemetry
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
         if self.stats.streams >= self.max_streams:
@@ -376,7 +400,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             account_id=provider.account_id,
             plugins={f"{p['name']}@{p['version']}": p["weights_digest"] for p in plugins},
             slots=caps.slots, paused=provider.status != "active", loop=loop,
-            outbox_max=self.outbox_max, stats=self.stats)
+            outbox_max=self.outbox_max, stats=self.stats, name=hello.name[:200])
         session.resumed = {j.id: j for j in self.jobs.repo.leased_to(provider.id)}
         resumed = list(session.resumed)
         session.active.update(resumed)
@@ -408,6 +432,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.dispatcher.unregister(session)
         if self.replicas is not None and self.dispatcher.session(session.provider_id) is None:
             self.replicas.release(session.provider_id)
+        if self.telemetry is not None:
+            self.telemetry.forget(session.provider_id)
         if self.warm is not None:
             self.warm.forget(session.provider_id)
         if self.jobs.input_defaults is not None:
@@ -433,7 +459,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 stats.messages += 1
                 if msg.WhichOneof("body") == "heartbeat":
                     stats.heartbeats += 1
-                    if not msg.heartbeat.running_job_ids:
+                    if not msg.heartbeat.running_job_ids and not (
+                            self.telemetry is not None and msg.heartbeat.HasField("telemetry")):
                         continue  # it renews no lease: nothing to write, no thread needed
                 with lock:  # with when it arrived: a receipt ends the run the market times
                     inbox.append((msg, self.jobs.clock()))
@@ -572,7 +599,12 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 for reply in self._benchmark(session, b):
                     session.send(reply)
         elif kind == "heartbeat":
-            self.jobs.heartbeat(pid, list(msg.heartbeat.running_job_ids))
+            hb = msg.heartbeat
+            if hb.running_job_ids:
+                self.jobs.heartbeat(pid, list(hb.running_job_ids))
+            if self.telemetry is not None and hb.HasField("telemetry"):
+                self.telemetry.record(pid, session.name, hb.telemetry,
+                                      plugins={k.split("@", 1)[0] for k in session.plugins})
         elif kind == "accepted":
             self.jobs.accepted(pid, msg.accepted.job_id, msg.accepted.attempt)
         elif kind == "progress":

@@ -97,6 +97,7 @@ class Job:
     # The weights digest the job must run on (None: any the plugin version's providers
     # serve); a check pins the digest of the weights the run it checks used.
     weights_digest: str | None = None
+    request_id: str | None = None      # X-Request-Id of the request that created it
 
 
 @dataclass

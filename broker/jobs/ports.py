@@ -81,3 +81,35 @@ class BlobStore(Protocol):
     def get(self, key: str) -> bytes: ...
 
     def exists(self, key: str) -> bool: ...
+
+
+class JobMetrics(Protocol):
+    """What the job service tells the broker's metrics (broker.observability.metrics);
+    each call costs a dictionary look-up and an increment."""
+
+    def submitted(self, plugin: str, n: int = 1) -> None: ...
+
+    def placed(self, plugin: str, waited_s: float) -> None:
+        """A job was leased after waiting ``waited_s`` in the queue."""
+
+    def ended(self, plugin: str, state: str, age_s: float) -> None:
+        """A job reached an end state ``age_s`` after it was submitted."""
+
+    def settled(self, plugin: str, settle_s: float) -> None:
+        """A receipt settled its job ``settle_s`` after it arrived."""
+
+
+class NoMetrics:
+    """A JobMetrics that keeps nothing (metrics off, unit tests)."""
+
+    def submitted(self, plugin: str, n: int = 1) -> None:
+        pass
+
+    def placed(self, plugin: str, waited_s: float) -> None:
+        pass
+
+    def ended(self, plugin: str, state: str, age_s: float) -> None:
+        pass
+
+    def settled(self, plugin: str, settle_s: float) -> None:
+        pass

@@ -20,6 +20,7 @@ from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
 from sdk.protocol.schema import InputError
 from sdk.protocol.signing import KeyPair
+from sdk.logs import new_request_digest, request_digest
 
 from broker.auth.service import Principal
 from broker.billing.shared import cancel_shared, settle_shared
@@ -29,7 +30,7 @@ from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, 
 from .checkpoints import steps_of
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
-from .ports import BlobStore, JobRepository, Presence
+from .ports import BlobStore, JobMetrics, JobRepository, NoMetrics, Presence
 
 log = logging.getLogger(__name__)
 ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
@@ -67,8 +68,10 @@ class JobService:
                  signer: KeyPair, hub: EventHub | None = None,
                  settings: JobSettings | None = None, clock=time.time, billing=None,
                  input_defaults: InputDefaults | None = None,
-                 seed_rng: random.Random | None = None):
+                 seed_rng: random.Random | None = None,
+                 metrics: JobMetrics | None = None):
         self.repo = repo
+        self.metrics = metrics or NoMetrics()  # broker.observability.metrics
         # Draws the seed of every job whose client gave none (see draw_seed)
         self.seed_rng = seed_rng or random.SystemRandom()
         self.input_defaults = input_defaults  # None: the manifests' defaults only
@@ -114,9 +117,12 @@ class JobService:
         self._assigned_lock = threading.Lock()
 
     # ---- clients ---------------------------------------------------------------------
-    def submit(self, who: Principal, body: Any, idempotency_key: str | None = None) -> tuple[Job, bool]:
+    def submit(self, who: Principal, body: Any, idempotency_key: str | None = None,
+               request_id: str | None = None) -> tuple[Job, bool]:
         """Validate and queue a job. Returns (job, created); a repeated idempotency key with
-        the same request returns the first job, with another request raises."""
+        the same request returns the first job, with another request raises.
+        ``request_id``: the X-Request-Id of the request, kept with the job (and its split
+        siblings) and carried, as its digest, in each envelope (sdk.logs)."""
         if who.role not in SUBMIT_ROLES:
             raise Forbidden(
                 f"submitting jobs needs a client key; yours is {_a(who.role)} key, and "
@@ -182,7 +188,7 @@ class JobService:
                   if idempotency_key is not None else str(uuid.uuid4()))
         try:
             job = self._create(who, manifest, inputs, terms, job_id, idempotency_key,
-                               request_hash, now, verify, weights)
+                               request_hash, now, verify, weights, request_id)
         except _Taken as taken:
             return _replayed(taken.job, request_hash, idempotency_key), False
         except Exception:
@@ -190,6 +196,11 @@ class JobService:
             if existing is None:
                 raise
             return _replayed(existing, request_hash, idempotency_key), False
+        self.metrics.submitted(job.plugin, terms["n"])
+        if request_id:
+            log.info("job %s%s created by request %s (agents log it as %s)", job.id,
+                     f" and {terms['n'] - 1} sibling(s)" if job.batch_id else "", request_id,
+                     request_digest(request_id))
         if not job.batch_id:
             self.hub.notify(job.id)
             self.on_queued(job)
@@ -221,7 +232,7 @@ class JobService:
 
     def _create(self, who: Principal, manifest, inputs: dict, terms: dict, job_id: str,
                 idempotency_key: str | None, request_hash: str, now: float, verify: str,
-                weights: str | None) -> Job:
+                weights: str | None, request_id: str | None = None) -> Job:
         """The job (or a split's first sibling) with its hold. Raises _Taken, having
         written nothing, when an earlier request with the same idempotency key has it."""
         work_units = manifest.work_units_for(inputs)
@@ -244,7 +255,8 @@ class JobService:
                                  weights_digest=weights), n)
         if n > 1:
             return self._submit_batch(who, manifest, inputs, work_units, terms, job_id,
-                                      idempotency_key, request_hash, now, verify, weights)
+                                      idempotency_key, request_hash, now, verify, weights,
+                                      request_id)
         cap = terms["max_price_micro"]
         # The hold and the job (with its first event and the hold's audit entry) commit as
         # one transaction: no job without its hold, no hold without its job.
@@ -264,7 +276,8 @@ class JobService:
                       work_units=work_units, idempotency_key=idempotency_key,
                       request_hash=request_hash, created_at=now, updated_at=now,
                       hold_id=hold_id, max_price_micro=max_price, priority=terms["priority"],
-                      deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights)
+                      deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights,
+                      request_id=request_id)
             job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
             if not created:  # rolls back the block: the replayed hold's audit entry too
                 raise _Taken(job)
@@ -273,7 +286,7 @@ class JobService:
     def _submit_batch(self, who: Principal, manifest, inputs: dict, work_units: float,
                       terms: dict, first_id: str, idempotency_key: str | None,
                       request_hash: str, now: float, verify: str = "sampled",
-                      weights: str | None = None) -> Job:
+                      weights: str | None = None, request_id: str | None = None) -> Job:
         """A split request: ``n`` sibling jobs sharing one batch id, each with its own hold
         for its share of the client's max price. The first sibling's id is ``first_id``
         (with an idempotency key, the id a one-job request with that key would get, and the
@@ -310,7 +323,7 @@ class JobService:
                           hold_id=hold_id, max_price_micro=max_price,
                           priority=terms["priority"], deadline_s=terms["deadline_s"],
                           batch_id=batch_id, batch_index=i, verify=verify,
-                          weights_digest=weights)
+                          weights_digest=weights, request_id=request_id)
                 job, fresh = self.repo.create(job, ("queued", {"plugin": manifest.ref,
                                                                "batch_id": batch_id,
                                                                "batch_index": i}))
@@ -347,6 +360,8 @@ class JobService:
                       hold_id=hold_id, max_price_micro=max_price, priority=primary.priority,
                       deadline_s=primary.deadline_s, excluded_providers=list(excluded),
                       check_of=primary.id, not_before=not_before,
+                      # the primary's: a check's envelope looks like any job's
+                      request_id=primary.request_id,
                       weights_digest=((primary.envelope or {}).get("weights_digest")
                                       or primary.weights_digest))
             job, _ = self.repo.create(job, ("queued", {"plugin": f"{job.plugin}@"
@@ -355,7 +370,8 @@ class JobService:
             # caller's block, when there is one (verification records the check with it).
             # Waking it is a hint only (it re-reads the queue every 0.5 s); ``atomic`` logs
             # a failure, which never reads as a failed submit.
-            tx.after_commit(lambda: (self.hub.notify(job.id), self.on_queued(job)))
+            tx.after_commit(lambda: (self.hub.notify(job.id), self.on_queued(job),
+                                     self.metrics.submitted(job.plugin)))
         return job
 
     def batch(self, who: Principal, batch_id: str) -> list[Job]:
@@ -473,6 +489,7 @@ class JobService:
                     self.cancel_hook(job)
                     self.on_released(job.provider_id, job.id)
                 self.hub.notify(job.id, ended=True)
+                self._ended(moved)
                 self.on_ended(moved)
                 return moved
             job = self.get(who, job_id)
@@ -539,7 +556,11 @@ class JobService:
         # agent advertises for this plugin version (what a check of this run then pins).
         served = getattr(target, "plugins", {}) or {}
         extra = {"weights_digest": job.weights_digest
-                 or served.get(f"{job.plugin}@{job.plugin_version}") or ""}
+                 or served.get(f"{job.plugin}@{job.plugin_version}") or "",
+                 # Never the client's text (sdk.logs): its digest, or a random one of the
+                 # same shape for a job no request named.
+                 "request_id": (request_digest(job.request_id) if job.request_id
+                                else new_request_digest())}
         if self.checkpoints is not None:
             extra.update(self.checkpoints.envelope_extra(job) or {})
         envelope = make_envelope(job_id=job.id, attempt=attempt, plugin=job.plugin,
@@ -558,6 +579,7 @@ class JobService:
             price_micro_per_unit=price_micro_per_unit)
         if moved is None:
             return None
+        self.metrics.placed(job.plugin, now - (job.updated_at or job.created_at or now))
         with self._assigned_lock:
             self._assigned[moved.id] = (moved, sha256_hex(data))
             self._assigned.move_to_end(moved.id)
@@ -721,6 +743,9 @@ class JobService:
         # settled, before the client is woken, so it never sees a status that changes back.
         self.on_settled(settled, rec)
         self.hub.notify(job.id, ended=True, copy=(settled, tuple(outputs)))
+        self._ended(settled)
+        if received_at:  # the wall clock the gateway stamped the receipt with
+            self.metrics.settled(job.plugin, max(0.0, self.clock() - received_at))
         return settled
 
     def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
@@ -907,8 +932,14 @@ class JobService:
                             lambda: self.billing.failed(moved, f"{code}: {message}"))
         if moved is not None:
             self.hub.notify(job.id, ended=True)
+            self._ended(moved)
             self.on_ended(moved)
         return moved
+
+    def _ended(self, job: Job) -> None:
+        """Tell the metrics a job reached its end state."""
+        end = job.finished_at or self.clock()
+        self.metrics.ended(job.plugin, job.state.value, end - (job.created_at or end))
 
     # ---- money -----------------------------------------------------------------------
     def _charge(self, job: Job, receipt: dict) -> None:

@@ -18,6 +18,7 @@ import uuid
 from collections import deque
 from typing import Protocol
 
+from sdk.logs import new_request_digest
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
 from sdk.protocol.signing import KeyPair
 
@@ -85,8 +86,11 @@ class CanaryService:
                                      provider_key=session.public_key,
                                      lease_timeout_s=self.lease_timeout_s,
                                      ttl_s=self.envelope_ttl_s, now=now,
-                                     extra=self._extra(session, manifest, inputs, job_id, now),
-                                     sealed=True)  # as a job's: canaries look like jobs
+                                     # as every job's envelope: a canary looks like one
+                                     extra={**self._extra(session, manifest, inputs, job_id,
+                                                          now),
+                                            "request_id": new_request_digest()},
+                                     sealed=True)
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now,
                                            version=manifest.version, inputs=inputs))

@@ -20,3 +20,5 @@ class Provider:
     # "reason", "since"}; {} until it says anything. Not available = paused by its owner's
     # terms (idle-only, schedule, limits), which is not a failure.
     availability: dict = field(default_factory=dict)
+    telemetry: dict | None = None      # the agent's latest report (broker.observability)
+    telemetry_at: float | None = None

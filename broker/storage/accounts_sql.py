@@ -70,7 +70,8 @@ def _provider(row: ProviderRow) -> Provider:
                     name=row.name, status=row.status, sandboxed=row.sandboxed,
                     hardware=dict(row.hardware or {}), plugins=list(row.plugins or []),
                     created_at=row.created_at, last_seen_at=row.last_seen_at,
-                    availability=dict(row.availability or {}))
+                    availability=dict(row.availability or {}),
+                    telemetry=row.telemetry, telemetry_at=row.telemetry_at)
 
 
 class SqlProviderRepository:
@@ -115,6 +116,12 @@ class SqlProviderRepository:
             s.execute(update(ProviderRow).where(ProviderRow.id.in_(provider_ids),
                                                 ProviderRow.last_seen_at < t)
                       .values(last_seen_at=t))
+    def record_telemetry(self, provider_id: str, telemetry: dict, at: float) -> None:
+        """Keep ``telemetry`` as the provider's latest (broker.observability.telemetry)."""
+        with self.sessions.begin() as s:
+            s.execute(update(ProviderRow).where(ProviderRow.id == provider_id)
+                      .values(telemetry=telemetry, telemetry_at=at))
+
     def owners(self) -> list[str]:
         """The distinct accounts that own machines, sorted."""
         with self.sessions() as s:

@@ -88,3 +88,21 @@ def require_current(engine: Engine, db_shown: str) -> None:
     raise NotMigrated(f"the database {db_shown} {state}. Run `sparecycles broker migrate "
                       f"--db {db_shown}` once (it takes an advisory lock, so running it "
                       "from several replicas at once is safe), then start the broker again")
+
+
+_HEADS: set[str] | None = None
+
+
+def schema_behind(engine: Engine) -> str | None:
+    """None when the database's schema is at the migrations' head; else what is wrong, in
+    words, for /readyz (``sparecycles broker migrate`` brings it up)."""
+    global _HEADS
+    if _HEADS is None:  # the scripts are read once per process
+        _HEADS = heads()
+    have = current(engine)
+    if have == _HEADS:
+        return None
+    if not have:
+        return "the database has no schema yet (no migration ran)"
+    return (f"the database schema is at {', '.join(sorted(have))}, this broker needs "
+            f"{', '.join(sorted(_HEADS))}")

@@ -48,6 +48,9 @@ class ProviderRow(Base):
     # only while that replica's row in broker_replicas is fresh (issue #21).
     replica_id: Mapped[str | None] = mapped_column(String(100), nullable=True, index=True)
     availability: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the agent's own word
+    # The agent's latest telemetry (broker.observability.telemetry), and when it came.
+    telemetry: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    telemetry_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class JobRow(Base):
@@ -99,6 +102,8 @@ class JobRow(Base):
     not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
     verify: Mapped[str] = mapped_column(String(12), default="sampled", server_default="sampled")
     weights_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The X-Request-Id of the request that created the job (observability, issue #25).
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class JobEventRow(Base):

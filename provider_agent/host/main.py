@@ -18,6 +18,7 @@ cleaned: the plugin runs every job of its host, so it is trusted with all of the
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import stat
@@ -217,6 +218,12 @@ def main() -> int:
                      "message": "first message must be init", "retryable": False})
         return 2
     t0 = time.perf_counter()
+    from sdk import logs
+
+    # The host's log lines (and the plugin's own logging) name the job and the request
+    # they belong to, in the agent's format; they go to stderr, the agent's log.
+    logs.configure(header.get("log_format") or "text")
+    log = logging.getLogger("plugin_host")
     plugin_dir = Path(header["plugin_dir"])
     scratch_root = Path(header.get("scratch_dir") or "/tmp")
     try:
@@ -273,6 +280,7 @@ def main() -> int:
         current[job_id] = ctx
         t_run = time.perf_counter()
         failure: dict | None = None
+        log_token = logs.bind(job_id=job_id, request_id=h.get("request_id"))
         try:
             inputs = manifest.validate_inputs(h["inputs"], defaults)
             outputs = [(out.media_type, out.meta, out.data)
@@ -300,6 +308,11 @@ def main() -> int:
                                       "process it starts before run() returns"}
             else:
                 failure["message"] += f" ({len(strays)} leftover process(es) were killed)"
+        if failure is not None:
+            log.warning("job failed: %s (%s)", failure["message"], failure["code"])
+        else:
+            log.debug("job done in %d ms", (time.perf_counter() - t_run) * 1000)
+        logs.unbind(log_token)
         if failure is not None:
             writer.send({"type": "failed", "job_id": job_id, **failure})
         else:

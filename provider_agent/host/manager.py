@@ -10,6 +10,8 @@ timeout): no pump thread and no queue between the pipe and the job.
 from __future__ import annotations
 
 import logging
+
+from sdk import logs
 import os
 import subprocess
 import sys
@@ -87,7 +89,8 @@ class PluginHost:
             self._writer.send({"type": "init", "plugin_dir": str(self.plugin_dir),
                                "weights_dir": str(self.weights_dir) if self.weights_dir else None,
                                "device": self.device, "scratch_dir": "/tmp",
-                               "max_vram_gb": self.max_vram_gb})
+                               "max_vram_gb": self.max_vram_gb,
+                               "log_format": logs.current_format()})
         except (OSError, ValueError):  # the pipe broke (or was closed): the host died at once
             self.kill()
             raise HostError("host_died", f"plugin host {self.name} exited while starting",
@@ -186,7 +189,8 @@ class PluginHost:
             on_stream: Callable[[str, list], None] = lambda *a: None,
             cancelled: threading.Event | None = None,
             checkpoint_every: int = 0, resume_from: bytes | None = None,
-            on_checkpoint: Callable[[int, bytes], None] = lambda *a: None) -> HostResult:
+            on_checkpoint: Callable[[int, bytes], None] = lambda *a: None,
+            request_id: str = "") -> HostResult:
         """Run one job. Raises HostError (``code`` says why) when it fails. The plugin
         writes a checkpoint every ``checkpoint_every`` steps (0: never), each handed to
         ``on_checkpoint(step, data)``; ``resume_from`` is a checkpoint to continue from."""
@@ -196,7 +200,8 @@ class PluginHost:
                 self.start()
             try:
                 self._writer.send({"type": "run", "job_id": job_id, "inputs": inputs,
-                                   "checkpoint_every": int(checkpoint_every)},
+                                   "checkpoint_every": int(checkpoint_every),
+                                   "request_id": request_id},
                                   resume_from or b"")
             except (OSError, ValueError):  # it died between jobs: the pipe is broken
                 self._recover(f"host was gone when job {job_id} arrived")

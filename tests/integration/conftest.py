@@ -70,12 +70,13 @@ def live_broker(tmp_path):
 
 def agent_starter(broker: LiveBroker):
     """(start, stop_all): ``start(name, slots=1, key=None, cheat=None, plugins=None,
-    weights_dir=None, connect_timeout_s=30)`` runs an in-process agent (plain subprocess
-    hosts) on ``broker`` serving ``plugins`` ({name: folder}, default echo) with the weights
-    under ``weights_dir`` (``<weights_dir>/<plugin>``, for the model plugins); ``cheat(bytes)
-    -> bytes`` rewrites every output it returns (a cheating provider, for verification
-    tests). ``gate``: the owner's terms (provider_agent.availability.Gate, e.g. with a fake
-    clock and GPU source), watched every ``poll_s``; other keywords are AgentConfig fields."""
+    weights_dir=None, connect_timeout_s=30, telemetry=None)`` runs an in-process agent
+    (plain subprocess hosts) on ``broker`` serving ``plugins`` ({name: folder}, default echo)
+    with the weights under ``weights_dir`` (``<weights_dir>/<plugin>``, for the model
+    plugins); ``cheat(bytes) -> bytes`` rewrites every output it returns (a cheating
+    provider, for verification tests). ``gate``: the owner's terms
+    (provider_agent.availability.Gate, e.g. with a fake clock and GPU source), watched every
+    ``poll_s``; other keywords are AgentConfig fields."""
     from plugins import builtin_plugin_dir
     from provider_agent.agent import Agent
     from provider_agent.config import AgentConfig
@@ -84,14 +85,14 @@ def agent_starter(broker: LiveBroker):
     agents = []
 
     def start(name="agent", slots=1, key=None, cheat=None, plugins=None, weights_dir=None,
-              connect_timeout_s=30.0, gate=None, poll_s=0.05, **cfg_fields):
+              connect_timeout_s=30.0, gate=None, poll_s=0.05, telemetry=None, **cfg_fields):
         plugins = plugins or {"echo": builtin_plugin_dir("echo")}
         cfg = AgentConfig(broker=broker.grpc, api_key=key or broker.key("provider"),
                           name=name, slots=slots, plugins=list(plugins), device="cpu",
                           **({"weights_dir": str(weights_dir)} if weights_dir else {}),
                           **cfg_fields)
         agent = Agent(cfg, KeyPair.generate(), plugin_dirs=dict(plugins), sandboxed=False,
-                      gate=gate, availability_poll_s=poll_s)
+                      gate=gate, availability_poll_s=poll_s, telemetry=telemetry)
         # The cheat is in place before the agent connects: its very first run (the
         # broker's canary) is already cheated.
         for served in (agent.plugins.values() if cheat is not None else ()):
