@@ -16,6 +16,7 @@ from broker.audit.money import AuditedLedger
 from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService
 from broker.billing.service import JobBilling
+from broker.blobs import job_blob_store
 from broker.blobs.local import LocalBlobStore
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
@@ -114,7 +115,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
-    jobs = JobService(SqlJobRepository(sessions), LocalBlobStore(settings.blob_dir), catalog,
+    jobs = JobService(SqlJobRepository(sessions), job_blob_store(settings), catalog,
                       signer, EventHub(),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,

@@ -39,6 +39,17 @@ check_delay_max_s            SPARECYCLES_CHECK_DELAY_MAX_S       5 (checks wait 
 verification                 SPARECYCLES_VERIFICATION            on (off: no job is re-run)
 admin_session_secret         SPARECYCLES_ADMIN_SESSION_SECRET    (random, kept in <data_dir>/admin_session.key)
 admin_session_ttl_s          SPARECYCLES_ADMIN_SESSION_TTL_S     1800
+blob_store                   SPARECYCLES_BLOB_STORE              local (or s3)
+s3_bucket                    SPARECYCLES_S3_BUCKET               (none; needed for s3)
+s3_endpoint                  SPARECYCLES_S3_ENDPOINT             (AWS; e.g. http://minio:9000)
+s3_region                    SPARECYCLES_S3_REGION               (boto3's: AWS_REGION, …)
+s3_path_style                SPARECYCLES_S3_PATH_STYLE           off (on for MinIO, Ceph, moto)
+s3_prefix                    SPARECYCLES_S3_PREFIX               "" (object names: <prefix><sha256>)
+s3_get_ttl_s                 SPARECYCLES_S3_GET_TTL_S            300 (clients' download URLs)
+s3_put_ttl_s                 SPARECYCLES_S3_PUT_TTL_S            900 (agents' upload URLs)
+s3_access_key_id             AWS_ACCESS_KEY_ID                   (boto3's chain: profile, role)
+s3_secret_access_key         AWS_SECRET_ACCESS_KEY               (boto3's chain)
+s3_session_token             AWS_SESSION_TOKEN                   (boto3's chain)
 ===========================  ==================================  ===========================
 
 ``<user data dir>`` is the platform's (``platformdirs.user_data_dir``): ``$XDG_DATA_HOME``,
@@ -56,6 +67,13 @@ limit to the hard limit at start.
 The registry's package files live in a blob store of their own, ``<blob_dir>/registry``, apart
 from job outputs. A package file uploaded with PUT /v1/blobs may be at most 8 GiB
 (broker.registry.service.MAX_BLOB_BYTES; larger is a 413).
+
+Job outputs and checkpoints go to ``blob_store``: ``local`` (``<blob_dir>``, the bytes travel
+through the agent's stream) or ``s3`` (an S3-compatible bucket through boto3: agents PUT
+with presigned URLs pinned to each object's SHA-256, clients GET with presigned URLs; see
+broker/blobs/s3.py). S3 credentials are the usual AWS variables (``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``), else boto3's own chain (``AWS_PROFILE``,
+an instance role); the broker never stores them. The registry's package files stay in the local folder.
 """
 from __future__ import annotations
 
@@ -66,6 +84,10 @@ from pathlib import Path
 import broker
 
 BUILTIN_PLUGINS = Path(broker.__file__).resolve().parent.parent / "plugins"
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() not in ("0", "off", "false", "no")
 
 
 def default_data_dir() -> Path:
@@ -115,6 +137,17 @@ class Settings:
     verification: bool = True
     admin_session_secret: str = ""
     admin_session_ttl_s: int = 1800
+    blob_store: str = "local"
+    s3_bucket: str = ""
+    s3_endpoint: str = ""
+    s3_region: str = ""
+    s3_path_style: bool = False
+    s3_prefix: str = ""
+    s3_get_ttl_s: float = 300.0
+    s3_put_ttl_s: float = 900.0
+    s3_access_key_id: str = field(default="", repr=False)
+    s3_secret_access_key: str = field(default="", repr=False)
+    s3_session_token: str = field(default="", repr=False)
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -132,6 +165,16 @@ class Settings:
         if not self.unserved_expiry_s >= 0:
             raise ValueError(f"unserved_expiry_s must be >= 0 (0: off), got "
                              f"{self.unserved_expiry_s}")
+        self.blob_store = (self.blob_store or "local").strip().lower()
+        if self.blob_store not in ("local", "s3"):
+            raise ValueError(f"blob_store is {self.blob_store!r}; use \"local\" (a folder, "
+                             "the default) or \"s3\" (an S3-compatible bucket)")
+        if self.blob_store == "s3" and not self.s3_bucket:
+            raise ValueError("blob_store is s3 but no bucket is set: set SPARECYCLES_S3_BUCKET "
+                             "(and SPARECYCLES_S3_ENDPOINT for a self-hosted store)")
+        if self.s3_get_ttl_s <= 0 or self.s3_put_ttl_s <= 0:
+            raise ValueError(f"s3_get_ttl_s and s3_put_ttl_s must be > 0, got "
+                             f"{self.s3_get_ttl_s} and {self.s3_put_ttl_s}")
         for name in ("http_threads", "agent_threads", "max_agent_streams", "agent_outbox_max",
                      "max_waiting_clients", "max_pool_requests"):
             if getattr(self, name) < 1:
@@ -178,10 +221,20 @@ class Settings:
             "market_reputation_floor": ("SPARECYCLES_MARKET_REPUTATION_FLOOR", float),
             "market_cold_start_s": ("SPARECYCLES_MARKET_COLD_START_S", float),
             "check_delay_max_s": ("SPARECYCLES_CHECK_DELAY_MAX_S", float),
-            "verification": ("SPARECYCLES_VERIFICATION",
-                             lambda v: v.strip().lower() not in ("0", "off", "false", "no")),
+            "verification": ("SPARECYCLES_VERIFICATION", _flag),
             "admin_session_secret": ("SPARECYCLES_ADMIN_SESSION_SECRET", str),
             "admin_session_ttl_s": ("SPARECYCLES_ADMIN_SESSION_TTL_S", int),
+            "blob_store": ("SPARECYCLES_BLOB_STORE", str),
+            "s3_bucket": ("SPARECYCLES_S3_BUCKET", str),
+            "s3_endpoint": ("SPARECYCLES_S3_ENDPOINT", str),
+            "s3_region": ("SPARECYCLES_S3_REGION", str),
+            "s3_path_style": ("SPARECYCLES_S3_PATH_STYLE", _flag),
+            "s3_prefix": ("SPARECYCLES_S3_PREFIX", str),
+            "s3_get_ttl_s": ("SPARECYCLES_S3_GET_TTL_S", float),
+            "s3_put_ttl_s": ("SPARECYCLES_S3_PUT_TTL_S", float),
+            "s3_access_key_id": ("AWS_ACCESS_KEY_ID", str),
+            "s3_secret_access_key": ("AWS_SECRET_ACCESS_KEY", str),
+            "s3_session_token": ("AWS_SESSION_TOKEN", str),
         }
         values = {}
         for name, (var, fn) in conv.items():

@@ -36,6 +36,7 @@ from .cheats import Cheat
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
 from .host.manager import HostResult, PluginHost
+from .uploads import DirectUploads
 from .weights import folder_digest
 
 log = logging.getLogger("agent")
@@ -134,6 +135,10 @@ class Agent:
         self._signals = 0
         self.provider_id = ""
         self._summary = _DoneSummary()
+        # Outputs and checkpoints PUT straight to the broker's blob store (its Welcome says
+        # so: S3) instead of travelling on the stream.
+        self.direct_uploads = False
+        self.uploads = DirectUploads(self._send)
         self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
         self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
 
@@ -254,6 +259,7 @@ class Agent:
                 close()  # the plugin hosts' shared cgroup
             if self.installer is not None:
                 self.installer.close()  # the packages' last-use times, the registry client
+            self.uploads.close()
         return 0
 
     def _session(self) -> None:
@@ -292,8 +298,10 @@ class Agent:
             outq.put(pb.AgentMessage(capabilities=self._capabilities()))
             welcome = next(call).welcome
             self.provider_id = welcome.provider_id
-            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s))",
-                     self.cfg.broker, welcome.provider_id, len(self.plugins), self.cfg.slots)
+            self.direct_uploads = welcome.direct_uploads
+            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s)%s)",
+                     self.cfg.broker, welcome.provider_id, len(self.plugins), self.cfg.slots,
+                     ", outputs go straight to the blob store" if self.direct_uploads else "")
             with self._lock:
                 self._outq = outq
                 pending = [m for msgs in self.undelivered.values() for m in msgs]
@@ -378,6 +386,8 @@ class Agent:
                 waiter = self._checkpoint_waiters.get(msg.checkpoint_data.job_id)
             if waiter is not None:
                 waiter.put(msg.checkpoint_data)
+        elif kind == "upload_grant":
+            self.uploads.granted(msg.upload_grant)
         elif kind == "ack":
             if msg.ack.what == "receipt":
                 with self._lock:
@@ -565,9 +575,16 @@ class Agent:
             progress(step, total, message)
 
         def checkpoint(step, data):
+            stored = self.direct_uploads
+            if stored:
+                try:
+                    self.uploads.upload(job_id, attempt, [(data, "checkpoint")])
+                except HostError as exc:  # a checkpoint is a convenience: the job goes on
+                    log.warning("job %s: checkpoint at step %d not kept: %s", job_id, step, exc)
+                    return
             msg = pb.AgentMessage(checkpoint=pb.CheckpointUpload(
-                job_id=job_id, attempt=attempt, step=step, total=last_total[0], data=data,
-                sha256=sha256_hex(data)))
+                job_id=job_id, attempt=attempt, step=step, total=last_total[0],
+                data=b"" if stored else data, sha256=sha256_hex(data), stored=stored))
             with self._lock:
                 self.latest_checkpoint[job_id] = msg
             self._send(msg)
@@ -619,7 +636,17 @@ class Agent:
             chunks.append(pb.OutputChunk(job_id=job_id, attempt=attempt, index=out.index,
                                          media_type=out.media_type, data=out.data, sha256=sha))
         inline = sum(o["size"] for o in outputs) <= INLINE_OUTPUTS_BYTES
-        if not inline:
+        if self.direct_uploads:  # straight to the blob store: the receipt names them
+            try:
+                self.uploads.upload(job_id, attempt, [(c.data, "output") for c in chunks])
+            except HostError as exc:
+                log.warning("job %s: %s", job_id, exc)
+                self._send(pb.AgentMessage(failed=pb.JobFailed(
+                    job_id=job_id, attempt=attempt, code=exc.code, message=str(exc),
+                    retryable=exc.retryable)))
+                return
+            chunks, inline = [], True
+        elif not inline:
             messages = [pb.AgentMessage(output=c) for c in chunks]
         receipt = make_receipt(envelope=env, envelope_bytes=rj.envelope_bytes,
                                provider_key=self.identity.public_key_hex, outputs=outputs,
@@ -661,6 +688,10 @@ class Agent:
                     got = waiter.get(timeout=min(5.0, max(0.1, deadline - time.monotonic())))
                 except queue.Empty:
                     continue  # lost on a reconnect: ask again
+                if got.url and not got.error:  # the blob store's presigned GET
+                    data = self.uploads.fetch(got.url, want)
+                    got = pb.CheckpointData(data=data or b"", sha256=want,
+                                            error="" if data else "not fetched from the blob store")
                 if got.error or sha256_hex(got.data) != want:
                     log.warning("job %s: checkpoint %s… unavailable (%s); running from the start",
                                 job_id, want[:12], got.error or "hash mismatch")

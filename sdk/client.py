@@ -6,6 +6,7 @@ Idempotency-Key that retries reuse, so a retried submit never makes a second job
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -660,11 +661,59 @@ class Result:
         """Each output's plugin meta (seed used, token ids, …) as the provider signed it."""
         return [o.get("meta", {}) for o in self.outputs]
 
+    @property
+    def urls(self) -> list[str | None]:
+        """Each output's presigned download URL, straight from the broker's blob store (S3):
+        anyone holding one may GET the bytes, without an API key, until it expires
+        (``download_expires_at`` in :attr:`outputs`; :meth:`refresh_urls` gets new ones).
+        None where the broker keeps outputs itself (fetch those with :meth:`output_bytes`)."""
+        return [o.get("download_url") for o in self.outputs]
+
+    def refresh_urls(self) -> list[str | None]:
+        """New download URLs (the old ones expire after a few minutes)."""
+        self.job.refresh()
+        self.outputs = self.job.data.get("outputs", [])
+        return self.urls
+
     def output_bytes(self, index: int) -> bytes:
+        """Output ``index``'s bytes, checked against its sha256: from the blob store by its
+        presigned URL when the job gives one (new URLs are fetched once if it expired),
+        else from the broker."""
         if index not in self._bytes:
-            self._bytes[index] = self._c.request("GET", self.outputs[index]["url"],
-                                                 timeout=120, headers={"Accept": "*/*"}).content
+            out = self.outputs[index]
+            if out.get("download_url"):
+                data = self._download(index)
+            else:
+                data = self._c.request("GET", out["url"], timeout=120,
+                                       headers={"Accept": "*/*"}).content
+            if out.get("sha256") and hashlib.sha256(data).hexdigest() != out["sha256"]:
+                raise APIConnectionError(f"output {index} of job {self.job.id} came back with "
+                                         f"other bytes than its sha256 {out['sha256'][:12]}…; "
+                                         "fetch it again")
+            self._bytes[index] = data
         return self._bytes[index]
+
+    def _download(self, index: int) -> bytes:
+        for fresh in (False, True):
+            if fresh:
+                self.refresh_urls()
+            url = self.outputs[index]["download_url"]
+            try:
+                # No API key goes to the blob store: the URL is the credential.
+                r = _storage_pool().request("GET", url, timeout=urllib3.Timeout(connect=30,
+                                                                                 read=120),
+                                            retries=urllib3.Retry(3, backoff_factor=0.2,
+                                                                  redirect=False))
+            except urllib3.exceptions.HTTPError as exc:
+                raise APIConnectionError(f"cannot download output {index} of job "
+                                         f"{self.job.id} from the blob store: {exc}") from None
+            if r.status == 200:
+                return r.data
+            if r.status != 403 or fresh:  # 403: the URL expired; one new URL is worth a try
+                raise APIConnectionError(
+                    f"the blob store answered {r.status} for output {index} of job "
+                    f"{self.job.id}: {r.data[:200]!r}; call result.refresh_urls() and retry")
+        raise AssertionError("unreachable")
 
     @property
     def images(self) -> list:
@@ -697,6 +746,17 @@ class Result:
             target.write_bytes(self.output_bytes(i))
             written.append(target)
         return written
+
+
+_STORAGE_POOL: urllib3.PoolManager | None = None
+
+
+def _storage_pool() -> urllib3.PoolManager:
+    """One pool for downloads from blob stores (presigned URLs carry their own auth)."""
+    global _STORAGE_POOL
+    if _STORAGE_POOL is None:
+        _STORAGE_POOL = urllib3.PoolManager(maxsize=8)
+    return _STORAGE_POOL
 
 
 def _suffix(media_type: str) -> str:

@@ -16,9 +16,16 @@ from .common import (idempotency_key, int_arg, internal_problem, json_body, outp
 bp = Blueprint("jobs", __name__)
 
 
-def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None) -> dict:
-    return {"index": o.index, "media_type": o.media_type, "sha256": o.sha256, "size": o.size,
+def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None, blobs=None) -> dict:
+    """An output as the API shows it. ``url`` is the broker's (the client's API key); with
+    a blob store that presigns (S3), ``download_url`` is a short-lived URL anyone holding
+    it may GET the bytes with straight from storage, until ``download_expires_at``."""
+    body = {"index": o.index, "media_type": o.media_type, "sha256": o.sha256, "size": o.size,
             "url": f"/v1/jobs/{job_id}/outputs/{o.index}", "meta": meta or {}}
+    if blobs is not None and blobs.presigns:
+        body["download_url"], body["download_expires_at"] = blobs.presign_get(
+            o.sha256, media_type=o.media_type)
+    return body
 
 
 def _metas(job: Job) -> dict[str, dict]:
@@ -39,7 +46,7 @@ def verification_to_json(v) -> dict:
 
 
 def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
-                sandboxed: bool | None = None, verification=None) -> dict:
+                sandboxed: bool | None = None, verification=None, blobs=None) -> dict:
     body = {
         "id": job.id, "object": "job", "plugin": job.plugin, "version": job.plugin_version,
         "state": job.state.value, "attempt": job.attempt, "inputs": job.inputs,
@@ -62,7 +69,8 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
         body["check_of"] = job.check_of
     if outputs is not None:
         metas = _metas(job)
-        body["outputs"] = [output_to_json(job.id, o, metas.get(o.sha256)) for o in outputs]
+        body["outputs"] = [output_to_json(job.id, o, metas.get(o.sha256), blobs)
+                           for o in outputs]
     return body
 
 
@@ -72,7 +80,7 @@ def _render(job: Job) -> dict:
     verification = (svc.verification.status(job.id)
                     if svc.verification is not None and job.state.value == "settled" else None)
     return job_to_json(job, outputs, sandboxed=svc.providers.sandboxed_of(job.provider_id),
-                       verification=verification)
+                       verification=verification, blobs=svc.jobs.blobs)
 
 
 @bp.post("/v1/jobs")
@@ -160,7 +168,13 @@ def cancel_job(job_id):
 
 @bp.get("/v1/jobs/<job_id>/outputs/<int:index>")
 def get_output(job_id, index):
-    out, data = services().jobs.output(principal(), job_id, index)
+    jobs = services().jobs
+    if jobs.blobs.presigns:  # the bytes come from storage, never through the broker
+        out = jobs.output_meta(principal(), job_id, index)
+        url, _ = jobs.blobs.presign_get(out.sha256, media_type=out.media_type)
+        return "", 307, {"Location": url, "Cache-Control": "private, no-store",
+                         "X-Content-SHA256": out.sha256}
+    out, data = jobs.output(principal(), job_id, index)
     return output_response(data, out.media_type,
                            headers={"ETag": f'"{out.sha256}"', "X-Content-SHA256": out.sha256,
                                     "Cache-Control": "private, max-age=31536000, immutable"})

@@ -45,7 +45,7 @@ class S3BlobStore:
                  region: str | None = None, path_style: bool = False, prefix: str = "",
                  get_ttl_s: float = 300.0, put_ttl_s: float = 900.0,
                  access_key_id: str | None = None, secret_access_key: str | None = None,
-                 clock=time.time):
+                 session_token: str | None = None, clock=time.time):
         if not bucket:
             raise ValueError("an S3 blob store needs a bucket (SPARECYCLES_S3_BUCKET)")
         if get_ttl_s <= 0 or put_ttl_s <= 0:
@@ -60,11 +60,11 @@ class S3BlobStore:
         import boto3
         from botocore.config import Config
 
-        # Keys given here (tests, benches) beat boto3's chain (AWS_* variables, profiles, an
-        # instance role), which the broker's settings leave to boto3.
+        # Keys given here (the settings' AWS_* variables) beat the rest of boto3's chain
+        # (profiles, an instance role).
         self.s3 = boto3.session.Session(
             aws_access_key_id=access_key_id, aws_secret_access_key=secret_access_key,
-        ).client("s3", endpoint_url=endpoint_url or None, region_name=region or None,
+            aws_session_token=session_token).client("s3", endpoint_url=endpoint_url or None, region_name=region or None,
                 config=Config(
                     signature_version="s3v4",
                     s3={"addressing_style": "path" if path_style else "auto"},

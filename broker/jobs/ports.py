@@ -71,9 +71,30 @@ class Presence(Protocol):
 
 
 class BlobStore(Protocol):
+    """Content-addressed blobs (broker.blobs: a local folder, or S3 through boto3). The
+    contract both keep is tests/unit/broker/test_blob_stores.py."""
+
+    presigns: bool  # True: presign_put/presign_get work (bytes bypass the broker)
+
     def put(self, data: bytes) -> str:
         """Store ``data``; returns its key (its sha256 hex)."""
 
     def get(self, key: str) -> bytes: ...
 
     def exists(self, key: str) -> bool: ...
+
+    def check(self, key: str) -> str:
+        """"ok" (stored as the bytes its key names), "missing", "no_checksum" or
+        "mismatch" (the last two: an object store's object changed behind the broker)."""
+
+    def delete(self, key: str) -> bool: ...
+
+    def usage(self) -> tuple[int, int]:
+        """(blobs, bytes) stored."""
+
+    def presign_put(self, key: str, size: int | None = None):
+        """broker.blobs.model.PresignedPut: a URL storing only the bytes of ``key``."""
+
+    def presign_get(self, key: str, ttl_s: float | None = None,
+                    media_type: str | None = None) -> tuple[str, float]:
+        """(url, expires at): a URL anyone holding it may GET the blob with."""

@@ -30,6 +30,8 @@ from .ports import BlobStore, JobRepository, Presence
 
 log = logging.getLogger(__name__)
 ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
+MAX_UPLOADS_PER_REQUEST = 1024  # blobs one UploadRequest may name (a receipt's outputs)
+MAX_UPLOAD_BYTES = 5 << 30      # one presigned PUT (S3's limit for a single PUT)
 BAD_INPUT = "bad_input"            # a failure code: the plugin refused the job's input
 NO_PROVIDER = "no_provider"        # a failure code: no provider served the build for long
 INPUT_DISPUTED = "input_disputed"  # a requeue: another operator's provider tries that input
@@ -434,9 +436,13 @@ class JobService:
         return self.repo.outputs(job_id)
 
     def output(self, who: Principal, job_id: str, index: int) -> tuple[JobOutput, bytes]:
+        out = self.output_meta(who, job_id, index)
+        return out, self.blobs.get(out.sha256)
+
+    def output_meta(self, who: Principal, job_id: str, index: int) -> JobOutput:
         for out in self.outputs(who, job_id):
             if out.index == index:
-                return out, self.blobs.get(out.sha256)
+                return out
         raise OutputNotFound(f"job {job_id} has no output {index}")
 
     def cancel(self, who: Principal, job_id: str, reason: str = "cancelled by client") -> Job:
@@ -552,6 +558,48 @@ class JobService:
                      self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
         return self._put_output(job_id, data, sha256)
 
+    def grant_uploads(self, provider_id: str, job_id: str, attempt: int,
+                      blobs: list[tuple[str, int]]) -> list:
+        """Presigned PUT URLs (broker.blobs.model.PresignedPut), one per (sha256, size) in
+        ``blobs``, for the provider holding ``attempt`` of the job: each stores only the
+        bytes with that sha256, straight into the blob store (S3), never through here."""
+        _check_lease(job_id, provider_id, attempt,
+                     self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
+        return self.presign_uploads(blobs)
+
+    def presign_uploads(self, blobs: list[tuple[str, int]]) -> list:
+        """:meth:`grant_uploads` without the lease check (a canary has no job row)."""
+        if not getattr(self.blobs, "presigns", False):
+            raise InvalidRequest("this broker's blob store takes no direct uploads; send "
+                                 "outputs and checkpoints on the stream",
+                                 code_override="no_direct_uploads")
+        if not 0 < len(blobs) <= MAX_UPLOADS_PER_REQUEST:
+            raise InvalidRequest(f"an upload request names {len(blobs)} blobs; 1 to "
+                                 f"{MAX_UPLOADS_PER_REQUEST} are allowed")
+        out = []
+        for sha, size in blobs:
+            if not is_sha256_hex(sha):
+                raise InvalidRequest(f"blob {sha!r} is no sha256: give 64 lowercase hex digits")
+            if not 0 <= size <= MAX_UPLOAD_BYTES:
+                raise InvalidRequest(f"blob {sha[:12]}… is {size} bytes; at most "
+                                     f"{MAX_UPLOAD_BYTES} are allowed")
+            out.append(self.blobs.presign_put(sha, size))
+        return out
+
+    def _check_stored(self, job_id: str, index: int, sha: str) -> None:
+        """Refuse a receipt naming an output the store does not hold as those exact bytes
+        (for S3, the object's stored SHA-256 checksum: a HEAD, no bytes read)."""
+        state = self.blobs.check(sha)
+        if state == "missing":
+            raise ReceiptRefused("output_missing",
+                                 f"output {index} ({sha[:12]}…) was not uploaded before the receipt")
+        if state != "ok":
+            raise ReceiptRefused(
+                "output_checksum_mismatch",
+                f"output {index} of job {job_id}: the object stored as {sha[:12]}… is not "
+                f"those bytes ({'stored without a SHA-256 checksum' if state == 'no_checksum' else 'its SHA-256 checksum differs'}); "
+                "upload it again with a URL from an UploadRequest")
+
     def _put_output(self, job_id: str, data: bytes, sha256: str) -> str:
         _check_output(job_id, data, sha256)
         return self.blobs.put(data)
@@ -617,9 +665,8 @@ class JobService:
         outputs = []
         for i, out in enumerate(rec["outputs"]):
             sha = out["sha256"]
-            if sha not in sent and not self.blobs.exists(sha):
-                raise ReceiptRefused("output_missing",
-                                     f"output {i} ({sha[:12]}…) was not uploaded before the receipt")
+            if sha not in sent:
+                self._check_stored(job.id, i, sha)
             outputs.append(JobOutput(job.id, out["index"], sha, out["media_type"], out["size"]))
         now = self.clock()
         # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
