@@ -17,6 +17,7 @@ from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService
 from broker.billing.service import JobBilling
 from broker.blobs import job_blob_store
+from broker.blobs.retention import BlobRetention, RetentionPolicy
 from broker.blobs.local import LocalBlobStore
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
@@ -44,6 +45,7 @@ from broker.storage.market_sql import SqlAskStore
 from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
 from broker.storage.registry_sql import SqlRegistryRepository
+from broker.storage.retention_sql import SqlBlobReferences
 from broker.storage.migrate import upgrade
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class Services:
     admin: object | None = None             # broker.admin.service.AdminService
     admin_sessions: object | None = None    # broker.admin.session.AdminSessions
     verification: object | None = None      # broker.verification.service.VerificationService
+    retention: BlobRetention | None = None  # what the blob store keeps, and for how long
 
     def close(self) -> None:
         self.maintenance.stop()
@@ -115,14 +118,18 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
-    jobs = JobService(SqlJobRepository(sessions), job_blob_store(settings), catalog,
+    blobs = job_blob_store(settings)
+    retention = BlobRetention(blobs, SqlBlobReferences(sessions), RetentionPolicy(
+        output_retention_s=settings.output_retention_s, orphan_grace_s=settings.orphan_grace_s,
+        interval_s=settings.retention_interval_s))
+    jobs = JobService(SqlJobRepository(sessions), blobs, catalog,
                       signer, EventHub(),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
-                      input_defaults=WeightsDefaults(catalog))
+                      input_defaults=WeightsDefaults(catalog), retention=retention)
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)
@@ -148,6 +155,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                         dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,
                         catalog=catalog, auth=auth)
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
+    maintenance.tasks.append(retention.due)  # outputs, checkpoints and orphans expire
     if settings.unserved_expiry_s > 0:  # no provider for a build: refuse, then expire
         presence = Presence(providers.repo, dispatcher.serving, dispatcher.connected_ids,
                             window_s=settings.unserved_expiry_s)
@@ -163,7 +171,7 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
                     market=market, canaries=canaries, **admin, verification=verification,
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
-                    maintenance=maintenance)
+                    maintenance=maintenance, retention=retention)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,

@@ -47,6 +47,9 @@ s3_path_style                SPARECYCLES_S3_PATH_STYLE           off (on for Min
 s3_prefix                    SPARECYCLES_S3_PREFIX               "" (object names: <prefix><sha256>)
 s3_get_ttl_s                 SPARECYCLES_S3_GET_TTL_S            300 (clients' download URLs)
 s3_put_ttl_s                 SPARECYCLES_S3_PUT_TTL_S            900 (agents' upload URLs)
+output_retention_s           SPARECYCLES_OUTPUT_RETENTION_S      604800 (7 days; 0: keep for ever)
+orphan_grace_s               SPARECYCLES_ORPHAN_GRACE_S          3600 (unnamed uploads kept this long)
+retention_interval_s         SPARECYCLES_RETENTION_INTERVAL_S    300 (between retention sweeps)
 s3_access_key_id             AWS_ACCESS_KEY_ID                   (boto3's chain: profile, role)
 s3_secret_access_key         AWS_SECRET_ACCESS_KEY               (boto3's chain)
 s3_session_token             AWS_SESSION_TOKEN                   (boto3's chain)
@@ -71,7 +74,10 @@ from job outputs. A package file uploaded with PUT /v1/blobs may be at most 8 Gi
 Job outputs and checkpoints go to ``blob_store``: ``local`` (``<blob_dir>``, the bytes travel
 through the agent's stream) or ``s3`` (an S3-compatible bucket through boto3: agents PUT
 with presigned URLs pinned to each object's SHA-256, clients GET with presigned URLs; see
-broker/blobs/s3.py). S3 credentials are the usual AWS variables (``AWS_ACCESS_KEY_ID`` /
+broker/blobs/s3.py). Outputs are deleted ``output_retention_s`` after their job ended,
+checkpoints once their job is over, uploads no job names after ``orphan_grace_s``
+(broker/blobs/retention.py; the maintenance thread sweeps every ``retention_interval_s``).
+S3 credentials are the usual AWS variables (``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``), else boto3's own chain (``AWS_PROFILE``,
 an instance role); the broker never stores them. The registry's package files stay in the local folder.
 """
@@ -145,6 +151,9 @@ class Settings:
     s3_prefix: str = ""
     s3_get_ttl_s: float = 300.0
     s3_put_ttl_s: float = 900.0
+    output_retention_s: float = 7 * 24 * 3600.0
+    orphan_grace_s: float = 3600.0
+    retention_interval_s: float = 300.0
     s3_access_key_id: str = field(default="", repr=False)
     s3_secret_access_key: str = field(default="", repr=False)
     s3_session_token: str = field(default="", repr=False)
@@ -175,6 +184,9 @@ class Settings:
         if self.s3_get_ttl_s <= 0 or self.s3_put_ttl_s <= 0:
             raise ValueError(f"s3_get_ttl_s and s3_put_ttl_s must be > 0, got "
                              f"{self.s3_get_ttl_s} and {self.s3_put_ttl_s}")
+        for name in ("output_retention_s", "orphan_grace_s", "retention_interval_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         for name in ("http_threads", "agent_threads", "max_agent_streams", "agent_outbox_max",
                      "max_waiting_clients", "max_pool_requests"):
             if getattr(self, name) < 1:
@@ -232,6 +244,9 @@ class Settings:
             "s3_prefix": ("SPARECYCLES_S3_PREFIX", str),
             "s3_get_ttl_s": ("SPARECYCLES_S3_GET_TTL_S", float),
             "s3_put_ttl_s": ("SPARECYCLES_S3_PUT_TTL_S", float),
+            "output_retention_s": ("SPARECYCLES_OUTPUT_RETENTION_S", float),
+            "orphan_grace_s": ("SPARECYCLES_ORPHAN_GRACE_S", float),
+            "retention_interval_s": ("SPARECYCLES_RETENTION_INTERVAL_S", float),
             "s3_access_key_id": ("AWS_ACCESS_KEY_ID", str),
             "s3_secret_access_key": ("AWS_SECRET_ACCESS_KEY", str),
             "s3_session_token": ("AWS_SESSION_TOKEN", str),

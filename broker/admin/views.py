@@ -208,8 +208,9 @@ def overview():
     }
     v = svc().admin.verification_overview(svc().verification)
     vbar = status_bar(v.get("by_status") or {}) if v.get("enabled") else ""
+    storage = svc().retention.last if svc().retention is not None else None
     return render_template("admin/overview.html", o=o, charts=charts, v=v, vbar=vbar,
-                           page="overview")
+                           storage=storage, store=svc().jobs.blobs, page="overview")
 
 
 # ---- pricing ------------------------------------------------------------------------------

@@ -16,13 +16,17 @@ from .common import (idempotency_key, int_arg, internal_problem, json_body, outp
 bp = Blueprint("jobs", __name__)
 
 
-def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None, blobs=None) -> dict:
+def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None, blobs=None,
+                   expired: bool = False) -> dict:
     """An output as the API shows it. ``url`` is the broker's (the client's API key); with
     a blob store that presigns (S3), ``download_url`` is a short-lived URL anyone holding
-    it may GET the bytes with straight from storage, until ``download_expires_at``."""
+    it may GET the bytes with straight from storage, until ``download_expires_at``.
+    ``expired``: retention deleted the bytes (the output's hash and size remain)."""
     body = {"index": o.index, "media_type": o.media_type, "sha256": o.sha256, "size": o.size,
             "url": f"/v1/jobs/{job_id}/outputs/{o.index}", "meta": meta or {}}
-    if blobs is not None and blobs.presigns:
+    if expired:
+        body["expired"] = True
+    elif blobs is not None and blobs.presigns:
         body["download_url"], body["download_expires_at"] = blobs.presign_get(
             o.sha256, media_type=o.media_type)
     return body
@@ -46,7 +50,8 @@ def verification_to_json(v) -> dict:
 
 
 def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
-                sandboxed: bool | None = None, verification=None, blobs=None) -> dict:
+                sandboxed: bool | None = None, verification=None, blobs=None,
+                expired: bool = False) -> dict:
     body = {
         "id": job.id, "object": "job", "plugin": job.plugin, "version": job.plugin_version,
         "state": job.state.value, "attempt": job.attempt, "inputs": job.inputs,
@@ -69,7 +74,7 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
         body["check_of"] = job.check_of
     if outputs is not None:
         metas = _metas(job)
-        body["outputs"] = [output_to_json(job.id, o, metas.get(o.sha256), blobs)
+        body["outputs"] = [output_to_json(job.id, o, metas.get(o.sha256), blobs, expired)
                            for o in outputs]
     return body
 
@@ -80,7 +85,8 @@ def _render(job: Job) -> dict:
     verification = (svc.verification.status(job.id)
                     if svc.verification is not None and job.state.value == "settled" else None)
     return job_to_json(job, outputs, sandboxed=svc.providers.sandboxed_of(job.provider_id),
-                       verification=verification, blobs=svc.jobs.blobs)
+                       verification=verification, blobs=svc.jobs.blobs,
+                       expired=bool(outputs) and svc.jobs.outputs_expired(job))
 
 
 @bp.post("/v1/jobs")

@@ -106,6 +106,10 @@ def document() -> dict:
                     "index": {"type": "integer"}, "media_type": {"type": "string"},
                     "sha256": {"type": "string"}, "size": {"type": "integer"},
                     "url": {"type": "string"},
+                    "download_url": {"type": "string", "description": "with an S3 blob "
+                                     "store: a presigned URL that GETs the bytes straight "
+                                     "from storage, no API key, until download_expires_at"},
+                    "download_expires_at": {"type": "number", "description": "epoch seconds"},
                     "meta": {"type": "object", "description": "the plugin's meta (seed, "
                              "token ids, latent hash …) as the provider signed it"}}},
                 "Verification": {"type": "object", "properties": {
@@ -180,6 +184,8 @@ def document() -> dict:
                         "parameters": [job_id, {"name": "index", "in": "path", "required": True,
                                                 "schema": {"type": "integer"}}],
                         "responses": {"200": {"description": "The output"},
+                                      "307": {"description": "With an S3 blob store: a "
+                                              "redirect to a presigned URL of the bytes"},
                                       **_errors(401, 404)}}},
             "/v1/plugins": {"get": {"summary": "Plugins and their input schemas (search: q, "
                                                "publisher, output)",

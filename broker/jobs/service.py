@@ -23,7 +23,8 @@ from broker.auth.service import Principal
 from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
-from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, ReceiptRefused
+from .errors import (JobNotCancellable, JobNotFound, NoProvider, OutputExpired, OutputNotFound,
+                     ReceiptRefused)
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
 from .ports import BlobStore, JobRepository, Presence
@@ -61,12 +62,22 @@ class InputDefaults(Protocol):
     def for_job(self, manifest, weights_digest: str | None = None) -> dict[str, Any]: ...
 
 
+class Retention(Protocol):
+    """Whether a job's outputs are past their retention (broker.blobs.retention)."""
+
+    policy: Any  # its output_retention_s, for messages
+
+    def expired(self, finished_at: float | None, now: float | None = None) -> bool: ...
+
+
 class JobService:
     def __init__(self, repo: JobRepository, blobs: BlobStore, catalog: PluginCatalog,
                  signer: KeyPair, hub: EventHub | None = None,
                  settings: JobSettings | None = None, clock=time.time, billing=None,
-                 input_defaults: InputDefaults | None = None):
+                 input_defaults: InputDefaults | None = None,
+                 retention: Retention | None = None):
         self.repo = repo
+        self.retention = retention  # None: outputs never expire
         self.input_defaults = input_defaults  # None: the manifests' defaults only
         self.billing = billing  # broker.billing.JobBilling; None: jobs cost nothing
         self.blobs = blobs
@@ -440,10 +451,21 @@ class JobService:
         return out, self.blobs.get(out.sha256)
 
     def output_meta(self, who: Principal, job_id: str, index: int) -> JobOutput:
-        for out in self.outputs(who, job_id):
+        """Output ``index`` of the job; OutputExpired once retention deleted its bytes."""
+        job = self.get(who, job_id)
+        for out in self.repo.outputs(job_id):
             if out.index == index:
+                if self.outputs_expired(job):
+                    raise OutputExpired(
+                        f"output {index} of job {job_id} was deleted: outputs are kept "
+                        f"{self.retention.policy.output_retention_s:g} s after their job ends "
+                        "(output_retention_s); run the job again to get it",
+                        field="index")
                 return out
         raise OutputNotFound(f"job {job_id} has no output {index}")
+
+    def outputs_expired(self, job: Job) -> bool:
+        return self.retention is not None and self.retention.expired(job.finished_at)
 
     def cancel(self, who: Principal, job_id: str, reason: str = "cancelled by client") -> Job:
         job = self.get(who, job_id)
