@@ -18,6 +18,7 @@ from broker.auth.service import ApiKeyService
 from broker.billing.service import JobBilling
 from broker.blobs import job_blob_store
 from broker.blobs.retention import BlobRetention, RetentionPolicy
+from broker.jobs.cache import ResultCache
 from broker.blobs.local import LocalBlobStore
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
@@ -46,6 +47,8 @@ from broker.storage.payments_sql import SqlPaymentsRepository
 from broker.storage.pricing_sql import SqlPriceRepository
 from broker.storage.registry_sql import SqlRegistryRepository
 from broker.storage.retention_sql import SqlBlobReferences
+from broker.storage.verification_sql import SqlVerificationRepository
+from broker.verification.records import CheckStatus
 from broker.storage.migrate import upgrade
 
 log = logging.getLogger(__name__)
@@ -122,14 +125,21 @@ def build_services(settings: Settings, *, migrate: bool = True) -> Services:
     retention = BlobRetention(blobs, SqlBlobReferences(sessions), RetentionPolicy(
         output_retention_s=settings.output_retention_s, orphan_grace_s=settings.orphan_grace_s,
         interval_s=settings.retention_interval_s))
-    jobs = JobService(SqlJobRepository(sessions), blobs, catalog,
+    job_repo = SqlJobRepository(sessions)
+    # The result cache answers only from verified jobs: it reads verification's records.
+    verifications = SqlVerificationRepository(sessions)
+    result_cache = ResultCache(job_repo, blobs, verified=lambda job_id: getattr(
+        verifications.get(job_id), "status", None) == CheckStatus.VERIFIED,
+        expired=retention.expired)
+    jobs = JobService(job_repo, blobs, catalog,
                       signer, EventHub(),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
-                      input_defaults=WeightsDefaults(catalog), retention=retention)
+                      input_defaults=WeightsDefaults(catalog), retention=retention,
+                      result_cache=result_cache)
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     auth = ApiKeyService(accounts)

@@ -36,6 +36,7 @@ from .cheats import Cheat
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
 from .host.manager import HostResult, PluginHost
+from .encode import encode_outputs
 from .uploads import DirectUploads
 from .weights import folder_digest
 
@@ -625,6 +626,16 @@ class Agent:
                 retryable=exc.retryable)))
             return
         if rj.cancelled.is_set():
+            return
+        try:
+            encode_outputs(result.outputs, env.get("output_format"))
+        except Exception as exc:  # noqa: BLE001 - a bad image must not stop this worker
+            log.warning("job %s: encoding the outputs as %s failed: %s", job_id,
+                        env.get("output_format"), exc)
+            self._send(pb.AgentMessage(failed=pb.JobFailed(
+                job_id=job_id, attempt=attempt, code="encode_failed",
+                message=f"encoding the outputs as {env.get('output_format')} failed: {exc}",
+                retryable=False)))
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
                                               float(result.work_units or 0)))

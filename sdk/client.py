@@ -240,17 +240,23 @@ class Client:
     def generate(self, plugin: str, *, timeout: float = 600.0, version: str | None = None,
                  n: int = 1, priority: str | None = None, max_price_micro: int | None = None,
                  deadline_s: float | None = None, verify: str | None = None,
-                 **inputs) -> "Result":
+                 output_format: str | None = None, output_quality: int | None = None,
+                 cache: bool | None = None, **inputs) -> "Result":
         """Run one job and block until its outputs are ready. ``n`` > 1 splits the request
         into n sibling jobs on different providers (one output each; all outputs in
         order in the Result). ``priority`` (economy | standard | fast), ``max_price_micro``
         (whole request) and ``deadline_s`` are the market terms; a request no provider can
         meet raises at once with the best achievable price and time. ``verify="always"``
         has every output re-run on a second provider (you pay for both runs);
-        ``Result.verification`` then moves from ``checking`` to ``verified``."""
+        ``Result.verification`` then moves from ``checking`` to ``verified``.
+        ``output_format`` (png | webp | jpeg, with ``output_quality`` 1-100) encodes image
+        outputs so; ``cache=True`` lets the broker answer from a verified job with the same
+        inputs (seed included) at the plugin's cache price, without running it."""
         terms = {k: v for k, v in (("n", n if n > 1 else None), ("priority", priority),
                                    ("max_price_micro", max_price_micro),
-                                   ("deadline_s", deadline_s), ("verify", verify))
+                                   ("deadline_s", deadline_s), ("verify", verify),
+                                   ("output_format", output_format),
+                                   ("output_quality", output_quality), ("cache", cache))
                  if v is not None}
         # Submit and wait in one request (``Prefer: wait``); a broker that answers before
         # the job (or every sibling) ends leaves the rest to wait().
@@ -760,5 +766,5 @@ def _storage_pool() -> urllib3.PoolManager:
 
 
 def _suffix(media_type: str) -> str:
-    return {"image/png": ".png", "image/jpeg": ".jpg", "text/plain": ".txt",
+    return {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "text/plain": ".txt",
             "application/json": ".json"}.get(media_type, ".bin")

@@ -219,6 +219,7 @@ FIELD_LABELS = {
     "fee_bps": ("Platform fee", "%"),
     "min_charge_micro": ("Minimum charge", "credits"),
     "vesting_window_s": ("Vesting window", "hours"),
+    "cache_price_micro": ("Cache hit price", "credits"),
     "min_stake_micro": ("Minimum stake", "credits"),
     "always_verify_above_micro": ("Always verify above", "credits"),
 }

@@ -72,6 +72,11 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
     }
     if job.check_of:
         body["check_of"] = job.check_of
+    if job.output_format:
+        body["output_format"] = job.output_format
+    if job.cache:
+        # Answered from the result cache: the verified job whose outputs (and receipt) it got.
+        body["cache"] = {"hit": bool(job.cached_from), "cached_from": job.cached_from}
     if outputs is not None:
         metas = _metas(job)
         body["outputs"] = [output_to_json(job.id, o, metas.get(o.sha256), blobs, expired)

@@ -98,6 +98,17 @@ def document() -> dict:
                                    "verify": {"type": "string", "enum": ["sampled", "always"],
                                               "description": "always: every output is re-run "
                                               "on a second provider (you pay both runs)"},
+                                   "output_format": {"type": "string",
+                                                     "enum": ["png", "webp", "jpeg"],
+                                                     "description": "image outputs encoded "
+                                                     "so (image plugins only)"},
+                                   "output_quality": {"type": "integer", "minimum": 1,
+                                                      "maximum": 100, "description": "webp "
+                                                      "and jpeg quality (default 90)"},
+                                   "cache": {"type": "boolean", "description": "answer from "
+                                             "a settled, verified job with the same inputs "
+                                             "(seed included) at the plugin's cache price, "
+                                             "without running; default false"},
                                    "weights_digest": {"type": "string",
                                                       "pattern": "^[0-9a-f]{64}$",
                                                       "description": "run only on these "
@@ -128,6 +139,9 @@ def document() -> dict:
                     "attempt": {"type": "integer"}, "inputs": {"type": "object"},
                     "progress": {"type": "object"}, "error": {"type": ["object", "null"]},
                     "verify": {"type": "string"}, "weights_digest": {"type": ["string", "null"]},
+                    "output_format": {"type": "object"},
+                    "cache": {"type": "object", "description": "with cache: hit, and the "
+                              "job cached_from whose outputs a hit got"},
                     "verification": {"$ref": "#/components/schemas/Verification"},
                     "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Output"}}}},
                 "Plugin": {"type": "object", "properties": {

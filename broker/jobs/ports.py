@@ -60,6 +60,9 @@ class JobRepository(Protocol):
 
     def checks_of(self, job_id: str) -> list[Job]: ...
 
+    def cache_sources(self, cache_key: str, limit: int = 5) -> list[Job]:
+        """Settled jobs, not cache answers themselves, with this result-cache key."""
+
 
 class Presence(Protocol):
     """Whether some provider known to the broker serves a plugin build (connected now, or

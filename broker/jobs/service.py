@@ -27,6 +27,7 @@ from .errors import (JobNotCancellable, JobNotFound, NoProvider, OutputExpired, 
                      ReceiptRefused)
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
+from .cache import parse_output_format, result_cache_key
 from .ports import BlobStore, JobRepository, Presence
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,9 @@ class JobService:
                  signer: KeyPair, hub: EventHub | None = None,
                  settings: JobSettings | None = None, clock=time.time, billing=None,
                  input_defaults: InputDefaults | None = None,
-                 retention: Retention | None = None):
+                 retention: Retention | None = None, result_cache=None):
         self.repo = repo
+        self.result_cache = result_cache  # broker.jobs.cache.ResultCache; None: no cache
         self.retention = retention  # None: outputs never expire
         self.input_defaults = input_defaults  # None: the manifests' defaults only
         self.billing = billing  # broker.billing.JobBilling; None: jobs cost nothing
@@ -132,11 +134,12 @@ class JobService:
             raise InvalidRequest("the request body must be a JSON object like "
                                  '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
         unknown = (set(body) - {"plugin", "version", "inputs", "verify", "weights_digest"}
-                   - set(MARKET_FIELDS))
+                   - set(MARKET_FIELDS) - set(OUTPUT_FIELDS))
         if unknown:
             raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: plugin, "
                                  "version, inputs, verify, weights_digest, "
-                                 + ", ".join(MARKET_FIELDS), field=sorted(unknown)[0])
+                                 + ", ".join(MARKET_FIELDS + OUTPUT_FIELDS),
+                                 field=sorted(unknown)[0])
         weights = body.get("weights_digest")
         if weights is not None and not is_sha256_hex(weights):
             raise InvalidRequest(f"weights_digest is {weights!r}; it must be the 64 lowercase "
@@ -156,6 +159,16 @@ class JobService:
         if version is not None and not isinstance(version, str):
             raise InvalidRequest("version must be a string like 1.0.0", field="version")
         manifest = self.catalog.get(plugin, version)
+        output_format = parse_output_format(body, manifest)
+        cache = body.get("cache", False)
+        if not isinstance(cache, bool):
+            raise InvalidRequest(f"cache is {cache!r}; use true (answer from the result cache "
+                                 "when a verified job with the same inputs exists, at the "
+                                 "plugin's cache price) or false (always run; the default)",
+                                 field="cache")
+        if cache and terms["n"] > 1:
+            raise InvalidRequest("cache works on single jobs: leave out n (or set it to 1), "
+                                 "or leave out cache", field="cache")
         asked, inputs = self._inputs(manifest, body.get("inputs", {}), weights)
         self.check_inputs(manifest.name, inputs)
         if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
@@ -171,6 +184,10 @@ class JobService:
             hashed["weights_digest"] = weights
         if terms["n"] > 1:
             hashed["n"] = terms["n"]
+        if output_format is not None:
+            hashed["output_format"] = output_format
+        if cache:
+            hashed["cache"] = True
         request_hash = sha256_hex(canonical_bytes(hashed))
         now = self.clock()
         # With an idempotency key the job id is derived from it (a split's first sibling
@@ -184,7 +201,7 @@ class JobService:
                   if idempotency_key is not None else str(uuid.uuid4()))
         try:
             job = self._create(who, manifest, inputs, terms, job_id, idempotency_key,
-                               request_hash, now, verify, weights)
+                               request_hash, now, verify, weights, output_format, cache)
         except _Taken as taken:
             return _replayed(taken.job, request_hash, idempotency_key), False
         except Exception:
@@ -192,7 +209,9 @@ class JobService:
             if existing is None:
                 raise
             return _replayed(existing, request_hash, idempotency_key), False
-        if not job.batch_id:
+        if job.cached_from:  # answered from the result cache: nothing to run
+            self.hub.notify(job.id, ended=True)
+        elif not job.batch_id:
             self.hub.notify(job.id)
             self.on_queued(job)
         return job, True
@@ -223,11 +242,20 @@ class JobService:
 
     def _create(self, who: Principal, manifest, inputs: dict, terms: dict, job_id: str,
                 idempotency_key: str | None, request_hash: str, now: float, verify: str,
-                weights: str | None) -> Job:
+                weights: str | None, output_format: dict | None = None,
+                cache: bool = False) -> Job:
         """The job (or a split's first sibling) with its hold. Raises _Taken, having
         written nothing, when an earlier request with the same idempotency key has it."""
         work_units = manifest.work_units_for(inputs)
         n = terms["n"]
+        cache_key = (result_cache_key(manifest, inputs, output_format)
+                     if cache and self.result_cache is not None else None)
+        if cache_key is not None:
+            source = self.result_cache.find(cache_key, weights)
+            if source is not None:  # answered from a verified job's outputs, not run
+                return self._answer_from_cache(who, manifest, inputs, source, job_id,
+                                               idempotency_key, request_hash, now, terms,
+                                               weights, output_format, cache_key)
         if self.presence is not None and not self.presence.serves(manifest.name,
                                                                    manifest.version):
             raise NoProvider(
@@ -246,7 +274,8 @@ class JobService:
                                  weights_digest=weights), n)
         if n > 1:
             return self._submit_batch(who, manifest, inputs, work_units, terms, job_id,
-                                      idempotency_key, request_hash, now, verify, weights)
+                                      idempotency_key, request_hash, now, verify, weights,
+                                      output_format)
         cap = terms["max_price_micro"]
         # The hold and the job (with its first event and the hold's audit entry) commit as
         # one transaction: no job without its hold, no hold without its job.
@@ -266,16 +295,70 @@ class JobService:
                       work_units=work_units, idempotency_key=idempotency_key,
                       request_hash=request_hash, created_at=now, updated_at=now,
                       hold_id=hold_id, max_price_micro=max_price, priority=terms["priority"],
-                      deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights)
+                      deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights,
+                      output_format=output_format, cache=cache, cache_key=cache_key)
             job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
             if not created:  # rolls back the block: the replayed hold's audit entry too
                 raise _Taken(job)
             return job
 
+    def _answer_from_cache(self, who: Principal, manifest, inputs: dict, source, job_id: str,
+                           idempotency_key: str | None, request_hash: str, now: float,
+                           terms: dict, weights: str | None, output_format: dict | None,
+                           cache_key: str) -> Job:
+        """A job answered from ``source`` (a verified job's (job, outputs), broker.jobs.cache):
+        created, handed to the source's provider and settled with the source's outputs and
+        receipt in one transaction, at the plugin's cache price (broker.jobs.cache says who
+        is paid). Raises _Taken like _create."""
+        src, outputs = source
+        price = None if self.billing is None else self.billing.pricing.price(manifest.name)
+        amount = 0 if price is None else price.cache_price_micro
+        cap = terms["max_price_micro"]
+        if cap is not None and amount > cap:
+            raise InvalidRequest(f"a cache hit of {manifest.name} costs {amount} micro-credits, "
+                                 f"above your max_price_micro {cap}; raise it or leave out "
+                                 "cache", field="max_price_micro")
+        outs = [JobOutput(job_id, o.index, o.sha256, o.media_type, o.size) for o in outputs]
+        with self.repo.atomic():
+            hold_id = None
+            if self.billing is not None and amount > 0:
+                hold_id = self.billing.hold_amount(job_id, who.account_id, amount)
+            job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
+                      plugin_version=manifest.version, inputs=inputs, state=JobState.QUEUED,
+                      max_attempts=self.settings.max_attempts, work_units=src.work_units,
+                      idempotency_key=idempotency_key, request_hash=request_hash,
+                      created_at=now, updated_at=now, hold_id=hold_id, max_price_micro=amount,
+                      priority=terms["priority"], deadline_s=terms["deadline_s"],
+                      verify="sampled", weights_digest=weights, output_format=output_format,
+                      cache=True, cached_from=src.id)
+            job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref,
+                                                             "cache": True}))
+            if not created:
+                raise _Taken(job)
+            job = self.repo.transition(
+                job.id, [JobState.QUEUED], JobState.MATCHED, provider_id=src.provider_id,
+                event=("assigned", {"provider_id": src.provider_id, "attempt": 0,
+                                    "cached_from": src.id}),
+                envelope=src.envelope, matched_at=now)
+            settled = self.repo.transition(
+                job.id, [JobState.MATCHED], JobState.SETTLED, outputs=outs,
+                events=[("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
+                                               "media_type": o.media_type, "size": o.size}
+                                              for o in outs], "cached_from": src.id})],
+                receipt=src.receipt, receipt_signature=src.receipt_signature,
+                progress_step=src.progress_step, progress_total=src.progress_total,
+                started_at=now, finished_at=now)
+            if hold_id is not None:
+                self._money("cache", settled, lambda: self.billing.settle_cached(
+                    settled, amount, price))
+        log.info("job %s answered from the result cache (job %s), %d micro-credits",
+                 settled.id, src.id, amount)
+        return settled
+
     def _submit_batch(self, who: Principal, manifest, inputs: dict, work_units: float,
                       terms: dict, first_id: str, idempotency_key: str | None,
                       request_hash: str, now: float, verify: str = "sampled",
-                      weights: str | None = None) -> Job:
+                      weights: str | None = None, output_format: dict | None = None) -> Job:
         """A split request: ``n`` sibling jobs sharing one batch id, each with its own hold
         for its share of the client's max price. The first sibling's id is ``first_id``
         (with an idempotency key, the id a one-job request with that key would get, and the
@@ -312,7 +395,7 @@ class JobService:
                           hold_id=hold_id, max_price_micro=max_price,
                           priority=terms["priority"], deadline_s=terms["deadline_s"],
                           batch_id=batch_id, batch_index=i, verify=verify,
-                          weights_digest=weights)
+                          weights_digest=weights, output_format=output_format)
                 job, fresh = self.repo.create(job, ("queued", {"plugin": manifest.ref,
                                                                "batch_id": batch_id,
                                                                "batch_index": i}))
@@ -350,7 +433,8 @@ class JobService:
                       deadline_s=primary.deadline_s, excluded_providers=list(excluded),
                       check_of=primary.id, not_before=not_before,
                       weights_digest=((primary.envelope or {}).get("weights_digest")
-                                      or primary.weights_digest))
+                                      or primary.weights_digest),
+                      output_format=primary.output_format)
             job, _ = self.repo.create(job, ("queued", {"plugin": f"{job.plugin}@"
                                                        f"{job.plugin_version}"}))
             # The dispatcher hears of the check once it exists: after the commit of the
@@ -512,6 +596,8 @@ class JobService:
         served = getattr(target, "plugins", {}) or {}
         extra = {"weights_digest": job.weights_digest
                  or served.get(f"{job.plugin}@{job.plugin_version}") or ""}
+        if job.output_format:  # the agent encodes image outputs so (provider_agent/encode.py)
+            extra["output_format"] = job.output_format
         if self.checkpoints is not None:
             extra.update(self.checkpoints.envelope_extra(job) or {})
         envelope = make_envelope(job_id=job.id, attempt=attempt, plugin=job.plugin,
@@ -982,6 +1068,7 @@ def _a(word: str) -> str:
 
 
 MARKET_FIELDS = ("priority", "max_price_micro", "deadline_s", "n")
+OUTPUT_FIELDS = ("output_format", "output_quality", "cache")
 MAX_SPLIT = 64
 
 
