@@ -18,6 +18,7 @@ import random
 import signal
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from .cheats import Cheat
 from .config import AgentConfig, save_config
 from .errors import AgentError, ConfigError, HostError
 from .host.manager import HostResult, PluginHost
-from .encode import encode_outputs
+from .encode import encode_outputs, pack_checkpoint, unpack_checkpoint
 from .uploads import DirectUploads
 from .weights import folder_digest
 
@@ -576,6 +577,7 @@ class Agent:
             progress(step, total, message)
 
         def checkpoint(step, data):
+            data = pack_checkpoint(data)  # compressed when that is smaller
             stored = self.direct_uploads
             if stored:
                 try:
@@ -707,9 +709,15 @@ class Agent:
                     log.warning("job %s: checkpoint %s… unavailable (%s); running from the start",
                                 job_id, want[:12], got.error or "hash mismatch")
                     return None
+                try:
+                    data = unpack_checkpoint(bytes(got.data))
+                except zlib.error as exc:
+                    log.warning("job %s: checkpoint %s… does not decompress (%s); running from "
+                                "the start", job_id, want[:12], exc)
+                    return None
                 log.info("job %s: resuming from the checkpoint at step %s", job_id,
                          resume.get("step"))
-                return bytes(got.data)
+                return data
             log.warning("job %s: no answer for checkpoint %s…; running from the start", job_id,
                         want[:12])
             return None

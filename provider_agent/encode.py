@@ -9,6 +9,7 @@ produce the same bytes (what verification compares). Non-image outputs pass unch
 from __future__ import annotations
 
 import io
+import zlib
 
 MEDIA = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
 
@@ -53,3 +54,24 @@ def preview(data: bytes, max_px: int = 64, quality: int = 60) -> bytes:
         out = io.BytesIO()
         im.convert("RGB").save(out, format="WEBP", quality=quality)
     return out.getvalue()
+
+
+# ---- checkpoints ------------------------------------------------------------------------
+CHECKPOINT_MAGIC = b"SCZ1"  # a compressed checkpoint: magic, then a zlib stream
+
+
+def pack_checkpoint(data: bytes, level: int = 6) -> bytes:
+    """A plugin's checkpoint as stored: zlib-compressed behind CHECKPOINT_MAGIC when that is
+    smaller (latents and RNG state usually are), else as it is. The broker stores and
+    hashes these bytes; only agents read them (:func:`unpack_checkpoint`)."""
+    packed = CHECKPOINT_MAGIC + zlib.compress(data, level)
+    if len(packed) < len(data) or data.startswith(CHECKPOINT_MAGIC):
+        return packed
+    return data
+
+
+def unpack_checkpoint(data: bytes) -> bytes:
+    """The plugin's bytes of a stored checkpoint (an uncompressed one passes as it is)."""
+    if data.startswith(CHECKPOINT_MAGIC):
+        return zlib.decompress(data[len(CHECKPOINT_MAGIC):])
+    return data
