@@ -576,6 +576,11 @@ class Agent:
             last_total[0] = total
             progress(step, total, message)
 
+        def preview(step, data, media_type):
+            self._send(pb.AgentMessage(progress=pb.JobProgress(
+                job_id=job_id, attempt=attempt, step=step, total=last_total[0],
+                preview=data, preview_media_type=media_type or "image/webp")))
+
         def checkpoint(step, data):
             data = pack_checkpoint(data)  # compressed when that is smaller
             stored = self.direct_uploads
@@ -609,7 +614,8 @@ class Agent:
                                          on_progress=progress_with_total, on_stream=stream,
                                          cancelled=rj.cancelled,
                                          checkpoint_every=int(env.get("checkpoint_every") or 0),
-                                         resume_from=resume_from, on_checkpoint=checkpoint)
+                                         resume_from=resume_from, on_checkpoint=checkpoint,
+                                         on_preview=preview)
             if cheated is not None:
                 result.outputs = self.cheat.after(env["plugin"], cheated, result.outputs)
                 if cheated.validated is not None:  # claim the work the job asked for

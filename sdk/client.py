@@ -44,6 +44,16 @@ class Event:
     kind: str
     data: dict
 
+    @property
+    def preview(self) -> bytes | None:
+        """A "preview" event's thumbnail of the output so far (WebP bytes), else None."""
+        url = self.data.get("preview") if self.kind == "preview" else None
+        if not isinstance(url, str) or ";base64," not in url:
+            return None
+        import base64
+
+        return base64.b64decode(url.split(";base64,", 1)[1])
+
 
 class Client:
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,

@@ -512,7 +512,12 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.jobs.accepted(pid, msg.accepted.job_id, msg.accepted.attempt)
         elif kind == "progress":
             p = msg.progress
-            self.jobs.progress(pid, p.job_id, p.attempt, p.step, p.total, p.message, p.text)
+            if p.preview:
+                self.jobs.preview(pid, p.job_id, p.attempt, p.step, p.total, p.preview,
+                                  p.preview_media_type)
+            else:
+                self.jobs.progress(pid, p.job_id, p.attempt, p.step, p.total, p.message,
+                                   p.text)
         elif kind == "output":
             o = msg.output
             self.jobs.store_output(pid, o.job_id, o.attempt, o.data, o.sha256)

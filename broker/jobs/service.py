@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
 MAX_UPLOADS_PER_REQUEST = 1024  # blobs one UploadRequest may name (a receipt's outputs)
 MAX_UPLOAD_BYTES = 5 << 30      # one presigned PUT (S3's limit for a single PUT)
+MAX_PREVIEW_BYTES = 16 * 1024   # a progress preview (a thumbnail)
+PREVIEW_TYPES = ("image/webp", "image/jpeg", "image/png")
 BAD_INPUT = "bad_input"            # a failure code: the plugin refused the job's input
 NO_PROVIDER = "no_provider"        # a failure code: no provider served the build for long
 INPUT_DISPUTED = "input_disputed"  # a requeue: another operator's provider tries that input
@@ -656,6 +658,23 @@ class JobService:
         fields = {"progress_step": step, "progress_total": total} if total else {}
         self.repo.add_event(job.id, "token" if text and not total else "progress", data,
                             **fields)
+        self.hub.notify(job.id)
+
+    def preview(self, provider_id: str, job_id: str, attempt: int, step: int, total: int,
+                data: bytes, media_type: str) -> None:
+        """A small picture of the job's output so far: a "preview" event the client's
+        event stream carries as a data: URL (previews are thumbnails: at most
+        MAX_PREVIEW_BYTES, of an image type; others are refused)."""
+        job = self._leased(provider_id, job_id, attempt)
+        if len(data) > MAX_PREVIEW_BYTES or media_type not in PREVIEW_TYPES:
+            raise InvalidRequest(f"a preview must be an image of type "
+                                 f"{', '.join(PREVIEW_TYPES)} of at most {MAX_PREVIEW_BYTES} "
+                                 f"bytes; got {media_type!r}, {len(data)} bytes")
+        import base64
+
+        self.repo.add_event(job.id, "preview", {
+            "step": step, "total": total,
+            "preview": f"data:{media_type};base64,{base64.b64encode(data).decode()}"})
         self.hub.notify(job.id)
 
     def store_output(self, provider_id: str, job_id: str, attempt: int, data: bytes,

@@ -62,3 +62,47 @@ def test_a_bad_output_format_is_refused_at_submit(image_broker, plugin, extra, f
     body = r.json()
     assert body["field"] == field and says in body["detail"], body
     assert image_broker.services.jobs.repo.counts_by_state() == {}  # nothing queued or held
+
+
+def test_a_progress_preview_reaches_the_clients_events_and_a_large_one_is_refused(live_broker):
+    import base64
+    import json
+
+    from provider_agent.encode import preview
+    from sdk.protocol import agent_pb2 as pb
+    from sdk.protocol.signing import KeyPair
+    from tests.integration.test_gateway_and_sdk import RawAgent, _handshake
+    from tests.integration.test_s3_outputs import _next
+
+    raw = RawAgent(live_broker.grpc, live_broker.key("provider"))
+    try:
+        _handshake(raw, KeyPair.generate())
+        client = Client(live_broker.url, live_broker.key("client"))
+        job = client.jobs.create("echo", text="x")
+        env = json.loads(_next(raw, "assignment").envelope)
+        thumb = preview(_png_bytes())
+        raw.send(progress=pb.JobProgress(job_id=job.id, attempt=env["attempt"], step=1, total=4,
+                                         preview=thumb, preview_media_type="image/webp"))
+        raw.send(progress=pb.JobProgress(job_id=job.id, attempt=env["attempt"], step=2, total=4,
+                                         preview=b"x" * (17 * 1024),
+                                         preview_media_type="image/webp"))
+        refusal = _next(raw, "refusal")
+        assert "at most 16384 bytes" in refusal.message
+        events = [
+            e for e in live_broker.services.jobs.repo.events_after(job.id, 0)
+            if e.kind == "preview"]
+        assert len(events) == 1 and events[0].data["step"] == 1
+        url = events[0].data["preview"]
+        assert url.startswith("data:image/webp;base64,")
+        assert base64.b64decode(url.split(",", 1)[1]) == thumb
+        from sdk.client import Event
+        assert Event(events[0].id, "preview", events[0].data).preview == thumb
+    finally:
+        raw.close()
+
+
+def _png_bytes() -> bytes:
+    im = Image.new("RGB", (128, 96), (200, 40, 40))
+    out = io.BytesIO()
+    im.save(out, format="PNG")
+    return out.getvalue()
