@@ -8,8 +8,9 @@ closed loop of clients, and
   * ``s3``: an S3 API in its own process (moto's server, tests/s3_server.py); agents PUT with
     presigned URLs pinned to the SHA-256, the broker HEADs each object's checksum, the
     client downloads with the presigned GET.
-Prints jobs/s and CPU ms per job of the broker, the S3 server and this process (clients and
-agents), and the broker's CPU ratio s3 ÷ stream.
+Prints jobs/s, CPU ms per job of the broker, the S3 server and this process (clients and
+agents), the bytes the broker process read and wrote per job (files and sockets), and the
+broker's CPU ratio s3 ÷ stream.
 
     python bench/blobs.py [--jobs 200] [--clients 8] [--slots 4] [--size-kib 1024]
                           [--no-download] [--rounds 1]
@@ -38,6 +39,16 @@ from tests.s3_server import S3Server  # noqa: E402
 
 BLOB_PLUGIN = ROOT / "bench" / "plugins" / "blob"
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "sparecycles-bench", "AWS_SECRET_ACCESS_KEY": "sparecycles-bench"}
+
+
+def io_bytes(pid: int) -> int:
+    """Bytes a process read and wrote through system calls (files and sockets alike:
+    /proc/<pid>/io rchar + wchar)."""
+    try:
+        fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return 0
 
 
 def start_agents(net: LocalNetwork, n: int, slots: int):
@@ -110,6 +121,7 @@ def run_mode(mode: str, s3: S3Server | None, args) -> dict:
         pids = {"broker": net.broker.pid, "s3 server": s3.proc.pid if s3 else None,
                 "this process": os.getpid()}
         cpu0 = {k: _cpu_s(p)[0] if p else 0.0 for k, p in pids.items()}
+        io0 = io_bytes(net.broker.pid)
         t0 = time.perf_counter()
         for t in threads:
             t.start()
@@ -117,11 +129,12 @@ def run_mode(mode: str, s3: S3Server | None, args) -> dict:
             t.join()
         elapsed = time.perf_counter() - t0
         cpu1 = {k: _cpu_s(p)[0] if p else 0.0 for k, p in pids.items()}
+        io_kib = (io_bytes(net.broker.pid) - io0) / 1024 / max(done, 1)
         cpu_ms = {k: (cpu1[k] - cpu0[k]) * 1000 / max(done, 1) for k in pids}
         local = [p for p in (net.data_dir / "blobs").rglob("*")
                  if p.is_file() and "registry" not in p.parts]
         return {"mode": mode, "jobs": done, "elapsed_s": elapsed, "jobs_per_s": done / elapsed,
-                "cpu_ms": cpu_ms, "broker_blob_files": len(local)}
+                "cpu_ms": cpu_ms, "broker_blob_files": len(local), "io_kib": io_kib}
     finally:
         for a, _ in agents:
             a.stop()
@@ -147,7 +160,7 @@ def main() -> int:
           f"{args.agents} agent(s) × {args.slots} slots, client download "
           f"{'on' if args.download else 'off'}; CPU ms per job", flush=True)
     print(f"{'mode':>7} {'jobs/s':>8} {'broker':>8} {'s3 server':>10} {'clients+agents':>15} "
-          f"{'broker blob files':>18}")
+          f"{'broker blob files':>18} {'broker I/O KiB/job':>19}")
     rows = []
     with S3Server(log_path=Path(tempfile.gettempdir()) / "sc-bench-s3.log") as s3:
         for _ in range(args.rounds):
@@ -157,7 +170,7 @@ def main() -> int:
                 c = r["cpu_ms"]
                 print(f"{mode:>7} {r['jobs_per_s']:>8.1f} {c['broker']:>8.2f} "
                       f"{c['s3 server']:>10.2f} {c['this process']:>15.2f} "
-                      f"{r['broker_blob_files']:>18}", flush=True)
+                      f"{r['broker_blob_files']:>18} {r['io_kib']:>19.0f}", flush=True)
     by = {m: [r for r in rows if r["mode"] == m] for m in ("stream", "s3")}
     mean = lambda rs, f: sum(f(r) for r in rs) / len(rs)  # noqa: E731
     b_stream = mean(by["stream"], lambda r: r["cpu_ms"]["broker"])

@@ -101,8 +101,8 @@ class S3BlobStore:
             if code in ("NoSuchBucket",):
                 raise BlobStoreUnavailable(
                     f"the S3 bucket {self.bucket!r} does not exist at "
-                    f"{self.endpoint_url or 'AWS'}; create it (or run `sparecycles broker "
-                    "s3-setup`) and check SPARECYCLES_S3_BUCKET") from None
+                    f"{self.endpoint_url or 'AWS'}; create it (the broker creates it at start "
+                    "when its credentials may) and check SPARECYCLES_S3_BUCKET") from None
             raise BlobStoreUnavailable(f"S3 {what} on s3://{self.bucket} failed: {code} "
                                        f"{exc.response.get('Error', {}).get('Message', '')}; "
                                        "check the bucket, the credentials (AWS_ACCESS_KEY_ID/"
