@@ -11,7 +11,7 @@ from broker.jobs.hub import HubWait, quiet_slice_s
 from broker.jobs.model import Job, JobOutput
 from . import waiting
 from .common import (idempotency_key, int_arg, internal_problem, json_body, output_response,
-                     principal, request_id, seconds_arg, services)
+                     principal, request_id, seconds_arg, served_type, services)
 
 bp = Blueprint("jobs", __name__)
 
@@ -27,8 +27,10 @@ def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None, blobs=No
     if expired:
         body["expired"] = True
     elif blobs is not None and blobs.presigns:
+        # Served as the broker serves it: a type a provider chose is never run as script.
+        served, attachment = served_type(o.media_type)
         body["download_url"], body["download_expires_at"] = blobs.presign_get(
-            o.sha256, media_type=o.media_type)
+            o.sha256, media_type=served, attachment=attachment)
     return body
 
 
@@ -182,7 +184,8 @@ def get_output(job_id, index):
     jobs = services().jobs
     if jobs.blobs.presigns:  # the bytes come from storage, never through the broker
         out = jobs.output_meta(principal(), job_id, index)
-        url, _ = jobs.blobs.presign_get(out.sha256, media_type=out.media_type)
+        served, attachment = served_type(out.media_type)
+        url, _ = jobs.blobs.presign_get(out.sha256, media_type=served, attachment=attachment)
         return "", 307, {"Location": url, "Cache-Control": "private, no-store",
                          "X-Content-SHA256": out.sha256}
     out, data = jobs.output(principal(), job_id, index)

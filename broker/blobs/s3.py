@@ -231,12 +231,16 @@ class S3BlobStore:
         return PresignedPut(url, headers, self.clock() + self.put_ttl_s)
 
     def presign_get(self, key: str, ttl_s: float | None = None,
-                    media_type: str | None = None) -> tuple[str, float]:
+                    media_type: str | None = None,
+                    attachment: bool = False) -> tuple[str, float]:
         """A URL anyone holding it may GET blob ``key`` with, for ``ttl_s`` (default
-        ``get_ttl_s``); returns (url, expires at)."""
+        ``get_ttl_s``), answered with ``media_type`` (and as an attachment); returns
+        (url, expires at)."""
         ttl = int(ttl_s or self.get_ttl_s)
         params = {"Bucket": self.bucket, "Key": self._key(key)}
         if media_type:
             params["ResponseContentType"] = media_type
+        if attachment:
+            params["ResponseContentDisposition"] = "attachment"
         url = self.s3.generate_presigned_url("get_object", Params=params, ExpiresIn=ttl)
         return url, self.clock() + ttl

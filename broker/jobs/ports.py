@@ -99,5 +99,6 @@ class BlobStore(Protocol):
         """broker.blobs.model.PresignedPut: a URL storing only the bytes of ``key``."""
 
     def presign_get(self, key: str, ttl_s: float | None = None,
-                    media_type: str | None = None) -> tuple[str, float]:
+                    media_type: str | None = None,
+                    attachment: bool = False) -> tuple[str, float]:
         """(url, expires at): a URL anyone holding it may GET the blob with."""

@@ -65,13 +65,14 @@ def test_an_agent_puts_its_outputs_into_s3_and_the_client_downloads_them_from_th
     assert r.status_code == 307 and r.headers["location"].startswith(s3_broker.settings.s3_endpoint)
 
 
-def _raw_job(broker):
-    """A raw agent holding a fresh echo job: (raw, key, job, envelope, envelope bytes)."""
+def _raw_job(broker, client: Client | None = None):
+    """A raw agent holding a fresh echo job of ``client``'s: (raw, key, job, envelope,
+    envelope bytes)."""
     key = KeyPair.generate()
     raw = RawAgent(broker.grpc, broker.key("provider"))
     welcome = _handshake(raw, key).welcome
     assert welcome.direct_uploads
-    client = Client(broker.url, broker.key("client"))
+    client = client or Client(broker.url, broker.key("client"))
     job = client.jobs.create("echo", text="x")
     while True:
         msg = raw.recv()
@@ -89,10 +90,10 @@ def _next(raw, kind):
             return getattr(msg, kind)
 
 
-def _receipt(raw, key, env, env_bytes, data):
+def _receipt(raw, key, env, env_bytes, data, media_type="text/plain"):
     rec = make_receipt(envelope=env, envelope_bytes=env_bytes, provider_key=key.public_key_hex,
                        outputs=[{"index": 0, "sha256": hashlib.sha256(data).hexdigest(),
-                                 "media_type": "text/plain", "size": len(data)}],
+                                 "media_type": media_type, "size": len(data)}],
                        work_units=1.0, timings_ms={"run": 1})
     body = canonical_bytes(rec)
     raw.send(receipt=pb.Receipt(receipt=body, signature=key.sign_canonical("receipt", body)))
@@ -152,3 +153,24 @@ def test_upload_urls_only_for_the_jobs_an_agent_holds(s3_broker):
     finally:
         other.close()
         raw.close()
+
+
+def test_a_download_url_never_serves_a_providers_html_as_html(s3_broker):
+    client = Client(s3_broker.url, s3_broker.key("client"))
+    raw, key, job, env, env_bytes = _raw_job(s3_broker, client)
+    try:
+        data = b"<script>alert(1)</script>"
+        sha = hashlib.sha256(data).hexdigest()
+        raw.send(upload_request=pb.UploadRequest(job_id=job.id, attempt=env["attempt"],
+                                                 request_id="h", blobs=[pb.BlobToUpload(
+                                                     sha256=sha, size=len(data))]))
+        put = _next(raw, "upload_grant").uploads[0]
+        assert httpx.put(put.url, content=data, headers=dict(put.headers)).status_code == 200
+        _receipt(raw, key, env, env_bytes, data, media_type="text/html")
+        assert _next(raw, "ack").what == "receipt"
+    finally:
+        raw.close()
+    r = httpx.get(client.jobs.get(job.id).data["outputs"][0]["download_url"])
+    assert r.content == data
+    assert r.headers["content-type"] == "application/octet-stream"
+    assert r.headers["content-disposition"] == "attachment"
