@@ -690,8 +690,13 @@ class JobService:
         """Presigned PUT URLs (broker.blobs.model.PresignedPut), one per (sha256, size) in
         ``blobs``, for the provider holding ``attempt`` of the job: each stores only the
         bytes with that sha256, straight into the blob store (S3), never through here."""
-        _check_lease(job_id, provider_id, attempt,
-                     self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
+        with self._assigned_lock:  # the lease as assign() wrote it, when it is the asker's
+            copy = self._assigned.get(job_id)
+        if copy is None or copy[0].provider_id != provider_id or copy[0].attempt != attempt:
+            # Not this process's fresh lease: read it. (A copy out of date only hands out
+            # URLs; the receipt's conditional settlement still decides.)
+            _check_lease(job_id, provider_id, attempt,
+                         self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
         return self.presign_uploads(blobs)
 
     def presign_uploads(self, blobs: list[tuple[str, int]]) -> list:
