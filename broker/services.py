@@ -18,8 +18,11 @@ from broker.audit.money import AuditedLedger
 from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService
 from broker.billing.service import JobBilling
+from broker.blobs import job_blob_store
+from broker.blobs.retention import BlobRetention, RetentionPolicy
+from broker.jobs.cache import ResultCache
 from broker.blobs.local import LocalBlobStore
-from broker.storage.sealed import AtRestCipher, SealedBlobStore
+from broker.storage.sealed import AtRestCipher
 from broker.storage.sealed import attach as attach_at_rest
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
@@ -60,6 +63,9 @@ from broker.observability.metered import MeteredBlobStore, MeteredLedger
 from broker.observability.metrics import BrokerMetrics
 from broker.observability.telemetry import TelemetryStore
 from broker.storage.metrics_sql import SqlMetricsReader
+from broker.storage.retention_sql import SqlBlobReferences
+from broker.storage.verification_sql import SqlVerificationRepository
+from broker.verification.records import CheckStatus
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,7 @@ class Services:
     bus: ReplicaBus = field(default_factory=LocalBus)  # wake-ups to and from other replicas
     replicas: ReplicaRegistry | None = None  # the replicas serving on this database
     rate_limiter: object | None = None      # broker.ratelimit.RateLimiter (None: off)
+    retention: BlobRetention | None = None  # what the blob store keeps, and for how long
 
     def close(self) -> None:
         self.maintenance.stop()
@@ -175,9 +182,20 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     registry.load_catalog()
     billing = JobBilling(ledger, pricing, providers.owner_of, hold_ttl_s=settings.hold_ttl_s,
                          how_to_fund=payments.how_to_fund, royalty_of=registry.royalty_split)
-    jobs = JobService(SqlJobRepository(sessions),
-                      blobs(SealedBlobStore(settings.blob_dir, at_rest), "jobs"),
-                      catalog, signer, EventHub(bus, SettledCopyCodec()),
+    # Outputs and checkpoints: the local folder sealed with the at-rest key, or an S3
+    # bucket agents upload to directly (its server-side encryption keeps them at rest).
+    job_blobs = job_blob_store(settings, at_rest)
+    retention = BlobRetention(job_blobs, SqlBlobReferences(sessions), RetentionPolicy(
+        output_retention_s=settings.output_retention_s, orphan_grace_s=settings.orphan_grace_s,
+        interval_s=settings.retention_interval_s))
+    job_repo = SqlJobRepository(sessions)
+    # The result cache answers only from verified jobs: it reads verification's records.
+    verifications = SqlVerificationRepository(sessions)
+    result_cache = ResultCache(job_repo, job_blobs, verified=lambda job_id: getattr(
+        verifications.get(job_id), "status", None) == CheckStatus.VERIFIED,
+        expired=retention.expired)
+    jobs = JobService(job_repo, blobs(job_blobs, "jobs"), catalog, signer,
+                      EventHub(bus, SettledCopyCodec()),
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
@@ -185,7 +203,7 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                       # connected providers' weights give it; the gateway keeps it current
                       input_defaults=WeightsDefaults(
                           catalog, _held_plugins(replicas, providers) if bus.shared else None),
-                      metrics=counting)
+                      metrics=counting, retention=retention, result_cache=result_cache)
     jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     from broker.admin.session import load_or_create_secret
@@ -225,6 +243,7 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                         catalog=catalog, auth=auth)
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
     maintenance.tasks.append(market.flush_figures)
+    maintenance.tasks.append(retention.due)  # outputs, checkpoints and orphans expire
     if settings.unserved_expiry_s > 0:  # no provider for a build: refuse, then expire
         presence = Presence(providers.repo, dispatcher.serving, dispatcher.connected_ids,
                             window_s=settings.unserved_expiry_s)
@@ -246,7 +265,7 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                     jobs=jobs, providers=providers, dispatcher=dispatcher, ledger=ledger,
                     pricing=pricing, billing=billing, payments=payments, registry=registry,
                     maintenance=maintenance, links=links, bus=bus, replicas=replicas,
-                    metrics=metrics, telemetry=telemetry)
+                    metrics=metrics, telemetry=telemetry, retention=retention)
 
 
 def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,

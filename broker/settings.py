@@ -52,6 +52,20 @@ metrics                      SPARECYCLES_METRICS                 on (off: /metri
 replica_name                 SPARECYCLES_REPLICA_NAME            <hostname>:<pid> (in sparecycles_broker_info)
 metrics_db_interval_s        SPARECYCLES_METRICS_DB_INTERVAL_S   5 (shared facts re-read at most this often)
 log_format                   SPARECYCLES_LOG_FORMAT              text (json: one JSON object a line)
+blob_store                   SPARECYCLES_BLOB_STORE              local (or s3)
+s3_bucket                    SPARECYCLES_S3_BUCKET               (none; needed for s3)
+s3_endpoint                  SPARECYCLES_S3_ENDPOINT             (AWS; e.g. http://minio:9000)
+s3_region                    SPARECYCLES_S3_REGION               (boto3's: AWS_REGION, …)
+s3_path_style                SPARECYCLES_S3_PATH_STYLE           off (on for MinIO, Ceph, moto)
+s3_prefix                    SPARECYCLES_S3_PREFIX               "" (object names: <prefix><sha256>)
+s3_get_ttl_s                 SPARECYCLES_S3_GET_TTL_S            300 (clients' download URLs)
+s3_put_ttl_s                 SPARECYCLES_S3_PUT_TTL_S            900 (agents' upload URLs)
+output_retention_s           SPARECYCLES_OUTPUT_RETENTION_S      604800 (7 days; 0: keep for ever)
+orphan_grace_s               SPARECYCLES_ORPHAN_GRACE_S          3600 (unnamed uploads kept this long)
+retention_interval_s         SPARECYCLES_RETENTION_INTERVAL_S    300 (between retention sweeps)
+s3_access_key_id             AWS_ACCESS_KEY_ID                   (boto3's chain: profile, role)
+s3_secret_access_key         AWS_SECRET_ACCESS_KEY               (boto3's chain)
+s3_session_token             AWS_SESSION_TOKEN                   (boto3's chain)
 ===========================  ==================================  ===========================
 
 With ``tls_cert`` and ``tls_key`` the broker serves REST and gRPC over TLS with them
@@ -80,6 +94,16 @@ signing key differs from a live one's refuses to start. They also need one blob 
 The registry's package files live in a blob store of their own, ``<blob_dir>/registry``, apart
 from job outputs. A package file uploaded with PUT /v1/blobs may be at most 8 GiB
 (broker.registry.service.MAX_BLOB_BYTES; larger is a 413).
+
+Job outputs and checkpoints go to ``blob_store``: ``local`` (``<blob_dir>``, the bytes travel
+through the agent's stream) or ``s3`` (an S3-compatible bucket through boto3: agents PUT
+with presigned URLs pinned to each object's SHA-256, clients GET with presigned URLs; see
+broker/blobs/s3.py). Outputs are deleted ``output_retention_s`` after their job ended,
+checkpoints once their job is over, uploads no job names after ``orphan_grace_s``
+(broker/blobs/retention.py; the maintenance thread sweeps every ``retention_interval_s``).
+S3 credentials are the usual AWS variables (``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``), else boto3's own chain (``AWS_PROFILE``,
+an instance role); the broker never stores them. The registry's package files stay in the local folder.
 """
 from __future__ import annotations
 
@@ -90,6 +114,10 @@ from pathlib import Path
 import broker
 
 BUILTIN_PLUGINS = Path(broker.__file__).resolve().parent.parent / "plugins"
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() not in ("0", "off", "false", "no")
 
 
 def default_data_dir() -> Path:
@@ -156,6 +184,20 @@ class Settings:
     replica_name: str = ""
     metrics_db_interval_s: float = 5.0
     log_format: str = "text"
+    blob_store: str = "local"
+    s3_bucket: str = ""
+    s3_endpoint: str = ""
+    s3_region: str = ""
+    s3_path_style: bool = False
+    s3_prefix: str = ""
+    s3_get_ttl_s: float = 300.0
+    s3_put_ttl_s: float = 900.0
+    output_retention_s: float = 7 * 24 * 3600.0
+    orphan_grace_s: float = 3600.0
+    retention_interval_s: float = 300.0
+    s3_access_key_id: str = field(default="", repr=False)
+    s3_secret_access_key: str = field(default="", repr=False)
+    s3_session_token: str = field(default="", repr=False)
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -196,6 +238,19 @@ class Settings:
         if not self.metrics_db_interval_s >= 0:
             raise ValueError(f"metrics_db_interval_s must be >= 0, got "
                              f"{self.metrics_db_interval_s}")
+        self.blob_store = (self.blob_store or "local").strip().lower()
+        if self.blob_store not in ("local", "s3"):
+            raise ValueError(f"blob_store is {self.blob_store!r}; use \"local\" (a folder, "
+                             "the default) or \"s3\" (an S3-compatible bucket)")
+        if self.blob_store == "s3" and not self.s3_bucket:
+            raise ValueError("blob_store is s3 but no bucket is set: set SPARECYCLES_S3_BUCKET "
+                             "(and SPARECYCLES_S3_ENDPOINT for a self-hosted store)")
+        if self.s3_get_ttl_s <= 0 or self.s3_put_ttl_s <= 0:
+            raise ValueError(f"s3_get_ttl_s and s3_put_ttl_s must be > 0, got "
+                             f"{self.s3_get_ttl_s} and {self.s3_put_ttl_s}")
+        for name in ("output_retention_s", "orphan_grace_s", "retention_interval_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         for name in ("http_threads", "agent_threads", "max_agent_streams", "agent_outbox_max",
                      "max_waiting_clients", "max_pool_requests"):
             if getattr(self, name) < 1:
@@ -275,6 +330,20 @@ class Settings:
             "replica_name": ("SPARECYCLES_REPLICA_NAME", str),
             "metrics_db_interval_s": ("SPARECYCLES_METRICS_DB_INTERVAL_S", float),
             "log_format": ("SPARECYCLES_LOG_FORMAT", str),
+            "blob_store": ("SPARECYCLES_BLOB_STORE", str),
+            "s3_bucket": ("SPARECYCLES_S3_BUCKET", str),
+            "s3_endpoint": ("SPARECYCLES_S3_ENDPOINT", str),
+            "s3_region": ("SPARECYCLES_S3_REGION", str),
+            "s3_path_style": ("SPARECYCLES_S3_PATH_STYLE", _flag),
+            "s3_prefix": ("SPARECYCLES_S3_PREFIX", str),
+            "s3_get_ttl_s": ("SPARECYCLES_S3_GET_TTL_S", float),
+            "s3_put_ttl_s": ("SPARECYCLES_S3_PUT_TTL_S", float),
+            "output_retention_s": ("SPARECYCLES_OUTPUT_RETENTION_S", float),
+            "orphan_grace_s": ("SPARECYCLES_ORPHAN_GRACE_S", float),
+            "retention_interval_s": ("SPARECYCLES_RETENTION_INTERVAL_S", float),
+            "s3_access_key_id": ("AWS_ACCESS_KEY_ID", str),
+            "s3_secret_access_key": ("AWS_SECRET_ACCESS_KEY", str),
+            "s3_session_token": ("AWS_SESSION_TOKEN", str),
         }
         values = {}
         for name, (var, fn) in conv.items():

@@ -131,6 +131,11 @@ class RunContext(Protocol):
     def stream(self, text: str, token_ids: list[int] | None = None) -> None:
         """Send a piece of text output (a token) to the client as soon as it is made."""
 
+    def preview(self, step: int, data: bytes, media_type: str = "image/webp") -> None:
+        """A small picture of the output so far (a thumbnail of at most a few KiB) that the
+        client sees with the progress of ``step``; call it a few times per job, not every
+        step. Optional: a plugin that sends none is fine."""
+
     def checkpoint(self, step: int, data: bytes) -> None:
         """Hand over the state after ``step`` steps as opaque bytes; if the provider goes
         away, another one gets them back as ``resume_from``. Only the latest counts."""

@@ -18,6 +18,7 @@ import random
 import signal
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,8 @@ from .errors import AgentError, ConfigError, HostError
 from .fingerprint import machine_fingerprint
 from .gpu_usage import own_pids
 from .host.manager import HostResult, PluginHost
+from .encode import encode_outputs, pack_checkpoint, unpack_checkpoint
+from .uploads import DirectUploads
 from .telemetry import JobTimes, Telemetry, to_proto
 from .weights import folder_digest
 
@@ -172,6 +175,10 @@ class Agent:
         self.last_error = ""
         self.transport: broker_transport.Transport | None = None
         self._summary = _DoneSummary()
+        # Outputs and checkpoints PUT straight to the broker's blob store (its Welcome says
+        # so: S3) instead of travelling on the stream.
+        self.direct_uploads = False
+        self.uploads = DirectUploads(self._send)
         self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
         self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
         # When this machine's owner lets it work (provider_agent.availability): None is
@@ -447,6 +454,7 @@ class Agent:
             close()  # the plugin hosts' shared cgroup
         if self.installer is not None:
             self.installer.close()  # the packages' last-use times, the registry client
+        self.uploads.close()
 
     def _session(self) -> None:
         self.transport = broker_transport.choose(self.broker_address, self.cfg.ca_file,
@@ -488,9 +496,11 @@ class Agent:
             welcome = next(call).welcome
             self.provider_id = welcome.provider_id
             self.last_error = ""
-            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s); %s)",
+            self.direct_uploads = welcome.direct_uploads
+            log.info("connected to %s as provider %s (%d plugin(s), %d slot(s); %s%s)",
                      self.broker_address, welcome.provider_id, len(self.plugins),
-                     self.cfg.slots, self.transport.describe())
+                     self.cfg.slots, self.transport.describe(),
+                     "; outputs go straight to the blob store" if self.direct_uploads else "")
             with self._lock:
                 self._outq = outq
                 pending = [m for msgs in self.undelivered.values() for m in msgs]
@@ -587,6 +597,8 @@ class Agent:
                 waiter = self._checkpoint_waiters.get(msg.checkpoint_data.job_id)
             if waiter is not None:
                 waiter.put(msg.checkpoint_data)
+        elif kind == "upload_grant":
+            self.uploads.granted(msg.upload_grant)
         elif kind == "ack":
             if msg.ack.what == "receipt":
                 with self._lock:
@@ -796,10 +808,23 @@ class Agent:
             last_total[0] = total
             progress(step, total, message)
 
+        def preview(step, data, media_type):
+            self._send(pb.AgentMessage(progress=pb.JobProgress(
+                job_id=job_id, attempt=attempt, step=step, total=last_total[0],
+                preview=data, preview_media_type=media_type or "image/webp")))
+
         def checkpoint(step, data):
+            data = pack_checkpoint(data)  # compressed when that is smaller
+            stored = self.direct_uploads
+            if stored:
+                try:
+                    self.uploads.upload(job_id, attempt, [(data, "checkpoint")])
+                except HostError as exc:  # a checkpoint is a convenience: the job goes on
+                    log.warning("job %s: checkpoint at step %d not kept: %s", job_id, step, exc)
+                    return
             msg = pb.AgentMessage(checkpoint=pb.CheckpointUpload(
-                job_id=job_id, attempt=attempt, step=step, total=last_total[0], data=data,
-                sha256=sha256_hex(data)))
+                job_id=job_id, attempt=attempt, step=step, total=last_total[0],
+                data=b"" if stored else data, sha256=sha256_hex(data), stored=stored))
             with self._lock:
                 self.latest_checkpoint[job_id] = msg
             self._send(msg)
@@ -832,7 +857,8 @@ class Agent:
                                          cancelled=rj.cancelled,
                                          checkpoint_every=int(env.get("checkpoint_every") or 0),
                                          resume_from=resume_from, on_checkpoint=checkpoint,
-                                         request_id=rj.times.request_id)
+                                         request_id=rj.times.request_id,
+                                         on_preview=preview)
             if cheated is not None:
                 result.outputs = self.cheat.after(env["plugin"], cheated, result.outputs)
                 if cheated.validated is not None:  # claim the work the job asked for
@@ -855,6 +881,16 @@ class Agent:
         rj.times.run_s = time.perf_counter() - run_at
         if rj.cancelled.is_set():
             return
+        try:
+            encode_outputs(result.outputs, env.get("output_format"))
+        except Exception as exc:  # noqa: BLE001 - a bad image must not stop this worker
+            log.warning("job %s: encoding the outputs as %s failed: %s", job_id,
+                        env.get("output_format"), exc)
+            self._send(pb.AgentMessage(failed=pb.JobFailed(
+                job_id=job_id, attempt=attempt, code="encode_failed",
+                message=f"encoding the outputs as {env.get('output_format')} failed: {exc}",
+                retryable=False)))
+            return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
                                               float(result.work_units or 0)))
         if cheated is not None:  # inflated-units: the receipt's own figures lie
@@ -868,7 +904,17 @@ class Agent:
             chunks.append(pb.OutputChunk(job_id=job_id, attempt=attempt, index=out.index,
                                          media_type=out.media_type, data=out.data, sha256=sha))
         inline = sum(o["size"] for o in outputs) <= INLINE_OUTPUTS_BYTES
-        if not inline:
+        if self.direct_uploads:  # straight to the blob store: the receipt names them
+            try:
+                self.uploads.upload(job_id, attempt, [(c.data, "output") for c in chunks])
+            except HostError as exc:
+                log.warning("job %s: %s", job_id, exc)
+                self._send(pb.AgentMessage(failed=pb.JobFailed(
+                    job_id=job_id, attempt=attempt, code=exc.code, message=str(exc),
+                    retryable=exc.retryable)))
+                return
+            chunks, inline = [], True
+        elif not inline:
             messages = [pb.AgentMessage(output=c) for c in chunks]
         receipt = make_receipt(envelope=env, envelope_bytes=rj.envelope_bytes,
                                provider_key=self.identity.public_key_hex, outputs=outputs,
@@ -932,13 +978,23 @@ class Agent:
                     got = waiter.get(timeout=min(5.0, max(0.1, deadline - time.monotonic())))
                 except queue.Empty:
                     continue  # lost on a reconnect: ask again
+                if got.url and not got.error:  # the blob store's presigned GET
+                    data = self.uploads.fetch(got.url, want)
+                    got = pb.CheckpointData(data=data or b"", sha256=want,
+                                            error="" if data else "not fetched from the blob store")
                 if got.error or sha256_hex(got.data) != want:
                     log.warning("job %s: checkpoint %s… unavailable (%s); running from the start",
                                 job_id, want[:12], got.error or "hash mismatch")
                     return None
+                try:
+                    data = unpack_checkpoint(bytes(got.data))
+                except zlib.error as exc:
+                    log.warning("job %s: checkpoint %s… does not decompress (%s); running from "
+                                "the start", job_id, want[:12], exc)
+                    return None
                 log.info("job %s: resuming from the checkpoint at step %s", job_id,
                          resume.get("step"))
-                return bytes(got.data)
+                return data
             log.warning("job %s: no answer for checkpoint %s…; running from the start", job_id,
                         want[:12])
             return None

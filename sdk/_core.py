@@ -49,6 +49,8 @@ class Call:
     body: bytes | BinaryIO | None = None
     timeout: float = 30.0
     rewind: int | None = None
+    url: str | None = None  # an absolute URL off the broker (a presigned blob-store URL),
+    #                         sent without the client's headers; ``target`` is then unused
 
 
 @dataclass
@@ -309,12 +311,48 @@ def wait_batch(cfg: Config, data: dict, timeout: float | None, started: float) -
     return {**data, "jobs": jobs}
 
 
-def fetch_outputs(cfg: Config, outputs: list[dict]) -> Plan[dict[int, bytes]]:
+def fetch_outputs(cfg: Config, outputs: list[dict], job_id: str = "") -> Plan[dict[int, bytes]]:
+    """Every output's bytes: from the blob store by its presigned ``download_url`` where
+    the job gives one (no API key goes there), else from the broker; each checked against
+    its sha256."""
     got = {}
     for i, o in enumerate(outputs):
-        got[i] = (yield from request(cfg, "GET", o["url"], timeout=120,
-                                     headers={"Accept": "*/*"})).content
+        if o.get("download_url"):
+            data = yield from download(cfg, o["download_url"], f"output {i} of job {job_id}")
+        else:
+            data = (yield from request(cfg, "GET", o["url"], timeout=120,
+                                       headers={"Accept": "*/*"})).content
+        check_output(job_id, i, o, data)
+        got[i] = data
     return got
+
+
+def download(cfg: Config, url: str, what: str) -> Plan[bytes]:
+    """GET a presigned URL (the URL is the credential), retried on transport failures."""
+    call = Call("GET", "", {"Accept": "*/*"}, timeout=120.0, url=url)
+    for attempt in range(cfg.max_retries + 1):
+        outcome = yield call
+        if isinstance(outcome, Failed):
+            if attempt == cfg.max_retries:
+                raise APIConnectionError(f"cannot download {what} from the blob store: "
+                                         f"{outcome.message}") from outcome.error
+            yield Sleep(_pause(cfg, attempt))
+            continue
+        if outcome.status_code != 200:
+            raise APIConnectionError(f"the blob store answered {outcome.status_code} for "
+                                     f"{what}: {outcome.content[:200]!r}; if its URL "
+                                     "expired, fetch the job again for new ones")
+        return outcome.content
+    raise AssertionError("unreachable")
+
+
+def check_output(job_id: str, index: int, out: dict, data: bytes) -> None:
+    """Raise unless ``data`` hashes to the sha256 the job names for output ``index``."""
+    import hashlib
+
+    if out.get("sha256") and hashlib.sha256(data).hexdigest() != out["sha256"]:
+        raise APIConnectionError(f"output {index} of job {job_id} came back with other bytes "
+                                 f"than its sha256 {out['sha256'][:12]}…; fetch it again")
 
 
 def timed_out(cfg: Config, cancelled: list[tuple[dict, dict]], timeout: float | None,

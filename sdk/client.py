@@ -17,6 +17,7 @@ both: ``job.wait()`` returns a Result from a ``Client`` and an awaitable of one 
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import time
@@ -61,6 +62,16 @@ def _plaintext_hint(url: str, exc: BaseException) -> str:
                                       or "without response" in str(exc)):
         return " (if the broker serves TLS, use https:// and trust its CA)"
     return ""
+
+    @property
+    def preview(self) -> bytes | None:
+        """A "preview" event's thumbnail of the output so far (WebP bytes), else None."""
+        url = self.data.get("preview") if self.kind == "preview" else None
+        if not isinstance(url, str) or ";base64," not in url:
+            return None
+        import base64
+
+        return base64.b64decode(url.split(";base64,", 1)[1])
 
 
 class _ClientBase:
@@ -166,17 +177,24 @@ class _ClientBase:
     def generate(self, plugin: str, *, timeout: float | None = 600.0,
                  version: str | None = None, n: int = 1, priority: str | None = None,
                  max_price_micro: int | None = None, deadline_s: float | None = None,
-                 verify: str | None = None, **inputs) -> "Result":
+                 verify: str | None = None, output_format: str | None = None,
+                 output_quality: int | None = None, cache: bool | None = None,
+                 **inputs) -> "Result":
         """Run one job and wait until its outputs are ready. ``n`` > 1 splits the request
         into n sibling jobs on different providers (one output each; all outputs in
         order in the Result). ``priority`` (economy | standard | fast), ``max_price_micro``
         (whole request) and ``deadline_s`` are the market terms; a request no provider can
         meet raises at once with the best achievable price and time. ``verify="always"``
         has every output re-run on a second provider (you pay for both runs);
-        ``Result.verification`` then moves from ``checking`` to ``verified``."""
+        ``Result.verification`` then moves from ``checking`` to ``verified``.
+        ``output_format`` (png | webp | jpeg, with ``output_quality`` 1-100) encodes image
+        outputs so; ``cache=True`` lets the broker answer from a verified job with the same
+        inputs (seed included) at the plugin's cache price, without running it."""
         terms = {k: v for k, v in (("n", n if n > 1 else None), ("priority", priority),
                                    ("max_price_micro", max_price_micro),
-                                   ("deadline_s", deadline_s), ("verify", verify))
+                                   ("deadline_s", deadline_s), ("verify", verify),
+                                   ("output_format", output_format),
+                                   ("output_quality", output_quality), ("cache", cache))
                  if v is not None}
         return self._run(self._generate(plugin, version, terms, inputs, timeout))
 
@@ -264,6 +282,15 @@ class Client(_ClientBase):
             return stop.value
 
     def _send(self, call: Call) -> Response | Failed:
+        if call.url is not None:  # a presigned blob-store URL: no API key goes there
+            try:
+                raw = _storage_pool().request(call.method, call.url, headers=call.headers,
+                                              timeout=urllib3.Timeout(connect=call.timeout,
+                                                                      read=call.timeout),
+                                              retries=False, redirect=False)
+            except urllib3.exceptions.HTTPError as exc:
+                return Failed(describe(exc), exc)
+            return Response(raw.status, raw.headers, raw.data)
         if call.rewind is not None:
             call.body.seek(call.rewind)
         try:
@@ -594,7 +621,7 @@ class Result:
     def _of(cls, client: _ClientBase, job: Job, outputs: list[dict]):
         result = cls(client, job, outputs)
         if client.prefetch:
-            result._bytes = yield from core.fetch_outputs(client._cfg, outputs)
+            result._bytes = yield from core.fetch_outputs(client._cfg, outputs, job.id)
         return result
 
     @property
@@ -621,7 +648,7 @@ class Result:
                 yield from self.job._refresh()
             self.outputs, self._bytes = self.job.data.get("outputs", []), {}
             if self._c.prefetch:
-                self._bytes = yield from core.fetch_outputs(self._c._cfg, self.outputs)
+                self._bytes = yield from core.fetch_outputs(self._c._cfg, self.outputs, self.job.id)
             return self.job.verification
         return self._c._run(plan())
 
@@ -630,13 +657,58 @@ class Result:
         """Each output's plugin meta (seed used, token ids, …) as the provider signed it."""
         return [o.get("meta", {}) for o in self.outputs]
 
+    @property
+    def urls(self) -> list[str | None]:
+        """Each output's presigned download URL, straight from the broker's blob store (S3):
+        anyone holding one may GET the bytes, without an API key, until it expires
+        (``download_expires_at`` in :attr:`outputs`; :meth:`refresh_urls` gets new ones).
+        None where the broker keeps outputs itself (fetch those with :meth:`output_bytes`)."""
+        return [o.get("download_url") for o in self.outputs]
+
+    def refresh_urls(self) -> list[str | None]:
+        """New download URLs (the old ones expire after a few minutes)."""
+        self.job.refresh()
+        self.outputs = self.job.data.get("outputs", [])
+        return self.urls
+
     def output_bytes(self, index: int) -> bytes:
+        """Output ``index``'s bytes, checked against its sha256: from the blob store by its
+        presigned URL when the job gives one (new URLs are fetched once if it expired),
+        else from the broker."""
         if index not in self._bytes:
             if self._c.prefetch:  # the async client fetched them all: this one is new
                 raise IndexError(f"no output {index}; this result has {len(self.outputs)}")
-            self._bytes[index] = self._c.request("GET", self.outputs[index]["url"],
-                                                 timeout=120, headers={"Accept": "*/*"}).content
+            out = self.outputs[index]
+            if out.get("download_url"):
+                data = self._download(index)
+            else:
+                data = self._c.request("GET", out["url"], timeout=120,
+                                       headers={"Accept": "*/*"}).content
+            core.check_output(self.job.id, index, out, data)
+            self._bytes[index] = data
         return self._bytes[index]
+
+    def _download(self, index: int) -> bytes:
+        for fresh in (False, True):
+            if fresh:
+                self.refresh_urls()
+            url = self.outputs[index]["download_url"]
+            try:
+                # No API key goes to the blob store: the URL is the credential.
+                r = _storage_pool().request("GET", url, timeout=urllib3.Timeout(connect=30,
+                                                                                 read=120),
+                                            retries=urllib3.Retry(3, backoff_factor=0.2,
+                                                                  redirect=False))
+            except urllib3.exceptions.HTTPError as exc:
+                raise APIConnectionError(f"cannot download output {index} of job "
+                                         f"{self.job.id} from the blob store: {exc}") from None
+            if r.status == 200:
+                return r.data
+            if r.status != 403 or fresh:  # 403: the URL expired; one new URL is worth a try
+                raise APIConnectionError(
+                    f"the blob store answered {r.status} for output {index} of job "
+                    f"{self.job.id}: {r.data[:200]!r}; call result.refresh_urls() and retry")
+        raise AssertionError("unreachable")
 
     @property
     def images(self) -> list:
@@ -671,8 +743,19 @@ class Result:
         return written
 
 
+_STORAGE_POOL: urllib3.PoolManager | None = None
+
+
+def _storage_pool() -> urllib3.PoolManager:
+    """One pool for downloads from blob stores (presigned URLs carry their own auth)."""
+    global _STORAGE_POOL
+    if _STORAGE_POOL is None:
+        _STORAGE_POOL = urllib3.PoolManager(maxsize=8)
+    return _STORAGE_POOL
+
+
 def _suffix(media_type: str) -> str:
-    return {"image/png": ".png", "image/jpeg": ".jpg", "text/plain": ".txt",
+    return {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "text/plain": ".txt",
             "application/json": ".json"}.get(media_type, ".bin")
 
 

@@ -59,3 +59,32 @@ def pg_url():
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"), {"n": name})
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
     engine.dispose()
+
+
+# ---- a real S3 API (issue #24) --------------------------------------------------------------
+S3_TEST_KEYS = {"access_key_id": "sparecycles-test", "secret_access_key": "sparecycles-test"}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """The endpoint of moto's S3 server (with S3's expiry and checksum checks in front, see
+    tests/s3_server.py) running in its own process on a free loopback port."""
+    from tests.s3_server import S3Server
+
+    with S3Server(log_path=tmp_path_factory.mktemp("s3") / "s3.log") as server:
+        yield server.endpoint
+
+
+def make_s3_store(endpoint: str, **kwargs):
+    """An S3BlobStore on a new, empty bucket at ``endpoint``."""
+    from broker.blobs.s3 import S3BlobStore
+
+    store = S3BlobStore(f"sc-{uuid.uuid4().hex[:16]}", endpoint_url=endpoint,
+                        region="us-east-1", path_style=True, **S3_TEST_KEYS, **kwargs)
+    store.ensure_bucket()
+    return store
+
+
+@pytest.fixture
+def s3_store(s3_endpoint):
+    return make_s3_store(s3_endpoint)

@@ -10,7 +10,8 @@ from broker.errors import InvalidInput, NotFound, UnknownPlugin
 from broker.pricing.model import PluginPrice
 from broker.pricing.policy import POLICY_FIELDS, PluginPolicy
 
-PRICE_FIELDS = ("reserve_micro_per_unit", "fee_bps", "min_charge_micro", "vesting_window_s")
+PRICE_FIELDS = ("reserve_micro_per_unit", "fee_bps", "min_charge_micro", "vesting_window_s",
+                 "cache_price_micro")
 ACTIONS = {"pause": "paused", "ban": "banned", "unban": "active", "resume": "active"}
 
 

@@ -209,8 +209,9 @@ def overview():
     }
     v = svc().admin.verification_overview(svc().verification)
     vbar = status_bar(v.get("by_status") or {}) if v.get("enabled") else ""
+    storage = svc().retention.last if svc().retention is not None else None
     return render_template("admin/overview.html", o=o, charts=charts, v=v, vbar=vbar,
-                           page="overview")
+                           storage=storage, store=svc().jobs.blobs, page="overview")
 
 
 # ---- pricing ------------------------------------------------------------------------------
@@ -219,6 +220,7 @@ FIELD_LABELS = {
     "fee_bps": ("Platform fee", "%"),
     "min_charge_micro": ("Minimum charge", "credits"),
     "vesting_window_s": ("Vesting window", "hours"),
+    "cache_price_micro": ("Cache hit price", "credits"),
     "min_stake_micro": ("Minimum stake", "credits"),
     "always_verify_above_micro": ("Always verify above", "credits"),
 }

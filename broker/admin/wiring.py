@@ -9,7 +9,8 @@ from broker.pricing.policy import PolicyService
 from broker.storage.admin_sql import (SqlAdminQueries, SqlDisputeRepository, SqlPolicyRepository,
                                       SqlSessionRevocations)
 
-_PRICE_FIELDS = ("reserve_micro_per_unit", "fee_bps", "min_charge_micro", "vesting_window_s")
+_PRICE_FIELDS = ("reserve_micro_per_unit", "fee_bps", "min_charge_micro", "vesting_window_s",
+                 "cache_price_micro")
 
 
 def audit_price_changes(audit):

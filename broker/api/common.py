@@ -316,6 +316,13 @@ def _printable(path: str) -> str:
     return path.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def served_type(media_type: str | None) -> tuple[str, bool]:
+    """(the Content-Type an output is served with, whether as an attachment): the policy
+    of :func:`output_response`, also given to presigned download URLs."""
+    safe = SAFE_OUTPUT_TYPES.get((media_type or "").split(";", 1)[0].strip().lower())
+    return (safe, False) if safe else ("application/octet-stream", True)
+
+
 def output_response(data: bytes, media_type: str | None, headers: dict | None = None) -> Response:
     """A job output's bytes, whose media type the provider chose: only the types of
     SAFE_OUTPUT_TYPES are served as themselves; anything else (text/html, image/svg+xml…)

@@ -11,14 +11,27 @@ from broker.jobs.hub import HubWait, quiet_slice_s
 from broker.jobs.model import Job, JobOutput
 from . import waiting
 from .common import (idempotency_key, int_arg, internal_problem, json_body, output_response,
-                     principal, request_id, seconds_arg, services)
+                     principal, request_id, seconds_arg, served_type, services)
 
 bp = Blueprint("jobs", __name__)
 
 
-def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None) -> dict:
-    return {"index": o.index, "media_type": o.media_type, "sha256": o.sha256, "size": o.size,
+def output_to_json(job_id: str, o: JobOutput, meta: dict | None = None, blobs=None,
+                   expired: bool = False) -> dict:
+    """An output as the API shows it. ``url`` is the broker's (the client's API key); with
+    a blob store that presigns (S3), ``download_url`` is a short-lived URL anyone holding
+    it may GET the bytes with straight from storage, until ``download_expires_at``.
+    ``expired``: retention deleted the bytes (the output's hash and size remain)."""
+    body = {"index": o.index, "media_type": o.media_type, "sha256": o.sha256, "size": o.size,
             "url": f"/v1/jobs/{job_id}/outputs/{o.index}", "meta": meta or {}}
+    if expired:
+        body["expired"] = True
+    elif blobs is not None and blobs.presigns:
+        # Served as the broker serves it: a type a provider chose is never run as script.
+        served, attachment = served_type(o.media_type)
+        body["download_url"], body["download_expires_at"] = blobs.presign_get(
+            o.sha256, media_type=served, attachment=attachment)
+    return body
 
 
 def _metas(job: Job) -> dict[str, dict]:
@@ -50,7 +63,8 @@ def verification_to_json(v) -> dict:
 
 
 def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
-                sandboxed: bool | None = None, verification=None) -> dict:
+                sandboxed: bool | None = None, verification=None, blobs=None,
+                expired: bool = False) -> dict:
     body = {
         "id": job.id, "object": "job", "plugin": job.plugin, "version": job.plugin_version,
         "state": job.state.value, "attempt": job.attempt, "inputs": job.inputs,
@@ -72,9 +86,15 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
     }
     if job.check_of:
         body["check_of"] = job.check_of
+    if job.output_format:
+        body["output_format"] = job.output_format
+    if job.cache:
+        # Answered from the result cache: the verified job whose outputs (and receipt) it got.
+        body["cache"] = {"hit": bool(job.cached_from), "cached_from": job.cached_from}
     if outputs is not None:
         metas = _metas(job)
-        body["outputs"] = [output_to_json(job.id, o, metas.get(o.sha256)) for o in outputs]
+        body["outputs"] = [output_to_json(job.id, o, metas.get(o.sha256), blobs, expired)
+                           for o in outputs]
     return body
 
 
@@ -84,7 +104,8 @@ def _render(job: Job) -> dict:
     verification = (svc.verification.status(job.id)
                     if svc.verification is not None and job.state.value == "settled" else None)
     return job_to_json(job, outputs, sandboxed=svc.providers.sandboxed_of(job.provider_id),
-                       verification=verification)
+                       verification=verification, blobs=svc.jobs.blobs,
+                       expired=bool(outputs) and svc.jobs.outputs_expired(job))
 
 
 @bp.post("/v1/jobs")
@@ -173,7 +194,14 @@ def cancel_job(job_id):
 
 @bp.get("/v1/jobs/<job_id>/outputs/<int:index>")
 def get_output(job_id, index):
-    out, data = services().jobs.output(principal(), job_id, index)
+    jobs = services().jobs
+    if jobs.blobs.presigns:  # the bytes come from storage, never through the broker
+        out = jobs.output_meta(principal(), job_id, index)
+        served, attachment = served_type(out.media_type)
+        url, _ = jobs.blobs.presign_get(out.sha256, media_type=served, attachment=attachment)
+        return "", 307, {"Location": url, "Cache-Control": "private, no-store",
+                         "X-Content-SHA256": out.sha256}
+    out, data = jobs.output(principal(), job_id, index)
     return output_response(data, out.media_type,
                            headers={"ETag": f'"{out.sha256}"', "X-Content-SHA256": out.sha256,
                                     "Cache-Control": "private, max-age=31536000, immutable"})

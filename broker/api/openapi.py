@@ -105,6 +105,17 @@ def document() -> dict:
                                    "verify": {"type": "string", "enum": ["sampled", "always"],
                                               "description": "always: every output is re-run "
                                               "on a second provider (you pay both runs)"},
+                                   "output_format": {"type": "string",
+                                                     "enum": ["png", "webp", "jpeg"],
+                                                     "description": "image outputs encoded "
+                                                     "so (image plugins only)"},
+                                   "output_quality": {"type": "integer", "minimum": 1,
+                                                      "maximum": 100, "description": "webp "
+                                                      "and jpeg quality (default 90)"},
+                                   "cache": {"type": "boolean", "description": "answer from "
+                                             "a settled, verified job with the same inputs "
+                                             "(seed included) at the plugin's cache price, "
+                                             "without running; default false"},
                                    "weights_digest": {"type": "string",
                                                       "pattern": "^[0-9a-f]{64}$",
                                                       "description": "run only on these "
@@ -113,6 +124,10 @@ def document() -> dict:
                     "index": {"type": "integer"}, "media_type": {"type": "string"},
                     "sha256": {"type": "string"}, "size": {"type": "integer"},
                     "url": {"type": "string"},
+                    "download_url": {"type": "string", "description": "with an S3 blob "
+                                     "store: a presigned URL that GETs the bytes straight "
+                                     "from storage, no API key, until download_expires_at"},
+                    "download_expires_at": {"type": "number", "description": "epoch seconds"},
                     "meta": {"type": "object", "description": "the plugin's meta (seed, "
                              "token ids, latent hash …) as the provider signed it"}}},
                 "Verification": {"type": "object", "properties": {
@@ -134,6 +149,9 @@ def document() -> dict:
                     # The X-Request-Id of the request that created the job; agents' logs
                     # name it as its digest, rq_ + 24 hex digits of its SHA-256.
                     "request_id": {"type": ["string", "null"]},
+                    "output_format": {"type": "object"},
+                    "cache": {"type": "object", "description": "with cache: hit, and the "
+                              "job cached_from whose outputs a hit got"},
                     "verification": {"$ref": "#/components/schemas/Verification"},
                     "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Output"}}}},
                 "Plugin": {"type": "object", "properties": {
@@ -190,6 +208,8 @@ def document() -> dict:
                         "parameters": [job_id, {"name": "index", "in": "path", "required": True,
                                                 "schema": {"type": "integer"}}],
                         "responses": {"200": {"description": "The output"},
+                                      "307": {"description": "With an S3 blob store: a "
+                                              "redirect to a presigned URL of the bytes"},
                                       **_errors(401, 404)}}},
             "/v1/plugins": {"get": {"summary": "Plugins and their input schemas (search: q, "
                                                "publisher, output)",

@@ -81,6 +81,27 @@ class JobBilling:
                                           how_to_fund=self.how_to_fund) from None
         raise AssertionError("unreachable")
 
+    def hold_amount(self, job_id: str, client: str, amount: int) -> str:
+        """Hold exactly ``amount`` (a result-cache hit's price); returns the hold id."""
+        for opened in (False, True):
+            try:
+                return self.ledger.hold(client, amount, job_id,
+                                        idempotency_key=f"job:{job_id}:hold",
+                                        ttl_s=self.hold_ttl_s).id
+            except lerr.UnknownAccount:
+                if opened:
+                    raise
+                self.ledger.open_client(client)
+            except lerr.InsufficientCredits as exc:
+                raise InsufficientCredits(needed_micro=amount, available_micro=exc.available_micro,
+                                          how_to_fund=self.how_to_fund) from None
+        raise AssertionError("unreachable")
+
+    def settle_cached(self, job: Job, amount: int, price) -> Transaction | None:
+        """Post a result-cache hit's hold: the fee to the platform, the rest to the provider
+        of the verified run it was answered from (``job.provider_id``, broker.jobs.cache)."""
+        return self._post(job, amount, price.fee_of(amount), price.vesting_window_s)
+
     def max_price(self, plugin: str, work_units: float, cap_micro: int | None = None,
                   inputs: dict | None = None) -> int:
         """What a hold for such a job reserves: the plugin's maximum price plus the royalty

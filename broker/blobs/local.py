@@ -14,12 +14,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from typing import Iterator
+
 from sdk.protocol.canonical import is_sha256_hex
 
 from broker.errors import NotFound
+from .model import StoredBlob
 
 
 class LocalBlobStore:
+    presigns = False  # no URLs: bytes travel through the broker (the agent's stream)
+
     def __init__(self, root: Path | str):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -100,3 +105,37 @@ class LocalBlobStore:
             return self._path(key).exists()
         except NotFound:
             return False
+
+    def check(self, key: str) -> str:
+        """"ok" or "missing" (bytes reach this store only through the broker, which
+        checked their sha256 on arrival; :meth:`get` readers may check again)."""
+        return "ok" if self.exists(key) else "missing"
+
+    def delete(self, key: str) -> bool:
+        """Remove blob ``key``; False when it was not there."""
+        try:
+            self._path(key).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def blobs(self) -> Iterator[StoredBlob]:
+        """Every blob stored (uploads in progress under .tmp are not blobs)."""
+        for first in sorted(self.root.iterdir()):
+            if len(first.name) != 2 or not first.is_dir():
+                continue
+            for path in first.glob("*/*"):
+                if is_sha256_hex(path.name):
+                    try:
+                        st = path.stat()
+                    except FileNotFoundError:
+                        continue  # deleted meanwhile
+                    yield StoredBlob(path.name, st.st_size, st.st_mtime)
+
+    def usage(self) -> tuple[int, int]:
+        """(blobs, bytes) stored."""
+        n = total = 0
+        for b in self.blobs():
+            n += 1
+            total += b.size
+        return n, total

@@ -412,7 +412,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  f", resuming {len(resumed)} job(s)" if resumed else "")
         greeting = [pb.BrokerMessage(welcome=pb.Welcome(
             provider_id=provider.id, heartbeat_interval_s=self.heartbeat_interval_s,
-            lease_timeout_s=self.lease_timeout_s, resume_job_ids=resumed))]
+            lease_timeout_s=self.lease_timeout_s, resume_job_ids=resumed,
+            direct_uploads=bool(getattr(self.jobs.blobs, "presigns", False))))]
         if self.market is not None:
             greeting += self._join_market(session, caps)
         # What its weights give inputs declared default_from = "weights" (image sizes);
@@ -581,6 +582,26 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.dispatcher.kick()
         return True
 
+    def _grant(self, req, session: GatewaySession) -> None:
+        """Presigned PUT URLs for the blobs an agent is about to upload (or why not)."""
+        blobs = [(b.sha256, b.size) for b in req.blobs]
+        try:
+            if (self.canaries is not None and self.canaries.out_to(session.provider_id)
+                    and self.canaries.owns(req.job_id)):
+                puts = self.jobs.presign_uploads(blobs)  # it must look like any job
+            else:
+                puts = self.jobs.grant_uploads(session.provider_id, req.job_id, req.attempt,
+                                               blobs)
+        except BrokerError as exc:
+            session.send(pb.BrokerMessage(upload_grant=pb.UploadGrant(
+                job_id=req.job_id, request_id=req.request_id, error=exc.message,
+                code=exc.code)))
+            return
+        session.send(pb.BrokerMessage(upload_grant=pb.UploadGrant(
+            job_id=req.job_id, request_id=req.request_id, uploads=[
+                pb.UploadUrl(sha256=b.sha256, url=p.url, headers=p.headers,
+                             expires_at=p.expires_at) for b, p in zip(req.blobs, puts)])))
+
     def _handle(self, msg: pb.AgentMessage, session: GatewaySession,
                 arrived: float | None = None) -> None:
         """One message of the agent's; ``arrived``: when the stream read it (the broker's
@@ -609,7 +630,12 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.jobs.accepted(pid, msg.accepted.job_id, msg.accepted.attempt)
         elif kind == "progress":
             p = msg.progress
-            self.jobs.progress(pid, p.job_id, p.attempt, p.step, p.total, p.message, p.text)
+            if p.preview:
+                self.jobs.preview(pid, p.job_id, p.attempt, p.step, p.total, p.preview,
+                                  p.preview_media_type)
+            else:
+                self.jobs.progress(pid, p.job_id, p.attempt, p.step, p.total, p.message,
+                                   p.text)
         elif kind == "output":
             o = msg.output
             self.jobs.store_output(pid, o.job_id, o.attempt, o.data, o.sha256)
@@ -628,18 +654,25 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.jobs.give_back(pid, g.job_id, g.attempt,
                                 f"for the machine's owner: {g.reason}" if g.for_owner else g.reason)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=g.job_id, what="give_back")))
+        elif kind == "upload_request":
+            self._grant(msg.upload_request, session)
         elif kind == "checkpoint" and self.jobs.checkpoints is not None:
             c = msg.checkpoint
             self.jobs.checkpoints.upload(pid, c.job_id, c.attempt, c.step, c.total, c.data,
-                                         c.sha256)
+                                         c.sha256, stored=c.stored)
         elif kind == "fetch_checkpoint" and self.jobs.checkpoints is not None:
             f = msg.fetch_checkpoint
+            data, url, error = b"", "", ""
             try:
-                data, error = self.jobs.checkpoints.fetch(pid, f.job_id, f.attempt, f.sha256), ""
+                if getattr(self.jobs.blobs, "presigns", False):  # the agent GETs it from S3
+                    url = self.jobs.checkpoints.fetch_url(pid, f.job_id, f.attempt, f.sha256)
+                else:
+                    data = self.jobs.checkpoints.fetch(pid, f.job_id, f.attempt, f.sha256)
             except (BrokerError, KeyError, OSError) as exc:
-                data, error = b"", getattr(exc, "message", None) or str(exc)
+                error = getattr(exc, "message", None) or str(exc)
             session.send(pb.BrokerMessage(checkpoint_data=pb.CheckpointData(
-                job_id=f.job_id, attempt=f.attempt, sha256=f.sha256, data=data, error=error)))
+                job_id=f.job_id, attempt=f.attempt, sha256=f.sha256, data=data, error=error,
+                url=url)))
         elif kind == "inventory":
             if self.warm is not None:
                 inv = msg.inventory

@@ -132,26 +132,39 @@ class CheckpointService:
 
     # ---- agents ----------------------------------------------------------------------
     def upload(self, provider_id: str, job_id: str, attempt: int, step: int, total: int,
-               data: bytes, sha256: str) -> CheckpointRecord | None:
+               data: bytes, sha256: str, stored: bool = False) -> CheckpointRecord | None:
         """Keep a checkpoint of the attempt ``provider_id`` holds; idempotent (the same or
-        an older checkpoint again changes nothing)."""
+        an older checkpoint again changes nothing). ``stored``: the agent PUT the bytes
+        into the blob store itself (a presigned URL); the stored object's checksum is
+        checked instead."""
         job = self.jobs._leased(provider_id, job_id, attempt)
-        if len(data) > MAX_CHECKPOINT_BYTES:
-            raise ReceiptRefused("checkpoint_too_large", f"checkpoint of {len(data)} bytes; at "
-                                 f"most {MAX_CHECKPOINT_BYTES} are kept")
-        actual = sha256_hex(data)
-        if sha256 and actual != sha256:
-            raise ReceiptRefused("checkpoint_hash_mismatch",
-                                 f"checkpoint of job {job_id} hashes to {actual}, not {sha256}")
         resume = (job.envelope or {}).get("resume") or {}
         base = int(resume.get("step", 0))
         if not base < step <= total or total <= 0:
             raise ReceiptRefused("bad_checkpoint_step", f"checkpoint at step {step} of {total}; "
                                  f"this attempt started at step {base}")
-        self.jobs.blobs.put(data)
+        if stored:
+            state = self.jobs.blobs.check(sha256) if sha256 else "missing"
+            if state != "ok":
+                raise ReceiptRefused(
+                    "checkpoint_missing" if state == "missing" else "checkpoint_hash_mismatch",
+                    f"checkpoint {sha256[:12]}… of job {job_id} is "
+                    f"{'not in the blob store' if state == 'missing' else 'stored as other bytes'}"
+                    "; PUT it with the URL from an UploadRequest first")
+            actual, size = sha256, self.jobs.blobs.size(sha256)
+        else:
+            if len(data) > MAX_CHECKPOINT_BYTES:
+                raise ReceiptRefused("checkpoint_too_large", f"checkpoint of {len(data)} bytes; "
+                                     f"at most {MAX_CHECKPOINT_BYTES} are kept")
+            actual = sha256_hex(data)
+            if sha256 and actual != sha256:
+                raise ReceiptRefused("checkpoint_hash_mismatch",
+                                     f"checkpoint of job {job_id} hashes to {actual}, not {sha256}")
+            self.jobs.blobs.put(data)
+            size = len(data)
         rec = CheckpointRecord(job_id=job.id, attempt=attempt, provider_id=provider_id,
                                base_step=base, step=step, total=total, sha256=actual,
-                               size=len(data),
+                               size=size,
                                rate_micro_per_unit=getattr(job, "price_micro_per_unit", None),
                                created_at=self.clock())
         if self.repo.save(rec):
@@ -163,13 +176,24 @@ class CheckpointService:
 
     def fetch(self, provider_id: str, job_id: str, attempt: int, sha256: str) -> bytes:
         """The checkpoint the envelope of the attempt ``provider_id`` holds names."""
+        self._resumes_from(provider_id, job_id, attempt, sha256)
+        return self.jobs.blobs.get(sha256)
+
+    def fetch_url(self, provider_id: str, job_id: str, attempt: int, sha256: str) -> str:
+        """As :meth:`fetch`, a presigned GET URL of the checkpoint (stores that presign)."""
+        self._resumes_from(provider_id, job_id, attempt, sha256)
+        if not self.jobs.blobs.exists(sha256):
+            raise ReceiptRefused("checkpoint_missing", f"checkpoint {sha256[:12]}… is no "
+                                 "longer in the blob store")
+        return self.jobs.blobs.presign_get(sha256)[0]
+
+    def _resumes_from(self, provider_id: str, job_id: str, attempt: int, sha256: str) -> None:
         job = self.jobs._leased(provider_id, job_id, attempt)
         resume = (job.envelope or {}).get("resume") or {}
         if not sha256 or resume.get("sha256") != sha256:
             raise ReceiptRefused("unknown_checkpoint",
                                  f"job {job_id} attempt {attempt} resumes from no checkpoint "
                                  f"{sha256[:12]}")
-        return self.jobs.blobs.get(sha256)
 
     # ---- money -----------------------------------------------------------------------
     def parts(self, job: Job) -> list[Part]:

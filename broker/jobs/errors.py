@@ -14,6 +14,12 @@ class OutputNotFound(NotFound):
     code, title = "output_not_found", "Output not found"
 
 
+class OutputExpired(BrokerError):
+    """The output existed, and retention deleted it (output_retention_s)."""
+    code, http_status, grpc_status, title = ("output_expired", 410, "NOT_FOUND",
+                                             "Output expired")
+
+
 class ReceiptRefused(BrokerError):
     """A receipt, output or progress report an agent sent that must not be accepted."""
 

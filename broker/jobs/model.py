@@ -98,6 +98,14 @@ class Job:
     # serve); a check pins the digest of the weights the run it checks used.
     weights_digest: str | None = None
     request_id: str | None = None      # X-Request-Id of the request that created it
+    # Issue #24: the image format the client asked for ({"format": "webp", "quality": 80};
+    # None: the plugin's own, PNG); the result cache: the client opted in (``cache``), the
+    # key a later job must match to be answered from this one, and for a job that was so
+    # answered, the job whose outputs it got (``cached_from``).
+    output_format: dict | None = None
+    cache: bool = False
+    cache_key: str | None = None
+    cached_from: str | None = None
 
 
 @dataclass

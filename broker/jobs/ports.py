@@ -64,6 +64,9 @@ class JobRepository(Protocol):
 
     def checks_of(self, job_id: str) -> list[Job]: ...
 
+    def cache_sources(self, cache_key: str, limit: int = 5) -> list[Job]:
+        """Settled jobs, not cache answers themselves, with this result-cache key."""
+
 
 class Presence(Protocol):
     """Whether some provider known to the broker serves a plugin build (connected now, or
@@ -75,6 +78,11 @@ class Presence(Protocol):
 
 
 class BlobStore(Protocol):
+    """Content-addressed blobs (broker.blobs: a local folder, or S3 through boto3). The
+    contract both keep is tests/unit/broker/test_blob_stores.py."""
+
+    presigns: bool  # True: presign_put/presign_get work (bytes bypass the broker)
+
     def put(self, data: bytes) -> str:
         """Store ``data``; returns its key (its sha256 hex)."""
 
@@ -113,3 +121,19 @@ class NoMetrics:
 
     def settled(self, plugin: str, settle_s: float) -> None:
         pass
+    def check(self, key: str) -> str:
+        """"ok" (stored as the bytes its key names), "missing", "no_checksum" or
+        "mismatch" (the last two: an object store's object changed behind the broker)."""
+
+    def delete(self, key: str) -> bool: ...
+
+    def usage(self) -> tuple[int, int]:
+        """(blobs, bytes) stored."""
+
+    def presign_put(self, key: str, size: int | None = None):
+        """broker.blobs.model.PresignedPut: a URL storing only the bytes of ``key``."""
+
+    def presign_get(self, key: str, ttl_s: float | None = None,
+                    media_type: str | None = None,
+                    attachment: bool = False) -> tuple[str, float]:
+        """(url, expires at): a URL anyone holding it may GET the blob with."""

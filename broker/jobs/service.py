@@ -26,14 +26,20 @@ from broker.auth.service import Principal
 from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
-from .errors import JobNotCancellable, JobNotFound, NoProvider, OutputNotFound, ReceiptRefused
+from .errors import (JobNotCancellable, JobNotFound, NoProvider, OutputExpired, OutputNotFound,
+                     ReceiptRefused)
 from .checkpoints import steps_of
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
+from .cache import parse_output_format, result_cache_key
 from .ports import BlobStore, JobMetrics, JobRepository, NoMetrics, Presence
 
 log = logging.getLogger(__name__)
 ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
+MAX_UPLOADS_PER_REQUEST = 1024  # blobs one UploadRequest may name (a receipt's outputs)
+MAX_UPLOAD_BYTES = 5 << 30      # one presigned PUT (S3's limit for a single PUT)
+MAX_PREVIEW_BYTES = 16 * 1024   # a progress preview (a thumbnail)
+PREVIEW_TYPES = ("image/webp", "image/jpeg", "image/png")
 BAD_INPUT = "bad_input"            # a failure code: the plugin refused the job's input
 NO_PROVIDER = "no_provider"        # a failure code: no provider served the build for long
 INPUT_DISPUTED = "input_disputed"  # a requeue: another operator's provider tries that input
@@ -63,17 +69,28 @@ class InputDefaults(Protocol):
     def for_job(self, manifest, weights_digest: str | None = None) -> dict[str, Any]: ...
 
 
+class Retention(Protocol):
+    """Whether a job's outputs are past their retention (broker.blobs.retention)."""
+
+    policy: Any  # its output_retention_s, for messages
+
+    def expired(self, finished_at: float | None, now: float | None = None) -> bool: ...
+
+
 class JobService:
     def __init__(self, repo: JobRepository, blobs: BlobStore, catalog: PluginCatalog,
                  signer: KeyPair, hub: EventHub | None = None,
                  settings: JobSettings | None = None, clock=time.time, billing=None,
                  input_defaults: InputDefaults | None = None,
                  seed_rng: random.Random | None = None,
-                 metrics: JobMetrics | None = None):
+                 metrics: JobMetrics | None = None,
+                 retention: Retention | None = None, result_cache=None):
         self.repo = repo
         self.metrics = metrics or NoMetrics()  # broker.observability.metrics
         # Draws the seed of every job whose client gave none (see draw_seed)
         self.seed_rng = seed_rng or random.SystemRandom()
+        self.result_cache = result_cache  # broker.jobs.cache.ResultCache; None: no cache
+        self.retention = retention  # None: outputs never expire
         self.input_defaults = input_defaults  # None: the manifests' defaults only
         self.billing = billing  # broker.billing.JobBilling; None: jobs cost nothing
         self.blobs = blobs
@@ -133,11 +150,12 @@ class JobService:
             raise InvalidRequest("the request body must be a JSON object like "
                                  '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
         unknown = (set(body) - {"plugin", "version", "inputs", "verify", "weights_digest"}
-                   - set(MARKET_FIELDS))
+                   - set(MARKET_FIELDS) - set(OUTPUT_FIELDS))
         if unknown:
             raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: plugin, "
                                  "version, inputs, verify, weights_digest, "
-                                 + ", ".join(MARKET_FIELDS), field=sorted(unknown)[0])
+                                 + ", ".join(MARKET_FIELDS + OUTPUT_FIELDS),
+                                 field=sorted(unknown)[0])
         weights = body.get("weights_digest")
         if weights is not None and not is_sha256_hex(weights):
             raise InvalidRequest(f"weights_digest is {weights!r}; it must be the 64 lowercase "
@@ -157,6 +175,16 @@ class JobService:
         if version is not None and not isinstance(version, str):
             raise InvalidRequest("version must be a string like 1.0.0", field="version")
         manifest = self.catalog.get(plugin, version)
+        output_format = parse_output_format(body, manifest)
+        cache = body.get("cache", False)
+        if not isinstance(cache, bool):
+            raise InvalidRequest(f"cache is {cache!r}; use true (answer from the result cache "
+                                 "when a verified job with the same inputs exists, at the "
+                                 "plugin's cache price) or false (always run; the default)",
+                                 field="cache")
+        if cache and terms["n"] > 1:
+            raise InvalidRequest("cache works on single jobs: leave out n (or set it to 1), "
+                                 "or leave out cache", field="cache")
         asked, inputs = self._inputs(manifest, body.get("inputs", {}), weights)
         self.check_inputs(manifest.name, inputs)
         # The broker fixes the seed (after ``asked`` is taken: a retry of the same request
@@ -175,6 +203,10 @@ class JobService:
             hashed["weights_digest"] = weights
         if terms["n"] > 1:
             hashed["n"] = terms["n"]
+        if output_format is not None:
+            hashed["output_format"] = output_format
+        if cache:
+            hashed["cache"] = True
         request_hash = sha256_hex(canonical_bytes(hashed))
         now = self.clock()
         # With an idempotency key the job id is derived from it (a split's first sibling
@@ -188,7 +220,8 @@ class JobService:
                   if idempotency_key is not None else str(uuid.uuid4()))
         try:
             job = self._create(who, manifest, inputs, terms, job_id, idempotency_key,
-                               request_hash, now, verify, weights, request_id)
+                               request_hash, now, verify, weights, request_id, output_format,
+                               cache)
         except _Taken as taken:
             return _replayed(taken.job, request_hash, idempotency_key), False
         except Exception:
@@ -201,7 +234,9 @@ class JobService:
             log.info("job %s%s created by request %s (agents log it as %s)", job.id,
                      f" and {terms['n'] - 1} sibling(s)" if job.batch_id else "", request_id,
                      request_digest(request_id))
-        if not job.batch_id:
+        if job.cached_from:  # answered from the result cache: nothing to run
+            self.hub.notify(job.id, ended=True)
+        elif not job.batch_id:
             self.hub.notify(job.id)
             self.on_queued(job)
         return job, True
@@ -232,11 +267,20 @@ class JobService:
 
     def _create(self, who: Principal, manifest, inputs: dict, terms: dict, job_id: str,
                 idempotency_key: str | None, request_hash: str, now: float, verify: str,
-                weights: str | None, request_id: str | None = None) -> Job:
+                weights: str | None, request_id: str | None = None,
+                output_format: dict | None = None, cache: bool = False) -> Job:
         """The job (or a split's first sibling) with its hold. Raises _Taken, having
         written nothing, when an earlier request with the same idempotency key has it."""
         work_units = manifest.work_units_for(inputs)
         n = terms["n"]
+        cache_key = (result_cache_key(manifest, inputs, output_format)
+                     if cache and self.result_cache is not None else None)
+        if cache_key is not None:
+            source = self.result_cache.find(cache_key, weights)
+            if source is not None:  # answered from a verified job's outputs, not run
+                return self._answer_from_cache(who, manifest, inputs, source, job_id,
+                                               idempotency_key, request_hash, now, terms,
+                                               weights, output_format, cache_key)
         if self.presence is not None and not self.presence.serves(manifest.name,
                                                                    manifest.version):
             raise NoProvider(
@@ -256,7 +300,7 @@ class JobService:
         if n > 1:
             return self._submit_batch(who, manifest, inputs, work_units, terms, job_id,
                                       idempotency_key, request_hash, now, verify, weights,
-                                      request_id)
+                                      request_id, output_format)
         cap = terms["max_price_micro"]
         # The hold and the job (with its first event and the hold's audit entry) commit as
         # one transaction: no job without its hold, no hold without its job.
@@ -277,16 +321,71 @@ class JobService:
                       request_hash=request_hash, created_at=now, updated_at=now,
                       hold_id=hold_id, max_price_micro=max_price, priority=terms["priority"],
                       deadline_s=terms["deadline_s"], verify=verify, weights_digest=weights,
-                      request_id=request_id)
+                      request_id=request_id, output_format=output_format,
+                      cache=cache, cache_key=cache_key)
             job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
             if not created:  # rolls back the block: the replayed hold's audit entry too
                 raise _Taken(job)
             return job
 
+    def _answer_from_cache(self, who: Principal, manifest, inputs: dict, source, job_id: str,
+                           idempotency_key: str | None, request_hash: str, now: float,
+                           terms: dict, weights: str | None, output_format: dict | None,
+                           cache_key: str) -> Job:
+        """A job answered from ``source`` (a verified job's (job, outputs), broker.jobs.cache):
+        created, handed to the source's provider and settled with the source's outputs and
+        receipt in one transaction, at the plugin's cache price (broker.jobs.cache says who
+        is paid). Raises _Taken like _create."""
+        src, outputs = source
+        price = None if self.billing is None else self.billing.pricing.price(manifest.name)
+        amount = 0 if price is None else price.cache_price_micro
+        cap = terms["max_price_micro"]
+        if cap is not None and amount > cap:
+            raise InvalidRequest(f"a cache hit of {manifest.name} costs {amount} micro-credits, "
+                                 f"above your max_price_micro {cap}; raise it or leave out "
+                                 "cache", field="max_price_micro")
+        outs = [JobOutput(job_id, o.index, o.sha256, o.media_type, o.size) for o in outputs]
+        with self.repo.atomic():
+            hold_id = None
+            if self.billing is not None and amount > 0:
+                hold_id = self.billing.hold_amount(job_id, who.account_id, amount)
+            job = Job(id=job_id, account_id=who.account_id, plugin=manifest.name,
+                      plugin_version=manifest.version, inputs=inputs, state=JobState.QUEUED,
+                      max_attempts=self.settings.max_attempts, work_units=src.work_units,
+                      idempotency_key=idempotency_key, request_hash=request_hash,
+                      created_at=now, updated_at=now, hold_id=hold_id, max_price_micro=amount,
+                      priority=terms["priority"], deadline_s=terms["deadline_s"],
+                      verify="sampled", weights_digest=weights, output_format=output_format,
+                      cache=True, cached_from=src.id)
+            job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref,
+                                                             "cache": True}))
+            if not created:
+                raise _Taken(job)
+            job = self.repo.transition(
+                job.id, [JobState.QUEUED], JobState.MATCHED, provider_id=src.provider_id,
+                event=("assigned", {"provider_id": src.provider_id, "attempt": 0,
+                                    "cached_from": src.id}),
+                envelope=src.envelope, matched_at=now)
+            settled = self.repo.transition(
+                job.id, [JobState.MATCHED], JobState.SETTLED, outputs=outs,
+                events=[("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
+                                               "media_type": o.media_type, "size": o.size}
+                                              for o in outs], "cached_from": src.id})],
+                receipt=src.receipt, receipt_signature=src.receipt_signature,
+                progress_step=src.progress_step, progress_total=src.progress_total,
+                started_at=now, finished_at=now)
+            if hold_id is not None:
+                self._money("cache", settled, lambda: self.billing.settle_cached(
+                    settled, amount, price))
+        log.info("job %s answered from the result cache (job %s), %d micro-credits",
+                 settled.id, src.id, amount)
+        return settled
+
     def _submit_batch(self, who: Principal, manifest, inputs: dict, work_units: float,
                       terms: dict, first_id: str, idempotency_key: str | None,
                       request_hash: str, now: float, verify: str = "sampled",
-                      weights: str | None = None, request_id: str | None = None) -> Job:
+                      weights: str | None = None, request_id: str | None = None,
+                      output_format: dict | None = None) -> Job:
         """A split request: ``n`` sibling jobs sharing one batch id, each with its own hold
         for its share of the client's max price. The first sibling's id is ``first_id``
         (with an idempotency key, the id a one-job request with that key would get, and the
@@ -323,7 +422,8 @@ class JobService:
                           hold_id=hold_id, max_price_micro=max_price,
                           priority=terms["priority"], deadline_s=terms["deadline_s"],
                           batch_id=batch_id, batch_index=i, verify=verify,
-                          weights_digest=weights, request_id=request_id)
+                          weights_digest=weights, request_id=request_id,
+                          output_format=output_format)
                 job, fresh = self.repo.create(job, ("queued", {"plugin": manifest.ref,
                                                                "batch_id": batch_id,
                                                                "batch_index": i}))
@@ -363,7 +463,8 @@ class JobService:
                       # the primary's: a check's envelope looks like any job's
                       request_id=primary.request_id,
                       weights_digest=((primary.envelope or {}).get("weights_digest")
-                                      or primary.weights_digest))
+                                      or primary.weights_digest),
+                      output_format=primary.output_format)
             job, _ = self.repo.create(job, ("queued", {"plugin": f"{job.plugin}@"
                                                        f"{job.plugin_version}"}))
             # The dispatcher hears of the check once it exists: after the commit of the
@@ -461,10 +562,25 @@ class JobService:
         return self.repo.outputs(job_id)
 
     def output(self, who: Principal, job_id: str, index: int) -> tuple[JobOutput, bytes]:
-        for out in self.outputs(who, job_id):
+        out = self.output_meta(who, job_id, index)
+        return out, self.blobs.get(out.sha256)
+
+    def output_meta(self, who: Principal, job_id: str, index: int) -> JobOutput:
+        """Output ``index`` of the job; OutputExpired once retention deleted its bytes."""
+        job = self.get(who, job_id)
+        for out in self.repo.outputs(job_id):
             if out.index == index:
-                return out, self.blobs.get(out.sha256)
+                if self.outputs_expired(job):
+                    raise OutputExpired(
+                        f"output {index} of job {job_id} was deleted: outputs are kept "
+                        f"{self.retention.policy.output_retention_s:g} s after their job ends "
+                        "(output_retention_s); run the job again to get it",
+                        field="index")
+                return out
         raise OutputNotFound(f"job {job_id} has no output {index}")
+
+    def outputs_expired(self, job: Job) -> bool:
+        return self.retention is not None and self.retention.expired(job.finished_at)
 
     def cancel(self, who: Principal, job_id: str, reason: str = "cancelled by client") -> Job:
         job = self.get(who, job_id)
@@ -561,6 +677,8 @@ class JobService:
                  # same shape for a job no request named.
                  "request_id": (request_digest(job.request_id) if job.request_id
                                 else new_request_digest())}
+        if job.output_format:  # the agent encodes image outputs so (provider_agent/encode.py)
+            extra["output_format"] = job.output_format
         if self.checkpoints is not None:
             extra.update(self.checkpoints.envelope_extra(job) or {})
         envelope = make_envelope(job_id=job.id, attempt=attempt, plugin=job.plugin,
@@ -623,6 +741,23 @@ class JobService:
                             **fields)
         self.hub.notify(job.id)
 
+    def preview(self, provider_id: str, job_id: str, attempt: int, step: int, total: int,
+                data: bytes, media_type: str) -> None:
+        """A small picture of the job's output so far: a "preview" event the client's
+        event stream carries as a data: URL (previews are thumbnails: at most
+        MAX_PREVIEW_BYTES, of an image type; others are refused)."""
+        job = self._leased(provider_id, job_id, attempt)
+        if len(data) > MAX_PREVIEW_BYTES or media_type not in PREVIEW_TYPES:
+            raise InvalidRequest(f"a preview must be an image of type "
+                                 f"{', '.join(PREVIEW_TYPES)} of at most {MAX_PREVIEW_BYTES} "
+                                 f"bytes; got {media_type!r}, {len(data)} bytes")
+        import base64
+
+        self.repo.add_event(job.id, "preview", {
+            "step": step, "total": total,
+            "preview": f"data:{media_type};base64,{base64.b64encode(data).decode()}"})
+        self.hub.notify(job.id)
+
     def store_output(self, provider_id: str, job_id: str, attempt: int, data: bytes,
                      sha256: str) -> str:
         """An output sent ahead of its receipt (a large one)."""
@@ -630,6 +765,53 @@ class JobService:
         _check_lease(job_id, provider_id, attempt,
                      self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
         return self._put_output(job_id, data, sha256)
+
+    def grant_uploads(self, provider_id: str, job_id: str, attempt: int,
+                      blobs: list[tuple[str, int]]) -> list:
+        """Presigned PUT URLs (broker.blobs.model.PresignedPut), one per (sha256, size) in
+        ``blobs``, for the provider holding ``attempt`` of the job: each stores only the
+        bytes with that sha256, straight into the blob store (S3), never through here."""
+        with self._assigned_lock:  # the lease as assign() wrote it, when it is the asker's
+            copy = self._assigned.get(job_id)
+        if copy is None or copy[0].provider_id != provider_id or copy[0].attempt != attempt:
+            # Not this process's fresh lease: read it. (A copy out of date only hands out
+            # URLs; the receipt's conditional settlement still decides.)
+            _check_lease(job_id, provider_id, attempt,
+                         self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
+        return self.presign_uploads(blobs)
+
+    def presign_uploads(self, blobs: list[tuple[str, int]]) -> list:
+        """:meth:`grant_uploads` without the lease check (a canary has no job row)."""
+        if not getattr(self.blobs, "presigns", False):
+            raise InvalidRequest("this broker's blob store takes no direct uploads; send "
+                                 "outputs and checkpoints on the stream",
+                                 code_override="no_direct_uploads")
+        if not 0 < len(blobs) <= MAX_UPLOADS_PER_REQUEST:
+            raise InvalidRequest(f"an upload request names {len(blobs)} blobs; 1 to "
+                                 f"{MAX_UPLOADS_PER_REQUEST} are allowed")
+        out = []
+        for sha, size in blobs:
+            if not is_sha256_hex(sha):
+                raise InvalidRequest(f"blob {sha!r} is no sha256: give 64 lowercase hex digits")
+            if not 0 <= size <= MAX_UPLOAD_BYTES:
+                raise InvalidRequest(f"blob {sha[:12]}… is {size} bytes; at most "
+                                     f"{MAX_UPLOAD_BYTES} are allowed")
+            out.append(self.blobs.presign_put(sha, size))
+        return out
+
+    def _check_stored(self, job_id: str, index: int, sha: str) -> None:
+        """Refuse a receipt naming an output the store does not hold as those exact bytes
+        (for S3, the object's stored SHA-256 checksum: a HEAD, no bytes read)."""
+        state = self.blobs.check(sha)
+        if state == "missing":
+            raise ReceiptRefused("output_missing",
+                                 f"output {index} ({sha[:12]}…) was not uploaded before the receipt")
+        if state != "ok":
+            raise ReceiptRefused(
+                "output_checksum_mismatch",
+                f"output {index} of job {job_id}: the object stored as {sha[:12]}… is not "
+                f"those bytes ({'stored without a SHA-256 checksum' if state == 'no_checksum' else 'its SHA-256 checksum differs'}); "
+                "upload it again with a URL from an UploadRequest")
 
     def _put_output(self, job_id: str, data: bytes, sha256: str) -> str:
         _check_output(job_id, data, sha256)
@@ -700,9 +882,8 @@ class JobService:
         outputs = []
         for i, out in enumerate(rec["outputs"]):
             sha = out["sha256"]
-            if sha not in sent and not self.blobs.exists(sha):
-                raise ReceiptRefused("output_missing",
-                                     f"output {i} ({sha[:12]}…) was not uploaded before the receipt")
+            if sha not in sent:
+                self._check_stored(job.id, i, sha)
             outputs.append(JobOutput(job.id, out["index"], sha, out["media_type"], out["size"]))
         now = self.clock()
         # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
@@ -1047,6 +1228,7 @@ def _a(word: str) -> str:
 
 
 MARKET_FIELDS = ("priority", "max_price_micro", "deadline_s", "n")
+OUTPUT_FIELDS = ("output_format", "output_quality", "cache")
 MAX_SPLIT = 64
 
 

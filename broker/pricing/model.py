@@ -29,13 +29,16 @@ class PluginPrice:
     ``reserve_micro_per_unit``: the most a client pays per work unit (the auction's reserve,
     DESIGN §4); ``fee_bps``: the platform's share of each charge, in basis points;
     ``min_charge_micro``: the least a completed job costs; ``vesting_window_s``: how long
-    the provider's share stays claw-back-able before it vests."""
+    the provider's share stays claw-back-able before it vests; ``cache_price_micro``: what a
+    job answered from the result cache costs (issue #24; the fee is taken from it, the
+    rest goes to the provider whose verified run is served)."""
 
     plugin: str
     reserve_micro_per_unit: int
     fee_bps: int
     min_charge_micro: int
     vesting_window_s: int
+    cache_price_micro: int = 100
     updated_at: float = 0.0
     updated_by: str = ""
     is_default: bool = False

@@ -13,7 +13,8 @@ from broker.pricing.model import BPS, DEFAULT_PRICES, FALLBACK, PluginPrice, Quo
 from broker.ledger.model import MAX_AMOUNT_MICRO
 
 MAX_VESTING_WINDOW_S = 365 * 24 * 3600
-_FIELDS = ("reserve_micro_per_unit", "fee_bps", "min_charge_micro", "vesting_window_s")
+_FIELDS = ("reserve_micro_per_unit", "fee_bps", "min_charge_micro", "vesting_window_s",
+           "cache_price_micro")
 
 
 class PriceRepository(Protocol):
@@ -51,7 +52,8 @@ class PricingService:
         if default is not None:
             return default
         return PluginPrice(plugin, FALLBACK.reserve_micro_per_unit, FALLBACK.fee_bps,
-                           FALLBACK.min_charge_micro, FALLBACK.vesting_window_s, is_default=True)
+                           FALLBACK.min_charge_micro, FALLBACK.vesting_window_s,
+                           FALLBACK.cache_price_micro, is_default=True)
 
     def prices(self, plugins: list[str]) -> list[PluginPrice]:
         """Prices of ``plugins`` plus any other plugin an admin priced, sorted by name."""
@@ -72,7 +74,8 @@ class PricingService:
         limits = {"reserve_micro_per_unit": (1, MAX_AMOUNT_MICRO),
                   "fee_bps": (0, BPS - 1),
                   "min_charge_micro": (0, MAX_AMOUNT_MICRO),
-                  "vesting_window_s": (0, MAX_VESTING_WINDOW_S)}
+                  "vesting_window_s": (0, MAX_VESTING_WINDOW_S),
+                  "cache_price_micro": (0, MAX_AMOUNT_MICRO)}
         for name, value in changes.items():
             low, high = limits[name]
             if type(value) is not int or not low <= value <= high:

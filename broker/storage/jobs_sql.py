@@ -276,6 +276,16 @@ class SqlJobRepository:
                              .order_by(JOBS.c.created_at))
             return [_to_job(r) for r in rows]
 
+    def cache_sources(self, cache_key: str, limit: int = 5) -> list[Job]:
+        """Settled jobs (not themselves answered from the cache) whose result-cache key is
+        ``cache_key``, newest first."""
+        with self.sessions() as s:
+            rows = s.execute(_SELECT.where(JOBS.c.cache_key == cache_key,
+                                           JOBS.c.state == JobState.SETTLED.value,
+                                           JOBS.c.cached_from.is_(None))
+                             .order_by(JOBS.c.finished_at.desc()).limit(limit))
+            return [_to_job(r) for r in rows]
+
     def counts_by_state(self) -> dict[str, int]:
         with self.sessions() as s:
             return {state: n for state, n in

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text,
-                        UniqueConstraint)
+                        UniqueConstraint, false)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from .base import Base
@@ -61,6 +61,7 @@ class JobRow(Base):
         Index("ix_jobs_state_finished", "state", "finished_at"),  # the verification sweep
         Index("ix_jobs_state_lease", "state", "lease_expires_at"),
         Index("ix_jobs_provider_state", "provider_id", "state"),
+        Index("ix_jobs_cache_key", "cache_key", "state"),  # the result cache's look-up
     )
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"))
@@ -104,6 +105,11 @@ class JobRow(Base):
     weights_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # The X-Request-Id of the request that created the job (observability, issue #25).
     request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # Issue #24 (migration 0014_s3_outputs): the output format asked for, the result cache.
+    output_format: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    cache: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    cache_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    cached_from: Mapped[str | None] = mapped_column(String(36), nullable=True)
 
 
 class JobEventRow(Base):

@@ -15,13 +15,15 @@ class PluginPriceRow(Base):
     fee_bps: Mapped[int] = mapped_column(Integer)
     min_charge_micro: Mapped[int] = mapped_column(BigInteger)
     vesting_window_s: Mapped[int] = mapped_column(Integer)
+    cache_price_micro: Mapped[int] = mapped_column(BigInteger, default=100, server_default="100")
     updated_at: Mapped[float] = mapped_column(Float)
     updated_by: Mapped[str] = mapped_column(String(64))
 
 
 def _price(row: PluginPriceRow) -> PluginPrice:
     return PluginPrice(row.plugin, row.reserve_micro_per_unit, row.fee_bps, row.min_charge_micro,
-                       row.vesting_window_s, updated_at=row.updated_at, updated_by=row.updated_by)
+                       row.vesting_window_s, row.cache_price_micro, updated_at=row.updated_at,
+                       updated_by=row.updated_by)
 
 
 class SqlPriceRepository:
@@ -43,4 +45,5 @@ class SqlPriceRepository:
                                    reserve_micro_per_unit=price.reserve_micro_per_unit,
                                    fee_bps=price.fee_bps, min_charge_micro=price.min_charge_micro,
                                    vesting_window_s=price.vesting_window_s,
+                                   cache_price_micro=price.cache_price_micro,
                                    updated_at=price.updated_at, updated_by=price.updated_by))

@@ -114,6 +114,8 @@ class Inbox:
         return True
 
 
+MAX_PREVIEW_BYTES = 16 * 1024  # a progress preview; larger ones are dropped
+
 class Context:
     """RunContext for one job (see plugins.api)."""
 
@@ -134,6 +136,12 @@ class Context:
     def checkpoint(self, step: int, data: bytes) -> None:
         self._writer.send({"type": "checkpoint", "job_id": self.job_id, "step": int(step)},
                           bytes(data))
+
+    def preview(self, step: int, data: bytes, media_type: str = "image/webp") -> None:
+        data = bytes(data)
+        if len(data) <= MAX_PREVIEW_BYTES:  # a thumbnail, never an output by another name
+            self._writer.send({"type": "preview", "job_id": self.job_id, "step": int(step),
+                               "media_type": str(media_type)[:100]}, data)
 
     def progress(self, step: int, total: int, message: str = "") -> None:
         self._writer.send({"type": "progress", "job_id": self.job_id, "step": int(step),

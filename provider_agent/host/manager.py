@@ -190,7 +190,8 @@ class PluginHost:
             cancelled: threading.Event | None = None,
             checkpoint_every: int = 0, resume_from: bytes | None = None,
             on_checkpoint: Callable[[int, bytes], None] = lambda *a: None,
-            request_id: str = "") -> HostResult:
+            request_id: str = "",
+            on_preview: Callable[[int, bytes, str], None] = lambda *a: None) -> HostResult:
         """Run one job. Raises HostError (``code`` says why) when it fails. The plugin
         writes a checkpoint every ``checkpoint_every`` steps (0: never), each handed to
         ``on_checkpoint(step, data)``; ``resume_from`` is a checkpoint to continue from."""
@@ -236,6 +237,8 @@ class PluginHost:
                     on_stream(header["text"], header.get("token_ids", []))
                 elif kind == "checkpoint":
                     on_checkpoint(int(header["step"]), body)
+                elif kind == "preview":
+                    on_preview(int(header["step"]), body, header.get("media_type", ""))
                 elif kind == "output":
                     outputs.append(HostOutput(header["index"], header["media_type"], body,
                                               header.get("meta", {})))

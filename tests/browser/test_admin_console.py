@@ -187,9 +187,13 @@ def test_admin_resolves_a_dispute(env, console, swatches):
 def test_overview_and_ledger_pages(env, console):
     page = console
     env.client.generate("echo", text="a job for the charts", timeout=30)  # one just finished
+    swept = env.broker.services.retention.sweep()  # what the maintenance thread does
     page.goto(env.url + "/admin/")
     assert page.locator("svg.chart").count() == 5
     assert float(page.locator("#jpm").inner_text()) > 0
+    storage = page.locator("#storage").inner_text().lower()  # storage used, as the last sweep saw it
+    assert "storage used" in storage and f"{swept.blobs} blobs" in storage
+    assert "local folder" in storage
     shot(page, "09-overview")
     page.goto(env.url + "/admin/ledger")
     assert "Ledger balanced" in page.locator("#reconcile").inner_text()

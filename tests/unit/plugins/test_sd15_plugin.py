@@ -214,3 +214,23 @@ def test_weights_shaped_like_sd15_give_512(tmp_path):
         assert manifest.validate_inputs({"prompt": "a"}, plugin.input_defaults())["width"] == 512
     finally:
         plugin.teardown()
+
+
+def test_progress_previews_are_small_webps_and_leave_the_output_as_it_was(run, make_ctx):
+    class PreviewContext(make_ctx):
+        def __init__(self):
+            super().__init__()
+            self.previews = []
+
+        def preview(self, step, data, media_type="image/webp"):
+            self.previews.append((step, data, media_type))
+
+    ctx = PreviewContext()
+    [with_previews] = run(ctx=ctx, seed=5, steps=8)
+    [plain] = run(seed=5, steps=8)  # a context without preview(): none are made
+    assert with_previews.data == plain.data
+    assert [s for s, _, _ in ctx.previews] == [2, 4, 6]  # 4 per job, never the last step
+    for _, data, media_type in ctx.previews:
+        im = Image.open(io.BytesIO(data))
+        assert media_type == "image/webp" and im.format == "WEBP"
+        assert max(im.size) <= 64 and len(data) < 16 * 1024
