@@ -5,6 +5,8 @@ real SD 1.5 weights (issue #30). Hand-driven agent streams: no model is loaded h
 import json
 import time
 
+from plugins import builtin_plugin_dir
+from plugins.api import load_manifest
 from sdk import Client
 from sdk.protocol import agent_pb2 as pb
 from sdk.protocol.envelope import challenge_document
@@ -23,7 +25,8 @@ def _connect(broker, defaults: dict | None, digest: str = TINY) -> RawAgent:
     raw.send(challenge_response=pb.ChallengeResponse(signature=key.sign(
         "challenge", challenge_document(ch.nonce, key.public_key_hex, ch.broker_public_key))))
     raw.send(capabilities=pb.Capabilities(plugins=[pb.PluginCapability(
-        name="sd15", version="1.0.0", weights_digest=digest,
+        name="sd15", version=load_manifest(builtin_plugin_dir("sd15")).version,
+        weights_digest=digest,
         input_defaults=json.dumps(defaults) if defaults else "")], slots=1, sandboxed=True))
     assert raw.recv().welcome.provider_id
     return raw
