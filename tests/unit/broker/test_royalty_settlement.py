@@ -1,6 +1,7 @@
 """Adapter royalties at settlement (issue #5), on SQLite and PostgreSQL: the hold is divided
 provider share → royalty → platform fee → rest released, to the micro-credit."""
 import time
+from fractions import Fraction
 
 import pytest
 from sqlalchemy.orm import sessionmaker
@@ -103,9 +104,9 @@ def test_jobs_without_paid_adapters_post_no_royalty_leg(money):
 def test_a_cancelled_job_pays_no_royalty(money):
     ledger, billing = money
     job = _job(billing, "job-6", "ink", rate=6_000)
-    job.progress_step, job.progress_total = 5, 10
-    billing.cancelled(job, "client cancelled")
-    # half the work: 300,000 charged (270,000 + 30,000 fee), no royalty
+    # half the work shown (checkpoints, tokens): 300,000 charged (270,000 + 30,000 fee),
+    # no royalty
+    billing.cancelled(job, "client cancelled", Fraction(1, 2))
     assert _balances(ledger) == (10_000_000 - 300_000, 270_000, 0, 30_000)
 
 

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from sdk.protocol.canonical import canonical_bytes, loads
 from sdk.protocol.envelope import make_receipt
+from sdk.protocol.sealing import open_inputs
 from sdk.protocol.signing import KeyPair
 
 from broker.catalog.registry import PluginCatalog
@@ -79,8 +80,10 @@ def test_a_canary_looks_like_a_recent_client_job_of_another_operator():
                                                       "sleep_ms": 20, "steps": 12})
     assert w.canaries.send_due(w.session) == 1
     env = loads(w.sent[0])
-    assert env["inputs"]["text"] == "a client's words"  # never the agent's own job again
+    # sealed to the agent, as every job's inputs are
+    inputs = open_inputs(env["sealed_inputs"], w.agent)
+    assert inputs["text"] == "a client's words"  # never the agent's own job again
     assert env["weights_digest"] == "ab" * 32
     assert env["checkpoint_every"] >= 1                 # 12 steps: a job would checkpoint
-    assert w.market.canary(env["job_id"]).inputs == env["inputs"]
+    assert w.market.canary(env["job_id"]).inputs == inputs
 
