@@ -162,7 +162,12 @@ class Dispatcher:
             self._lease_resumed(session)
         session.resumed = {}  # read once, here: not kept for the whole connection
         self._sync(session)
-        self.kick()
+        if old is None and len(self._sessions) == 1 and self.bus is not None \
+                and self.bus.shared:
+            # This replica kept no queued jobs while it had no agent (_queued): read them.
+            self.rescan()
+        else:
+            self.kick()
 
     def _lease_resumed(self, session: AgentSession) -> None:
         """Jobs an agent still holds when it (re)connects, e.g. after a broker restart,
@@ -340,7 +345,7 @@ class Dispatcher:
         if not self._backlog and not job.batch_id:
             if self._place(job):
                 return
-        if self.bus is not None and not self._sessions:
+        if self.bus is not None and self.bus.shared and not self._sessions:
             # No agent here to take it: the replicas holding agents are told; this one
             # reads the queue from the database once an agent connects.
             self.bus.publish("queued", {"j": [j.id for j in siblings or [job]]})
