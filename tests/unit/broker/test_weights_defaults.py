@@ -8,6 +8,7 @@ from broker.providers.defaults import WeightsDefaults
 from broker.settings import BUILTIN_PLUGINS
 
 TINY, OTHER = "a" * 64, "b" * 64
+SD15_VERSION = PluginCatalog.from_folders([BUILTIN_PLUGINS]).get("sd15").version
 SMALL = json.dumps({"width": 64, "height": 64})
 
 
@@ -16,7 +17,7 @@ def _index():
     return WeightsDefaults(catalog), catalog.get("sd15")
 
 
-def _sd15(digest=TINY, defaults=SMALL, version="1.0.0"):
+def _sd15(digest=TINY, defaults=SMALL, version=SD15_VERSION):
     return [{"name": "sd15", "version": version, "weights_digest": digest,
              "input_defaults": defaults}]
 

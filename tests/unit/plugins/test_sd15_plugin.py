@@ -45,7 +45,7 @@ def test_txt2img_returns_one_png_of_the_asked_size(run):
     assert Image.open(io.BytesIO(out.data)).size == (80, 64)
     assert {k: out.meta[k] for k in ("seed", "index", "dtype")} == {
         "seed": 1, "index": 0, "dtype": "float32"}
-    assert set(out.meta) == {"seed", "index", "dtype", "latent_sha256"}
+    assert set(out.meta) == {"seed", "index", "dtype", "latent_sha256", "latent_trace"}
 
 
 def test_same_seed_same_bytes_other_seed_other_image(run):
