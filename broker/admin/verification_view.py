@@ -216,10 +216,10 @@ def image_calibration(path=None) -> dict[str, Any] | None:
     if not isinstance(dist, dict):
         return None
 
-    def q(values) -> str:
-        if not values:
+    def q(values) -> str:  # min / median / max of the recorded quantiles
+        if not values or len(values) != 5:
             return "—"
-        return " / ".join(f"{v:.4g}" for v in values)
+        return " / ".join(f"{values[i]:.3g}" for i in (0, 2, 4))
 
     summary = image.get("summary") or {}
 
