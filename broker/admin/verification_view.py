@@ -19,6 +19,8 @@ REASONS = {
     "economic_floor": "economic floor p ≥ g / (q·(S + g))",
     "reputation": "reputation — 1 / CV",
     "client_asked": "the client asked for verify=always (and pays for the check)",
+    "unseeded": "queued before the broker fixed every job's seed — a check could only "
+                "re-run it with the seed its provider reported, so it is not checked",
 }
 
 #: What each verification status means for the client's output.
