@@ -48,6 +48,12 @@ outright (unless the cheat is within ``MIN_SEPARATION`` of the honest noise, whe
 bound can separate them); the reject bound is the worst honest distance widened by
 ``REJECT_SAFETY`` (so no honest run comes near a slash), but never closer than the accept
 bound. Cheating samples that land between the two go to a tiebreaker.
+
+The latent trace's reject bound is the geometric mean of the farthest honest pair and the
+nearest reduced-work cheat (half the steps, half the size), so it sits the same factor
+(the margin, printed and recorded) from each; its accept bound is the farthest honest pair
+widened by ``TRACE_ACCEPT_SLACK``. ``thresholds.json`` records both distributions
+(``image.distributions``) for the console.
 """
 from __future__ import annotations
 

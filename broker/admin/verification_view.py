@@ -19,6 +19,8 @@ REASONS = {
     "economic_floor": "economic floor p ≥ g / (q·(S + g))",
     "reputation": "reputation — 1 / CV",
     "client_asked": "the client asked for verify=always (and pays for the check)",
+    "unseeded": "queued before the broker fixed every job's seed — a check could only "
+                "re-run it with the seed its provider reported, so it is not checked",
 }
 
 #: What each verification status means for the client's output.
@@ -216,10 +218,10 @@ def image_calibration(path=None) -> dict[str, Any] | None:
     if not isinstance(dist, dict):
         return None
 
-    def q(values) -> str:
-        if not values:
+    def q(values) -> str:  # min / median / max of the recorded quantiles
+        if not values or len(values) != 5:
             return "—"
-        return " / ".join(f"{v:.4g}" for v in values)
+        return " / ".join(f"{values[i]:.3g}" for i in (0, 2, 4))
 
     summary = image.get("summary") or {}
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from broker.ledger.seeding import seed_earned
-from tests.browser.conftest import FIXTURE_PLUGINS, chromium_page, shot
+from tests.browser.conftest import FIXTURE_PLUGINS, SHOTS, chromium_page, shot
 from tests.fixtures.plugins.swatch.plugin import png
 from tests.integration.conftest import LiveBroker, agent_starter
 
@@ -220,6 +220,11 @@ def test_dispute_from_verification_shows_the_sides_and_can_be_overridden(env):
     assert all(_loaded(page, card.locator("img.thumb").nth(i)) == 64 for i in range(3))
     assert card.locator("table.cmp-table tbody tr").count() == 3
     assert "SSIM" in card.locator("table.cmp-table").inner_text()
+    # what the image bounds were set between (issue #20): honest pairs and each cheat
+    calibration = page.locator("#calibration-table").inner_text()
+    assert "honest pairs" in calibration and "fewer-steps" in calibration
+    assert "reject" in page.locator("#image-calibration").inner_text()
+    page.locator("#image-calibration").screenshot(path=str(SHOTS / "19-image-calibration.png"))
     shot(page, "19-dispute-verification")
     # an override without a reason is refused by the form; with one it is recorded
     card.locator("button[type=submit]").click()

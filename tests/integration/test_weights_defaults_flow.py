@@ -5,16 +5,17 @@ real SD 1.5 weights (issue #30). Hand-driven agent streams: no model is loaded h
 import json
 import time
 
-from plugins import builtin_plugin_dir
-from plugins.api import load_manifest
 from sdk import Client
 from sdk.protocol import agent_pb2 as pb
+from plugins import builtin_plugin_dir
 from sdk.protocol.envelope import challenge_document
+from sdk.protocol.manifest import load_manifest
 from sdk.protocol.signing import KeyPair
 
 from tests.integration.test_gateway_and_sdk import RawAgent
 
 TINY = "a" * 64
+SD15_VERSION = load_manifest(builtin_plugin_dir("sd15")).version
 README = {"prompt": "a lighthouse at dusk", "seed": 7, "steps": 30}
 
 
@@ -25,8 +26,7 @@ def _connect(broker, defaults: dict | None, digest: str = TINY) -> RawAgent:
     raw.send(challenge_response=pb.ChallengeResponse(signature=key.sign(
         "challenge", challenge_document(ch.nonce, key.public_key_hex, ch.broker_public_key))))
     raw.send(capabilities=pb.Capabilities(plugins=[pb.PluginCapability(
-        name="sd15", version=load_manifest(builtin_plugin_dir("sd15")).version,
-        weights_digest=digest,
+        name="sd15", version=SD15_VERSION, weights_digest=digest,
         input_defaults=json.dumps(defaults) if defaults else "")], slots=1, sandboxed=True))
     assert raw.recv().welcome.provider_id
     return raw

@@ -112,6 +112,6 @@ def test_trace_figures_and_the_calibration_the_console_shows(tmp_path):
     cal = image_calibration(path)
     honest, cheat = cal["groups"]
     assert honest["honest"] and honest["judged"] == {"match": 6, "tiebreak": 0, "mismatch": 0}
-    assert cheat["name"] == "fewer-steps" and cheat["trace"].startswith("0.125")
+    assert cheat["name"] == "fewer-steps" and cheat["trace"] == "0.125 / 0.2 / 0.3"
     assert cal["trace"]["margin"] == 2.5
     assert image_calibration(tmp_path / "missing.json") is None

@@ -6,11 +6,9 @@ import logging
 from broker.catalog.registry import PluginCatalog
 from broker.providers.defaults import WeightsDefaults
 from broker.settings import BUILTIN_PLUGINS
-from plugins import builtin_plugin_dir
-from plugins.api import load_manifest
 
 TINY, OTHER = "a" * 64, "b" * 64
-SD15_VERSION = load_manifest(builtin_plugin_dir("sd15")).version
+SD15_VERSION = PluginCatalog.from_folders([BUILTIN_PLUGINS]).get("sd15").version
 SMALL = json.dumps({"width": 64, "height": 64})
 
 

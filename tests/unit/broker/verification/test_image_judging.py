@@ -148,3 +148,20 @@ def test_an_honest_run_checked_by_a_bfloat16_run_is_verified(world, sd15, sd15_b
     assert rec.status is CheckStatus.VERIFIED, rec.comparisons
     [figures] = rec.comparisons["primary~checker"]["outputs"]
     assert figures["method"] == "structural" and figures["trace_distance"] > 0
+
+
+def test_a_job_queued_before_the_broker_fixed_seeds_is_not_checked_on_a_reported_seed(world):
+    """A job without a seed in its inputs (queued by an older broker) could only be
+    re-run with the seed its provider reports, which proves nothing: it is not sampled."""
+    now = time.time()
+    job, _ = world.jobs.repo.create(
+        Job(id=str(uuid.uuid4()), account_id=world.client, plugin="sd15",
+            plugin_version="1.1.0", inputs={k: v for k, v in JOB.items() if k != "seed"},
+            state=JobState.QUEUED, work_units=1.0, created_at=now, updated_at=now),
+        ("queued", {}))
+    job = world.settle_output(job, "a", b"\x89PNG not judged", "image/png", {"seed": 5},
+                              "sd15@1.1.0+")
+    world.v.settled(job, job.receipt)
+    rec = world.v.status(job.id)
+    assert (rec.status, rec.reason, rec.checker_job_id) == (CheckStatus.UNCHECKED,
+                                                             "unseeded", None)
