@@ -181,7 +181,7 @@ class JobService:
                 raise
             return _replayed(existing, request_hash, idempotency_key), False
         if not job.batch_id:
-            self.hub.notify(job.id)
+            self.hub.notify(job.id, relay=False)  # nobody elsewhere knows its id yet
             self.on_queued(job)
         return job, True
 
@@ -308,7 +308,7 @@ class JobService:
                     raise _Taken(job)
                 created.append(job)
         for job in created:
-            self.hub.notify(job.id)
+            self.hub.notify(job.id, relay=False)
         # One wake-up once every sibling exists, so that they clear together.
         self.on_queued(created[0], siblings=created)
         return created[0]
