@@ -145,6 +145,8 @@ class Dispatcher:
             log.exception("could not read the quota of %s", session.provider_id)
         pid = session.provider_id
         with self._cond:
+            if not self._sessions:  # it kept no queue in memory meanwhile: read it now
+                self._scanned_at = float("-inf")
             old = self._sessions.get(pid)
             self._sessions[pid] = session
             if old is not None:
@@ -356,7 +358,7 @@ class Dispatcher:
         if not self._backlog and not job.batch_id:
             if self._place(job):
                 return
-        if self.bus is not None and not self._sessions:
+        if self.bus is not None and self.bus.shared and not self._sessions:
             # No agent here to take it: the replicas holding agents are told; this one
             # reads the queue from the database once an agent connects.
             self._tell_queued(siblings or [job])
@@ -376,7 +378,7 @@ class Dispatcher:
                 self._pending[j.id] = j
                 self._stamp += 1
                 self._added[j.id] = self._stamp
-        if self.bus is not None:  # agents on other replicas may take them
+        if self.bus is not None and self.bus.shared:  # agents on other replicas may take them
             self._tell_queued(jobs)
         self.kick()
 
