@@ -110,18 +110,32 @@ class LocalNetwork:
         """Another broker process on the same PostgreSQL database, data dir and key (a
         replica: docs/architecture.md, *Replicas*); returns its addresses. Start the first
         with :meth:`start_broker`. Its process is ``self.replicas[i][0]``."""
+        return self.start_replicas(1, timeout_s=timeout_s)[0]
+
+    def start_replicas(self, n: int, timeout_s: float = 60) -> list[dict]:
+        """``n`` replicas at once (on ephemeral ports): started together, waited for
+        together."""
         if not (self.db_url or "").startswith("postgresql"):
             raise LocalNetworkError("replicas need PostgreSQL (db_url=postgresql+psycopg://…); "
                                     "SQLite serves one broker process")
         if self.broker is None:
             raise LocalNetworkError("start the first broker (start_broker) before a replica")
-        name = f"broker-{len(self.replicas) + 1}"
-        proc, info = self._serve(name, http, grpc, timeout_s)
-        self.replicas.append((proc, info))
-        return info
+        first = len(self.replicas) + 1
+        launched = [self._launch(f"broker-{first + i}", "127.0.0.1:0", "127.0.0.1:0")
+                    for i in range(n)]
+        out = []
+        for name, proc, ready in launched:
+            info = self._await(name, proc, ready, timeout_s)
+            self.replicas.append((proc, info))
+            out.append(info)
+        return out
 
     def _serve(self, name: str, http: str, grpc: str,
                timeout_s: float) -> tuple[subprocess.Popen, dict]:
+        name, proc, ready = self._launch(name, http, grpc)
+        return proc, self._await(name, proc, ready, timeout_s)
+
+    def _launch(self, name: str, http: str, grpc: str) -> tuple[str, subprocess.Popen, Path]:
         ready = self.workdir / f"{name}-ready.json"
         ready.unlink(missing_ok=True)
         log = open(self.workdir / f"{name}.log", "ab")
@@ -133,6 +147,9 @@ class LocalNetwork:
                 "--lease-timeout", str(self.lease_timeout_s), "--ready-file", str(ready),
                 *tls),
             stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)
+        return name, proc, ready
+
+    def _await(self, name: str, proc: subprocess.Popen, ready: Path, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if proc.poll() is not None:
@@ -143,7 +160,7 @@ class LocalNetwork:
                 raise LocalNetworkError(f"the broker did not start within {timeout_s:g}s; see "
                                         f"{self.workdir / (name + '.log')}")
             time.sleep(0.05)
-        return proc, json.loads(ready.read_text())
+        return json.loads(ready.read_text())
 
     def restart_broker(self, hard: bool = True) -> dict:
         """Kill the broker (SIGKILL when ``hard``) and start it again on the same ports."""

@@ -11,6 +11,7 @@ different operators where possible). Without a market, ``_choose`` keeps the spi
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from broker.auction.errors import NoMatch
 
-from .model import Job, JobState
+from .model import Job, JobState, job_from_wire, job_to_wire
 from .service import JobService
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 # sessions that changed or hold jobs and a slice of the others, so that each is tended at
 # least every TEND_PERIOD_S and a pass costs the same with 10,000 idle agents as with 10.
 TEND_ALL_UP_TO = 64
+WIRE_JOB_MAX = 6_000  # characters of JSON: a larger queued job travels as its id only
 TEND_PERIOD_S = 10.0
 
 
@@ -147,6 +149,8 @@ class Dispatcher:
             log.exception("could not read the quota of %s", session.provider_id)
         pid = session.provider_id
         with self._cond:
+            if not self._sessions:  # it kept no queue in memory meanwhile: read it now
+                self._scanned_at = float("-inf")
             old = self._sessions.get(pid)
             self._sessions[pid] = session
             if old is not None:
@@ -162,12 +166,7 @@ class Dispatcher:
             self._lease_resumed(session)
         session.resumed = {}  # read once, here: not kept for the whole connection
         self._sync(session)
-        if old is None and len(self._sessions) == 1 and self.bus is not None \
-                and self.bus.shared:
-            # This replica kept no queued jobs while it had no agent (_queued): read them.
-            self.rescan()
-        else:
-            self.kick()
+        self.kick()
 
     def _lease_resumed(self, session: AgentSession) -> None:
         """Jobs an agent still holds when it (re)connects, e.g. after a broker restart,
@@ -327,9 +326,27 @@ class Dispatcher:
         ids = [i for i in data.get("j") or () if isinstance(i, str)]
         if not ids or not self._sessions:
             return
+        job = None
+        if data.get("c") is not None:
+            try:
+                job = job_from_wire(data["c"])
+            except (KeyError, TypeError, ValueError):
+                job = None  # read back instead
         with self._cond:
+            if job is not None and job.id in ids and job.id not in self._pending:
+                self._add_pending(job)
+                ids = [i for i in ids if i != job.id]
             self._remote.update(ids)
         self.kick()
+
+    def _add_pending(self, job: Job) -> None:
+        """(the caller holds the lock)"""
+        last = next(reversed(self._pending.values()), None)
+        if last is not None and (last.created_at, last.id) > (job.created_at, job.id):
+            self._pending_sorted = False
+        self._pending[job.id] = job
+        self._stamp += 1
+        self._added[job.id] = self._stamp
 
     def rescan(self) -> None:
         """Read the whole queue again on the next pass (wake-ups may have been lost)."""
@@ -348,7 +365,7 @@ class Dispatcher:
         if self.bus is not None and self.bus.shared and not self._sessions:
             # No agent here to take it: the replicas holding agents are told; this one
             # reads the queue from the database once an agent connects.
-            self.bus.publish("queued", {"j": [j.id for j in siblings or [job]]})
+            self._tell_queued(siblings or [job])
             return
         jobs = siblings or [job]
         if job.batch_id and not siblings:  # a requeued sibling: with its queued siblings
@@ -365,9 +382,22 @@ class Dispatcher:
                 self._pending[j.id] = j
                 self._stamp += 1
                 self._added[j.id] = self._stamp
-        if self.bus is not None:  # agents on other replicas may take them
-            self.bus.publish("queued", {"j": [j.id for j in jobs]})
+        if self.bus is not None and self.bus.shared:  # agents on other replicas may take them
+            self._tell_queued(jobs)
         self.kick()
+
+    def _tell_queued(self, jobs: list[Job]) -> None:
+        """Wake the other replicas' dispatchers; a single small job travels whole (they
+        need not read it back), else its id."""
+        message: dict = {"j": [j.id for j in jobs]}
+        if len(jobs) == 1:
+            wire = job_to_wire(jobs[0])
+            try:
+                if len(json.dumps(wire, separators=(",", ":"))) <= WIRE_JOB_MAX:
+                    message["c"] = wire
+            except (TypeError, ValueError):
+                pass
+        self.bus.publish("queued", message)
 
     def _queue_snapshot(self, limit: int = 256) -> list[Job]:
         """The oldest queued jobs, from memory; from the database every reap interval."""
@@ -417,12 +447,7 @@ class Dispatcher:
                     job.not_before is not None and job.not_before > time.time()):
                 continue
             with self._cond:
-                last = next(reversed(self._pending.values()), None)
-                if last is not None and (last.created_at, last.id) > (job.created_at, job.id):
-                    self._pending_sorted = False
-                self._pending[job.id] = job
-                self._stamp += 1
-                self._added[job.id] = self._stamp
+                self._add_pending(job)
 
     def _forget(self, job_ids) -> None:
         with self._cond:

@@ -126,12 +126,14 @@ class EventHub:
         with self._lock:
             return sum(len(w) for w in self._waiters.values())
 
-    def notify(self, job_id: str, ended: bool = False, copy: Any = None) -> None:
+    def notify(self, job_id: str, ended: bool = False, copy: Any = None,
+               relay: bool = True) -> None:
         """Something happened to ``job_id``; ``ended``: it reached a terminal state;
         ``copy``: the job as that end wrote it (see :meth:`copy`). Other replicas hear of
-        it through the bus (without the copy: they read the row)."""
+        it through the bus (with the copy when it is small), unless ``relay`` is False (a
+        job just created: nobody elsewhere knows its id yet)."""
         self._notify(job_id, ended, copy)
-        if self.bus is not None and self.bus.shared:
+        if relay and self.bus is not None and self.bus.shared:
             message: dict[str, Any] = {"j": job_id, "e": 1} if ended else {"j": job_id}
             if copy is not None and self.codec is not None:
                 try:
@@ -140,7 +142,9 @@ class EventHub:
                         message["c"] = wire
                 except (TypeError, ValueError):  # not JSON-able: the waiters read the row
                     pass
-            self.bus.publish("job", message)
+            # A job's end wakes a waiting client: at once. Its steps before (assigned,
+            # progress) matter to event streams only: batched, off the caller's path.
+            self.bus.publish("job", message, urgent=ended)
 
     def _from_replica(self, data: dict) -> None:
         job_id = data.get("j")

@@ -134,12 +134,22 @@ class SettledCopyCodec:
     @staticmethod
     def encode(copy) -> dict:
         job, outputs = copy
-        doc = asdict(job)
-        doc["state"] = job.state.value
-        return {"job": doc, "outputs": [asdict(o) for o in outputs]}
+        return {"job": job_to_wire(job), "outputs": [asdict(o) for o in outputs]}
 
     @staticmethod
     def decode(doc: dict):
-        job = dict(doc["job"])
-        job["state"] = JobState(job["state"])
-        return Job(**job), tuple(JobOutput(**o) for o in doc["outputs"])
+        return job_from_wire(doc["job"]), tuple(JobOutput(**o) for o in doc["outputs"])
+
+
+def job_to_wire(job: Job) -> dict:
+    """The job as JSON (for a wake-up to another replica: see broker.replicas)."""
+    doc = asdict(job)
+    doc["state"] = job.state.value
+    return doc
+
+
+def job_from_wire(doc: dict) -> Job:
+    """:func:`job_to_wire` back (raises TypeError/ValueError/KeyError on a bad document)."""
+    doc = dict(doc)
+    doc["state"] = JobState(doc["state"])
+    return Job(**doc)

@@ -237,7 +237,7 @@ class JobService:
         if job.cached_from:  # answered from the result cache: nothing to run
             self.hub.notify(job.id, ended=True)
         elif not job.batch_id:
-            self.hub.notify(job.id)
+            self.hub.notify(job.id, relay=False)  # nobody elsewhere knows its id yet
             self.on_queued(job)
         return job, True
 
@@ -431,7 +431,7 @@ class JobService:
                     raise _Taken(job)
                 created.append(job)
         for job in created:
-            self.hub.notify(job.id)
+            self.hub.notify(job.id, relay=False)
         # One wake-up once every sibling exists, so that they clear together.
         self.on_queued(created[0], siblings=created)
         return created[0]

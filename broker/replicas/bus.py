@@ -38,9 +38,11 @@ class ReplicaBus(Protocol):
         """Whether other replicas may exist (False: a one-process broker, SQLite)."""
         ...
 
-    def publish(self, kind: str, data: dict[str, Any]) -> None:
-        """Send ``data`` (JSON-able, small) to every other replica's ``kind`` handlers.
-        Never blocks on the network; best effort (see the module docstring)."""
+    def publish(self, kind: str, data: dict[str, Any], urgent: bool = True) -> None:
+        """Send ``data`` (JSON-able, small) to every other replica's ``kind`` handlers;
+        best effort (see the module docstring). ``urgent``: someone waits on it (a job
+        queued, a job's end, a command): it leaves at once, from the caller's thread; else
+        (a job's progress) it goes with the next batch, off the caller's path."""
         ...
 
     def subscribe(self, kind: str, handler: Handler) -> None:
@@ -65,7 +67,7 @@ class LocalBus:
     def __init__(self, replica_id: str | None = None):
         self.replica_id = replica_id or new_replica_id()
 
-    def publish(self, kind: str, data: dict[str, Any]) -> None:
+    def publish(self, kind: str, data: dict[str, Any], urgent: bool = True) -> None:
         pass
 
     def subscribe(self, kind: str, handler: Handler) -> None:

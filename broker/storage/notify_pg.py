@@ -74,14 +74,15 @@ class PgNotifyBus:
     def on_gap(self, handler: Callable[[], None]) -> None:
         self._gap.append(handler)
 
-    def publish(self, kind: str, data: dict[str, Any]) -> None:
-        """Sent from the caller's thread on an idle connection of the bus's own small pool
-        (one round trip, no thread hop: the wake-up leaves at once); when every such
-        connection is busy, queued for the sender thread, which packs what piles up."""
+    def publish(self, kind: str, data: dict[str, Any], urgent: bool = True) -> None:
+        """``urgent``: sent from the caller's thread on an idle connection of the bus's own
+        small pool (one round trip, no thread hop: the wake-up leaves at once); when every
+        such connection is busy, and for what is not urgent, queued for the sender
+        thread, which packs what piles up."""
         with self._cond:
             if self._closed or not self._threads:
                 return  # not started (a command-line tool) or closed: nobody to tell
-            conn = self._idle.pop() if self._idle and not self._out else None
+            conn = self._idle.pop() if urgent and self._idle and not self._out else None
             if conn is None:
                 self._out.append((kind, data))
                 self._cond.notify()
