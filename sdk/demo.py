@@ -55,8 +55,10 @@ def run_demo(workdir: Path | None, out_dir: Path, *, sandbox: bool = True) -> in
             provider_key = net.create_key("provider", f"demo-provider-{name}")
             net.start_agent(name, provider_key, plugins="sd15", weights_dir=weights_root,
                             sandbox=sandbox)
-        _say("starting two provider agents (each loads SD 1.5 once in a warm plugin host)")
-        net.wait_for_providers(2)
+        _say("starting two provider agents (each loads SD 1.5 once in a warm plugin host and "
+             f"benchmarks it before connecting: minutes on a busy CPU; progress in "
+             f"{net.workdir}/agent-*.log)")
+        net.wait_for_providers(2, timeout_s=900)
         _say("both agents connected; running the README's first example, "
              'client.generate("sd15", prompt="a lighthouse at dusk", seed=7, steps=30)')
         t0 = time.perf_counter()

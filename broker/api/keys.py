@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from flask import Blueprint
+from flask import Blueprint, request
 
 from broker.auth.service import MAX_TOKEN_TTL_S, TOKEN_TTL_S, KeyRecord
 from broker.errors import Forbidden, InvalidRequest
@@ -106,15 +106,11 @@ def create_token():
 
 
 def _bearer() -> str:
-    from flask import request
-
     header = request.headers.get("Authorization", "")
     return header[7:].strip() if header.lower().startswith("bearer ") else ""
 
 
 def _has_body() -> bool:
-    from flask import request
-
     return bool(request.get_data(cache=True))
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import jwt
 
-from broker.errors import InvalidRequest, NotFound, Unauthenticated
+from broker.errors import Forbidden, InvalidRequest, NotFound, Unauthenticated
 from .scopes import ROLE_SCOPES, parse_scopes
 
 ROLES = ("client", "provider", "publisher", "admin")
@@ -230,8 +230,6 @@ class ApiKeyService:
         wanted = parse_scopes(who.role, scopes) if scopes else tuple(sorted(who.scopes))
         beyond = sorted(set(wanted) - who.scopes)
         if beyond:
-            from broker.errors import Forbidden
-
             raise Forbidden(f"this key cannot hand out {beyond}: it holds "
                             f"{' '.join(sorted(who.scopes))}", missing_scope=beyond[0],
                             code_override="missing_scope")
