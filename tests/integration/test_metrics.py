@@ -80,3 +80,21 @@ def test_queue_depth_and_age_come_from_the_database(tmp_path):
         assert value(m, "sparecycles_queue_oldest_age_seconds", plugin="echo") >= 0.25
     finally:
         broker.stop()
+
+
+def test_cli_generate_follows_progress_then_saves(live_broker, start_agent, tmp_path):
+    """`sparecycles generate` (a real process) prints the job's steps off a terminal."""
+    import os
+    import subprocess
+
+    from sdk.localnet import cli
+
+    start_agent("cli")
+    out = subprocess.run(cli("generate", "echo", "--set", "text=hi", "--set", "steps=3",
+                             "--set", "sleep_ms=30", "--out", str(tmp_path / "o.json")),
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SPARECYCLES_URL": live_broker.url,
+                              "SPARECYCLES_API_KEY": live_broker.key("client")})
+    assert out.returncode == 0, out.stderr
+    assert "step 3/3" in out.stderr and "queued" in out.stderr
+    assert (tmp_path / "o.json").exists() or list(tmp_path.glob("o*.json"))
