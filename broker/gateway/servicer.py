@@ -37,6 +37,7 @@ from broker.auth.service import ApiKeyService
 from broker.errors import BrokerError
 from broker.jobs.dispatch import AgentSession, Dispatcher
 from broker.jobs.service import JobService
+from broker.observability.telemetry import TelemetryStore
 from broker.providers.service import ProviderService
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  dispatcher: Dispatcher, signer: KeyPair, heartbeat_interval_s: float,
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
-                 stats: GatewayStats | None = None, telemetry=None):
+                 stats: GatewayStats | None = None,
+                 telemetry: TelemetryStore | None = None):
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
         self.canaries = canaries    # broker.market.canary.CanaryService
@@ -210,8 +212,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.max_streams = max_streams
         self.outbox_max = outbox_max
         self.stats = stats or GatewayStats()
-        # broker.observability.telemetry.TelemetryStore: heartbeats' telemetry (None: dropped)
-        self.telemetry = telemetry
+        self.telemetry = telemetry  # heartbeats' telemetry, per provider (None: dropped)
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
         if self.stats.streams >= self.max_streams:
