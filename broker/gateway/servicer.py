@@ -38,6 +38,7 @@ from broker.auth.service import KEY_CACHE_S, ApiKeyService
 from broker.errors import BrokerError
 from broker.jobs.dispatch import AgentSession, Dispatcher
 from broker.jobs.service import JobService
+from broker.observability.telemetry import TelemetryStore
 from broker.providers.service import ProviderService
 from broker.replicas.service import ReplicaRegistry
 
@@ -203,7 +204,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
                  stats: GatewayStats | None = None, links=None,
-                 replicas: ReplicaRegistry | None = None, telemetry=None):
+                 replicas: ReplicaRegistry | None = None,
+                 telemetry: TelemetryStore | None = None):
         self.links = links          # broker.links.LinkService: address and hardware link accounts
         self.market = market        # broker.market.MarketService: standing asks, θ
         self.warm = warm            # broker.registry.WarmIndex: what each agent holds warm
@@ -221,6 +223,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.stats = stats or GatewayStats()
         # Records which replica holds each stream (other replicas read it: issue #21).
         self.replicas = replicas
+        self.telemetry = telemetry  # heartbeats' telemetry, per provider (None: dropped)
         # The live streams by the credential they connected with: checked again every
         # KEY_RECHECK_S, so a revoked or expired key's agents are let go within seconds.
         self._by_token: dict[str, set[GatewaySession]] = {}
@@ -258,8 +261,6 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                     log.warning("letting agent of provider %s go: %s", session.provider_id,
                                 why)
                     session._cut(why, revoked=True)
-        # broker.observability.telemetry.TelemetryStore: heartbeats' telemetry (None: dropped)
-        self.telemetry = telemetry
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
         if self.stats.streams >= self.max_streams:

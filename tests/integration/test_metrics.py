@@ -3,6 +3,7 @@ scrape shows after jobs ran, with Prometheus's own text parser."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sdk import Client
@@ -80,3 +81,51 @@ def test_queue_depth_and_age_come_from_the_database(tmp_path):
         assert value(m, "sparecycles_queue_oldest_age_seconds", plugin="echo") >= 0.25
     finally:
         broker.stop()
+
+
+def test_cli_generate_follows_progress_then_saves(live_broker, start_agent, tmp_path):
+    """`sparecycles generate` (a real process) prints the job's steps off a terminal."""
+    import os
+    import subprocess
+
+    from sdk.localnet import cli
+
+    start_agent("cli")
+    out = subprocess.run(cli("generate", "echo", "--set", "text=hi", "--set", "steps=3",
+                             "--set", "sleep_ms=30", "--out", str(tmp_path / "o.json")),
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SPARECYCLES_URL": live_broker.url,
+                              "SPARECYCLES_API_KEY": live_broker.key("client")})
+    assert out.returncode == 0, out.stderr
+    assert "step 3/3" in out.stderr and "queued" in out.stderr
+    assert (tmp_path / "o.json").exists() or list(tmp_path.glob("o*.json"))
+
+
+@pytest.mark.postgres
+def test_two_replicas_add_up(tmp_path, pg_url):
+    """Two broker replicas on one PostgreSQL database: events are counted where they
+    happen (sum over replicas), the shared queue is the same on both (take max)."""
+    from tests.integration.conftest import LiveBroker, seen_provider
+
+    a = LiveBroker(tmp_path / "a", db_url=pg_url, metrics_db_interval_s=0,
+                   replica_name="replica-a")
+    b = LiveBroker(tmp_path / "b", db_url=pg_url, metrics_db_interval_s=0,
+                   replica_name="replica-b")
+    try:
+        seen_provider(a.services)  # known, not connected: the jobs stay queued
+        key = a.key("client")
+        with Client(a.url, key) as on_a, Client(b.url, key) as on_b:
+            on_a.jobs.create("echo", text="1")
+            on_a.jobs.create("echo", text="2")
+            on_b.jobs.create("echo", text="3")
+        ma, mb = scrape(a.url), scrape(b.url)
+        assert value(ma, "sparecycles_broker_info", replica="replica-a") == 1
+        assert value(mb, "sparecycles_broker_info", replica="replica-b") == 1
+        assert value(ma, "sparecycles_jobs_submitted_total", plugin="echo") == 2
+        assert value(mb, "sparecycles_jobs_submitted_total", plugin="echo") == 1
+        for m in (ma, mb):
+            assert value(m, "sparecycles_queue_depth_jobs", plugin="echo") == 3
+            assert value(m, "sparecycles_ledger_transactions_total", kind="hold") == 3
+    finally:
+        a.stop()
+        b.stop()
