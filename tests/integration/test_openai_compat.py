@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.timeout(600)  # the agent benchmarks llama and sd15 before it connects
 
 from plugins import builtin_plugin_dir  # noqa: E402
 from tests.integration.conftest import LiveBroker, agent_starter  # noqa: E402
