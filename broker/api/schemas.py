@@ -47,6 +47,12 @@ class _Request(BaseModel):
 
 class JobRequest(_Request):
     """POST /v1/jobs."""
+    model_config = ConfigDict(extra="forbid", json_schema_extra=lambda schema: (
+        _no_null_defaults(schema), schema.setdefault("examples", [
+            {"plugin": "echo", "inputs": {"text": "hi"}},
+            {"plugin": "sd15", "inputs": {"prompt": "a lighthouse at dusk", "seed": 7},
+             "priority": "fast"},
+            {"plugin": "echo", "inputs": {"text": "two"}, "n": 2}])))
     plugin: str = Field(min_length=1)
     version: str = Field(None)
     inputs: dict[str, Any] = Field(default_factory=dict,
@@ -151,6 +157,10 @@ class PluginList(_Open):
 
 
 class QuoteRequest(_Request):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=lambda schema: (
+        _no_null_defaults(schema), schema.setdefault("examples", [
+            {"plugin": "sd15", "inputs": {"prompt": "a cube", "steps": 20}},
+            {"plugin": "echo"}])))
     plugin: str = Field(min_length=1)
     version: str = Field(None)
     inputs: dict[str, Any] = Field(default_factory=dict)
