@@ -133,7 +133,7 @@ class Config:
     @property
     def url_root(self) -> str:
         scheme, host, port = self.origin
-        return f"{scheme}://{host}:{port}"
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def backoff_s(attempt: int) -> float:

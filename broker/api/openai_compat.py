@@ -30,7 +30,7 @@ from flask import Blueprint, Response, request
 from broker.errors import BrokerError, Forbidden, InvalidRequest, NotFound, ReplicaFull
 from broker.jobs.hub import HubWait, quiet_slice_s
 from sdk.protocol.signing import SignatureError, verify
-from . import waiting
+from . import schemas, waiting
 from .jobs import _metas
 from .common import (idempotency_key, internal_problem, json_body, output_response,
                      principal, request_id, services)
@@ -692,12 +692,7 @@ PUBLIC_ENDPOINTS = frozenset({f"{bp.name}.signed_output"})
 
 
 # ---- the OpenAPI document's part (broker/api/openapi.py) -----------------------------
-_OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": "string"},
-                   "request_id": {"type": "string"},
-                   "sparecycles": {"type": "object"}}}}}
+_OPENAI_ERROR = schemas.ref("OpenAIError")
 _DESCRIPTIONS = {400: "A parameter this broker refuses or a malformed body (param names it)",
                  401: "Missing or bad API key", 403: "Not allowed for this key's role, or "
                  "a signed URL that is not valid or expired", 404: "No such model or output",
@@ -732,10 +727,11 @@ _TEXT = {"model": {"type": "string", "minLength": 1}, "n": {"type": "integer", "
 def openapi_paths() -> dict:
     """This surface's entries of /openapi.json (its errors are OpenAI's shape)."""
     waits = (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)
-    completion = {"200": {"description": "The completion (JSON), or with stream=true its "
-                          "chunks as server-sent events ending with data: [DONE]",
-                          "content": {"application/json": {"schema": {"type": "object"}},
-                                      "text/event-stream": {"schema": {"type": "string"}}}}}
+    def completion(name: str) -> dict:
+        return {"200": {"description": "The completion (JSON), or with stream=true its "
+                        "chunks as server-sent events ending with data: [DONE]",
+                        "content": {**schemas.json_content(name),
+                                    "text/event-stream": {"schema": {"type": "string"}}}}}
     return {
         "/v1/chat/completions": {"post": {
             "summary": "OpenAI-compatible chat completion (a job on the model's plugin)",
@@ -744,14 +740,14 @@ def openapi_paths() -> dict:
                 **_TEXT, "messages": {"type": "array", "minItems": 1,
                                       "items": {"type": "object"}},
                 "max_completion_tokens": {"type": "integer", "minimum": 1}}),
-            "responses": {**completion, **_oa_errors(*waits)}}},
+            "responses": {**completion("ChatCompletion"), **_oa_errors(*waits)}}},
         "/v1/completions": {"post": {
             "summary": "OpenAI-compatible text completion (a job on the model's plugin)",
             "operationId": "openaiCompletion", "parameters": [_IDEMPOTENCY],
             "requestBody": _json_body(["model", "prompt"], {
                 **_TEXT, "prompt": {"type": ["string", "array"]},
                 "echo": {"type": "boolean"}}),
-            "responses": {**completion, **_oa_errors(*waits)}}},
+            "responses": {**completion("Completion"), **_oa_errors(*waits)}}},
         "/v1/images/generations": {"post": {
             "summary": "OpenAI-compatible image generation (a job on sd15, sdxl…)",
             "operationId": "openaiImageGeneration", "parameters": [_IDEMPOTENCY],
@@ -760,9 +756,9 @@ def openapi_paths() -> dict:
                 "n": {"type": "integer", "minimum": 1, "maximum": 4},
                 "size": {"type": "string", "description": "WIDTHxHEIGHT or auto"},
                 "response_format": {"type": "string", "enum": ["url", "b64_json"]}}),
-            "responses": {"200": {"description": "The images", "content": {
-                "application/json": {"schema": {"type": "object"}}}},
-                **_oa_errors(*waits)}}},
+            "responses": {"200": {"description": "The images",
+                                  "content": schemas.json_content("ImagesResponse")},
+                          **_oa_errors(*waits)}}},
         "/v1/images/outputs/{job_id}/{index}": {"get": {
             "summary": "An image by the signed URL an images response gave (no API key)",
             "operationId": "openaiSignedOutput", "security": [],
@@ -776,15 +772,16 @@ def openapi_paths() -> dict:
         "/v1/models": {"get": {
             "summary": "OpenAI-compatible model list: the plugins these routes run",
             "operationId": "openaiListModels",
-            "responses": {"200": {"description": "The models", "content": {
-                "application/json": {"schema": {"type": "object"}}}}, **_oa_errors(401)}}},
+            "responses": {"200": {"description": "The models",
+                                  "content": schemas.json_content("ModelList")},
+                          **_oa_errors(401)}}},
         "/v1/models/{name}": {"get": {
             "summary": "One model", "operationId": "openaiGetModel",
             "parameters": [{"name": "name", "in": "path", "required": True,
                             "schema": {"type": "string"}}],
-            "responses": {"200": {"description": "The model", "content": {
-                "application/json": {"schema": {"type": "object"}}}},
-                **_oa_errors(401, 404)}}},
+            "responses": {"200": {"description": "The model",
+                                  "content": schemas.json_content("Model")},
+                          **_oa_errors(401, 404)}}},
     }
 
 

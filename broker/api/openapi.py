@@ -1,17 +1,20 @@
 """The OpenAPI 3.1 document of the client API, served at /openapi.json.
 
+Its schemas are generated from the pydantic models of :mod:`.schemas` (declared once
+there); this module lays out the paths, parameters and statuses that use them.
+
 It states every status a route answers for the inputs it is sent (tests/integration/
 test_openapi_contract.py drives the app and checks the answers against this document)
 and the bounds the server enforces on parameters (``limit``, ``wait``, ``after``...)."""
 from flask import Blueprint
 
 from . import keys as keys_api
-from . import openai_compat, registry as registry_api
+from . import openai_compat, registry as registry_api, schemas
 from .common import INT64_MAX, MAX_WAIT_S
 
 bp = Blueprint("openapi", __name__)
 
-_PROBLEM = {"$ref": "#/components/schemas/Problem"}
+_PROBLEM = schemas.ref("Problem")
 
 
 def _stake_move(operation: str, summary: str) -> dict:
@@ -20,8 +23,7 @@ def _stake_move(operation: str, summary: str) -> dict:
         "summary": summary, "operationId": operation,
         "parameters": [_key(120)],
         "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"type": "object", "required": ["amount_micro"],
-                       "properties": {"amount_micro": {"type": "integer", "minimum": 1}}}}}},
+            "schema": schemas.ref("StakeMove")}}},
         "responses": {"200": {"description": "Stake and available balances"},
                       **_errors(400, 401, 402, 403, 409, 422)}}}
 
@@ -80,84 +82,7 @@ def document() -> dict:
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
                                            "description": "An API key (sc_<role>_<id>_<secret>) or a "
                                                           "token from POST /v1/auth/token"}},
-            "schemas": {
-                "Problem": {"type": "object", "description": "RFC 7807 problem details",
-                            "required": ["type", "title", "status", "code", "detail"],
-                            "properties": {"type": {"type": "string"}, "title": {"type": "string"},
-                                           "status": {"type": "integer"},
-                                           "code": {"type": "string"},
-                                           "detail": {"type": "string"},
-                                           "field": {"type": "string"},
-                                           "request_id": {"type": "string"}}},
-                "JobRequest": {"type": "object", "required": ["plugin"],
-                               "additionalProperties": False,
-                               "properties": {
-                                   "plugin": {"type": "string", "minLength": 1},
-                                   "version": {"type": "string"},
-                                   "inputs": {"type": "object"},
-                                   "priority": {"type": "string",
-                                                "enum": ["economy", "standard", "fast"]},
-                                   "max_price_micro": {"type": "integer", "minimum": 1,
-                                                       "description": "cap for the whole request"},
-                                   "deadline_s": {"type": "number", "exclusiveMinimum": 0},
-                                   "n": {"type": "integer", "minimum": 1, "maximum": 64,
-                                         "description": "split into n sibling jobs (a batch)"},
-                                   "verify": {"type": "string", "enum": ["sampled", "always"],
-                                              "description": "always: every output is re-run "
-                                              "on a second provider (you pay both runs)"},
-                                   "output_format": {"type": "string",
-                                                     "enum": ["png", "webp", "jpeg"],
-                                                     "description": "image outputs encoded "
-                                                     "so (image plugins only)"},
-                                   "output_quality": {"type": "integer", "minimum": 1,
-                                                      "maximum": 100, "description": "webp "
-                                                      "and jpeg quality (default 90)"},
-                                   "cache": {"type": "boolean", "description": "answer from "
-                                             "a settled, verified job with the same inputs "
-                                             "(seed included) at the plugin's cache price, "
-                                             "without running; default false"},
-                                   "weights_digest": {"type": "string",
-                                                      "pattern": "^[0-9a-f]{64}$",
-                                                      "description": "run only on these "
-                                                      "weights"}}},
-                "Output": {"type": "object", "properties": {
-                    "index": {"type": "integer"}, "media_type": {"type": "string"},
-                    "sha256": {"type": "string"}, "size": {"type": "integer"},
-                    "url": {"type": "string"},
-                    "download_url": {"type": "string", "description": "with an S3 blob "
-                                     "store: a presigned URL that GETs the bytes straight "
-                                     "from storage, no API key, until download_expires_at"},
-                    "download_expires_at": {"type": "number", "description": "epoch seconds"},
-                    "meta": {"type": "object", "description": "the plugin's meta (seed, "
-                             "token ids, latent hash …) as the provider signed it"}}},
-                "Verification": {"type": "object", "properties": {
-                    "status": {"type": "string", "enum": ["unchecked", "checking", "verified",
-                                                          "disputed", "overturned",
-                                                          "nondeterministic"]},
-                    "p": {"type": "number"}, "reason": {"type": "string"},
-                    "note": {"type": "string"}}},
-                "Job": {"type": "object", "properties": {
-                    "id": {"type": "string"}, "plugin": {"type": "string"},
-                    "version": {"type": "string"},
-                    "state": {"type": "string", "enum": ["queued", "matched", "running",
-                                                         "submitted", "verifying", "disputed",
-                                                         "settled", "refunded", "cancelled",
-                                                         "failed"]},
-                    "attempt": {"type": "integer"}, "inputs": {"type": "object"},
-                    "progress": {"type": "object"}, "error": {"type": ["object", "null"]},
-                    "verify": {"type": "string"}, "weights_digest": {"type": ["string", "null"]},
-                    # The X-Request-Id of the request that created the job; agents' logs
-                    # name it as its digest, rq_ + 24 hex digits of its SHA-256.
-                    "request_id": {"type": ["string", "null"]},
-                    "output_format": {"type": "object"},
-                    "cache": {"type": "object", "description": "with cache: hit, and the "
-                              "job cached_from whose outputs a hit got"},
-                    "verification": {"$ref": "#/components/schemas/Verification"},
-                    "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Output"}}}},
-                "Plugin": {"type": "object", "properties": {
-                    "name": {"type": "string"}, "version": {"type": "string"},
-                    "output": {"type": "string"}, "input_schema": {"type": "object"}}},
-            },
+            "schemas": schemas.components(),  # generated from broker/api/schemas.py
         },
         "security": [{"apiKey": []}],
         "paths": _with_auth_errors({
@@ -171,24 +96,33 @@ def document() -> dict:
                                                         "(at most 60) pass",
                                          "schema": {"type": "string", "example": "wait=30"}}],
                          "requestBody": {"required": True, "content": {"application/json": {
-                             "schema": {"$ref": "#/components/schemas/JobRequest"}}}},
-                         "responses": {"202": {"description": "Queued", "content": {
-                             "application/json": {"schema": {"$ref": "#/components/schemas/Job"}}}},
-                             "200": {"description": "Same Idempotency-Key: the first job"},
+                             "schema": schemas.ref("JobRequest")}}},
+                         "responses": {"202": {"description": "Queued (n > 1: the batch)",
+                                               "content": {"application/json": {"schema": {
+                                                   "oneOf": [schemas.ref("Job"),
+                                                             schemas.ref("Batch")]}}}},
+                             "200": {"description": "Same Idempotency-Key: the first job "
+                                     "(or batch); with Prefer: wait, the job once it ended",
+                                     "content": {"application/json": {"schema": {
+                                         "oneOf": [schemas.ref("Job"),
+                                                   schemas.ref("Batch")]}}}},
                              **_errors(400, 401, 402, 403, 404, 409, 413, 422)}},
                 "get": {"summary": "Your recent jobs", "operationId": "listJobs",
                         "parameters": [_limit(50, 500)],
-                        "responses": {"200": {"description": "Jobs"}, **_errors(400, 401)}},
+                        "responses": {"200": {"description": "Jobs", "content":
+                                              schemas.json_content("JobList")},
+                                      **_errors(400, 401)}},
             },
             "/v1/jobs/{job_id}": {
                 "get": {"summary": "A job (long-poll with ?wait=seconds)", "operationId": "getJob",
                         "parameters": [job_id, _WAIT],
-                        "responses": {"200": {"description": "The job", "content": {
-                            "application/json": {"schema": {"$ref": "#/components/schemas/Job"}}}},
+                        "responses": {"200": {"description": "The job", "content":
+                                              schemas.json_content("Job")},
                             **_errors(400, 401, 404)}},
                 "delete": {"summary": "Cancel a job", "operationId": "cancelJob",
                            "parameters": [job_id],
-                           "responses": {"200": {"description": "Cancelled"},
+                           "responses": {"200": {"description": "Cancelled", "content":
+                                                 schemas.json_content("Job")},
                                          **_errors(401, 404, 409)}},
             },
             "/v1/jobs/{job_id}/events": {
@@ -217,13 +151,17 @@ def document() -> dict:
                                     "parameters": [{"name": n, "in": "query",
                                                     "schema": {"type": "string"}}
                                                    for n in ("q", "publisher", "output")],
-                                    "responses": {"200": {"description": "Plugins"}}},
+                                    "responses": {"200": {"description": "Plugins",
+                                                          "content": schemas.json_content(
+                                                              "PluginList")}}},
                             "post": registry_api.publish_plugin_openapi(_errors)},
             "/v1/plugins/{name}": {"get": {"summary": "One plugin", "operationId": "getPlugin",
                                            "parameters": [{"name": "name", "in": "path",
                                                            "required": True,
                                                            "schema": {"type": "string"}}],
-                                           "responses": {"200": {"description": "The plugin"},
+                                           "responses": {"200": {
+                                               "description": "The plugin",
+                                               "content": schemas.json_content("Plugin")},
                                                          **_errors(404)}}},
             "/v1/batches/{batch_id}": {"get": {
                 "summary": "A split request: its sibling jobs, outputs as they finish "
@@ -231,7 +169,9 @@ def document() -> dict:
                 "operationId": "getBatch",
                 "parameters": [{"name": "batch_id", "in": "path", "required": True,
                                 "schema": {"type": "string"}}, _WAIT],
-                "responses": {"200": {"description": "The batch"}, **_errors(400, 401, 404)}}},
+                "responses": {"200": {"description": "The batch",
+                                      "content": schemas.json_content("Batch")},
+                              **_errors(400, 401, 404)}}},
             "/v1/asks": {"get": {
                 "summary": "Standing asks: a provider sees its own, an admin all",
                 "operationId": "listAsks",
@@ -243,20 +183,22 @@ def document() -> dict:
                 "summary": "What a job would cost (min, expected, max micro-credits), without "
                            "running it", "operationId": "quote",
                 "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"type": "object", "required": ["plugin"],
-                               "additionalProperties": False,
-                               "properties": {"plugin": {"type": "string", "minLength": 1},
-                                              "version": {"type": "string"},
-                                              "inputs": {"type": "object"}}}}}},
-                "responses": {"200": {"description": "The quote"}, **_errors(400, 401, 404, 422)}}},
+                    "schema": schemas.ref("QuoteRequest")}}},
+                "responses": {"200": {"description": "The quote",
+                                      "content": schemas.json_content("Quote")},
+                              **_errors(400, 401, 404, 422)}}},
             "/v1/account": {"get": {"summary": "Balances: available, held, vesting, paid out; "
                                               "funding mode", "operationId": "account",
-                                    "responses": {"200": {"description": "Balances"},
+                                    "responses": {"200": {"description": "Balances",
+                                                          "content": schemas.json_content(
+                                                              "Account")},
                                                   **_errors(401)}}},
             "/v1/account/transactions": {"get": {
                 "summary": "Ledger history of your accounts", "operationId": "transactions",
                 "parameters": [_limit(100, 1000)],
-                "responses": {"200": {"description": "Transactions"}, **_errors(400, 401)}}},
+                "responses": {"200": {"description": "Transactions",
+                                      "content": schemas.json_content("TransactionList")},
+                              **_errors(400, 401)}}},
             "/v1/account/stake": _stake_move(
                 "stake", "Put available credits at stake (providers; verification slashes "
                          "part of it when the provider is outvoted)"),

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdk.protocol.canonical import canonical_bytes
+from sdk.protocol.canonical import canonical_bytes, legacy_bytes
 
 GENESIS = "0" * 64  # prev_hash of the first entry
 
@@ -35,6 +35,15 @@ class AuditEntry:
 
     def compute_hash(self) -> str:
         return chain_hash(self.prev_hash, self.document())
+
+    def hashes_as_written(self) -> bool:
+        """Whether the entry's content gives its stored hash: under canonical JSON (JCS),
+        or, for an entry written before canonical JSON became JCS, the encoding of then
+        (the two differ only on floats such as 1.0 and on rare keys)."""
+        if self.compute_hash() == self.hash:
+            return True
+        return hashlib.sha256(self.prev_hash.encode("ascii")
+                              + legacy_bytes(self.document())).hexdigest() == self.hash
 
 
 def chain_hash(prev_hash: str, document: dict[str, Any]) -> str:

@@ -195,6 +195,14 @@ def canonical_text(value: Any) -> str:
     return "".join(out)
 
 
+def legacy_bytes(value: Any) -> bytes:
+    """The encoding before JCS (Python's json with sorted keys): only to check hashes
+    written before the change (an audit chain's old entries); never to sign."""
+    if not _encodable(value):
+        _check(value, "")
+    return _encode(value).encode("utf-8")
+
+
 def canonical_bytes(value: Any) -> bytes:
     """Encode ``value`` canonically; raises CanonicalEncodingError for unencodable values."""
     text = canonical_text(value)

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.timeout(600)  # the agent benchmarks llama and sd15 before it connects
 
 from plugins import builtin_plugin_dir  # noqa: E402
 from tests.integration.conftest import LiveBroker, agent_starter  # noqa: E402
@@ -155,3 +156,25 @@ def test_errors_are_the_openai_exceptions(world):
     bad_key = openai.OpenAI(base_url=f"{broker.url}/v1", api_key="sc_nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
+
+
+def test_the_sdk_twins_stream_the_same_llama_tokens(world):
+    """Beside the openai client: Client.stream and AsyncClient.stream on the same tiny
+    llama give the tokens one by one, joining to the job's text."""
+    import asyncio
+
+    from sdk import AsyncClient, Client
+
+    broker, _, key = world
+    ask = dict(prompt="Once upon a time", max_new_tokens=10, temperature=0.0,
+               ignore_eos=True, seed=0, timeout=120)
+    with Client(broker.url, key) as client:
+        sync_tokens = list(client.stream("llama", **ask))
+        text = client.jobs.list(limit=1)[0].wait(timeout=30).text
+
+    async def run():
+        async with AsyncClient(broker.url, key) as client:
+            return [t async for t in client.stream("llama", **ask)]
+    async_tokens = asyncio.run(run())
+    assert len(sync_tokens) >= 5 and "".join(sync_tokens) == text
+    assert async_tokens == sync_tokens

@@ -99,3 +99,22 @@ def test_two_writers_on_one_log_keep_one_chain(log):
     assert [e.seq for e in entries] == list(range(1, 9))
     report = log.verify()
     assert report.ok and report.checked == 8
+
+
+def test_an_entry_hashed_before_canonical_json_became_jcs_still_verifies():
+    """Old chains hold entries hashed with plain sorted-key JSON (1.0, not JCS's 1): they
+    still verify, and a changed one is still caught."""
+    import hashlib
+    from dataclasses import replace
+
+    from broker.audit.model import GENESIS, AuditEntry
+    from sdk.protocol.canonical import canonical_bytes, legacy_bytes
+
+    entry = AuditEntry(seq=1, at_ms=5, actor="system", action="pricing.set",
+                       subject="plugin:echo", data={"fee": 1.0, "tiny": 1e-7})
+    doc = entry.document()
+    assert legacy_bytes(doc) != canonical_bytes(doc)
+    old = replace(entry, hash=hashlib.sha256(GENESIS.encode() + legacy_bytes(doc)).hexdigest())
+    assert old.compute_hash() != old.hash and old.hashes_as_written()
+    assert not replace(old, data={"fee": 2.0, "tiny": 1e-7}).hashes_as_written()
+    assert replace(entry, hash=entry.compute_hash()).hashes_as_written()
