@@ -101,7 +101,8 @@ def job_to_json(job: Job, outputs: list[JobOutput] | None = None,
 def _render(job: Job) -> dict:
     svc = services()
     outputs = svc.jobs.outputs_of(job) if job.state.value == "settled" else []
-    verification = (svc.verification.status(job.id)
+    # A cache hit's outputs are its source's: so is their verification.
+    verification = (svc.verification.status(job.cached_from or job.id)
                     if svc.verification is not None and job.state.value == "settled" else None)
     return job_to_json(job, outputs, sandboxed=svc.providers.sandboxed_of(job.provider_id),
                        verification=verification, blobs=svc.jobs.blobs,

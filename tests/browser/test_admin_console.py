@@ -92,6 +92,10 @@ def test_reserve_price_change_is_used_by_the_next_quote(env, console):
     fee = env.broker.services.pricing.price("echo", fresh=True).fee_bps
     page.goto(env.url + "/admin/pricing")
     card = page.locator("form[data-plugin=echo]")
+    # the result cache's price per hit is one of the admin's prices (issue #24)
+    cache_price = env.broker.services.pricing.price("echo", fresh=True).cache_price_micro
+    assert float(card.locator("input[name=cache_price_micro]").input_value()) * 1e6 == \
+        pytest.approx(cache_price)
     card.locator("input[name=reserve_micro_per_unit]").fill(f"{new / 1e6:.4f}")
     card.locator("input[name=min_stake_micro]").fill("25")
     card.locator("button[type=submit]").click()

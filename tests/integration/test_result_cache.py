@@ -54,6 +54,7 @@ def test_a_hit_is_the_verified_jobs_bytes_without_an_agent_and_a_miss_runs(vbrok
     kinds = [e.kind for e in svc.jobs.repo.events_after(hit.job.id, 0)]
     assert kinds == ["queued", "assigned", "done"]
     assert svc.verification.status(hit.job.id) is None  # nothing ran: nothing to check
+    assert hit.verification == "verified"  # its outputs are the verified run's
 
     # Not opted in: the same inputs are run, not answered (it waits for an agent).
     plain = client.jobs.create("echo", text="cache me")
