@@ -464,8 +464,10 @@ def run_detector(net: Network, client: Client, honest: list[str], behaviour: str
             "caught": len(caught), "q": len(caught) / len(cheated) if cheated else None,
             "overturned": sum(records[j].status is CheckStatus.OVERTURNED for j in cheated),
             "slashed": len(cut), "slash_rate": len(cut) / len(cheated) if cheated else None,
-            "note": "told apart: " + ", ".join(f"{k}s {v[0]} of {v[1]}"
-                                               for k, v in told.items())}
+            "note": "taken for what they were: " + ", ".join(
+                f"{k} {v[0]} of {v[1]}" for k, v in (("checks", told["check"]),
+                                                   ("canaries", told["canary"]),
+                                                   ("client jobs", told["client"])))}
 
 
 #: Behaviours that run a scenario of their own (the others: run_behaviour).
