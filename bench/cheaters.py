@@ -325,9 +325,10 @@ def run_inflated_units(net: Network, client: Client, honest: list[str], behaviou
             "behaviour": behaviour, "plugin": plugin, "jobs": jobs, "cheated": won,
             "caught": won if fair else 0, "q": None, "slashed": 0, "slash_rate": None,
             "overturned": 0,
-            "note": f"won {won} of {jobs} against an honest rival as fast; θ measured "
-                    f"{theta_c:.1f} vs the rival's {theta_r:.1f} units/s "
-                    f"({theta_c / max(theta_r, 1e-9):.2f}×)"}
+            "note": f"won {won} of {jobs} against an honest rival on this machine; θ "
+                    f"measured {theta_c:.3g} vs the rival's {theta_r:.3g} units/s "
+                    f"({theta_c / max(theta_r, 1e-12):.2f}×; its receipts claimed "
+                    f"{10:g}× the units in 1 ms)"}
 
 
 def run_fake_progress(net: Network, client: Client, honest: list[str], behaviour: str,
@@ -463,8 +464,10 @@ def run_detector(net: Network, client: Client, honest: list[str], behaviour: str
             "caught": len(caught), "q": len(caught) / len(cheated) if cheated else None,
             "overturned": sum(records[j].status is CheckStatus.OVERTURNED for j in cheated),
             "slashed": len(cut), "slash_rate": len(cut) / len(cheated) if cheated else None,
-            "note": "told apart: " + ", ".join(f"{k}s {v[0]} of {v[1]}"
-                                               for k, v in told.items())}
+            "note": "taken for what they were: " + ", ".join(
+                f"{k} {v[0]} of {v[1]}" for k, v in (("checks", told["check"]),
+                                                   ("canaries", told["canary"]),
+                                                   ("client jobs", told["client"])))}
 
 
 #: Behaviours that run a scenario of their own (the others: run_behaviour).
@@ -502,14 +505,17 @@ def caught_within(q: float, *, broker_q: float | None, gain: int, stake: int,
     return caught / runs
 
 
-def run_honest(net: Network, client: Client, total: int) -> dict:
-    """``total`` honest jobs, each checked, across three numeric configurations."""
+def run_honest(net: Network, client: Client, total: int, bf16: bool = True) -> dict:
+    """``total`` honest jobs, each checked, across three numeric configurations (two
+    without ``bf16``: a bfloat16 agent benchmarks for minutes on a CPU)."""
     # two agents in one reproducibility class (their images are compared by exact latent
     # hashes), and two others that differ from them in thread count or dtype
     variants = {"fp32-1thread": {"OMP_NUM_THREADS": "1"},
                 "fp32-1thread-b": {"OMP_NUM_THREADS": "1"},
                 "fp32-2threads": {"OMP_NUM_THREADS": "2"},
                 "bf16-1thread": {"OMP_NUM_THREADS": "1", "SPARECYCLES_DTYPE": "bfloat16"}}
+    if not bf16:
+        variants.pop("bf16-1thread")
     pids = {net.start_agent(f"honest-{k}", "sd15,llama", env): k for k, env in variants.items()}
     rng = random.Random(5)
     t0 = time.monotonic()
@@ -627,9 +633,10 @@ def overhead(q: float, *, gain: int, stake: int, jobs: int = 20_000, seed: int =
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--per-behaviour", type=int, default=8, help="cheated jobs per behaviour")
-    ap.add_argument("--honest", type=int, default=1000, help="honest checked jobs")
-    ap.add_argument("--quick", action="store_true", help="3 per behaviour, 20 honest")
+    ap.add_argument("--per-behaviour", type=int, help="cheated jobs per behaviour (8)")
+    ap.add_argument("--honest", type=int, help="honest checked jobs (1000)")
+    ap.add_argument("--quick", action="store_true",
+                    help="3 per behaviour, 20 honest, no bfloat16 agent (unless given)")
     ap.add_argument("--behaviours", default=",".join(BEHAVIOURS),
                     help=f"comma-separated, from the cheat registry: {', '.join(BEHAVIOURS)}")
     ap.add_argument("--cheat-rate", type=float, default=0.2,
@@ -640,8 +647,10 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="store q in thresholds.json")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
-    if args.quick:
-        args.per_behaviour, args.honest = 3, 20
+    quick = {"per_behaviour": 3, "honest": 20} if args.quick else {}
+    for name, full in (("per_behaviour", 8), ("honest", 1000)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick.get(name, full))
     unknown = [b for b in args.behaviours.split(",") if b and b not in BEHAVIOURS]
     if unknown:
         ap.error(f"unknown behaviour {unknown[0]!r}; the registry has: {', '.join(BEHAVIOURS)}"
@@ -674,7 +683,7 @@ def main() -> int:
             net.svc.dispatcher.set_paused(pid, True)
         if args.honest:
             log(f"   {args.honest} honest jobs, each checked, across numeric variations …")
-            results["honest"] = run_honest(net, client, args.honest)
+            results["honest"] = run_honest(net, client, args.honest, bf16=not args.quick)
     finally:
         net.close()
     gain = int(args.job_credits * 1_000_000)

@@ -802,6 +802,10 @@ class VerificationService:
                   "runs": {role.value: j.id for role, j in jobs.items()},
                   "deliver_from": outcome.deliver_from,
                   "applied": False, "done": []}
+        for kept in ("escalations", "dropped_tiebreaks", "dropped_operators", "check_tries",
+                     "check_failed_by"):  # how the verdict was reached stays on the record
+            if kept in (v.outcome or {}):
+                record[kept] = v.outcome[kept]
         if Role.TIEBREAKER in jobs and self.disputes is not None:
             # each run's own first output, read before an overturn replaces any
             record["sides"] = self._sides(jobs, lambda job: "minority"

@@ -267,3 +267,27 @@ def _give_up_checks(svc, job_id: str) -> None:
         time.sleep(0.01)
         svc.verification.sweep(settle_grace_s=0.0)
 
+
+
+def test_agents_on_one_machine_and_network_link_their_accounts_when_loopback_counts(tmp_path):
+    """The gateway records each agent's network and machine fingerprint (broker.links);
+    on loopback only with link_loopback (else every local agent would be linked)."""
+    b = LiveBroker(tmp_path, verification=True, link_loopback=True)
+    start, stop_all = agent_starter(b)
+    try:
+        one, two = start("one"), start("two")
+        svc = b.services
+        owners = [svc.providers.owner_of(a.provider_id) for a in (one, two)]
+        assert owners[0] != owners[1]
+        deadline = time.monotonic() + 10
+        while not svc.links.linked(*owners) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        why = svc.links.why(*owners)
+        assert "network 127.0.0.0/24" in why
+        from provider_agent.fingerprint import machine_fingerprint
+
+        if machine_fingerprint():  # a machine id to read (containers may have none)
+            assert any(w.startswith("hardware ") for w in why)
+    finally:
+        stop_all()
+        b.stop()
