@@ -53,12 +53,14 @@ class CanaryService:
         self.envelope_ttl_s = envelope_ttl_s
         self.extra = extra
         self.rng = rng or random.SystemRandom()
-        # (plugin, version) -> [(operator that ran it, inputs)]: what canaries look like
+        # (plugin, version) -> [(operator that ran it, inputs, job id)]: what canaries
+        # look like
         self._recent: dict[tuple[str, str], deque] = {}
         self._recent_lock = threading.Lock()
         # Verification (DESIGN §6) compares each canary's outputs with the answer known
-        # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt).
-        self.on_answer = lambda provider_id, plugin, version, inputs, receipt: None
+        # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt, source),
+        # ``source`` the client job whose inputs it reused ("" for the benchmark payload).
+        self.on_answer = lambda provider_id, plugin, version, inputs, receipt, source: None
         self.seeds = 4  # canaries draw their seed from this many, each with a known answer
 
     def send_due(self, session) -> int:
@@ -75,7 +77,8 @@ class CanaryService:
                 (k.split("@", 1)[1] for k in session.plugins if k.split("@", 1)[0] == plugin), None)
             try:
                 manifest = self.catalog.get(plugin, version)
-                inputs = self._inputs_for(manifest, getattr(session, "account_id", None))
+                inputs, source = self._inputs_for(manifest,
+                                                  getattr(session, "account_id", None))
             except Exception as exc:  # noqa: BLE001 - an unknown plugin cannot be measured
                 log.warning("no canary for %s on %s: %s", plugin, session.provider_id, exc)
                 continue
@@ -93,34 +96,38 @@ class CanaryService:
                                      sealed=True)
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now,
-                                           version=manifest.version, inputs=inputs))
+                                           version=manifest.version, inputs=inputs,
+                                           source=source))
             session.active.add(job_id)
             data, signature = sign_envelope(self.signer, envelope)
             session.send_assignment(data, signature)
             sent += 1
         return sent
 
-    def remember(self, plugin: str, version: str, operator: str, inputs: dict) -> None:
+    def remember(self, plugin: str, version: str, operator: str, inputs: dict,
+                 job_id: str = "") -> None:
         """A client job of the build settled with these inputs (run by ``operator``'s
         provider): canaries reuse such inputs, so that they look like the jobs they measure
         (the benchmark payload, a few fixed prompts, told them apart)."""
         with self._recent_lock:
             self._recent.setdefault((plugin, version), deque(maxlen=RECENT_INPUTS)).append(
-                (operator, dict(inputs)))
+                (operator, dict(inputs), job_id))
 
-    def _inputs_for(self, manifest, operator: str | None) -> dict:
-        """A canary's inputs: a recent client job's of the build, one another operator ran
-        (the agent never sees its own job again); before there is any, the benchmark
-        payload with a seed from a few (each with an answer that becomes known)."""
+    def _inputs_for(self, manifest, operator: str | None) -> tuple[dict, str]:
+        """A canary's inputs and the client job they come from: a recent client job's of
+        the build, one another operator ran (the agent never sees its own job again);
+        before there is any, the benchmark payload with a seed from a few (each with an
+        answer that becomes known), and no job ("")."""
         with self._recent_lock:
-            pool = [i for op, i in self._recent.get((manifest.name, manifest.version), ())
-                    if op != operator]
+            pool = [(i, job_id) for op, i, job_id in
+                    self._recent.get((manifest.name, manifest.version), ()) if op != operator]
         if pool:
-            return manifest.validate_inputs(dict(self.rng.choice(pool)))
+            inputs, job_id = self.rng.choice(pool)
+            return manifest.validate_inputs(dict(inputs)), job_id
         inputs = dict(manifest.benchmark_inputs)
         if "seed" in manifest.inputs.names and self.seeds > 1:
             inputs["seed"] = secrets.randbelow(self.seeds)
-        return manifest.validate_inputs(inputs)
+        return manifest.validate_inputs(inputs), ""
 
     def _extra(self, session, manifest, inputs: dict, job_id: str, now: float) -> dict:
         """The envelope fields a job of the build would carry: the weights digest the agent
@@ -160,7 +167,7 @@ class CanaryService:
         if canary.version:
             try:
                 self.on_answer(session.provider_id, canary.plugin, canary.version,
-                               canary.inputs, rec)
+                               canary.inputs, rec, canary.source)
             except Exception:  # noqa: BLE001 - a check must never lose the measurement
                 log.exception("canary %s: comparing with the known answer failed", canary.job_id)
         sample = timed_sample(rec, canary.work_units, canary.sent_at, received_at)

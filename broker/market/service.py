@@ -118,6 +118,7 @@ class Canary:
     sent_at: float
     version: str = ""
     inputs: dict = field(default_factory=dict)
+    source: str = ""  # the client job whose inputs it reused ("": the benchmark payload)
 
     @property
     def since(self) -> float:

@@ -51,7 +51,7 @@ def attach_market(market: MarketService, canaries: CanaryService | None, jobs: J
             market.observe(job.provider_id, job.plugin, *sample)
         if canaries is not None and not job.check_of and job.provider_id is not None:
             canaries.remember(job.plugin, job.plugin_version,
-                              market.operator_of(job.provider_id) or "", job.inputs)
+                              market.operator_of(job.provider_id) or "", job.inputs, job.id)
 
     jobs.check_terms = check_terms
     jobs.on_receipt = on_receipt

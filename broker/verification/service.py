@@ -385,20 +385,38 @@ class VerificationService:
         self._event(v.job_id, status, f"an admin decided: {dispute.resolution.get('reason', '')}")
 
     # ---- canaries -------------------------------------------------------------------
+    def _canary_key(self, provider_id: str, plugin: str, version: str, inputs: dict) -> str:
+        repro = self._declared(provider_id, plugin, version)
+        return sha256_hex(canonical_bytes({"plugin": plugin, "version": version,
+                                           "inputs": inputs, "repro": repro.__dict__}))
+
+    def _learn_from(self, source: str, plugin: str, version: str, inputs: dict) -> None:
+        """The client job whose inputs a canary reused is its operator's answer for them,
+        in its provider's class: recorded (once) before the canary is compared, so that a
+        canary of another operator in that class makes the answer known."""
+        job = self.jobs.repo.get(source)
+        if job is None or not job.provider_id or not job.receipt \
+                or job.state is not JobState.SETTLED:
+            return
+        key = self._canary_key(job.provider_id, plugin, version, inputs)
+        self.repo.add_answer(key, _answer_of(job.receipt),
+                             self.providers.owner_of(job.provider_id) or job.provider_id)
+
     def canary_answer(self, provider_id: str, plugin: str, version: str, inputs: dict,
-                      receipt: dict) -> str:
+                      receipt: dict, source: str = "") -> str:
         """Compare a canary's outputs with the answer known for its inputs in its
         reproducibility class. An answer becomes known once providers of two operators
         returned it; a canary that disagrees with a known answer counts as a failed check
         (CV reset, quota cut; no money: canaries are unpaid), one that agrees as a valid
-        check. Returns "learning", "valid", "invalid" or "ambiguous"."""
+        check. ``source``: the client job whose inputs the canary reused (its answer
+        counts for its own operator). Returns "learning", "valid", "invalid" or
+        "ambiguous"."""
         repro = self._declared(provider_id, plugin, version)
-        key = sha256_hex(canonical_bytes({"plugin": plugin, "version": version,
-                                          "inputs": inputs, "repro": repro.__dict__}))
-        answer = sha256_hex(canonical_bytes(sorted(
-            [int(o.get("index", i)), str(o.get("sha256", ""))]
-            for i, o in enumerate(receipt.get("outputs", [])))))
+        key = self._canary_key(provider_id, plugin, version, inputs)
+        answer = _answer_of(receipt)
         owner = self.providers.owner_of(provider_id) or provider_id
+        if source:
+            self._learn_from(source, plugin, version, inputs)
         known = [a for a, ops in self.repo.answers(key).items() if len(ops) >= 2]
         if not known:
             self.repo.add_answer(key, answer, owner)
@@ -1128,3 +1146,10 @@ def pinned_inputs(job: Job) -> dict[str, Any]:
     another seed (a cached one, for a job whose client gave none) cannot steer its check
     to that seed."""
     return dict(job.inputs)
+
+
+def _answer_of(receipt: dict) -> str:
+    """A run's answer, as canaries compare them: its outputs' indexes and sha256s."""
+    return sha256_hex(canonical_bytes(sorted(
+        [int(o.get("index", i)), str(o.get("sha256", ""))]
+        for i, o in enumerate(receipt.get("outputs", [])))))

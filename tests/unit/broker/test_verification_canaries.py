@@ -46,3 +46,35 @@ def test_known_answers_judge_later_canaries(tmp_path):
     actions = [e.action for e in services.audit.search(subject=f"provider:{d}")]
     assert "verification.canary" in actions
     services.engine.dispose()
+
+
+def test_a_canary_on_a_client_jobs_inputs_counts_that_job_as_its_operators_answer(tmp_path):
+    """Canaries reuse recent client jobs' inputs (issue #20): the job that gave them is
+    one operator's answer, so one canary of another operator makes the answer known and
+    the next canary is judged by it (before, two canaries on the same inputs were needed,
+    which inputs drawn from client jobs rarely gave)."""
+    import time
+
+    from broker.jobs.model import Job, JobState
+
+    services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0))
+    v = services.verification
+    a, b, c = (_provider(services, n) for n in "abc")
+    inputs = {"prompt": "a client's lighthouse", "seed": 11}
+    now = time.time()
+    _, client = services.auth.create_account_with_key("client")
+    services.jobs.repo.create(Job(id="client-job", account_id=client.account_id, plugin="sd15",
+                                  plugin_version="1.0.0", inputs=inputs,
+                                  state=JobState.SETTLED, provider_id=a,
+                                  receipt=_receipt("1" * 64), created_at=now,
+                                  updated_at=now), ("queued", {}))
+    assert v.canary_answer(b, "sd15", "1.0.0", inputs, _receipt("1" * 64),
+                           source="client-job") == "learning"  # a's job and b: known now
+    assert v.canary_answer(c, "sd15", "1.0.0", inputs, _receipt("3" * 64),
+                           source="client-job") == "invalid"
+    # A source that is not a settled job teaches nothing.
+    other = {"prompt": "nobody's", "seed": 1}
+    assert v.canary_answer(b, "sd15", "1.0.0", other, _receipt("1" * 64),
+                           source="no-such-job") == "learning"
+    assert v.canary_answer(c, "sd15", "1.0.0", other, _receipt("3" * 64),
+                           source="no-such-job") == "learning"  # still nothing known

@@ -47,8 +47,9 @@ def test_a_canary_carries_its_version_and_inputs_to_the_answer_check():
     canary = w.market.canary(job_id)
     assert canary.version == "1.0.0" and canary.inputs["text"] == "benchmark"
     assert w.canaries.receipt(w.session, *_receipt(w, w.sent[0])) == job_id
-    [(pid, plugin, version, inputs, rec)] = w.answers
+    [(pid, plugin, version, inputs, rec, source)] = w.answers
     assert (pid, plugin, version, inputs) == ("p", "echo", "1.0.0", canary.inputs)
+    assert source == ""  # no client job yet: the benchmark payload
     assert w.market.canary(job_id) is None and job_id not in w.session.active
     assert w.market.theta("p", "echo")[1]  # measured
 
