@@ -377,11 +377,14 @@ def timed_out(cfg: Config, cancelled: list[tuple[dict, dict]], timeout: float | 
         message += ("what the cancel charged could not be read: see "
                     "client.transactions() for the ledger lines of the job")
     elif charged > 0:
-        message += (f"charged {credits(charged)} for the work the provider had done before "
-                    f"the cancel ({', '.join(done) or 'its reported progress'}); the rest of "
+        message += (f"charged {credits(charged)} for the work the provider showed before "
+                    "the cancel (the checkpoints the broker received or the tokens streamed "
+                    f"to you; it had reported {', '.join(done) or 'no step'}); the rest of "
                     "the hold was released to your balance")
     else:
-        message += ("nothing was charged" + (" (no step was done yet)" if not done else "")
+        message += ("nothing was charged" + (" (no step was done yet)" if not done else
+                                             " (no work was shown yet: no checkpoint, no "
+                                             "streamed token)")
                     + " and the hold was released to your balance")
     if timeout is not None:
         message += ("; pass a longer timeout= (or timeout=None) to wait for slow jobs, or "
