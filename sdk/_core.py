@@ -360,7 +360,8 @@ def timed_out(cfg: Config, cancelled: list[tuple[dict, dict]], timeout: float | 
     """The JobTimeoutError for jobs a wait gave up on and cancelled: (job after the
     cancel, before it) each. Its message gives the timeout the caller set, how long it
     waited, and what the cancels charged and for what, as the client's ledger shows it (a
-    provider is paid for the steps it had done; the rest of each hold is released)."""
+    provider is paid for the work it showed: checkpoints, streamed tokens; the rest of each
+    hold is released)."""
     from sdk.errors import JobTimeoutError
 
     charged = yield from charged_micro(cfg, [job["id"] for job, _ in cancelled])

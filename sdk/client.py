@@ -541,7 +541,7 @@ class Job:
     def wait(self, timeout: float | None = 600.0) -> "Result":
         """Wait until the job ends. Returns its Result; raises JobFailedError if it failed
         or was cancelled, and JobTimeoutError (after cancelling it) when time runs out: its
-        message says what the cancel charged (a provider is paid for the steps it had done)."""
+        message says what the cancel charged (a provider is paid for the work it showed)."""
         return self._c._run(self._wait(timeout, time.monotonic()))
 
     def _wait(self, timeout: float | None, started: float):

@@ -96,7 +96,7 @@ class JobFailedError(SparecyclesError):
 class JobTimeoutError(JobFailedError):
     """``wait()`` ran out of time; the job was cancelled on the broker. ``timeout_s`` is
     the timeout the caller gave, ``waited_s`` how long it waited, ``charged_micro`` what
-    the cancel charged (the provider is paid for the steps it had done; None: unknown)."""
+    the cancel charged (the provider is paid for the work it showed; None: unknown)."""
 
     def __init__(self, job: Any, message: str, *, timeout_s: float | None = None,
                  waited_s: float | None = None, charged_micro: int | None = None):
