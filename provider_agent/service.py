@@ -6,7 +6,7 @@ is its system unit, checked equal by a test):
 - **user** (the default for an ordinary user): ``~/.config/systemd/user/`` — runs as that
   user while they are logged in, or always after ``loginctl enable-linger USER``;
 - **system** (``--system``, as root): ``/etc/systemd/system/`` with ``User=`` an existing
-  non-root account (default ``sparecycles``); root is refused.
+  non-root account (default ``sparecycles-agent``); root is refused.
 
 Either way: logs go to the journal (``journalctl [--user] -u sparecycles-agent``);
 ``KillMode=mixed`` sends the stop signal to the agent alone, so the first SIGTERM drains
@@ -56,13 +56,24 @@ def render_unit(spec: UnitSpec) -> str:
         "[Service]",
     ]
     if spec.mode == "system":
-        lines += [f"User={spec.user}", f"Group={spec.group or spec.user}"]
+        lines += [
+            "# Its own unprivileged user, never root (infra/systemd/sparecycles.sysusers.conf",
+            "# creates it); the GPUs' device nodes through the video and render groups.",
+            f"User={spec.user}", f"Group={spec.group or spec.user}",
+            "SupplementaryGroups=video render",
+        ]
     lines += [
         f"Environment=SPARECYCLES_AGENT_HOME={spec.home}",
         "Environment=PYTHONUNBUFFERED=1",
         f"ExecStart={run}",
         "# The plugin hosts' memory and pids limits go in a cgroup subtree of the unit's own.",
         "Delegate=yes",
+        "# bubblewrap needs no privilege of its own (user namespaces): nothing may gain any.",
+        "NoNewPrivileges=yes",
+    ]
+    if spec.mode == "system":
+        lines += ["ProtectSystem=full", "PrivateTmp=yes"]
+    lines += [
         "# The first SIGTERM drains: running jobs finish, no new ones come. Only the agent",
         "# gets it (KillMode=mixed), so its plugin hosts keep running the jobs; whatever is",
         "# left after the timeout is killed.",
@@ -120,7 +131,7 @@ def plan(*, mode: str | None, run_as: str | None, home: Path, exec_path: str | N
         if euid != 0:
             raise ConfigError("a system unit is installed by root: run with sudo, or install "
                               "a user unit (without --system)")
-        user = run_as or "sparecycles"
+        user = run_as or "sparecycles-agent"
         if user in ("root", "0"):
             raise ConfigError("the agent does not run as root under systemd: give --run-as "
                               "an ordinary account (e.g. `useradd --system --create-home "

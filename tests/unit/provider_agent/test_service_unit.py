@@ -92,6 +92,6 @@ def test_reinstalling_a_running_unit_restarts_it_so_the_old_agent_drains(home, t
 def test_infra_unit_is_the_system_unit_install_service_writes():
     expected = render_unit(UnitSpec(mode="system",
                                     exec_path="/opt/sparecycles/.venv/bin/sparecycles",
-                                    home="/etc/sparecycles/agent", user="sparecycles",
-                                    group="sparecycles"))
+                                    home="/etc/sparecycles/agent",
+                                    user="sparecycles-agent", group="sparecycles-agent"))
     assert (PROJECT / "infra" / "systemd" / "sparecycles-agent.service").read_text() == expected
