@@ -63,6 +63,7 @@ agent.toml::
     telemetry_interval_s = 15.0   # GPU/CPU/memory and job timings sent in heartbeats at
                                   # most this often
     metrics_addr = ""             # e.g. "127.0.0.1:9464": a local Prometheus /metrics
+                                  # (several devices: 9464, 9465, … one per device)
 """
 from __future__ import annotations
 

@@ -201,7 +201,12 @@ def build_fleet(cfg: AgentConfig, *, home: Path | None, plugin_dirs: dict[str, P
                 registry_root=installer.root if installer is not None else None)
             gate = make_gate(cfg, device=device, home=home, clock=clock, source=source,
                              meter=meter, dev_root=dev_root)
-            slot.agent = Agent(cfg.for_device(device), identity_for(device, i == 0, home),
+            device_cfg = cfg.for_device(device)
+            if several and device_cfg.metrics_addr:
+                # one /metrics per device's agent: port, port + 1, … (0: each its own free one)
+                host, _, port = device_cfg.metrics_addr.rpartition(":")
+                device_cfg.metrics_addr = f"{host}:{int(port) + i if int(port) else 0}"
+            slot.agent = Agent(device_cfg, identity_for(device, i == 0, home),
                                plugin_dirs=plugin_dirs,
                                sandboxed=sandboxed, launcher=launcher, home=home, cheat=cheat,
                                installer=installer, gate=gate,
