@@ -259,46 +259,6 @@ def cmd_jobs_wait(args) -> int:
                                              timeout=args.timeout))
 
 
-def follow_progress(job, stream=None) -> None:
-    """Show the job's progress events until it ends: a tqdm bar on a terminal (when tqdm is
-    installed), else a line at each new step (at most one a second) and at the end."""
-    import time
-
-    stream = stream or sys.stderr
-    bar = None
-    if stream.isatty():
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            tqdm = None
-        if tqdm is not None:
-            bar = tqdm(total=None, desc=f"job {job.id[:8]}", unit="step", file=stream,
-                       leave=True, dynamic_ncols=True)
-    last_line = 0.0
-    from sdk import SparecyclesError
-
-    try:
-        for ev in job.events():
-            if ev.kind == "progress" and ev.data.get("total"):
-                step, total = int(ev.data.get("step", 0)), int(ev.data["total"])
-                if bar is not None:
-                    bar.total = total
-                    bar.n = min(step, total)
-                    bar.set_postfix_str(ev.data.get("message", "")[:40], refresh=False)
-                    bar.refresh()
-                elif time.monotonic() - last_line >= 1.0 or step == total:
-                    last_line = time.monotonic()
-                    print(f"job {job.id[:8]}: step {step}/{total}", file=stream)
-            elif ev.kind in ("assigned", "requeued") and bar is None:
-                print(f"job {job.id[:8]}: {ev.kind}", file=stream)
-    except SparecyclesError as exc:  # no progress to show; waiting for the job still works
-        print(f"job {job.id[:8]}: cannot follow its progress ({exc}); waiting for it",
-              file=stream)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
 def cmd_demo(args) -> int:
     from sdk.demo import run_demo
 
