@@ -107,10 +107,16 @@ def test_two_replicas_add_up(tmp_path, pg_url):
     happen (sum over replicas), the shared queue is the same on both (take max)."""
     from tests.integration.conftest import LiveBroker, seen_provider
 
+    import base64
+    import os
+
+    # replicas share the signing key and the at-rest key (docs/architecture.md, *Replicas*)
+    shared = {"key_path": tmp_path / "broker.key",
+              "at_rest_key": base64.b64encode(os.urandom(32)).decode()}
     a = LiveBroker(tmp_path / "a", db_url=pg_url, metrics_db_interval_s=0,
-                   replica_name="replica-a")
+                   replica_name="replica-a", **shared)
     b = LiveBroker(tmp_path / "b", db_url=pg_url, metrics_db_interval_s=0,
-                   replica_name="replica-b")
+                   replica_name="replica-b", **shared)
     try:
         seen_provider(a.services)  # known, not connected: the jobs stay queued
         key = a.key("client")

@@ -5,6 +5,8 @@ took 5 s (B's hub heard of the end only from its quiet-slice re-read), a cancel 
 never reached the agent (and A kept its slot busy), and a pause through B did nothing."""
 from __future__ import annotations
 
+import base64
+import os
 import time
 
 import pytest
@@ -16,7 +18,11 @@ from tests.integration.conftest import LiveBroker, agent_starter
 
 @pytest.fixture
 def replicas(tmp_path, pg_url):
-    shared = {"key_path": tmp_path / "broker.key", "blob_dir": tmp_path / "blobs"}
+    # what replicas share (docs/architecture.md, *Replicas*): the signing key, the blob
+    # store and the at-rest key that seals job rows (issue #23)
+    at_rest = base64.b64encode(os.urandom(32)).decode()
+    shared = {"key_path": tmp_path / "broker.key", "blob_dir": tmp_path / "blobs",
+              "at_rest_key": at_rest}
     a = LiveBroker(tmp_path / "a", db_url=pg_url, **shared)
     b = LiveBroker(tmp_path / "b", db_url=pg_url, **shared)
     yield a, b
