@@ -46,8 +46,9 @@ class _Model:
 @dataclass(eq=False)
 class Event(_Model):
     """One server-sent event of a job: ``id`` (resume after it with ``after=``), ``kind``
-    (queued, assigned, running, progress, token, requeued, done, failed, cancelled,
-    refunded) and its ``data`` (``progress``: step, total, message; ``token``: text)."""
+    (queued, assigned, running, progress, preview, token, requeued, done, failed,
+    cancelled, refunded) and its ``data`` (``progress``: step, total, message; ``token``:
+    text; ``preview``: a small data: URL image of the output so far, :attr:`preview`)."""
     id: int
     kind: str
     data: dict
@@ -68,6 +69,16 @@ class Event(_Model):
     @property
     def text(self) -> str:
         return str(self.data.get("text", ""))
+
+    @property
+    def preview(self) -> bytes | None:
+        """A "preview" event's thumbnail of the output so far (WebP bytes), else None."""
+        url = self.data.get("preview") if self.kind == "preview" else None
+        if not isinstance(url, str) or ";base64," not in url:
+            return None
+        import base64
+
+        return base64.b64decode(url.split(";base64,", 1)[1])
 
 
 @dataclass(eq=False)
