@@ -90,7 +90,8 @@ class JobFailedError(SparecyclesError):
         self.code = str(err.get("code") or ("job_" + str(data.get("state", "failed"))
                                             if isinstance(data, dict) else "job_failed"))
         # The request that created the job (as the broker keeps it), as an APIError's.
-        self.request_id = getattr(job, "request_id", None)
+        self.request_id = (data.get("request_id") if isinstance(data, dict)
+                           else getattr(job, "request_id", None))
 
 
 class JobTimeoutError(JobFailedError):

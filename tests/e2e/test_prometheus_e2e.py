@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 
-from sdk import Client
 
 PROMETHEUS = shutil.which("prometheus")
 JOBS = 6
@@ -66,7 +65,10 @@ def _until(fn, what: str, timeout_s: float = 30.0):
 
 def test_prometheus_scrapes_broker_and_agent(localnet, tmp_path):
     info = localnet.start_broker()
-    broker_target = info["http"].removeprefix("http://")
+    # the e2e network serves TLS (issue #23): Prometheus scrapes over https, trusting its CA
+    scheme, _, broker_target = info["http"].partition("://")
+    tls = (f"\n    scheme: https\n    tls_config: {{ca_file: \"{localnet.ca_file}\"}}"
+           if scheme == "https" else "")
     agent_port = _free_port()
     localnet.start_agent("scraped", localnet.create_key("provider"), sandbox=False,
                          run_args=["--metrics-addr", f"127.0.0.1:{agent_port}"])
@@ -78,7 +80,7 @@ global:
   scrape_interval: 1s
   scrape_timeout: 1s
 scrape_configs:
-  - job_name: sparecycles-broker
+  - job_name: sparecycles-broker{tls}
     static_configs: [{{targets: ["{broker_target}"]}}]
   - job_name: sparecycles-agents
     static_configs: [{{targets: ["127.0.0.1:{agent_port}"]}}]
@@ -95,7 +97,7 @@ scrape_configs:
     try:
         _until(lambda: httpx.get(f"{url}/-/ready", timeout=2).status_code == 200,
                "Prometheus to be ready")
-        with Client(localnet.url, localnet.create_key("client")) as client:
+        with localnet.client(localnet.create_key("client")) as client:
             for i in range(JOBS):
                 assert client.generate("echo", text=f"scraped {i}").job.state == "settled"
         settled = _until(lambda: [r for r in _query(
