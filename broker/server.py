@@ -327,6 +327,7 @@ class BrokerServer:
         await self._drain()
         self.http.should_exit = True
         await self.grpc_server.stop(grace=SHUTDOWN_GRACE_S)
+        await self.gateway.stop_sweeping()
         task = getattr(self, "_http_task", None)
         if task is not None:
             await asyncio.wait_for(asyncio.wrap_future(task), SHUTDOWN_GRACE_S * 2 + 1)

@@ -4,10 +4,42 @@ default the local server; skipped with a reason when it cannot be reached, and f
 instead when SPARECYCLES_REQUIRE_POSTGRES=1, as in CI)."""
 from __future__ import annotations
 
+import ast
+import functools
 import os
+import sys
+import threading
 import uuid
 
 import pytest
+
+
+def _serialize_ast_conversion() -> None:
+    """CPython 3.11 keeps the AST converter's recursion depth once per interpreter, not per
+    thread (see python/cpython#106905 and pytest-dev/pytest#10763): two threads at it — one
+    building a Flask app (werkzeug compiles each route through ``ast``), another formatting a
+    traceback (3.11's carets ``ast.parse`` the line) — fail one of them with "SystemError: AST
+    constructor recursion depth mismatch". The suite runs many brokers' threads in one
+    process, so it takes both paths under one lock; a broker process builds its app once,
+    before its threads start."""
+    if sys.version_info >= (3, 12):
+        return
+    from werkzeug.routing import rules
+
+    lock = threading.RLock()
+
+    def locked(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with lock:
+                return fn(*args, **kwargs)
+        return wrapper
+
+    ast.parse = locked(ast.parse)
+    rules.Rule._compile_builder = locked(rules.Rule._compile_builder)
+
+
+_serialize_ast_conversion()
 
 PG_ADMIN_URL = os.environ.get("SPARECYCLES_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

@@ -262,6 +262,16 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                                 why)
                     session._cut(why, revoked=True)
 
+    async def stop_sweeping(self) -> None:
+        """On the loop, at shutdown: end the key re-check (the streams are gone)."""
+        task, self._key_sweeper = self._key_sweeper, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
     async def Connect(self, request_iterator, context):  # noqa: N802 - grpc naming
         if self.stats.streams >= self.max_streams:
             self.stats.refused += 1
