@@ -6,7 +6,10 @@ there); this module lays out the paths, parameters and statuses that use them.
 It states every status a route answers for the inputs it is sent (tests/integration/
 test_openapi_contract.py drives the app and checks the answers against this document)
 and the bounds the server enforces on parameters (``limit``, ``wait``, ``after``...)."""
-from flask import Blueprint
+import functools
+import json
+
+from flask import Blueprint, Response
 
 from . import keys as keys_api
 from . import openai_compat, registry as registry_api, schemas
@@ -293,6 +296,13 @@ def document() -> dict:
     }
 
 
+@functools.lru_cache(maxsize=1)
+def _document_json() -> bytes:
+    """The document as served: it depends on nothing but the code, so it is built once (building it
+    from the pydantic schemas took 13 ms per request here)."""
+    return json.dumps(document(), separators=(",", ":")).encode()
+
+
 @bp.get("/openapi.json")
 def openapi():
-    return document()
+    return Response(_document_json(), mimetype="application/json")
