@@ -91,9 +91,9 @@ class LinkService:
         one must not refuse a connection or a payment); a new link is audited."""
         if not account_id or not value:
             return
-        kind = LinkKind(kind)
-        digest = sha256_hex(f"{kind.value}:{value}".encode())
         try:
+            kind = LinkKind(kind)
+            digest = sha256_hex(f"{kind.value}:{value}".encode())
             new = self.repo.record(account_id, kind.value, digest,
                                    label or f"{kind.value} {digest[:12]}", self.clock())
             if not new:
@@ -105,7 +105,7 @@ class LinkService:
                 self.audit.record("broker", "links.linked", f"account:{account_id}",
                                   {"kind": kind.value, "label": label, "with": others})
         except Exception:  # noqa: BLE001 - logged; see the docstring
-            log.exception("could not record a %s signal of account %s", kind.value, account_id)
+            log.exception("could not record a %s signal of account %s", kind, account_id)
 
     def agent_seen(self, account_id: str, *, peer: str = "", fingerprint: str = "") -> None:
         """An agent of ``account_id`` connected from ``peer`` (gRPC's ``context.peer()``,
