@@ -210,8 +210,9 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
 
     # Exchanged API tokens are signed with a key derived from the console's secret, which
     # replicas share (SPARECYCLES_ADMIN_SESSION_SECRET) so a token works on any of them.
-    auth = ApiKeyService(accounts, token_secret=settings.admin_session_secret
-                         or load_or_create_secret(settings.admin_session_key_path))
+    console_secret = (settings.admin_session_secret
+                      or load_or_create_secret(settings.admin_session_key_path))
+    auth = ApiKeyService(accounts, token_secret=console_secret)
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
     dispatcher = Dispatcher(jobs, bus=bus)
@@ -238,9 +239,9 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     market.warm = registry.warm.is_warm
     dispatcher.needs_download = registry.warm.needs_download
     use_measured_throughput(jobs, market)
-    admin = build_admin(settings, sessions, audit=audit, pricing=pricing, providers=providers,
-                        dispatcher=dispatcher, ledger=ledger, payments=payments, jobs=jobs,
-                        catalog=catalog, auth=auth)
+    admin = build_admin(settings, sessions, secret=console_secret, audit=audit, pricing=pricing,
+                        providers=providers, dispatcher=dispatcher, ledger=ledger,
+                        payments=payments, jobs=jobs, catalog=catalog, auth=auth)
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
     maintenance.tasks.append(market.flush_figures)
     maintenance.tasks.append(retention.due)  # outputs, checkpoints and orphans expire

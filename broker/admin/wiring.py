@@ -3,22 +3,18 @@ one place that chooses implementations: this module only groups the admin part o
 from __future__ import annotations
 
 from broker.admin.disputes import DisputeService
-from broker.admin.service import AdminService
-from broker.admin.session import AdminSessions, load_or_create_secret
+from broker.admin.service import PRICE_FIELDS, AdminService
+from broker.admin.session import AdminSessions
 from broker.pricing.policy import PolicyService
 from broker.storage.admin_sql import (SqlAdminQueries, SqlDisputeRepository, SqlPolicyRepository,
                                       SqlSessionRevocations)
-
-_PRICE_FIELDS = ("reserve_micro_per_unit", "fee_bps", "min_charge_micro", "vesting_window_s",
-                 "cache_price_micro")
-
 
 def audit_price_changes(audit):
     """The pricing hook: each change is audited with its before and after values."""
     def hook(before, after, by):
         audit.record(f"admin:{by}", "pricing.set", f"plugin:{after.plugin}",
-                     {"before": {k: getattr(before, k) for k in _PRICE_FIELDS},
-                      "after": {k: getattr(after, k) for k in _PRICE_FIELDS},
+                     {"before": {k: getattr(before, k) for k in PRICE_FIELDS},
+                      "after": {k: getattr(after, k) for k in PRICE_FIELDS},
                       "was_default": before.is_default})
     return hook
 
@@ -31,10 +27,8 @@ def audit_market_rules(audit):
     return hook
 
 
-def build_admin(settings, sessions, *, audit, pricing, providers, dispatcher, ledger, payments,
+def build_admin(settings, sessions, *, secret: str, audit, pricing, providers, dispatcher, ledger, payments,
                 jobs, catalog, auth) -> dict:
-    secret = settings.admin_session_secret or load_or_create_secret(
-        settings.admin_session_key_path)
     disputes = DisputeService(SqlDisputeRepository(sessions), audit)
     admin = AdminService(pricing=pricing, policies=PolicyService(SqlPolicyRepository(sessions)),
                          providers=providers, dispatcher=dispatcher, audit=audit,
