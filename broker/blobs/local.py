@@ -37,18 +37,25 @@ class LocalBlobStore:
     def put(self, data: bytes) -> str:
         key = hashlib.sha256(data).hexdigest()
         path = self._path(key)
-        if path.exists():
-            return key
+        if not path.exists():
+            self._write(path, self._stored(data))
+        return key
+
+    def _stored(self, data: bytes) -> bytes:
+        """What is written to disk for ``data`` (a sealed store seals it)."""
+        return data
+
+    @staticmethod
+    def _write(path: Path, stored: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                f.write(stored)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        return key
 
     def tmp_dir(self) -> Path:
         """A folder for uploads in progress, on the blobs' file system (cheap renames)."""

@@ -33,6 +33,8 @@ _ATTR = "sparecycles_at_rest"
 _JSON_MARK = "$sealed"
 _TEXT_MARK = "sealed:v1:"
 _BLOB_MARK = b"SCSEAL1\0"
+# What sealing adds to a value: its nonce and its authenticator.
+SEAL_OVERHEAD = SecretBox.NONCE_SIZE + SecretBox.MACBYTES
 
 
 class AtRestError(RuntimeError):
@@ -138,24 +140,21 @@ class SealedBlobStore(LocalBlobStore):
         super().__init__(root)
         self.cipher = cipher
 
-    def put(self, data: bytes) -> str:
-        import hashlib
-        import tempfile
+    def _stored(self, data: bytes) -> bytes:
+        return _BLOB_MARK + self.cipher.seal(data)
 
-        key = hashlib.sha256(data).hexdigest()
-        path = self._path(key)
-        if path.exists():
-            return key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    def put_file(self, src: Path | str, key: str) -> bool:
+        """As :meth:`LocalBlobStore.put_file`, sealing the file's bytes on the way in (a
+        sealed blob cannot be renamed into place as it is)."""
+        src = Path(src)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_BLOB_MARK + self.cipher.seal(data))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return key
+            path = self._path(key)
+            if path.exists():
+                return False
+            self._write(path, self._stored(src.read_bytes()))
+            return True
+        finally:
+            src.unlink(missing_ok=True)
 
     def get(self, key: str) -> bytes:
         data = super().get(key)
@@ -164,7 +163,12 @@ class SealedBlobStore(LocalBlobStore):
         return data  # written before blobs were sealed
 
     def size(self, key: str) -> int:
-        return len(self.get(key))
+        """The plaintext's size, from the file's (no need to open the seal)."""
+        stored = super().size(key)
+        with open(self._path(key), "rb") as f:
+            if f.read(len(_BLOB_MARK)) != _BLOB_MARK:
+                return stored  # written before blobs were sealed
+        return stored - len(_BLOB_MARK) - SEAL_OVERHEAD
 
     def path(self, key: str) -> Path:
         raise AtRestError("sealed blobs cannot be served from disk as they are; read them "

@@ -172,3 +172,27 @@ def test_sealed_columns_on_postgresql(pg_url, tmp_path):
         assert [e.kind for e in svc.jobs.repo.events_after(job.id, 0)][0] == "queued"
     finally:
         svc.close()
+
+
+def test_an_uploaded_file_is_sealed_like_a_put_blob(tmp_path):
+    """Streamed uploads move a finished file into place (put_file): in a sealed store its
+    bytes are sealed on the way in, and its size is the plaintext's."""
+    import hashlib
+    import os
+
+    from broker.storage.sealed import AtRestCipher, SealedBlobStore
+
+    store = SealedBlobStore(tmp_path / "blobs", AtRestCipher(os.urandom(32)))
+    data = b"a secret image " * 1000
+    key = hashlib.sha256(data).hexdigest()
+    src = store.tmp_dir() / ".upload-1"
+    src.write_bytes(data)
+    assert store.put_file(src, key) is True
+    assert not src.exists()
+    on_disk = store._path(key).read_bytes()
+    assert b"a secret image" not in on_disk
+    assert store.get(key) == data and store.size(key) == len(data)
+    again = store.tmp_dir() / ".upload-2"
+    again.write_bytes(data)
+    assert store.put_file(again, key) is False and not again.exists()
+    assert store.size(store.put(b"small")) == 5
