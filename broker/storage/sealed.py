@@ -175,10 +175,11 @@ class SealedBlobStore(LocalBlobStore):
                           "with get()")
 
 
-def seal_existing(engine, blobs: SealedBlobStore, batch: int = 500) -> dict[str, int]:
+def seal_existing(engine, blobs, batch: int = 500) -> dict[str, int]:
     """Seal what was stored in plaintext before this broker sealed at rest (or by an
-    engine without the key): job inputs, envelopes, error messages, event data, job blob
-    files; then compact the database so the old plaintext is gone from its files too.
+    engine without the key): job inputs, envelopes, error messages, event data; then compact
+    the database so the old plaintext is gone from its files too; then the job blob files
+    of a sealed local folder (``blobs``, or the store it wraps; an S3 bucket seals its own).
     Idempotent; returns how many of each it sealed. (PostgreSQL's WAL segments and any
     backups still hold what was written before: rotate those as your retention allows.)"""
     from sqlalchemy import select, type_coerce, update
@@ -195,7 +196,9 @@ def seal_existing(engine, blobs: SealedBlobStore, batch: int = 500) -> dict[str,
         last = None
         while True:
             with engine.begin() as c:
-                q = select(key, *raw).order_by(key).limit(batch)
+                # locked: a broker serving meanwhile must not have a newer value
+                # overwritten by the one read here
+                q = select(key, *raw).order_by(key).limit(batch).with_for_update()
                 if last is not None:
                     q = q.where(key > last)
                 rows = c.execute(q).all()
@@ -209,6 +212,12 @@ def seal_existing(engine, blobs: SealedBlobStore, batch: int = 500) -> dict[str,
             if len(rows) < batch:
                 break
             last = rows[-1][0]
+    if counts["jobs"] or counts["events"]:
+        _compact(engine)
+    while not isinstance(blobs, SealedBlobStore) and hasattr(blobs, "_inner"):
+        blobs = blobs._inner  # a wrapper that counts (broker.observability.metered)
+    if not isinstance(blobs, SealedBlobStore):
+        return counts  # S3: the bucket seals its objects (docs/architecture.md)
     for path in blobs.root.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*"):
         if not path.is_file() or path.name.startswith(".tmp-"):
             continue
@@ -220,8 +229,6 @@ def seal_existing(engine, blobs: SealedBlobStore, batch: int = 500) -> dict[str,
         tmp.write_bytes(_BLOB_MARK + blobs.cipher.seal(data))
         os.replace(tmp, path)
         counts["blobs"] += 1
-    if counts["jobs"] or counts["events"]:
-        _compact(engine)
     return counts
 
 

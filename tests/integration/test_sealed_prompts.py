@@ -196,3 +196,21 @@ def test_an_uploaded_file_is_sealed_like_a_put_blob(tmp_path):
     again.write_bytes(data)
     assert store.put_file(again, key) is False and not again.exists()
     assert store.size(store.put(b"small")) == 5
+
+
+def test_sealing_leaves_a_store_that_seals_its_own_alone(tmp_path):
+    """seal-at-rest seals the rows whatever the blob store; a store that is not a sealed
+    local folder (an S3 bucket seals its own objects) is neither walked nor rewritten."""
+    from broker.blobs.local import LocalBlobStore
+    from broker.services import build_services
+    from broker.settings import Settings
+    from broker.storage.sealed import seal_existing
+
+    svc = build_services(Settings(data_dir=tmp_path / "b", verification=False))
+    try:
+        other = LocalBlobStore(tmp_path / "elsewhere")
+        key = other.put(b"kept as it is")
+        assert seal_existing(svc.engine, other) == {"jobs": 0, "events": 0, "blobs": 0}
+        assert other._path(key).read_bytes() == b"kept as it is"
+    finally:
+        svc.close()
