@@ -253,14 +253,34 @@ class JobService:
         set, where it differs from the manifest's (what ``GET /v1/plugins`` shows)."""
         if self.input_defaults is None:
             return {}
-        return self.input_defaults.for_job(manifest, weights_digest)
+        defaults = self.input_defaults.for_job(manifest, weights_digest)
+        if defaults:
+            declared = {f.name: f.default for f in manifest.inputs.fields
+                        if f.default is not None}
+            try:
+                if (manifest.work_units_for({**declared, **defaults})
+                        > manifest.work_units_for(declared)):
+                    return {}  # never dearer (see _inputs): the manifest's defaults stand
+            except Exception:  # noqa: BLE001 - a formula needing a required input: _inputs judges
+                pass
+        return defaults
 
     def _inputs(self, manifest, raw: Any, weights_digest: str | None) -> tuple[dict, dict]:
-        """(the inputs as asked, with the manifest's defaults; as they will run)."""
+        """(the inputs as asked, with the manifest's defaults; as they will run). What the
+        providers' weights report may make a job smaller than the manifest's defaults (tiny
+        weights' 64×64 images), never dearer: a report that would add work units is not
+        applied, so no provider can raise the price of a job whose client named no size."""
         try:
             asked = manifest.validate_inputs(raw)
             defaults = self.defaults_for(manifest, weights_digest)
-            return asked, (manifest.validate_inputs(raw, defaults) if defaults else asked)
+            if not defaults:
+                return asked, asked
+            resolved = manifest.validate_inputs(raw, defaults)
+            if manifest.work_units_for(resolved) > manifest.work_units_for(asked):
+                log.info("%s: the providers' weights give %s, which would cost more than the "
+                         "manifest's defaults; those stand", manifest.ref, defaults)
+                return asked, asked
+            return asked, resolved
         except InputError as exc:
             raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
                                plugin=manifest.ref) from None

@@ -81,3 +81,21 @@ def test_providers_whose_weights_disagree_leave_the_manifest_size(live_broker):
         assert pinned["inputs"]["width"] == 64
     tiny.close()
     real.close()
+
+
+def test_weights_that_would_make_a_job_dearer_leave_the_manifest_size(live_broker):
+    """A provider's report may shrink a job its client named no size for, never grow it:
+    weights claiming 1024×1024 would quadruple an sd15 job's price."""
+    raw = _connect(live_broker, {"width": 1024, "height": 1024})
+    with Client(live_broker.url, live_broker.key("client")) as client:
+        reports = live_broker.services.jobs.input_defaults
+        _until(lambda: reports.for_job(live_broker.services.catalog.get("sd15"))
+               == {"width": 1024, "height": 1024}, "the agent's report to reach the broker")
+        assert _defaults_now(client) == {}
+        job = client.jobs.create("sd15", **README)
+        assert (job.data["inputs"]["width"], job.data["inputs"]["height"]) == (512, 512)
+        assert job.data["work_units"] == 30 * 512 * 512 / 1048576
+        # one named side with the report's larger other side: the manifest's stands too
+        tall = client.jobs.create("sd15", width=256, **README)
+        assert (tall.data["inputs"]["width"], tall.data["inputs"]["height"]) == (256, 512)
+        raw.close()
