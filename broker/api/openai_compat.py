@@ -375,7 +375,8 @@ def _submit(manifest, inputs: dict, terms: dict, n: int):
                             "inputs": inputs, **terms}
     if n > 1:
         body["n"] = n
-    job, _ = svc.jobs.submit(who, body, idempotency_key=idempotency_key())
+    job, _ = svc.jobs.submit(who, body, idempotency_key=idempotency_key(),
+                             request_id=request_id())
     if job.batch_id:
         return svc.jobs.batch(who, job.batch_id)
     return [job]
@@ -479,7 +480,7 @@ def _text(body: dict, manifest, inputs: dict, terms: dict, *, chat: bool, echo: 
     wait_s = _wait_s(terms)  # a bad Prefer header is refused before any job exists
     jobs = _submit(manifest, inputs, terms, n)
     if stream:
-        return _stream(jobs[0], model, chat=chat, usage=usage, echo=echo)
+        return _stream(jobs[0], model, chat=chat, usage=usage, echo=echo, wait_s=wait_s)
 
     def answer(ended: list):
         ended = _settled(svc, who, ended)
@@ -520,7 +521,8 @@ def _wait_s(terms: dict) -> float:
     return wait
 
 
-def _stream(job, model: str, *, chat: bool, usage: bool, echo: str) -> Response:
+def _stream(job, model: str, *, chat: bool, usage: bool, echo: str,
+            wait_s: float = OPENAI_WAIT_S) -> Response:
     """The job's tokens as OpenAI's streamed chunks (``data: {...}`` lines, then
     ``data: [DONE]``), followed through the job's events like GET /v1/jobs/<id>/events:
     the generator yields a HubWait where it waits, so no thread is held meanwhile."""
@@ -546,7 +548,7 @@ def _stream(job, model: str, *, chat: bool, usage: bool, echo: str) -> Response:
     def follow() -> Iterator[str | HubWait]:
         yield chunk("" if chat else echo, role=True) if chat or echo else ": started\n\n"
         last, idle_since = 0, time.monotonic()
-        deadline = time.monotonic() + OPENAI_WAIT_S
+        deadline = time.monotonic() + wait_s
         while True:
             version = svc.jobs.hub.version(job.id)
             events = svc.jobs.repo.events_after(job.id, last)
@@ -570,7 +572,7 @@ def _stream(job, model: str, *, chat: bool, usage: bool, echo: str) -> Response:
             if now > deadline:
                 svc.jobs.cancel(who, job.id, reason="the streamed request's wait ran out")
                 raise JobTimedOut(f"the job {job.id} did not finish within "
-                                  f"{OPENAI_WAIT_S:g} s and was cancelled")
+                                  f"{wait_s:g} s and was cancelled")
             if events:
                 idle_since = now
             elif now - idle_since > 15:

@@ -76,6 +76,28 @@ def test_chat_completion_is_a_billed_job(world):
     assert _balance(broker, key) < before  # charged like any job
 
 
+def test_the_request_id_reaches_the_job_streamed_or_not(world):
+    """As on POST /v1/jobs: the job an OpenAI request creates keeps its X-Request-Id."""
+    import httpx
+
+    broker, client, key = world
+    ids = []
+    for stream in (False, True):
+        rid = f"oa-{'stream' if stream else 'whole'}-1"
+        resp = client.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            temperature=0, seed=1, stream=stream, extra_headers={"X-Request-Id": rid})
+        if stream:
+            chunks = list(resp)
+            ids.append((rid, chunks[0].id.removeprefix("chatcmpl-")))
+        else:
+            ids.append((rid, resp.model_extra["sparecycles"]["job_ids"][0]))
+    for rid, job_id in ids:
+        job = httpx.get(f"{broker.url}/v1/jobs/{job_id}",
+                        headers={"Authorization": f"Bearer {key}"}).json()
+        assert job["request_id"] == rid
+
+
 def test_streamed_chat_yields_the_tokens_then_the_finish(world):
     _, client, _ = world
     stream = client.chat.completions.create(
