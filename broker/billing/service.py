@@ -67,22 +67,11 @@ class JobBilling:
         amount = self.max_price(plugin, work_units, inputs=inputs)
         if cap_micro is not None:
             amount = min(amount, cap_micro)
-        for opened in (False, True):
-            try:
-                hold = self.ledger.hold(client, amount, job_id, idempotency_key=f"job:{job_id}:hold",
-                                        ttl_s=self.hold_ttl_s)
-                return hold.id, amount
-            except lerr.UnknownAccount:
-                if opened:
-                    raise
-                self.ledger.open_client(client)  # an account from before the ledger existed
-            except lerr.InsufficientCredits as exc:
-                raise InsufficientCredits(needed_micro=amount, available_micro=exc.available_micro,
-                                          how_to_fund=self.how_to_fund) from None
-        raise AssertionError("unreachable")
+        return self.hold_amount(job_id, client, amount), amount
 
     def hold_amount(self, job_id: str, client: str, amount: int) -> str:
-        """Hold exactly ``amount`` (a result-cache hit's price); returns the hold id."""
+        """Hold exactly ``amount`` (a job's maximum price, a result-cache hit's price);
+        returns the hold id. The same errors as :meth:`hold`."""
         for opened in (False, True):
             try:
                 return self.ledger.hold(client, amount, job_id,
