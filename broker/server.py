@@ -270,18 +270,11 @@ class BrokerServer:
             self._on_loop(self._shutdown(), timeout_s=SHUTDOWN_GRACE_S * 3 + 5)
         except Exception:  # noqa: BLE001 - go on closing the rest
             log.exception("the event loop did not shut down cleanly")
-        self.services.dispatcher.stop()
-        self.services.maintenance.stop()
-        self.services.bus.close()
-        if self.services.replicas is not None:
-            self.services.replicas.stop()
-        if self.services.verification is not None:
-            self.services.verification.close()
+        self.services.stop()
         for pool in (self.http_pool, self.agent_pool, self.health_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self._close_loop()
-        self.services.market.flush_figures()  # what the last pass did not write yet
-        self.services.engine.dispose()
+        self.services.dispose()
         if self._serve_lock is not None:
             self._serve_lock.close()
         self._done.set()

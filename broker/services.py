@@ -108,14 +108,24 @@ class Services:
     rate_limiter: object | None = None      # broker.ratelimit.RateLimiter (None: off)
     retention: BlobRetention | None = None  # what the blob store keeps, and for how long
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stop the threads that act on their own (the server stops its loop after this)."""
         self.maintenance.stop()
         self.dispatcher.stop()
         self.bus.close()
-        self.market.flush_figures()
+        if self.replicas is not None:
+            self.replicas.stop()
         if self.verification is not None:
             self.verification.close()
+
+    def dispose(self) -> None:
+        """Write what is still in memory, then let the database go (after :meth:`stop`)."""
+        self.market.flush_figures()  # what the last pass did not write yet
         self.engine.dispose()
+
+    def close(self) -> None:
+        self.stop()
+        self.dispose()
 
 
 def build_services(settings: Settings, *, migrate: bool | str = True) -> Services:
