@@ -45,17 +45,6 @@ def encode_outputs(outputs, fmt: dict | None) -> None:
             out.data, out.media_type = encode_image(out.data, fmt)
 
 
-def preview(data: bytes, max_px: int = 64, quality: int = 60) -> bytes:
-    """A small WebP thumbnail of an image (progress previews)."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        im.thumbnail((max_px, max_px))
-        out = io.BytesIO()
-        im.convert("RGB").save(out, format="WEBP", quality=quality)
-    return out.getvalue()
-
-
 # ---- checkpoints ------------------------------------------------------------------------
 CHECKPOINT_MAGIC = b"SCZ1"  # a compressed checkpoint: magic, then a zlib stream
 

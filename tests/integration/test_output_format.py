@@ -68,7 +68,6 @@ def test_a_progress_preview_reaches_the_clients_events_and_a_large_one_is_refuse
     import base64
     import json
 
-    from provider_agent.encode import preview
     from sdk.protocol import agent_pb2 as pb
     from sdk.protocol.signing import KeyPair
     from tests.integration.test_gateway_and_sdk import RawAgent, _handshake
@@ -80,7 +79,7 @@ def test_a_progress_preview_reaches_the_clients_events_and_a_large_one_is_refuse
         client = Client(live_broker.url, live_broker.key("client"))
         job = client.jobs.create("echo", text="x")
         env = json.loads(_next(raw, "assignment").envelope)
-        thumb = preview(_png_bytes())
+        thumb = _webp_thumb(_png_bytes())
         raw.send(progress=pb.JobProgress(job_id=job.id, attempt=env["attempt"], step=1, total=4,
                                          preview=thumb, preview_media_type="image/webp"))
         raw.send(progress=pb.JobProgress(job_id=job.id, attempt=env["attempt"], step=2, total=4,
@@ -105,4 +104,15 @@ def _png_bytes() -> bytes:
     im = Image.new("RGB", (128, 96), (200, 40, 40))
     out = io.BytesIO()
     im.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _webp_thumb(png: bytes) -> bytes:
+    """A progress preview as plugins send one: a small WebP."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as im:
+        im.thumbnail((64, 64))
+        out = io.BytesIO()
+        im.convert("RGB").save(out, format="WEBP", quality=60)
     return out.getvalue()

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from provider_agent.encode import (CHECKPOINT_MAGIC, encode_image, encode_outputs,
-                                   pack_checkpoint, preview, unpack_checkpoint)
+                                   pack_checkpoint, unpack_checkpoint)
 
 
 def _png(size=(64, 64)) -> bytes:
@@ -61,9 +61,3 @@ def test_a_checkpoint_is_compressed_when_that_is_smaller_and_always_reads_back()
     assert pack_checkpoint(noise) == noise and unpack_checkpoint(noise) == noise
     tricky = CHECKPOINT_MAGIC + os.urandom(100)  # raw bytes that look packed
     assert unpack_checkpoint(pack_checkpoint(tricky)) == tricky
-
-
-def test_a_preview_is_a_small_webp():
-    small = preview(_png((512, 512)))
-    im = Image.open(io.BytesIO(small))
-    assert im.format == "WEBP" and max(im.size) == 64 and len(small) < 4096
