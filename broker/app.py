@@ -65,7 +65,7 @@ def create_app(services) -> Flask:
             check_route(g.principal, request.endpoint, request.method, request.path)
             limiter = getattr(services, "rate_limiter", None)
             if limiter is not None:
-                limiter.hit(g.principal.key_id, ROUTE_SCOPES.get(request.endpoint))
+                limiter.hit(g.principal.account_id, ROUTE_SCOPES.get(request.endpoint))
         return None
 
     @app.after_request

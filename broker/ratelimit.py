@@ -1,10 +1,10 @@
-"""Rate limits on the REST API, per key and per route group, answered with 429 and
+"""Rate limits on the REST API, per account and per route group, answered with 429 and
 ``Retry-After`` (docs/architecture.md, *Security: rate limits*).
 
 Each route belongs to the group of the scope it needs (broker/auth/scopes.py): ``jobs:write``
 (submits, cancels, quotes), ``jobs:read``, ``auth`` (token exchanges and key management),
-``publish``, and ``default`` for the rest. A key (and every token exchanged for it) has one
-budget per group, counted in a sliding window by the ``limits`` library (the one under
+``publish``, and ``default`` for the rest. An account (every key of it, and every token exchanged for
+one, so minting keys does not multiply the limit) has one budget per group, counted in a sliding window by the ``limits`` library (the one under
 Flask-Limiter). The counters live in ``rate_limit_storage``: ``memory://`` keeps them in
 this process (one replica), ``redis://host:6379/0`` in Redis, shared by every replica that
 names the same server, so the limit holds for the whole deployment. PostgreSQL is not used
@@ -84,8 +84,8 @@ class RateLimiter:
     def group(scope: str | None) -> str:
         return _GROUP_OF_SCOPE.get(scope if scope is not None else "default", "default")
 
-    def hit(self, key_id: str, scope: str | None) -> None:
-        """Count one request of ``key_id`` on a route needing ``scope``; RateLimited when its
+    def hit(self, account_id: str, scope: str | None) -> None:
+        """Count one request of ``account_id`` on a route needing ``scope``; RateLimited when its
         group's budget is spent. A storage that fails lets the request through (logged):
         the limit protects the broker; it must not take the API down with Redis."""
         group = self.group(scope)
@@ -93,15 +93,15 @@ class RateLimiter:
         if limit is None:
             return
         try:
-            if self._limiter.hit(limit, key_id, group):
+            if self._limiter.hit(limit, account_id, group):
                 return
-            reset = self._limiter.get_window_stats(limit, key_id, group).reset_time
+            reset = self._limiter.get_window_stats(limit, account_id, group).reset_time
         except Exception:  # noqa: BLE001 - e.g. Redis unreachable
             log.exception("rate limit storage %s failed; letting the request through",
                           self.storage_uri)
             return
         retry = max(1, math.ceil(reset - time.time()))
-        raise RateLimited(f"this key made more than {self.spec[group]} {group} requests; "
-                          f"retry after {retry} s (the limits are per key and per route "
-                          "group; ask an admin for more)", retry_after_s=retry,
+        raise RateLimited(f"this account made more than {self.spec[group]} {group} requests; "
+                          f"retry after {retry} s (the limits are per account and per "
+                          "route group, all its keys together; ask an admin for more)", retry_after_s=retry,
                           limit=self.spec[group], group=group)

@@ -54,18 +54,15 @@ def create_key():
     if scopes is not None and (not isinstance(scopes, list)
                                or not all(isinstance(s, str) for s in scopes)):
         raise InvalidRequest("scopes must be a list of scope names", field="scopes")
-    beyond = sorted(set(scopes or who.scopes) - who.scopes)
-    if beyond:
-        raise Forbidden(f"this key cannot create a key holding {beyond}: it holds "
-                        f"{' '.join(sorted(who.scopes))}", missing_scope=beyond[0],
-                        code_override="missing_scope")
     life = _number(body, "expires_in_s", 60, MAX_KEY_LIFE_S)
     name = body.get("name", "")
     if not isinstance(name, str) or len(name) > 200:
         raise InvalidRequest("name must be text of at most 200 characters", field="name")
     auth = services().auth
-    key, made = auth.add_key(who.account_id, who.role, scopes=scopes or sorted(who.scopes),
-                             expires_at=time.time() + life if life else None, name=name)
+    scopes, expires_at = auth.may_hand_out(who, scopes, time.time() + life if life else None,
+                                           credential=_bearer())
+    key, made = auth.add_key(who.account_id, who.role, scopes=scopes, expires_at=expires_at,
+                             name=name)
     return {**key_to_json(auth.get_key(made.key_id)), "key": key}, 201
 
 
@@ -85,7 +82,7 @@ def rotate_key(key_id: str):
     body = json_object(("grace_s",), '{"grace_s": 3600}') if _has_body() else {}
     grace = _number(body, "grace_s", 0, 30 * 86400) or 0.0
     auth = services().auth
-    key, old = auth.rotate(key_id, grace_s=grace, account_id=who.account_id)
+    key, old = auth.rotate(key_id, grace_s=grace, caller=who, credential=_bearer())
     new_id = key.split("_")[2]
     return {**key_to_json(auth.get_key(new_id)), "key": key,
             "replaces": key_to_json(auth.get_key(old.id))}, 201

@@ -245,6 +245,34 @@ class ApiKeyService:
                 "token_type": "Bearer", "expires_in": exp - now,
                 "scopes": sorted(wanted)}
 
+    # ---- handing out keys ----------------------------------------------------------------
+    def may_hand_out(self, caller: Principal, scopes, expires_at: float | None, *,
+                     credential: str = "") -> tuple[tuple[str, ...], float | None]:
+        """The one check of create and rotate: the scopes and expiry a key made by
+        ``caller`` gets. Only a full API key may hand out keys (never a token exchanged
+        for one); it hands out only scopes it holds; the new key expires no later than the
+        caller's own. Returns (scopes, expires_at)."""
+        if credential and self.is_token(credential):
+            raise Forbidden("a token (from POST /v1/auth/token) cannot create or rotate keys; "
+                            "use a full API key (sc_…)", code_override="token_not_allowed")
+        held = set(caller.scopes)
+        wanted = parse_scopes(caller.role, scopes) if scopes else tuple(sorted(held))
+        if not set(wanted) & held:
+            raise Forbidden(f"asked for scopes {sorted(wanted)} but this key holds "
+                            f"{sorted(held) or 'none'}: none of them in common, so there is "
+                            "nothing it may hand out", missing_scope=wanted[0],
+                            code_override="missing_scope")
+        beyond = sorted(set(wanted) - held)
+        if beyond:
+            raise Forbidden(f"this key cannot hand out {beyond}: asked for {sorted(wanted)}, "
+                            f"it holds {sorted(held)}", missing_scope=beyond[0],
+                            code_override="missing_scope")
+        record = self.repo.get_key(caller.key_id)
+        cap = record.expires_at if record is not None else None
+        if cap is not None:
+            expires_at = cap if expires_at is None else min(expires_at, cap)
+        return tuple(wanted), expires_at
+
     # ---- lifecycle ---------------------------------------------------------------------
     def list_keys(self, account_id: str | None = None) -> list[KeyRecord]:
         return self.repo.list_keys(account_id)
@@ -264,10 +292,15 @@ class ApiKeyService:
         self._forget(key_id)
         return done
 
-    def rotate(self, key_id: str, *, grace_s: float = 0.0,
-               account_id: str | None = None) -> tuple[str, KeyRecord]:
+    def rotate(self, key_id: str, *, grace_s: float = 0.0, account_id: str | None = None,
+               caller: Principal | None = None,
+               credential: str = "") -> tuple[str, KeyRecord]:
         """A new key with the old one's account, role, scopes and name; the old one stops
-        working after ``grace_s`` seconds (0: now). Returns (new plaintext key, old record)."""
+        working after ``grace_s`` seconds (0: now). Returns (new plaintext key, old record).
+        ``caller`` (an API request's principal): only its own account's keys unless it is
+        an admin, and through :meth:`may_hand_out` (its scopes, its expiry at most)."""
+        if caller is not None and caller.role != "admin":
+            account_id = caller.account_id
         old = self.get_key(key_id, account_id)
         now = self.clock()
         if old.state(now) == "revoked":
@@ -276,8 +309,14 @@ class ApiKeyService:
         if not 0 <= grace_s <= 30 * 86400:
             raise InvalidRequest(f"grace is {grace_s} s; give 0 to 30 days", field="grace_s")
         lifetime = (old.expires_at - old.created_at) if old.expires_at and old.created_at else None
-        new_key, _ = self.add_key(old.account_id, old.role, scopes=old.scopes or None,
-                                  expires_at=now + lifetime if lifetime else None,
+        scopes, expires_at = old.scopes or None, now + lifetime if lifetime else None
+        if caller is not None:
+            given, expires_at = self.may_hand_out(caller, old.effective_scopes(), expires_at,
+                                                  credential=credential)
+            if caller.role == old.role:
+                scopes = given
+        new_key, _ = self.add_key(old.account_id, old.role, scopes=scopes,
+                                  expires_at=expires_at,
                                   name=old.name or f"rotated from {old.id}")
         self.repo.set_key_end(key_id, now + grace_s)
         self._forget(key_id)

@@ -210,3 +210,39 @@ def test_keys_command_lists_rotates_and_revokes(tmp_path, capsys):
     assert "already revoked" in run("keys", "revoke", key_id).stdout
     assert "revoked" in run("keys", "revoke", rotated.split("_")[2]).stdout
     assert "no key" in run("keys", "revoke", "nope", ok=False).stderr
+
+
+def test_may_hand_out_caps_scopes_and_expiry_and_refuses_tokens(replicas):
+    (a, svc), _ = replicas
+    ends = time.time() + 3600
+    key, who = svc.auth.create_account_with_key("client", scopes="jobs:read,keys:write",
+                                                expires_at=ends)
+    # Create: the new key expires no later than the caller's own, whatever it asks.
+    made = a.post("/v1/keys", json={"scopes": ["jobs:read"], "expires_in_s": 86400},
+                  headers=_auth(key))
+    assert made.status_code == 201, made.json
+    assert made.json["expires_at"] <= ends + 1e-6 and made.json["scopes"] == ["jobs:read"]
+    assert a.post("/v1/keys", json={}, headers=_auth(key)).json["expires_at"] <= ends + 1e-6
+    # No scope in common: refused, naming what was asked and what the caller holds.
+    none = a.post("/v1/keys", json={"scopes": ["account:read"]}, headers=_auth(key))
+    assert none.status_code == 403 and "account:read" in none.json["detail"]
+    assert "jobs:read" in none.json["detail"] and "in common" in none.json["detail"]
+    # A token cannot create or rotate keys.
+    token = a.post("/v1/auth/token", headers=_auth(key)).json["access_token"]
+    for resp in (a.post("/v1/keys", json={}, headers=_auth(token)),
+                 a.post(f"/v1/keys/{who.key_id}/rotate", headers=_auth(token))):
+        assert resp.status_code == 403 and "full API key" in resp.json["detail"]
+    # Rotate: through the same check (a narrowed key cannot rotate a fuller one) ...
+    full, full_who = svc.auth.add_key(who.account_id, "client")
+    over = a.post(f"/v1/keys/{full_who.key_id}/rotate", headers=_auth(key))
+    assert over.status_code == 403 and over.json["code"] == "missing_scope"
+    rotated = a.post(f"/v1/keys/{who.key_id}/rotate", headers=_auth(key))
+    assert rotated.status_code == 201 and rotated.json["expires_at"] <= ends + 1e-6
+    # ... and another account's key only by an admin.
+    other, other_who = svc.auth.create_account_with_key("client")
+    assert a.post(f"/v1/keys/{other_who.key_id}/rotate", headers=_auth(full)).status_code == 404
+    admin, _ = svc.auth.create_account_with_key("admin")
+    by_admin = a.post(f"/v1/keys/{other_who.key_id}/rotate", headers=_auth(admin))
+    assert by_admin.status_code == 201, by_admin.json
+    assert by_admin.json["account_id"] == other_who.account_id
+    assert by_admin.json["role"] == "client"

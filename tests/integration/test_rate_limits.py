@@ -1,4 +1,4 @@
-"""Rate limits per key and per route group: past its budget a key gets 429 with
+"""Rate limits per account and per route group: past its budget an account gets 429 with
 Retry-After (other keys and other groups are not touched); counters in Redis are shared by
 every replica naming it."""
 from __future__ import annotations
@@ -77,9 +77,23 @@ def test_replicas_share_the_budget_through_redis(tmp_path):
     a, svc_a = _app(tmp_path, "a", **shared)
     b, svc_b = _app(tmp_path, "b", **shared)
     try:
-        key, _ = svc_a.auth.create_account_with_key("client")  # a new key id: fresh counters
+        key, _ = svc_a.auth.create_account_with_key("client")  # a new account: fresh counters
         codes = [c.get("/v1/jobs", headers=_auth(key)).status_code for c in (a, b, a, b, a, b)]
         assert codes == [200, 200, 200, 200, 429, 429]
     finally:
         svc_a.close()
         svc_b.close()
+
+
+def test_the_budget_is_the_accounts_so_minting_keys_does_not_multiply_it(tmp_path):
+    client, svc = _app(tmp_path, rate_limits="jobs:read=3/second,default=50/second")
+    try:
+        key, who = svc.auth.create_account_with_key("client")
+        more = [svc.auth.add_key(who.account_id, "client")[0] for _ in range(3)]
+        codes = [client.get("/v1/jobs", headers=_auth(k)).status_code
+                 for k in (key, *more)]
+        assert codes == [200, 200, 200, 429]
+        refused = client.get("/v1/jobs", headers=_auth(more[0]))
+        assert refused.status_code == 429 and "account" in refused.json["detail"]
+    finally:
+        svc.close()
