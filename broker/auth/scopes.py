@@ -78,6 +78,12 @@ ROUTE_SCOPES: dict[str, str] = {
     "keys.revoke_key": "keys:write",
     "keys.rotate_key": "keys:write",
     "keys.create_token": "",  # any valid key may exchange itself for a token
+    "providers.list_machines": "account:read",
+    "openai.list_models": "catalog:read",
+    "openai.get_model": "catalog:read",
+    "openai.chat_completions": "jobs:write",
+    "openai.completions": "jobs:write",
+    "openai.image_generations": "jobs:write",
 }
 
 

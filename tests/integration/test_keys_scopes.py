@@ -246,3 +246,22 @@ def test_may_hand_out_caps_scopes_and_expiry_and_refuses_tokens(replicas):
     assert by_admin.status_code == 201, by_admin.json
     assert by_admin.json["account_id"] == other_who.account_id
     assert by_admin.json["role"] == "client"
+
+
+def test_every_v1_route_names_its_scope_or_is_public(tmp_path):
+    """A narrowed key is refused any route missing from ROUTE_SCOPES; every /v1 route of
+    the app is in the table (or open without a key), so none is refused by omission."""
+    from broker.api import openai_compat
+    from broker.app import PUBLIC
+    from broker.auth.scopes import ROUTE_SCOPES
+
+    svc = build_services(Settings(data_dir=tmp_path / "b", verification=False))
+    try:
+        app = create_app(svc)
+        missing = sorted(f"{rule.endpoint} ({rule.rule})" for rule in app.url_map.iter_rules()
+                         if rule.rule.startswith("/v1") and rule.rule not in PUBLIC
+                         and rule.endpoint not in openai_compat.PUBLIC_ENDPOINTS
+                         and rule.endpoint not in ROUTE_SCOPES)
+        assert not missing, f"routes with no scope in broker/auth/scopes.py: {missing}"
+    finally:
+        svc.close()
