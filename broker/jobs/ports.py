@@ -90,6 +90,23 @@ class BlobStore(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
+    def check(self, key: str) -> str:
+        """"ok" (stored as the bytes its key names), "missing", "no_checksum" or
+        "mismatch" (the last two: an object store's object changed behind the broker)."""
+
+    def delete(self, key: str) -> bool: ...
+
+    def usage(self) -> tuple[int, int]:
+        """(blobs, bytes) stored."""
+
+    def presign_put(self, key: str, size: int | None = None):
+        """broker.blobs.model.PresignedPut: a URL storing only the bytes of ``key``."""
+
+    def presign_get(self, key: str, ttl_s: float | None = None,
+                    media_type: str | None = None,
+                    attachment: bool = False) -> tuple[str, float]:
+        """(url, expires at): a URL anyone holding it may GET the blob with."""
+
 
 class JobMetrics(Protocol):
     """What the job service tells the broker's metrics (broker.observability.metrics);
@@ -121,19 +138,3 @@ class NoMetrics:
 
     def settled(self, plugin: str, settle_s: float) -> None:
         pass
-    def check(self, key: str) -> str:
-        """"ok" (stored as the bytes its key names), "missing", "no_checksum" or
-        "mismatch" (the last two: an object store's object changed behind the broker)."""
-
-    def delete(self, key: str) -> bool: ...
-
-    def usage(self) -> tuple[int, int]:
-        """(blobs, bytes) stored."""
-
-    def presign_put(self, key: str, size: int | None = None):
-        """broker.blobs.model.PresignedPut: a URL storing only the bytes of ``key``."""
-
-    def presign_get(self, key: str, ttl_s: float | None = None,
-                    media_type: str | None = None,
-                    attachment: bool = False) -> tuple[str, float]:
-        """(url, expires at): a URL anyone holding it may GET the blob with."""
