@@ -131,6 +131,14 @@ def secs_filter(v) -> str:
     return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.1f} s"
 
 
+@bp.app_template_filter("figure")
+def figure_filter(v, fmt: str = "%.0f", scale: float = 1.0, unit: str = "") -> str:
+    """A measured figure (an agent's telemetry) formatted, or "—" when it is unknown."""
+    if v is None:
+        return "—"
+    return (fmt % (v * scale)) + unit
+
+
 @bp.app_template_filter("pretty")
 def pretty_filter(v) -> str:
     return json.dumps(v, indent=2, sort_keys=True, default=str)

@@ -10,6 +10,7 @@ jobs spend their time (load, run, upload) per plugin.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Protocol
@@ -29,30 +30,38 @@ class TelemetryRepository(Protocol):
     def record_telemetry(self, provider_id: str, telemetry: dict, at: float) -> None: ...
 
 
-def _clean(x: float, lo: float = 0.0, hi: float = float("inf")) -> float:
-    """A figure from an agent as the broker keeps it: finite, within [lo, hi]."""
+def _clean(x: float, lo: float = 0.0, hi: float = float("inf")) -> float | None:
+    """A figure from an agent as the broker keeps it: within [lo, hi], or None (unknown)
+    when it is not a number or is infinite: an agent that cannot read its GPU's
+    temperature must not show as running at the bound."""
     x = float(x)
-    if x != x:  # NaN
-        return lo
+    if not math.isfinite(x):
+        return None
     return min(hi, max(lo, x))
+
+
+def _whole(x: int, hi: int) -> int:
+    """An integer figure from an agent (always finite on the wire), within [0, hi]."""
+    return min(hi, max(0, int(x)))
 
 
 def report_dict(t) -> dict:
     """A ``pb.Telemetry`` as JSON the console and the database keep (figures clamped to
-    what they can be: an agent's report is not trusted to be sane)."""
+    what they can be, a non-finite one kept as None: an agent's report is not trusted to
+    be sane)."""
     return {
         "sampled_at": _clean(t.sampled_at),
         "cpu_utilization": _clean(t.cpu_utilization, 0.0, 1.0),
-        "cpu_count": int(_clean(t.cpu_count, 0, 1 << 16)),
-        "memory_used_bytes": int(_clean(t.memory_used_bytes, 0, 1 << 60)),
-        "memory_total_bytes": int(_clean(t.memory_total_bytes, 0, 1 << 60)),
+        "cpu_count": _whole(t.cpu_count, 1 << 16),
+        "memory_used_bytes": _whole(t.memory_used_bytes, 1 << 60),
+        "memory_total_bytes": _whole(t.memory_total_bytes, 1 << 60),
         "load_average_1m": _clean(t.load_average_1m, 0.0, 1e6),
         "gpu_available": bool(t.gpu_available),
         "gpu_note": t.gpu_note[:MAX_TEXT],
-        "gpus": [{"index": int(_clean(g.index, 0, 1 << 16)), "name": g.name[:MAX_TEXT],
+        "gpus": [{"index": _whole(g.index, 1 << 16), "name": g.name[:MAX_TEXT],
                   "utilization": _clean(g.utilization, 0.0, 1.0),
-                  "memory_used_bytes": int(_clean(g.memory_used_bytes, 0, 1 << 60)),
-                  "memory_total_bytes": int(_clean(g.memory_total_bytes, 0, 1 << 60)),
+                  "memory_used_bytes": _whole(g.memory_used_bytes, 1 << 60),
+                  "memory_total_bytes": _whole(g.memory_total_bytes, 1 << 60),
                   "temperature_c": _clean(g.temperature_c, -100.0, 300.0),
                   "power_w": _clean(g.power_w, 0.0, 1e5),
                   "power_limit_w": _clean(g.power_limit_w, 0.0, 1e5)}
@@ -96,7 +105,9 @@ class TelemetryStore:
                 for phase, seconds in (("load", j.load_s), ("run", j.run_s),
                                        ("upload", j.upload_s)):
                     if seconds > 0 or phase == "run":
-                        self.phase.labels(plugin, phase).observe(_clean(seconds, 0.0, 1e7))
+                        seconds = _clean(seconds, 0.0, 1e7)
+                        if seconds is not None:
+                            self.phase.labels(plugin, phase).observe(seconds)
         if due:
             try:
                 self.repo.record_telemetry(provider_id, report, now)
@@ -159,13 +170,15 @@ class TelemetryStore:
         }
         now = self.clock()
         for pid, (name, r, at) in latest:
-            fams["cpu"].add_metric([pid, name], r["cpu_utilization"])
+            if r["cpu_utilization"] is not None:  # None: unknown, no sample
+                fams["cpu"].add_metric([pid, name], r["cpu_utilization"])
             fams["mem"].add_metric([pid, name], r["memory_used_bytes"])
             fams["memt"].add_metric([pid, name], r["memory_total_bytes"])
             fams["gpus"].add_metric([pid, name], len(r["gpus"]))
             fams["age"].add_metric([pid, name], max(0.0, now - at))
             for g in r["gpus"]:
                 for key, fam in gpu_fams.items():
-                    fam.add_metric([pid, name, str(g["index"]), g["name"]], g[key])
+                    if g[key] is not None:
+                        fam.add_metric([pid, name, str(g["index"]), g["name"]], g[key])
         yield from fams.values()
         yield from gpu_fams.values()

@@ -73,6 +73,26 @@ def test_without_a_gpu_the_console_says_cpu_only(live_broker, start_agent):
     assert 'id="telemetry-cpu-only"' in page.text and "NVML library" in page.text
 
 
+def test_a_figure_the_agent_cannot_read_shows_as_unknown(live_broker, start_agent):
+    """A NaN temperature and an infinite power draw are neither stored as bounds (300 °C)
+    nor exported: the console shows them as unknown."""
+    odd = {**GPU, "temp": float("nan"), "mw": float("inf")}
+    telemetry = Telemetry(NvmlGpuSource(FakeNvml([odd])), interval_s=0)
+    agent = start_agent("odd-box", telemetry=telemetry)
+    pid = agent.provider_id
+    row = _until(lambda: live_broker.services.providers.get(pid).telemetry)
+    assert row["gpus"][0]["temperature_c"] is None and row["gpus"][0]["power_w"] is None
+    m = scrape(live_broker.url)
+    assert not [labels for _, labels, _ in m.get("sparecycles_provider_gpu_temperature_celsius", [])
+                if labels.get("provider") == pid]
+    assert value(m, "sparecycles_provider_gpu_utilization_ratio", provider=pid) == 0.73
+    page = _console(live_broker).get(f"/admin/providers/{pid}")
+    assert page.status_code == 200 and "300 °C" not in page.text
+    assert "<td class=\"num\">—</td>" in page.text.split('data-device="gpu0"')[1]
+    listing = _console(live_broker).get("/admin/providers")
+    assert "GPU0 73% · —" in listing.text
+
+
 class _Console:
     """An admin signed in to the live broker's console (its own sign-in form)."""
 

@@ -54,17 +54,26 @@ def test_reports_are_clamped_and_kept_at_a_modest_rate():
     bad = _report(cpu_utilization=float("nan"), load_average_1m=-3)
     bad.gpus[0].utilization = 7.0
     bad.gpus[0].temperature_c = float("inf")
+    bad.gpus[0].power_w = float("-inf")
     bad.jobs.add(plugin="echo", run_s=0.2, load_s=0.01)
     bad.jobs.add(plugin="made-up-" + "x" * 50, run_s=0.1)
     store.record("p1", "box", bad, plugins={"echo"})
     report, at = store.latest("p1")
-    assert report["cpu_utilization"] == 0 and report["load_average_1m"] == 0
-    assert report["gpus"][0]["utilization"] == 1.0 and report["gpus"][0]["temperature_c"] == 300
+    # Out of range: clamped. Not a number or infinite: unknown, never stored as a bound.
+    assert report["cpu_utilization"] is None and report["load_average_1m"] == 0
+    assert report["gpus"][0]["utilization"] == 1.0
+    assert report["gpus"][0]["temperature_c"] is None and report["gpus"][0]["power_w"] is None
     assert len(rows.written) == 1 and at == 1000.0
+    assert not any(name in ("sparecycles_provider_gpu_temperature_celsius",
+                            "sparecycles_provider_gpu_power_watts",
+                            "sparecycles_provider_cpu_utilization_ratio")
+                   for name, _ in samples(m))  # the unknown figures: no sample, not a bound
     now[0] += 15
     store.record("p1", "box", _report())
     assert len(rows.written) == 1  # not again within persist_s
     got = samples(m)
+    assert got[("sparecycles_provider_gpu_temperature_celsius",
+                (("gpu", "0"), ("model", "A10"), ("name", "box"), ("provider", "p1")))] == 55
     assert got[("sparecycles_provider_gpu_utilization_ratio",
                 (("gpu", "0"), ("model", "A10"), ("name", "box"), ("provider", "p1")))] == 0.5
     phases = {labels for name, labels in got if name == "sparecycles_provider_job_phase_seconds_count"}
