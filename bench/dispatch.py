@@ -65,6 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sdk import Client  # noqa: E402
 from sdk.localnet import LocalNetwork  # noqa: E402
 
 
