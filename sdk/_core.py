@@ -426,6 +426,22 @@ def credits(micro: int) -> str:
 
 # ---- server-sent events ----------------------------------------------------------------
 END_EVENTS = ("done", "failed", "cancelled", "refunded")
+ERROR_EVENT = "error"  # the broker failed after the stream began: an RFC 7807 body, the end
+
+
+def stream_error(job_id: str, body: dict) -> Exception:
+    """The sdk.errors exception for the broker's ``error`` event in the stream of
+    ``job_id`` (its status line went out before the failure, so the problem came as the
+    stream's last event): the class its ``status`` names, quoting its request id."""
+    if not isinstance(body, dict):
+        body = {"detail": str(body)[:500]}
+    try:
+        status = int(body.get("status") or 500)
+    except (TypeError, ValueError):
+        status = 500
+    detail = body.get("detail", body.get("title", "error"))
+    return error_for(status, {**body, "detail": f"the event stream of job {job_id} broke "
+                                                f"off: {detail}"}, body.get("request_id"))
 
 
 class SSEParser:

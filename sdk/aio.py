@@ -87,7 +87,8 @@ class AsyncClient(_ClientBase):
         return Response(resp.status_code, _headers(resp.headers), resp.content)
 
     async def _events(self, job: Job, after: int) -> AsyncIterator[Event]:
-        """Server-sent events until the job ends, reconnecting as the sync client does."""
+        """Server-sent events until the job ends, reconnecting and raising the broker's
+        ``error`` event as the sync client does."""
         follow = _Follow(self, job.id, after)
         while True:
             try:

@@ -308,7 +308,8 @@ class Client(_ClientBase):
         """Server-sent events until the job ends. A stream that drops or goes silent is
         reopened after the last event seen: at once when it had delivered events, with
         backoff when it had not; ``max_retries`` such empty tries in a row raise
-        APIConnectionError."""
+        APIConnectionError. The broker's ``error`` event (it failed once the stream had
+        begun) raises the APIError its problem names."""
         follow = _Follow(self, job.id, after)
         dropped = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError)
         while True:
@@ -413,6 +414,9 @@ class _Follow:
         return {**self.c._cfg.headers, "Accept": "text/event-stream"}
 
     def event(self, got: tuple[int, str, dict]) -> Event:
+        """The next event of the stream; the broker's ``error`` event raises its error."""
+        if got[1] == core.ERROR_EVENT:
+            raise core.stream_error(self.job_id, got[2])
         ev = Event(*got)
         self.last, self.fresh, self.failures = ev.id, True, 0
         return ev
@@ -556,7 +560,8 @@ class Job:
     def events(self, after: int = 0):
         """Server-sent events until the job ends (``for ev in job.events()``; from an
         AsyncClient ``async for ev in job.events()``), reconnecting after the last one
-        seen when the stream drops."""
+        seen when the stream drops. An ``error`` event from the broker raises its
+        APIError (ServerError for an internal failure), never passes as an event."""
         return self._c._events(self, after)
 
 

@@ -2,6 +2,7 @@
 error mapping, retries, the Prefer: wait submit and server-sent events over a real stream."""
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import threading
@@ -287,6 +288,48 @@ def test_events_of_an_unknown_job_raise(server, client):
 
     with pytest.raises(NotFoundError):
         list(Job(client, {"id": "zz", "state": "queued"}).events())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_error_event_raises_the_brokers_problem(server, kind):
+    """The broker failed after the stream had begun: its ``error`` event (an RFC 7807 body,
+    as broker/api/jobs.py writes it) raises that error in both clients, after the events
+    before it; it is never handed on as one more event."""
+    problem = {"type": "https://sparecycles.dev/errors/internal", "title": "Internal error",
+               "status": 500, "code": "internal", "request_id": "req-43",
+               "detail": "an internal error (request req-43)"}
+
+    def events(h):
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        h.chunk(b": events of job j1\n\n" + _sse(1, "queued", {}))
+        h.chunk(f"event: error\ndata: {json.dumps(problem)}\n\n".encode())
+        h.chunk(b"")
+        return None
+
+    server.routes[("GET", "/v1/jobs/j1/events")] = events
+    from sdk import AsyncClient
+    from sdk.client import Job
+
+    got = []
+    with pytest.raises(ServerError) as caught:
+        if kind == "sync":
+            with Client(server.url, "sc_k", timeout=5) as c:
+                for e in Job(c, {"id": "j1", "state": "running"}).events():
+                    got.append(e.kind)
+        else:
+            async def follow():
+                async with AsyncClient(server.url, "sc_k", timeout=5) as c:
+                    async for e in Job(c, {"id": "j1", "state": "running"}).events():
+                        got.append(e.kind)
+            asyncio.run(follow())
+    assert got == ["queued"]
+    err = caught.value
+    assert err.code == "internal" and err.request_id == "req-43" and err.status == 500
+    assert "event stream of job j1" in str(err) and "req-43" in str(err)
+    assert len(server.seen) == 1  # not reopened: the broker said what went wrong
 
 
 def test_events_back_off_then_give_up_on_a_broker_that_drops_every_stream(server, monkeypatch):
