@@ -15,7 +15,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "Client": "sdk.client", "AsyncClient": "sdk.aio", "Job": "sdk.client",
-    "Result": "sdk.client", "Batch": "sdk.client",
+    "Result": "sdk.client", "Batch": "sdk.client", "Timeout": "sdk._core",
     **{name: "sdk.models" for name in (
         "Event", "Quote", "Account", "Transaction", "JobInfo", "OutputInfo")},
     **{name: "sdk.errors" for name in (

@@ -38,6 +38,40 @@ def held_timeout(wait_s: float) -> float:
     return wait_s + 30.0
 
 
+class Timeout:
+    """One caller's timeout across the calls it spans (follow a job's events, then wait
+    for its result; the CLI's ``--timeout`` likewise), counted once from ``started``
+    (``time.monotonic()``), never restarted by the next call. ``seconds`` None: no limit.
+    Every ``timeout=`` of a job's ``wait()`` and ``events()`` takes one, or seconds."""
+
+    def __init__(self, seconds: float | None, started: float | None = None):
+        if seconds is not None and not (isinstance(seconds, (int, float))
+                                        and seconds >= 0 and seconds == seconds):
+            raise ConfigurationError(f"timeout must be a number of seconds >= 0 or None "
+                                     f"(no limit), not {seconds!r}")
+        self.seconds = None if seconds is None else float(seconds)
+        self.started = time.monotonic() if started is None else started
+
+    @classmethod
+    def of(cls, timeout: "float | Timeout | None") -> "Timeout":
+        """``timeout`` itself when it is one, else a Timeout of that many seconds from now."""
+        return timeout if isinstance(timeout, Timeout) else cls(timeout)
+
+    def left(self) -> float | None:
+        """Seconds left (<= 0 once it passed); None without a limit."""
+        if self.seconds is None:
+            return None
+        return self.started + self.seconds - time.monotonic()
+
+    @property
+    def passed(self) -> bool:
+        left = self.left()
+        return left is not None and left <= 0
+
+    def __repr__(self) -> str:
+        return f"Timeout({self.seconds!r}, left={self.left()!r})"
+
+
 @dataclass
 class Call:
     """One HTTP request for a transport to send: ``target`` is the request target on the

@@ -86,15 +86,15 @@ class AsyncClient(_ClientBase):
             return Failed(str(exc) or type(exc).__name__, exc)
         return Response(resp.status_code, _headers(resp.headers), resp.content)
 
-    async def _events(self, job: Job, after: int) -> AsyncIterator[Event]:
+    async def _events(self, job: Job, after: int, budget: core.Timeout) -> AsyncIterator[Event]:
         """Server-sent events until the job ends, reconnecting and raising the broker's
         ``error`` event as the sync client does."""
-        follow = _Follow(self, job.id, after)
-        while True:
+        follow = _Follow(self, job.id, after, budget)
+        while not follow.over:
             try:
                 async with self._http.stream(
                         "GET", follow.target(), headers=follow.headers(),
-                        timeout=httpx.Timeout(30.0, read=EVENT_READ_TIMEOUT_S)) as resp:
+                        timeout=httpx.Timeout(30.0, read=follow.read_timeout_s())) as resp:
                     if resp.status_code >= 400:
                         await resp.aread()
                         raise core.error_from(Response(resp.status_code,
@@ -107,27 +107,32 @@ class AsyncClient(_ClientBase):
                             yield event
                             if event.kind in core.END_EVENTS:
                                 return
+                        if follow.over:
+                            return
                     return
             except (httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 error = exc
             except httpx.TransportError as exc:
                 raise APIConnectionError(f"cannot reach the broker at {self.base_url}: "
                                          f"{exc}") from exc
-            pause = follow.dropped(str(error) or type(error).__name__, error)
+            if follow.over:
+                return
+            pause = follow.pause_s(follow.dropped(str(error) or type(error).__name__, error))
             if pause:
                 await asyncio.sleep(pause)
 
-    async def stream(self, plugin: str, *, timeout: float | None = 600.0,
+    async def stream(self, plugin: str, *, timeout: "float | core.Timeout | None" = 600.0,
                      version: str | None = None, **inputs) -> AsyncIterator[str]:
         """Run one job and yield its text as it is made (``async for token in
         client.stream("llama", prompt=...)``); see :meth:`Client.stream`."""
+        budget = core.Timeout.of(timeout)
         job = await self.jobs.create(plugin, version=version, **inputs)
         text = core.TokenText()
-        async for ev in job.events():
+        async for ev in job.events(timeout=budget):
             piece = text.feed(ev.kind, ev.data)
             if piece:
                 yield piece
-        await job.wait(timeout=timeout)  # raises JobFailedError unless the job settled
+        await job.wait(timeout=budget)  # raises JobFailedError unless the job settled
 
     async def aclose(self) -> None:
         await self._http.aclose()

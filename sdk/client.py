@@ -174,7 +174,7 @@ class _ClientBase:
         """Check ``inputs`` against the plugin's schema with the broker's own messages."""
         return self._run(self._validate(plugin, inputs))
 
-    def generate(self, plugin: str, *, timeout: float | None = 600.0,
+    def generate(self, plugin: str, *, timeout: "float | core.Timeout | None" = 600.0,
                  version: str | None = None, n: int = 1, priority: str | None = None,
                  max_price_micro: int | None = None, deadline_s: float | None = None,
                  verify: str | None = None, output_format: str | None = None,
@@ -201,12 +201,12 @@ class _ClientBase:
     def _generate(self, plugin, version, terms, inputs, timeout):
         # Submit and wait in one request (``Prefer: wait``); a broker that answers before
         # the job (or every sibling) ends leaves the rest to the wait.
-        started = time.monotonic()
-        held = 30.0 if timeout is None else min(timeout, 30.0)
+        budget = core.Timeout.of(timeout)  # counted from the submit
+        held = 30.0 if budget.seconds is None else min(budget.seconds, 30.0)
         yield from self._validate(plugin, inputs)
         data = yield from core.submit(self._cfg, plugin, version, None, terms, inputs, held)
         target = Batch(self, data) if terms.get("n", 1) > 1 else Job(self, data)
-        return (yield from target._wait(timeout, started))  # counted from the submit
+        return (yield from target._wait(budget))
 
     def quote(self, plugin: str, *, version: str | None = None, **inputs) -> Quote:
         """What a job would cost, without running it (:class:`~sdk.models.Quote`:
@@ -304,20 +304,20 @@ class Client(_ClientBase):
             return Failed(describe(exc) + _plaintext_hint(self.base_url, exc), exc)
         return Response(raw.status, raw.headers, raw.data)
 
-    def _events(self, job: "Job", after: int) -> Iterator[Event]:
+    def _events(self, job: "Job", after: int, budget: core.Timeout) -> Iterator[Event]:
         """Server-sent events until the job ends. A stream that drops or goes silent is
         reopened after the last event seen: at once when it had delivered events, with
         backoff when it had not; ``max_retries`` such empty tries in a row raise
         APIConnectionError. The broker's ``error`` event (it failed once the stream had
         begun) raises the APIError its problem names."""
-        follow = _Follow(self, job.id, after)
+        follow = _Follow(self, job.id, after, budget)
         dropped = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError)
-        while True:
+        while not follow.over:
             try:
                 raw = self._pool.urlopen(
                     "GET", follow.target(), headers=follow.headers(), retries=False,
                     redirect=False, preload_content=False,
-                    timeout=urllib3.Timeout(connect=30.0, read=EVENT_READ_TIMEOUT_S))
+                    timeout=urllib3.Timeout(connect=30.0, read=follow.read_timeout_s()))
             except dropped as exc:
                 error = exc
             except TransportError as exc:
@@ -335,6 +335,8 @@ class Client(_ClientBase):
                             yield event
                             if event.kind in core.END_EVENTS:
                                 return
+                        if follow.over:
+                            return
                     return
                 except dropped as exc:
                     error = exc  # reconnect after the last event seen
@@ -342,24 +344,28 @@ class Client(_ClientBase):
                     # never reuse a connection whose stream may not be read to its end
                     raw.close()
                     raw.release_conn()
-            pause = follow.dropped(describe(error), error)
+            if follow.over:
+                return
+            pause = follow.pause_s(follow.dropped(describe(error), error))
             if pause:
                 time.sleep(pause)
 
-    def stream(self, plugin: str, *, timeout: float | None = 600.0,
+    def stream(self, plugin: str, *, timeout: "float | core.Timeout | None" = 600.0,
                version: str | None = None, **inputs) -> Iterator[str]:
         """Run one job and yield its text as it is made (``for token in
         client.stream("llama", prompt=...)``); the pieces join to the job's final text.
-        Raises JobFailedError if the job fails. If the job is requeued to another provider
-        mid-way, the text already yielded is not repeated (the same seed gives the same
-        tokens)."""
+        Raises JobFailedError if the job fails, JobTimeoutError (after cancelling it) when
+        ``timeout``, counted from the submit over the stream and the wait, passes. If the
+        job is requeued to another provider mid-way, the text already yielded is not
+        repeated (the same seed gives the same tokens)."""
+        budget = core.Timeout.of(timeout)
         job = self.jobs.create(plugin, version=version, **inputs)
         text = core.TokenText()
-        for ev in job.events():
+        for ev in job.events(timeout=budget):
             piece = text.feed(ev.kind, ev.data)
             if piece:
                 yield piece
-        job.wait(timeout=timeout)  # raises JobFailedError unless the job settled
+        job.wait(timeout=budget)  # raises JobFailedError unless the job settled
 
     # ---- the marketplace (blocking only: files are read as they are sent) -------------
     def register_publisher_key(self, keys, label: str = "") -> dict:
@@ -400,11 +406,28 @@ class Client(_ClientBase):
 
 class _Follow:
     """What both clients' event streams share: where to reconnect (after the last event
-    seen), and when to give up (``max_retries`` reconnects in a row without an event)."""
+    seen), when to give up (``max_retries`` reconnects in a row without an event) and when
+    to stop (the caller's ``budget`` passed: the job goes on, its wait decides)."""
 
-    def __init__(self, client: _ClientBase, job_id: str, after: int):
+    def __init__(self, client: _ClientBase, job_id: str, after: int, budget: core.Timeout):
         self.c, self.job_id, self.last, self.failures = client, job_id, after, 0
+        self.budget = budget
         self.fresh = False
+
+    @property
+    def over(self) -> bool:
+        return self.budget.passed
+
+    def read_timeout_s(self) -> float:
+        """How long one read of the stream may block: the reopen interval, or what is left
+        of the budget when that is less (so a silent stream cannot outlast it)."""
+        left = self.budget.left()
+        return EVENT_READ_TIMEOUT_S if left is None else max(0.05, min(EVENT_READ_TIMEOUT_S,
+                                                                       left))
+
+    def pause_s(self, pause: float) -> float:
+        left = self.budget.left()
+        return pause if left is None else max(0.0, min(pause, left))
 
     def target(self) -> str:
         self.fresh = False
@@ -472,11 +495,13 @@ class Jobs:
         return self._c._json("GET", "/v1/jobs", params={"limit": limit}, key="data",
                              wrap=lambda rows: [Job(self._c, d) for d in rows])
 
-    def wait(self, job_id: str, timeout: float | None = 600.0) -> "Result":
+    def wait(self, job_id: str, timeout: "float | core.Timeout | None" = 600.0) -> "Result":
         """Wait for the job ``job_id`` (submitted earlier, maybe elsewhere) to end."""
+        budget = core.Timeout.of(timeout)
+
         def plan():
             job = Job(self._c, (yield from core.get_json(self._c._cfg, f"/v1/jobs/{job_id}")))
-            return (yield from job._wait(timeout, time.monotonic()))
+            return (yield from job._wait(budget))
         return self._c._run(plan())
 
     def cancel(self, job_id: str) -> "Job":
@@ -542,27 +567,32 @@ class Job:
             return self
         return self._c._run(plan())
 
-    def wait(self, timeout: float | None = 600.0) -> "Result":
+    def wait(self, timeout: "float | core.Timeout | None" = 600.0) -> "Result":
         """Wait until the job ends. Returns its Result; raises JobFailedError if it failed
         or was cancelled, and JobTimeoutError (after cancelling it) when time runs out: its
-        message says what the cancel charged (a provider is paid for the work it showed)."""
-        return self._c._run(self._wait(timeout, time.monotonic()))
+        message says what the cancel charged (a provider is paid for the work it showed).
+        ``timeout``: seconds, or the :class:`~sdk.Timeout` that following its events
+        already spent from."""
+        return self._c._run(self._wait(core.Timeout.of(timeout)))
 
-    def _wait(self, timeout: float | None, started: float):
+    def _wait(self, budget: core.Timeout):
         try:
-            self.data = yield from core.wait_job(self._c._cfg, self.data, timeout, started)
+            self.data = yield from core.wait_job(self._c._cfg, self.data, budget.seconds,
+                                                 budget.started)
         except JobFailedError as exc:
             if isinstance(exc.job, dict):
                 self.data, exc.job = exc.job, self
             raise
         return (yield from Result._of(self._c, self, self.data.get("outputs", [])))
 
-    def events(self, after: int = 0):
+    def events(self, after: int = 0, timeout: "float | core.Timeout | None" = None):
         """Server-sent events until the job ends (``for ev in job.events()``; from an
         AsyncClient ``async for ev in job.events()``), reconnecting after the last one
-        seen when the stream drops. An ``error`` event from the broker raises its
+        seen when the stream drops. With ``timeout`` (seconds, or a :class:`~sdk.Timeout`
+        to pass on to :meth:`wait`) the events stop when it passes, the job still running:
+        ``job.wait(timeout=that Timeout)`` then cancels it and says what it cost. An ``error`` event from the broker raises its
         APIError (ServerError for an internal failure), never passes as an event."""
-        return self._c._events(self, after)
+        return self._c._events(self, after, core.Timeout.of(timeout))
 
 
 class Batch:
@@ -593,15 +623,16 @@ class Batch:
             return self
         return self._c._run(plan())
 
-    def wait(self, timeout: float | None = 600.0) -> "Result":
+    def wait(self, timeout: "float | core.Timeout | None" = 600.0) -> "Result":
         """Wait until every sibling ends; one Result with all outputs in sibling order.
         Raises JobFailedError if a sibling failed, and JobTimeoutError (after cancelling
         the siblings still running) when time runs out."""
-        return self._c._run(self._wait(timeout, time.monotonic()))
+        return self._c._run(self._wait(core.Timeout.of(timeout)))
 
-    def _wait(self, timeout: float | None, started: float):
+    def _wait(self, budget: core.Timeout):
         try:
-            self.data = yield from core.wait_batch(self._c._cfg, self.data, timeout, started)
+            self.data = yield from core.wait_batch(self._c._cfg, self.data, budget.seconds,
+                                                   budget.started)
         except JobFailedError as exc:
             if isinstance(exc.job, dict):
                 exc.job = Job(self._c, exc.job)

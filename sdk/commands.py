@@ -2,8 +2,11 @@
 
 ``generate`` and ``jobs wait`` follow the job as it runs: a progress bar per step on
 stderr (image plugins' denoising steps), and for text plugins each token printed to
-stdout as it streams. ``--json`` (every command) prints one JSON document on stdout and
-nothing else there (errors too: ``{"error": {...}}`` with exit status 1), for scripts.
+stdout as it streams; ``--timeout`` is one :class:`sdk.Timeout` over following and
+waiting (counted from the submit), after which the job is cancelled. ``--json`` (every
+command) prints one JSON document on stdout and nothing else there (errors too:
+``{"error": {...}}`` with exit status 1), for scripts: it shows no progress, so it does not
+follow the event stream, it waits for the job's record (a long poll) and prints it.
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ def register(sub) -> None:
     g.add_argument("--out", type=Path,
                    help="file to write (out-N.ext for several); text outputs are printed "
                         "when it is left out, other outputs need it")
-    g.add_argument("--timeout", type=float, default=600.0)
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds from the submit for following and waiting in all; then the "
+                        "job is cancelled (default 600)")
     _connection(g)
     g.set_defaults(func=cmd_generate)
 
@@ -54,7 +59,9 @@ def register(sub) -> None:
     w = jsub.add_parser("wait", help="follow a job until it ends; save or print its outputs")
     w.add_argument("job_id")
     w.add_argument("--out", type=Path, help="file to write its outputs to")
-    w.add_argument("--timeout", type=float, default=600.0)
+    w.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds for following and waiting in all; then the job is "
+                        "cancelled (default 600)")
     _connection(w)
     w.set_defaults(func=cmd_jobs_wait)
 
@@ -118,18 +125,16 @@ class Progress:
             self.drawn = False
 
 
-def _follow(job, *, quiet: bool) -> bool:
-    """Follow ``job``'s events until it ends: progress bars on stderr, streamed text on
-    stdout (unless ``quiet``). Returns whether text was streamed."""
+def _follow(job, budget) -> bool:
+    """Follow ``job``'s events until it ends or ``budget`` (an sdk.Timeout) passes:
+    progress bars on stderr, streamed text on stdout. Returns whether text was streamed."""
     from sdk._core import TokenText
 
     bar = Progress(sys.stderr, f"job {job.id[:8]}")
     text = TokenText()
     streamed = False
     try:
-        for ev in job.events():
-            if quiet:
-                continue
+        for ev in job.events(timeout=budget):
             if ev.kind == "progress" and ev.total:
                 if streamed:
                     continue  # the text shows the progress
@@ -154,11 +159,11 @@ def _follow(job, *, quiet: bool) -> bool:
     return streamed
 
 
-def _finish(job, args, *, timeout: float) -> int:
-    """Follow the job, wait for its result, then save (--out) or print it."""
-    quiet = args.json
-    streamed = _follow(job, quiet=quiet)
-    result = job.wait(timeout=timeout)
+def _finish(job, args, budget) -> int:
+    """Follow the job (not with --json: nothing would show it), wait for its result within
+    what is left of ``budget`` (an sdk.Timeout), then save (--out) or print it."""
+    streamed = False if args.json else _follow(job, budget)
+    result = job.wait(timeout=budget)
     saved: list[str] = []
     if args.out is not None:
         saved = [str(p) for p in result.save(args.out)]
@@ -202,10 +207,13 @@ def _run(args, action) -> int:
 
 def cmd_generate(args) -> int:
     def action(client):
+        from sdk import Timeout
+
+        budget = Timeout(args.timeout)  # counted from the submit
         job = client.jobs.create(args.plugin, **_inputs(args))
         if not args.json:
             print(f"job {job.id} queued", file=sys.stderr)
-        return _finish(job, args, timeout=args.timeout)
+        return _finish(job, args, budget)
     return _run(args, action)
 
 
@@ -255,8 +263,12 @@ def cmd_jobs_cancel(args) -> int:
 
 
 def cmd_jobs_wait(args) -> int:
-    return _run(args, lambda client: _finish(client.jobs.get(args.job_id), args,
-                                             timeout=args.timeout))
+    def action(client):
+        from sdk import Timeout
+
+        budget = Timeout(args.timeout)
+        return _finish(client.jobs.get(args.job_id), args, budget)
+    return _run(args, action)
 
 
 def cmd_demo(args) -> int:

@@ -108,3 +108,36 @@ def test_jobs_list_show_cancel_wait_with_json(world):
     missing = cli(env, "jobs", "show", str(uuid.uuid4()), "--json", check=False)
     err = json.loads(missing.stdout)["error"]
     assert missing.returncode == 1 and err["code"] == "job_not_found" and err["request_id"]
+
+
+def _event_streams(url: str) -> float:
+    """How many job event streams the broker has answered (its /metrics)."""
+    from tests.integration.test_metrics import scrape
+
+    return sum(v for name, labels, v in scrape(url).get("sparecycles_http_requests", [])
+               if labels.get("route") == "/v1/jobs/<job_id>/events")
+
+
+def test_json_waits_for_the_record_without_following_the_stream(world):
+    """--json shows no progress, so it opens no event stream: the job's record comes from
+    the wait (a long poll) and is the one document printed."""
+    b, env = world
+    before = _event_streams(b.url)
+    made = json.loads(cli(env, "generate", "echo", "--set", "text=quiet", "--set",
+                          "sleep_ms=300", "--json").stdout)
+    assert made["state"] == "settled" and made["outputs"]
+    waited = json.loads(cli(env, "jobs", "wait", made["id"], "--json").stdout)
+    assert waited["id"] == made["id"] and waited["state"] == "settled"
+    assert _event_streams(b.url) == before
+
+
+def test_the_timeout_covers_following_and_waiting(world):
+    """--timeout is one budget from the submit over following the stream and waiting: a
+    job longer than it is cancelled when it passes, not followed to its end first."""
+    _, env = world
+    started = time.monotonic()
+    done = cli(env, "generate", "echo", "--set", "steps=20", "--set", "sleep_ms=8000",
+               "--set", "text=slow", "--timeout", "1.5", check=False)
+    took = time.monotonic() - started
+    assert done.returncode == 1 and "timeout" in done.stderr, done.stderr
+    assert took < 6.5, f"took {took:.1f} s: the stream was followed past the timeout"

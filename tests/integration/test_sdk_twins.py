@@ -115,6 +115,33 @@ def test_a_timeout_cancels_the_job_and_says_what_it_cost(twin):
     assert "did not finish within the 0.5 s timeout" in str(late.value)
 
 
+def test_one_timeout_covers_the_stream_and_the_wait(twin):
+    """stream()'s timeout counts from the submit over the stream and the wait: a job
+    longer than it is cancelled when it passes (its words so far were yielded), not
+    followed to its end first; a job's events() stop at their own timeout."""
+    got, started = [], time.monotonic()
+    with pytest.raises(JobTimeoutError) as late:
+        async_or_not = twin.client.stream("echo", text="one two three four five six",
+                                          stream=True, steps=30, sleep_ms=9000, timeout=2.0)
+        if hasattr(async_or_not, "__aiter__"):
+            async def gather():
+                async for piece in async_or_not:
+                    got.append(piece)
+            twin.run(gather())
+        else:
+            got.extend(async_or_not)
+    took = time.monotonic() - started
+    assert took < 6, f"took {took:.1f} s: the stream was followed past its timeout"
+    assert late.value.job.state == "cancelled" and "2 s timeout" in str(late.value)
+    assert "".join(got).startswith("one")  # what came before the timeout was yielded
+
+    job = twin.run(twin.client.jobs.create("echo", text="x", steps=20, sleep_ms=6000))
+    started = time.monotonic()
+    events = twin.collect(job.events(timeout=1.0))
+    assert time.monotonic() - started < 4 and events and events[-1].kind != "done"
+    twin.run(job.cancel())
+
+
 def test_account_is_typed_and_reads_like_the_dict(twin):
     acct = twin.run(twin.client.account())
     assert isinstance(acct, Account) and acct.role == "client"

@@ -76,3 +76,18 @@ def test_the_key_goes_to_no_other_host():
     steps, exc = drive(core.request(cfg(), "GET", "http://elsewhere.example/v1/jobs"), [])
     assert steps == [] and isinstance(exc, ValueError)
     assert "refusing to send the API key" in str(exc)
+
+
+def test_one_timeout_is_counted_once_from_when_it_began():
+    import pytest
+
+    from sdk.errors import ConfigurationError
+
+    budget = core.Timeout(10.0, started=time.monotonic() - 4.0)
+    assert 5.5 < budget.left() <= 6.0 and not budget.passed
+    assert core.Timeout.of(budget) is budget  # handed on, not restarted
+    assert core.Timeout(1.0, started=time.monotonic() - 2.0).passed
+    assert core.Timeout.of(None).left() is None and not core.Timeout(None).passed
+    for bad in (-1, float("nan"), "10"):
+        with pytest.raises(ConfigurationError, match="timeout must be a number of seconds"):
+            core.Timeout(bad)
