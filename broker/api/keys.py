@@ -9,7 +9,7 @@ import time
 from flask import Blueprint, request
 
 from broker.auth.service import MAX_TOKEN_TTL_S, TOKEN_TTL_S, KeyRecord
-from broker.errors import Forbidden, InvalidRequest
+from broker.errors import InvalidRequest
 from .common import json_body, json_object, principal, services
 
 bp = Blueprint("keys", __name__)
@@ -59,8 +59,7 @@ def create_key():
     if not isinstance(name, str) or len(name) > 200:
         raise InvalidRequest("name must be text of at most 200 characters", field="name")
     auth = services().auth
-    scopes, expires_at = auth.may_hand_out(who, scopes, time.time() + life if life else None,
-                                           credential=_bearer())
+    scopes, expires_at = auth.may_hand_out(who, scopes, time.time() + life if life else None)
     key, made = auth.add_key(who.account_id, who.role, scopes=scopes, expires_at=expires_at,
                              name=name)
     return {**key_to_json(auth.get_key(made.key_id)), "key": key}, 201
@@ -82,7 +81,7 @@ def rotate_key(key_id: str):
     body = json_object(("grace_s",), '{"grace_s": 3600}') if _has_body() else {}
     grace = _number(body, "grace_s", 0, 30 * 86400) or 0.0
     auth = services().auth
-    key, old = auth.rotate(key_id, grace_s=grace, caller=who, credential=_bearer())
+    key, old = auth.rotate(key_id, grace_s=grace, caller=who)
     new_id = key.split("_")[2]
     return {**key_to_json(auth.get_key(new_id)), "key": key,
             "replaces": key_to_json(auth.get_key(old.id))}, 201
@@ -93,18 +92,11 @@ def create_token():
     """Exchange the API key of this request for a JWT: ``scopes`` (default the key's),
     ``ttl_s`` (default 300, at most 3600). A token cannot mint tokens."""
     who = principal()
-    if services().auth.is_token(_bearer()):
-        raise Forbidden("send the API key itself (sc_…), not a token, to get a token")
     body = json_body() if _has_body() else {}
     if not isinstance(body, dict) or set(body) - {"scopes", "ttl_s"}:
         raise InvalidRequest('send {"scopes": ["jobs:read"], "ttl_s": 300} or no body')
     ttl = _number(body, "ttl_s", 1, MAX_TOKEN_TTL_S) or TOKEN_TTL_S
     return services().auth.issue_token(who, body.get("scopes"), ttl), 201
-
-
-def _bearer() -> str:
-    header = request.headers.get("Authorization", "")
-    return header[7:].strip() if header.lower().startswith("bearer ") else ""
 
 
 def _has_body() -> bool:

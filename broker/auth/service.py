@@ -46,6 +46,9 @@ class Principal:
     key_id: str
     # Empty: every scope of the role (principals built by hand in tests and services).
     scopes: frozenset = field(default=frozenset())
+    # Authenticated by a token exchanged for the key (POST /v1/auth/token), not the key
+    # itself: such a caller may not hand out keys or tokens.
+    via_token: bool = False
 
     def __post_init__(self):
         if not self.scopes:
@@ -213,7 +216,7 @@ class ApiKeyService:
         if record.account_id != claims["sub"] or record.role != claims["role"]:
             raise Unauthenticated("this token does not match its key; exchange the key again")
         scopes = frozenset(str(claims["scope"]).split()) & set(record.effective_scopes())
-        return (Principal(record.account_id, record.role, record.id, scopes),
+        return (Principal(record.account_id, record.role, record.id, scopes, via_token=True),
                 min(float(claims["exp"]), _until(record, now)))
 
     # ---- tokens ------------------------------------------------------------------------
@@ -223,7 +226,10 @@ class ApiKeyService:
 
     def issue_token(self, who: Principal, scopes=None, ttl_s: float = TOKEN_TTL_S) -> dict:
         """A JWT for ``who`` (a key's principal) holding ``scopes`` (default all the key's;
-        never more) for ``ttl_s`` seconds."""
+        never more) for ``ttl_s`` seconds. A token cannot mint tokens."""
+        if who.via_token:
+            raise Forbidden("send the API key itself (sc_…), not a token, to get a token",
+                            code_override="token_not_allowed")
         if not 1 <= ttl_s <= MAX_TOKEN_TTL_S:
             raise InvalidRequest(f"ttl_s is {ttl_s}; give 1 to {MAX_TOKEN_TTL_S} seconds",
                                  field="ttl_s")
@@ -246,13 +252,13 @@ class ApiKeyService:
                 "scopes": sorted(wanted)}
 
     # ---- handing out keys ----------------------------------------------------------------
-    def may_hand_out(self, caller: Principal, scopes, expires_at: float | None, *,
-                     credential: str = "") -> tuple[tuple[str, ...], float | None]:
+    def may_hand_out(self, caller: Principal, scopes,
+                     expires_at: float | None) -> tuple[tuple[str, ...], float | None]:
         """The one check of create and rotate: the scopes and expiry a key made by
         ``caller`` gets. Only a full API key may hand out keys (never a token exchanged
-        for one); it hands out only scopes it holds; the new key expires no later than the
-        caller's own. Returns (scopes, expires_at)."""
-        if credential and self.is_token(credential):
+        for one: ``caller.via_token``); it hands out only scopes it holds; the new key
+        expires no later than the caller's own. Returns (scopes, expires_at)."""
+        if caller.via_token:
             raise Forbidden("a token (from POST /v1/auth/token) cannot create or rotate keys; "
                             "use a full API key (sc_…)", code_override="token_not_allowed")
         held = set(caller.scopes)
@@ -293,8 +299,7 @@ class ApiKeyService:
         return done
 
     def rotate(self, key_id: str, *, grace_s: float = 0.0, account_id: str | None = None,
-               caller: Principal | None = None,
-               credential: str = "") -> tuple[str, KeyRecord]:
+               caller: Principal | None = None) -> tuple[str, KeyRecord]:
         """A new key with the old one's account, role, scopes and name; the old one stops
         working after ``grace_s`` seconds (0: now). Returns (new plaintext key, old record).
         ``caller`` (an API request's principal): only its own account's keys unless it is
@@ -311,8 +316,7 @@ class ApiKeyService:
         lifetime = (old.expires_at - old.created_at) if old.expires_at and old.created_at else None
         scopes, expires_at = old.scopes or None, now + lifetime if lifetime else None
         if caller is not None:
-            given, expires_at = self.may_hand_out(caller, old.effective_scopes(), expires_at,
-                                                  credential=credential)
+            given, expires_at = self.may_hand_out(caller, old.effective_scopes(), expires_at)
             if caller.role == old.role:
                 scopes = given
         new_key, _ = self.add_key(old.account_id, old.role, scopes=scopes,

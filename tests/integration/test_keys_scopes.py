@@ -12,6 +12,7 @@ import pytest
 
 from broker.app import create_app
 from broker.auth.service import KEY_CACHE_S
+from broker.errors import Forbidden
 from broker.services import build_services
 from broker.settings import Settings
 from sdk.protocol.signing import KeyPair
@@ -227,11 +228,21 @@ def test_may_hand_out_caps_scopes_and_expiry_and_refuses_tokens(replicas):
     none = a.post("/v1/keys", json={"scopes": ["account:read"]}, headers=_auth(key))
     assert none.status_code == 403 and "account:read" in none.json["detail"]
     assert "jobs:read" in none.json["detail"] and "in common" in none.json["detail"]
-    # A token cannot create or rotate keys.
+    # A token cannot create or rotate keys, nor mint tokens: its principal says it is one.
     token = a.post("/v1/auth/token", headers=_auth(key)).json["access_token"]
+    by_token = svc.auth.authenticate(token)
+    assert by_token.via_token and not svc.auth.authenticate(key).via_token
     for resp in (a.post("/v1/keys", json={}, headers=_auth(token)),
                  a.post(f"/v1/keys/{who.key_id}/rotate", headers=_auth(token))):
         assert resp.status_code == 403 and "full API key" in resp.json["detail"]
+        assert resp.json["code"] == "token_not_allowed"
+    again = a.post("/v1/auth/token", headers=_auth(token))
+    assert again.status_code == 403 and again.json["code"] == "token_not_allowed"
+    for hand_out in (lambda: svc.auth.may_hand_out(by_token, None, None),
+                     lambda: svc.auth.rotate(who.key_id, caller=by_token),
+                     lambda: svc.auth.issue_token(by_token)):
+        with pytest.raises(Forbidden, match="full API key|not a token"):
+            hand_out()
     # Rotate: through the same check (a narrowed key cannot rotate a fuller one) ...
     full, full_who = svc.auth.add_key(who.account_id, "client")
     over = a.post(f"/v1/keys/{full_who.key_id}/rotate", headers=_auth(key))
