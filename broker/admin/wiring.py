@@ -27,8 +27,8 @@ def audit_market_rules(audit):
     return hook
 
 
-def build_admin(settings, sessions, *, secret: str, audit, pricing, providers, dispatcher, ledger, payments,
-                jobs, catalog, auth) -> dict:
+def build_admin(settings, sessions, *, secret: str, audit, pricing, providers, dispatcher,
+                ledger, payments, jobs, catalog, auth) -> dict:
     disputes = DisputeService(SqlDisputeRepository(sessions), audit)
     admin = AdminService(pricing=pricing, policies=PolicyService(SqlPolicyRepository(sessions)),
                          providers=providers, dispatcher=dispatcher, audit=audit,
