@@ -157,11 +157,17 @@ def _kinds(manifest) -> list[str]:
     return kinds
 
 
-def _model(name: Any, kind: str, param: str = "model"):
+def _model(name: Any, kind: str | None = None, param: str = "model"):
     """The manifest ``name`` (``plugin`` or ``plugin@version``) names, when it serves
-    ``kind``; else a 404 ``model_not_found`` listing the models that do."""
+    ``kind`` (None: any endpoint here, as ``GET /v1/models/<name>`` asks); else a 404
+    ``model_not_found`` listing the models that do."""
     svc = services()
-    fits = [m.name for m in svc.catalog.all() if kind in _kinds(m)]
+
+    def serves(manifest) -> bool:
+        kinds = _kinds(manifest)
+        return bool(kinds) if kind is None else kind in kinds
+
+    fits = [m.name for m in svc.catalog.all() if serves(m)]
     if not isinstance(name, str) or not name:
         raise InvalidRequest(f"model is required: one of {fits} (GET /v1/models lists them)",
                              field=param)
@@ -170,10 +176,11 @@ def _model(name: Any, kind: str, param: str = "model"):
         manifest = svc.catalog.get(plugin, version or None)
     except NotFound:
         manifest = None
-    if manifest is None or kind not in _kinds(manifest):
-        raise ModelNotFound(f"the model {name!r} does not exist for /v1/{kind.replace('.', '/')}"
-                            f"; models here: {fits} (GET /v1/models lists every model and "
-                            "what it serves)", field=param)
+    if manifest is None or not serves(manifest):
+        where = "" if kind is None else f" for /v1/{kind.replace('.', '/')}"
+        raise ModelNotFound(f"the model {name!r} does not exist{where}; models here: {fits} "
+                            "(GET /v1/models lists every model and what it serves)",
+                            field=param)
     return manifest
 
 
@@ -196,16 +203,7 @@ def list_models():
 
 @bp.get("/v1/models/<name>")
 def get_model(name):
-    svc = services()
-    plugin, _, version = name.partition("@")
-    try:
-        manifest = svc.catalog.get(plugin, version or None)
-    except NotFound:
-        manifest = None
-    if manifest is None or not _kinds(manifest):
-        raise ModelNotFound(f"the model {name!r} does not exist; GET /v1/models lists them",
-                            field="model")
-    return _model_json(manifest)
+    return _model_json(_model(name))
 
 
 # ---- request mapping ---------------------------------------------------------------
@@ -430,9 +428,28 @@ def _fingerprint(job) -> str | None:
     return f"fp_{digest[:16]}" if digest else None
 
 
-def _usage(metas: list[dict]) -> dict:
-    prompt = max((int(m.get("prompt_tokens") or 0) for m in metas), default=0)
-    completion = sum(int(m.get("generated_tokens") or 0) for m in metas)
+MAX_TOKEN_COUNT = 1 << 31  # a count past this is no count a model made
+
+
+def _count(value: Any) -> int:
+    """A token count from a provider's result meta as OpenAI's ``usage`` has it: a whole
+    number >= 0. The meta is the provider's word: anything else (text, a fraction, NaN,
+    infinity, a negative, true, an absurd size) counts 0, never a float in the answer nor
+    a failed answer for a job that ran."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and 0 <= value < MAX_TOKEN_COUNT:
+        return value
+    return 0
+
+
+def usage_of(metas: list[dict]) -> dict:
+    """OpenAI's ``usage`` of an answer from its jobs' result metas: the prompt once (every
+    choice saw the same), the completions summed; integers always (:func:`_count`)."""
+    prompt = max((_count(m.get("prompt_tokens")) for m in metas), default=0)
+    completion = sum(_count(m.get("generated_tokens")) for m in metas)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -502,7 +519,7 @@ def _text(body: dict, manifest, inputs: dict, terms: dict, *, chat: bool, echo: 
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(first.created_at), "model": model,
                 "system_fingerprint": _fingerprint(first), "choices": choices,
-                "usage": _usage(metas), "sparecycles": _sc(ended)}
+                "usage": usage_of(metas), "sparecycles": _sc(ended)}
     return waiting.answer_after(_wait_all(svc, who, jobs, wait_s), answer)
 
 
@@ -564,7 +581,7 @@ def _stream(job, model: str, *, chat: bool, usage: bool, echo: str,
                     yield chunk(None if chat else "", finish=_finish(meta),
                                 system_fingerprint=_fingerprint(ended))
                     if usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(metas),
+                        yield _sse({**base, "choices": [], "usage": usage_of(metas),
                                     "sparecycles": _sc([ended])})
                     yield "data: [DONE]\n\n"
                     return
