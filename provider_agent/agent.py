@@ -40,8 +40,9 @@ from . import transport as broker_transport
 from .config import AgentConfig, pin_broker_key
 from .errors import AgentError, ConfigError, HostError
 from .fingerprint import machine_fingerprint
-from .gpu_usage import own_pids
+from .gpu_usage import default_source, own_pids
 from .host.manager import HostResult, PluginHost
+from .launch import gpu_indices_for
 from .encode import encode_outputs, pack_checkpoint, unpack_checkpoint
 from .uploads import DirectUploads
 from .telemetry import JobTimes, Telemetry, to_proto
@@ -112,8 +113,6 @@ class Agent:
                  device: str | None = None, name: str | None = None,
                  telemetry: Telemetry | None = None):
         cfg.check()
-        # GPU (NVML), CPU and memory figures and job timings, sent in heartbeats.
-        self.telemetry = telemetry or Telemetry(interval_s=cfg.telemetry_interval_s)
         self._uploading: dict[str, tuple[float, JobTimes]] = {}  # receipt sent, no ack yet
         self.metrics = None      # provider_agent.metrics.AgentMetrics with metrics_addr
         self.metrics_port = 0    # where its /metrics listens
@@ -122,6 +121,10 @@ class Agent:
         # and ``name`` override agent.toml's for it; the file stays the machine's.
         self.device = device or cfg.device
         self.name = name or cfg.name
+        # GPU (NVML: this device's only), CPU and memory figures and job timings, sent in
+        # heartbeats. provider_agent.fleet passes one sharing the gate's GPU source.
+        self.telemetry = telemetry or Telemetry(
+            default_source(gpu_indices_for(self.device)), interval_s=cfg.telemetry_interval_s)
         self.identity = identity
         self.home = home
         self.sandboxed = sandboxed

@@ -377,8 +377,9 @@ def make_gate(cfg, *, device: str, home: Path | None = None, clock: Clock | None
               source: GpuUsageSource | None = None, presence: PresenceSource | None = None,
               meter: UsageMeter | None = None, dev_root: Path = Path("/dev")) -> Gate | None:
     """The gate for one device under ``cfg``'s terms, or None when it sets none (always
-    available). The GPU is watched through NVML unless ``source`` is given; the hours are
-    kept in ``<home>/gpu-hours.json``."""
+    available). The GPU is watched through NVML (this device's only) unless ``source`` is
+    given (the agent's, shared with its telemetry); the hours are kept in
+    ``<home>/gpu-hours.json``."""
     rules = cfg.rules()
     if not (rules.watches_gpu or rules.schedule.windows or rules.max_gpu_hours_per_day
             or rules.owner_away_s):
@@ -392,7 +393,7 @@ def make_gate(cfg, *, device: str, home: Path | None = None, clock: Clock | None
         log.warning("idle_only is set but device %s is no NVIDIA GPU: only the schedule, "
                     "the limits and the owner's presence decide", device)
     if source is None and gpus and rules.watches_gpu:
-        source = default_source()
+        source = default_source(gpus)
     if presence is None and rules.owner_away_s:
         presence = LogindPresence()
     folder = Path(home) if home is not None else config_dir()

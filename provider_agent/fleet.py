@@ -36,8 +36,9 @@ from .agent import Agent
 from .availability import Clock, UsageMeter, make_gate
 from .config import AgentConfig, config_dir, load_identity
 from .errors import AgentError, ConfigError
-from .gpu_usage import GpuUsageSource
+from .gpu_usage import GpuUsageSource, default_source, only
 from .launch import gpu_indices_for, host_launcher
+from .telemetry import Telemetry
 
 log = logging.getLogger("agent")
 STATUS_EVERY_S = 2.0
@@ -199,7 +200,11 @@ def build_fleet(cfg: AgentConfig, *, home: Path | None, plugin_dirs: dict[str, P
                 gpu_devices=gpu_indices_for(device, dev_root), gpu_dev_root=dev_root,
                 extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
                 registry_root=installer.root if installer is not None else None)
-            gate = make_gate(cfg, device=device, home=home, clock=clock, source=source,
+            # One GPU source per device's agent, read by its gate and its telemetry alike:
+            # NVML for this device only (or the source given, narrowed to this device).
+            gpus = gpu_indices_for(device, dev_root)
+            usage = only(source, gpus) if source is not None else default_source(gpus)
+            gate = make_gate(cfg, device=device, home=home, clock=clock, source=usage,
                              meter=meter, dev_root=dev_root)
             device_cfg = cfg.for_device(device)
             if several and device_cfg.metrics_addr:
@@ -210,6 +215,8 @@ def build_fleet(cfg: AgentConfig, *, home: Path | None, plugin_dirs: dict[str, P
                                plugin_dirs=plugin_dirs,
                                sandboxed=sandboxed, launcher=launcher, home=home, cheat=cheat,
                                installer=installer, gate=gate,
+                               telemetry=Telemetry(
+                                   usage, interval_s=device_cfg.telemetry_interval_s),
                                availability_poll_s=availability_poll_s, device=device,
                                name=f"{cfg.name}/{device}" if several else cfg.name)
         except (AgentError, OSError, ValueError) as exc:

@@ -12,7 +12,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from .telemetry import JobTimes, Telemetry
+from .telemetry import JobTimes, Telemetry, utilization_ratio
 
 log = logging.getLogger("agent.metrics")
 
@@ -64,19 +64,22 @@ class AgentMetrics:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
-        for name, doc, attr in (
+        for name, doc, read in (
                 ("sparecycles_agent_gpu_utilization_ratio", "GPU busy, 0..1 (NVML).",
-                 "utilization"),
+                 utilization_ratio),
                 ("sparecycles_agent_gpu_memory_used_bytes", "GPU memory in use.",
-                 "memory_used_bytes"),
+                 lambda gpu: gpu.memory_used_bytes),
                 ("sparecycles_agent_gpu_memory_total_bytes", "GPU memory installed.",
-                 "memory_total_bytes"),
+                 lambda gpu: gpu.memory_total_bytes),
                 ("sparecycles_agent_gpu_temperature_celsius", "GPU temperature.",
-                 "temperature_c"),
-                ("sparecycles_agent_gpu_power_watts", "GPU power draw.", "power_w")):
+                 lambda gpu: gpu.temperature_c),
+                ("sparecycles_agent_gpu_power_watts", "GPU power draw.",
+                 lambda gpu: gpu.power_w)):
             g = GaugeMetricFamily(name, doc, labels=["gpu", "name"])
-            for gpu in s.gpus:
-                g.add_metric([str(gpu.index), gpu.name], getattr(gpu, attr))
+            for gpu in s.gpus:  # this agent's device only; a figure NVML cannot give: none
+                value = read(gpu)
+                if value is not None:
+                    g.add_metric([str(gpu.index), gpu.name], value)
             yield g
 
     def serve(self, addr: str) -> int:

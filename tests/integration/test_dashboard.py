@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from provider_agent.telemetry import NvmlGpuSource, Telemetry
+from provider_agent.gpu_usage import NvmlUsageSource
+from provider_agent.telemetry import Telemetry
 from sdk import Client
 from tests.unit.provider_agent.test_telemetry import GPU, FakeNvml
 
@@ -43,7 +44,7 @@ def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
 @pytest.fixture
 def scraped(live_broker, start_agent):
     agent = start_agent("dash", metrics_addr="127.0.0.1:0",
-                        telemetry=Telemetry(NvmlGpuSource(FakeNvml([GPU])), interval_s=0))
+                        telemetry=Telemetry(NvmlUsageSource(FakeNvml([GPU])), interval_s=0))
     with Client(live_broker.url, live_broker.key("client")) as client:
         client.generate("echo", text="for the dashboard")
     broker = httpx.get(f"{live_broker.url}/metrics", timeout=10).text

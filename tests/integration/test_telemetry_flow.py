@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from provider_agent.telemetry import NvmlGpuSource, Telemetry
+from provider_agent.gpu_usage import NvmlUsageSource
+from provider_agent.telemetry import Telemetry
 from sdk import Client
 from tests.integration.test_metrics import scrape, value
 from tests.unit.provider_agent.test_telemetry import GPU, FakeNvml
@@ -26,7 +27,7 @@ def _has(families, name: str) -> bool:
 
 
 def test_gpu_telemetry_reaches_metrics_and_console(live_broker, start_agent):
-    telemetry = Telemetry(NvmlGpuSource(FakeNvml([GPU])), interval_s=0)
+    telemetry = Telemetry(NvmlUsageSource(FakeNvml([GPU])), interval_s=0)
     agent = start_agent("gpu-box", telemetry=telemetry, metrics_addr="127.0.0.1:0")
     with Client(live_broker.url, live_broker.key("client")) as client:
         client.generate("echo", text="timed")
@@ -63,7 +64,7 @@ def test_gpu_telemetry_reaches_metrics_and_console(live_broker, start_agent):
 
 
 def test_without_a_gpu_the_console_says_cpu_only(live_broker, start_agent):
-    telemetry = Telemetry(NvmlGpuSource(FakeNvml(missing_library=True)), interval_s=0)
+    telemetry = Telemetry(NvmlUsageSource(FakeNvml(missing_library=True)), interval_s=0)
     agent = start_agent("cpu-box", telemetry=telemetry)
     pid = agent.provider_id
     _until(lambda: live_broker.services.providers.get(pid).telemetry)
@@ -77,7 +78,7 @@ def test_a_figure_the_agent_cannot_read_shows_as_unknown(live_broker, start_agen
     """A NaN temperature and an infinite power draw are neither stored as bounds (300 °C)
     nor exported: the console shows them as unknown."""
     odd = {**GPU, "temp": float("nan"), "mw": float("inf")}
-    telemetry = Telemetry(NvmlGpuSource(FakeNvml([odd])), interval_s=0)
+    telemetry = Telemetry(NvmlUsageSource(FakeNvml([odd])), interval_s=0)
     agent = start_agent("odd-box", telemetry=telemetry)
     pid = agent.provider_id
     row = _until(lambda: live_broker.services.providers.get(pid).telemetry)

@@ -66,7 +66,7 @@ def test_nvml_source_maps_processes_and_figures():
     assert set(by_pid) == {100, 200}
     assert by_pid[100].used_mb == 3 * 1024 and by_pid[200].used_mb == 0.0
     assert gpu0.utilisation_pct == 87 and gpu0.power_w == 312.0 and gpu0.temperature_c == 64
-    assert gpu0.memory_total_mb == 141 * 1024
+    assert gpu0.memory_total_bytes == 141 << 30
     assert gpu1.processes == () and gpu1.power_w is None  # unsupported: unknown, not an error
     assert gpu0.others({100}) == [GpuProcess(200, by_pid[200].name, 0.0)]
     src.close()

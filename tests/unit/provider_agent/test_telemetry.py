@@ -1,13 +1,15 @@
-"""Agent telemetry (issue #25): NVML through the same code over a fake NVML module here
-and the real library where a GPU exists; psutil's figures of this machine."""
+"""Agent telemetry (issue #25): NVML through the agent's one GPU source
+(provider_agent.gpu_usage), over a fake NVML module here and the real library where a GPU
+exists, for the agent's own device only; psutil's figures of this machine."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 
-from provider_agent.telemetry import (HostSource, JobTimes, NoGpuSource, NvmlGpuSource,
-                                      Telemetry, to_proto)
+from provider_agent.gpu_usage import FakeGpuUsageSource, NvmlUsageSource, none_source
+from provider_agent.telemetry import HostSource, JobTimes, Telemetry, to_proto
 from sdk.protocol import agent_pb2 as pb
 
 
@@ -68,24 +70,63 @@ GPU = {"name": "NVIDIA GeForce RTX 4090", "util": 73, "used": 6 << 30, "total": 
        "temp": 61, "mw": 287_500}
 
 
-def test_nvml_source_reads_every_device():
-    nvml = FakeNvml([GPU, {**GPU, "name": "NVIDIA A10", "util": 0}])
-    src = NvmlGpuSource(nvml)
+A10 = {**GPU, "name": "NVIDIA A10", "util": 0}
+
+
+def test_nvml_source_reads_every_device_without_indices():
+    nvml = FakeNvml([GPU, A10])
+    src = NvmlUsageSource(nvml)
     assert src.available and src.note == ""
-    first, second = src.read()
+    first, second = src.sample()
     assert first.name == "NVIDIA GeForce RTX 4090" and second.name == "NVIDIA A10"
-    assert first.utilization == pytest.approx(0.73)
+    assert first.utilisation_pct == pytest.approx(73)
     assert (first.memory_used_bytes, first.memory_total_bytes) == (6 << 30, 24 << 30)
     assert first.temperature_c == 61 and first.power_w == pytest.approx(287.5)
     assert first.power_limit_w == pytest.approx(450.0)
-    assert second.index == 1 and second.utilization == 0
+    assert second.index == 1 and second.utilisation_pct == 0
+    msg = to_proto(Telemetry(src, interval_s=0).due(), pb)
+    assert msg.gpus[0].utilization == pytest.approx(0.73) and len(msg.gpus) == 2
     src.close()
     assert nvml.shut
 
 
-def test_a_figure_the_board_does_not_support_reads_zero():
-    (gpu,) = NvmlGpuSource(FakeNvml([GPU], no_power=True)).read()
-    assert gpu.power_w == 0 and gpu.temperature_c == 61
+def test_the_agents_source_reads_its_own_device_only():
+    """One agent serves one GPU: the source for ``cuda:1`` reads GPU 1, so a machine's GPUs
+    are each reported once, by the agent serving it; a GPU NVML does not have says so."""
+    src = NvmlUsageSource(FakeNvml([GPU, A10]), indices=[1])
+    (only,) = src.sample()
+    assert only.index == 1 and only.name == "NVIDIA A10"
+    msg = to_proto(Telemetry(src, interval_s=0).due(), pb)
+    assert [(g.index, g.name) for g in msg.gpus] == [(1, "NVIDIA A10")]
+    missing = NvmlUsageSource(FakeNvml([GPU, A10]), indices=[5])
+    assert not missing.available and missing.sample() == []
+    assert "GPU 5" in missing.note and "0 to 1" in missing.note
+
+
+def test_each_devices_agent_reports_its_own_gpu_and_its_gate_reads_the_same(tmp_path):
+    from provider_agent.config import AgentConfig
+    from provider_agent.fleet import build_fleet
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (dev / name).touch()
+    machine = FakeGpuUsageSource(2)
+    cfg = AgentConfig(broker="127.0.0.1:9", api_key="sc_provider_x_y", name="rig",
+                      plugins=["echo"], devices=["cuda:0", "cuda:1"], idle_only=True)
+    fleet = build_fleet(cfg, home=tmp_path / "home", plugin_dirs={}, sandboxed=False,
+                        dev_root=dev, source=machine, status=False)
+    for i, agent in enumerate(fleet.agents):
+        assert [g.index for g in agent.telemetry.sample().gpus] == [i]
+        assert [g.index for g in agent.gate.source.sample()] == [i]
+
+
+def test_a_figure_the_board_does_not_support_is_unknown_not_zero():
+    src = NvmlUsageSource(FakeNvml([GPU], no_power=True))
+    (gpu,) = src.sample()
+    assert gpu.power_w is None and gpu.temperature_c == 61
+    (wire,) = to_proto(Telemetry(src, interval_s=0).due(), pb).gpus
+    assert math.isnan(wire.power_w) and wire.temperature_c == 61  # the broker: unknown
 
 
 @pytest.mark.parametrize("nvml, says", [
@@ -93,7 +134,7 @@ def test_a_figure_the_board_does_not_support_reads_zero():
     (FakeNvml([]), "found no NVIDIA GPU"),
 ])
 def test_without_a_gpu_it_reports_cpu_and_says_why(nvml, says):
-    t = Telemetry(NvmlGpuSource(nvml), interval_s=0)
+    t = Telemetry(NvmlUsageSource(nvml), interval_s=0)
     sample = t.due()
     assert not sample.gpu_available and sample.gpus == []
     assert says in sample.gpu_note
@@ -114,7 +155,7 @@ def test_psutil_figures_of_this_machine():
 
 def test_reports_come_at_most_once_per_interval_with_the_jobs_since_the_last():
     now = [100.0]
-    t = Telemetry(NoGpuSource("test"), interval_s=15, monotonic=lambda: now[0])
+    t = Telemetry(none_source("test"), interval_s=15, monotonic=lambda: now[0])
     t.job_finished(JobTimes("j1", "echo", load_s=0.1, run_s=0.5, upload_s=0.02,
                             request_id="req-1"))
     first = t.due()
@@ -132,14 +173,18 @@ def test_reports_come_at_most_once_per_interval_with_the_jobs_since_the_last():
 @pytest.mark.gpu
 def test_real_nvml_on_a_gpu_machine():
     pytest.importorskip("pynvml")
-    src = NvmlGpuSource()
+    src = NvmlUsageSource()
     if not src.available:
         pytest.skip(f"no GPU readable here: {src.note}")
-    gpus = src.read()
+    gpus = src.sample()
     assert gpus, "NVML saw a device but read none"
     for g in gpus:
-        assert g.name and 0.0 <= g.utilization <= 1.0
+        assert g.name and 0.0 <= g.utilisation_pct <= 100.0
         assert 0 < g.memory_total_bytes and 0 <= g.memory_used_bytes <= g.memory_total_bytes
         assert 0 < g.temperature_c < 120
-        assert g.power_w >= 0
+        assert g.power_w is None or g.power_w >= 0
+    last = gpus[-1].index  # the agent serving that device alone reads that one alone
+    one = NvmlUsageSource(indices=[last])
+    assert [g.index for g in one.sample()] == [last]
+    one.close()
     src.close()
