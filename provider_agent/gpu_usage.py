@@ -132,7 +132,8 @@ class NvmlUsageSource:
                     temperature_c=_try(lambda: float(nv.nvmlDeviceGetTemperature(
                         h, nv.NVML_TEMPERATURE_GPU))),
                     power_w=_try(lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),  # mW
-                    power_limit_w=_try(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0)))
+                    power_limit_w=_try(
+                        lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0)))
         return out
 
     def _processes(self, h) -> list[GpuProcess]:

@@ -86,7 +86,8 @@ class AsyncClient(_ClientBase):
             return Failed(str(exc) or type(exc).__name__, exc)
         return Response(resp.status_code, _headers(resp.headers), resp.content)
 
-    async def _events(self, job: Job, after: int, budget: core.Timeout) -> AsyncIterator[Event]:
+    async def _events(self, job: Job, after: int,
+                      budget: core.Timeout) -> AsyncIterator[Event]:
         """Server-sent events until the job ends, reconnecting and raising the broker's
         ``error`` event as the sync client does."""
         follow = _Follow(self, job.id, after, budget)

@@ -590,8 +590,9 @@ class Job:
         AsyncClient ``async for ev in job.events()``), reconnecting after the last one
         seen when the stream drops. With ``timeout`` (seconds, or a :class:`~sdk.Timeout`
         to pass on to :meth:`wait`) the events stop when it passes, the job still running:
-        ``job.wait(timeout=that Timeout)`` then cancels it and says what it cost. An ``error`` event from the broker raises its
-        APIError (ServerError for an internal failure), never passes as an event."""
+        ``job.wait(timeout=that Timeout)`` then cancels it and says what it cost. An
+        ``error`` event from the broker raises its APIError (ServerError for an internal
+        failure), never passes as an event."""
         return self._c._events(self, after, core.Timeout.of(timeout))
 
 

@@ -84,8 +84,8 @@ def test_a_figure_the_agent_cannot_read_shows_as_unknown(live_broker, start_agen
     row = _until(lambda: live_broker.services.providers.get(pid).telemetry)
     assert row["gpus"][0]["temperature_c"] is None and row["gpus"][0]["power_w"] is None
     m = scrape(live_broker.url)
-    assert not [labels for _, labels, _ in m.get("sparecycles_provider_gpu_temperature_celsius", [])
-                if labels.get("provider") == pid]
+    temperatures = m.get("sparecycles_provider_gpu_temperature_celsius", [])
+    assert not [labels for _, labels, _ in temperatures if labels.get("provider") == pid]
     assert value(m, "sparecycles_provider_gpu_utilization_ratio", provider=pid) == 0.73
     page = _console(live_broker).get(f"/admin/providers/{pid}")
     assert page.status_code == 200 and "300 °C" not in page.text
