@@ -146,7 +146,7 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     sessions = sessionmaker(engine, expire_on_commit=False)
     # Other replicas on the same PostgreSQL hear of jobs, queues and agent commands through
     # LISTEN/NOTIFY; on SQLite (one process) nobody else is there.
-    bus = bus_for(settings.db_url)
+    bus = bus_for(settings.db_url, cipher=at_rest)
     signer = settings.signer()
     replicas = ReplicaRegistry(SqlReplicaStore(sessions), bus.replica_id, signer.public_key_hex)
     metrics = BrokerMetrics(replica=settings.replica_name or f"{socket.gethostname()}:{os.getpid()}",
