@@ -43,7 +43,13 @@ what metrics cost in jobs/s (issue #25: target at most 3 %).
 runs 1, 2 and 3 broker replicas on that server (issue #21): agents on the first replica,
 clients spread over all, and prints jobs/s and the added p50/p99 of jobs submitted on the
 agents' replica beside those submitted on another (their placement and their end cross
-replicas through LISTEN/NOTIFY), measured in the same run.
+replicas through LISTEN/NOTIFY), measured in the same run. Before the table it probes
+what sealing the wake-ups costs: one at a time between two buses on that server, plain
+and sealed with an at-rest key, alternating (the replicas always seal theirs).
+
+The brokers and agents run as `python -P -m sdk.cli`: the code the venv's editable install
+points at (/work/main here), not this file's checkout. To measure a worktree, run with
+PYTHONPATH set to it.
 
 With --svg it also draws the figures: jobs/s against the target, and where each job's CPU
 went against the budget the target leaves on this machine's cores.
@@ -51,6 +57,7 @@ went against the budget the target leaves on this machine's cores.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -367,10 +374,77 @@ def run_replicas(n_replicas: int, n_agents: int, jobs: int, clients: int, slots:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def notify_probe(db_url: str, n: int = 300) -> dict:
+    """What sealing the wake-ups costs, in the same run: one wake-up at a time from one
+    replica's bus (PgNotifyBus) to another's on ``db_url``, plain and sealed with an at-rest
+    key (as replicas send them), alternating; the message is a job's end with its copy (the
+    largest a waiting client's answer rides on). Returns the ms from publish to the other
+    bus's handler per mode, and the CPU µs of packing, sealing and opening one payload."""
+    import os as _os
+
+    from broker.storage.notify_pg import PgNotifyBus
+    from broker.storage.sealed import AtRestCipher
+
+    cipher = AtRestCipher(_os.urandom(32))
+    copy = {"id": str(uuid.uuid4()), "state": "settled", "plugin": "echo",
+            "outputs": [{"text": "x" * 600}], "receipt": {"sig": "f" * 128, "units": 1.0},
+            "inputs": {"text": "y" * 300}}
+    message = {"j": copy["id"], "e": 1, "c": copy}
+    pairs, got = {}, {}
+    for mode, key in (("plain", None), ("sealed", cipher)):
+        channel = f"bench_{mode}_{uuid.uuid4().hex[:8]}"
+        sender = PgNotifyBus(db_url, replica_id=f"{mode}-a", channel=channel, cipher=key)
+        receiver = PgNotifyBus(db_url, replica_id=f"{mode}-b", channel=channel, cipher=key)
+        ev = threading.Event()
+        receiver.subscribe("job", lambda data, ev=ev, mode=mode: (
+            got.__setitem__(mode, time.perf_counter()), ev.set()))
+        sender.start(), receiver.start()
+        pairs[mode] = (sender, receiver, ev)
+    lat = {"plain": [], "sealed": []}
+    try:
+        for i in range(n + 20):
+            for mode in (("plain", "sealed") if i % 2 == 0 else ("sealed", "plain")):
+                sender, _, ev = pairs[mode]
+                ev.clear()
+                t0 = time.perf_counter()
+                sender.publish("job", message)
+                if not ev.wait(5):
+                    raise RuntimeError(f"a {mode} wake-up never arrived")
+                if i >= 20:  # after a warm-up
+                    lat[mode].append((got[mode] - t0) * 1000)
+        sealed_sender, sealed_receiver, _ = pairs["sealed"]
+        plain_sender = pairs["plain"][0]
+        cpu = {}
+        for mode, bus in (("plain", plain_sender), ("sealed", sealed_sender)):
+            t = time.process_time()
+            for _ in range(2000):
+                payload = bus._pack([("job", message)])[0]
+                doc = json.loads(payload)
+                if mode == "sealed":
+                    sealed_receiver._open(doc, payload)
+            cpu[mode] = (time.process_time() - t) / 2000 * 1e6
+        size = {mode: len(pairs[mode][0]._pack([("job", message)])[0]) for mode in pairs}
+    finally:
+        for sender, receiver, _ in pairs.values():
+            sender.close(), receiver.close()
+    return {"lat": lat, "cpu_us": cpu, "bytes": size}
+
+
 def main_replicas(args, sandbox: bool, d50: float, d99: float) -> int:
     counts = ([int(x) for x in args.replicas.split(",")] if "," in args.replicas
               else list(range(1, int(args.replicas) + 1)))
     n_agents = int(args.agents.split(",")[0]) if args.agents != "1,2,4" else 2
+    with fresh_database(args.db) as url:
+        probe = notify_probe(url)
+    p50 = {m: statistics.median(v) for m, v in probe["lat"].items()}
+    p99 = {m: pct(v, 99) for m, v in probe["lat"].items()}
+    print(f"a wake-up from one replica's bus to another's (a job's end with its copy, "
+          f"{probe['bytes']['plain']} bytes plain, {probe['bytes']['sealed']} sealed; "
+          f"{len(probe['lat']['plain'])} of each, alternating): plain p50 {p50['plain']:.3f} / "
+          f"p99 {p99['plain']:.3f} ms, sealed p50 {p50['sealed']:.3f} / p99 {p99['sealed']:.3f} "
+          f"ms: sealing adds {p50['sealed'] - p50['plain']:+.3f} ms p50 per crossing; CPU to "
+          f"pack (and seal, and open) one: {probe['cpu_us']['plain']:.1f} µs plain, "
+          f"{probe['cpu_us']['sealed']:.1f} µs sealed", flush=True)
     print(f"replicas on PostgreSQL, sandbox {'on' if sandbox else 'off'}, {n_agents} agent(s) "
           f"of {args.slots} slot(s) on the first replica, {args.clients} clients spread over "
           "the replicas")
@@ -394,7 +468,9 @@ def main_replicas(args, sandbox: bool, d50: float, d99: float) -> int:
               flush=True)
     print("target: a job placed across replicas adds <= 5 ms p50 over one placed on its own "
           "replica (Δp50), measured in the same run. 'cross': the share of the throughput "
-          "run's jobs submitted on a replica other than the agents'.")
+          "run's jobs submitted on a replica other than the agents'. The replicas' wake-ups "
+          "are sealed (always: the at-rest key); a cross-replica job crosses twice (queued, "
+          "then its end), so sealing's share of Δp50 is about twice the probe's above.")
     return 0
 
 

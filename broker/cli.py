@@ -273,11 +273,14 @@ def cmd_serve(args) -> int:
 
 def cmd_seal_at_rest(args) -> int:
     def run(services):
-        from broker.storage.sealed import seal_existing
+        from broker.storage.sealed import recorded_key_check, seal_existing
 
         counts = seal_existing(services.engine, services.jobs.blobs)
+        check = recorded_key_check(services.engine)
         print(f"sealed {counts['jobs']} job row(s), {counts['events']} event(s) and "
-              f"{counts['blobs']} blob file(s) that were stored in plaintext")
+              f"{counts['blobs']} blob file(s) that were stored in plaintext; the database "
+              f"records the at-rest key's check value {check[:12]}… (replicas "
+              "with another key are refused)")
         return 0
     return _with_services(args, run)
 
@@ -345,10 +348,11 @@ def _admin_services(args):
     with what to run (SQLite is upgraded, as `serve` does)."""
     from broker.services import build_services
     from broker.storage.migrate import NotMigrated
+    from broker.storage.sealed import AtRestError
 
     try:
         return build_services(_settings(args), migrate="auto")
-    except NotMigrated as exc:
+    except (NotMigrated, AtRestError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 

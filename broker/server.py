@@ -33,6 +33,7 @@ from broker.gateway.servicer import AgentGatewayServicer, GatewayStats
 from broker.observability.metrics import agent_families
 from broker.services import Services, build_services
 from broker.replicas.service import ReplicaMismatch
+from broker.storage.sealed import AtRestError
 from broker.settings import Settings
 from broker.storage.lock import DatabaseInUse, hold_serve_lock
 from broker.storage.migrate import NotMigrated
@@ -339,7 +340,7 @@ def serve(settings: Settings, ready_file: Path | None = None) -> None:
     raise_open_files_limit()
     try:
         server = BrokerServer(settings, migrate="auto")
-    except (NotMigrated, DatabaseInUse, ReplicaMismatch) as exc:
+    except (NotMigrated, DatabaseInUse, ReplicaMismatch, AtRestError) as exc:
         raise SystemExit(f"error: {exc}") from None
     tune_gc()
 

@@ -22,7 +22,7 @@ from broker.blobs import job_blob_store
 from broker.blobs.retention import BlobRetention, RetentionPolicy
 from broker.jobs.cache import ResultCache
 from broker.blobs.local import LocalBlobStore
-from broker.storage.sealed import AtRestCipher
+from broker.storage.sealed import open_at_rest
 from broker.storage.sealed import attach as attach_at_rest
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
@@ -135,17 +135,18 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     (NotMigrated); False neither upgrades nor checks."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.db_url)
-    # Prompts, envelopes, events and job blobs are sealed with this key (broker/storage/sealed.py)
-    at_rest = AtRestCipher.load(settings.at_rest_key, settings.data_dir / "at_rest.key")
-    attach_at_rest(engine, at_rest)
     if migrate == "auto" and engine.dialect.name == "postgresql":
         require_current(engine, shown_url(settings.db_url))
     elif migrate:
         upgrade(engine)
+    # Prompts, envelopes, events, job blobs and wake-ups are sealed with this key
+    # (broker/storage/sealed.py), checked against the one the database is sealed with.
+    at_rest = open_at_rest(engine, settings.at_rest_key, settings.data_dir / "at_rest.key")
+    attach_at_rest(engine, at_rest)
     sessions = sessionmaker(engine, expire_on_commit=False)
     # Other replicas on the same PostgreSQL hear of jobs, queues and agent commands through
     # LISTEN/NOTIFY; on SQLite (one process) nobody else is there.
-    bus = bus_for(settings.db_url)
+    bus = bus_for(settings.db_url, cipher=at_rest)
     signer = settings.signer()
     replicas = ReplicaRegistry(SqlReplicaStore(sessions), bus.replica_id, signer.public_key_hex)
     metrics = BrokerMetrics(replica=settings.replica_name or f"{socket.gethostname()}:{os.getpid()}",

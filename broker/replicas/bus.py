@@ -42,7 +42,9 @@ class ReplicaBus(Protocol):
         """Send ``data`` (JSON-able, small) to every other replica's ``kind`` handlers;
         best effort (see the module docstring). ``urgent``: someone waits on it (a job
         queued, a job's end, a command): it leaves at once, from the caller's thread; else
-        (a job's progress) it goes with the next batch, off the caller's path."""
+        (a job's progress) it goes with the next batch, off the caller's path.
+        ``data["c"]``, when present, is a copy of rows the receivers can read instead (a
+        queued job, an ended job): a bus may leave it out of a message too large to carry."""
         ...
 
     def subscribe(self, kind: str, handler: Handler) -> None:

@@ -207,6 +207,16 @@ class BrokerReplicaRow(Base):
     seen_at: Mapped[float] = mapped_column(Float)
 
 
+class AtRestKeyCheckRow(Base):
+    """Which at-rest key this database is sealed with (one row): a keyed hash of a constant
+    (``AtRestCipher.check_value``), never the key. Written by the first broker that seals
+    here; a broker whose key gives another value is refused at start (broker/storage/sealed.py)."""
+    __tablename__ = "at_rest_key_check"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # 1
+    check_value: Mapped[str] = mapped_column(String(64))
+    set_at: Mapped[float] = mapped_column(Float)
+
+
 class ProviderThroughputRow(Base):
     """The broker's own figures of a provider for a plugin (DESIGN §4): measured θ, the
     claim beside it, successes and failures (reliability) and the last canary, so that a

@@ -14,9 +14,20 @@ replica included: each payload carries the sender's replica id and a replica ign
 own. When the listening connection drops, notifications sent meanwhile are lost to this
 replica; once it listens again the ``on_gap`` handlers run (waiters re-read their jobs, the
 dispatcher re-reads the queue), so nothing waits for a wake-up that will never come.
+
+Sealed (``cipher``: the broker's at-rest key, which replicas share): a payload carries job
+data (a queued job whole, an ended job's copy), and PostgreSQL may log it and any role
+allowed to ``LISTEN`` reads it, so each payload is ``{"r": sender, "s": base64 of the
+sealed plaintext payload}`` (the sender inside too, compared on opening). One that does not
+open (another key, altered, forged in plaintext) is dropped, logged, and taken for what
+may have been missed: the ``on_gap`` handlers run, so the replica catches up from the rows.
+Sealing and base64 leave about 5,800 bytes of plaintext per notification; a message larger
+than a notification goes without its ``c`` (the copy it carries, which the receivers can
+read from the rows instead), and one still too large is dropped (logged), as before.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
@@ -29,12 +40,14 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from broker.replicas.bus import Handler, new_replica_id
+from broker.storage.sealed import SEAL_OVERHEAD, AtRestCipher, AtRestError
 
 log = logging.getLogger(__name__)
 
 CHANNEL = "sparecycles"
 MAX_PAYLOAD = 7_800   # bytes of JSON per notification (PostgreSQL's limit is 8,000)
 RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+UNOPENED_LOG_EVERY_S = 10.0  # a stream of payloads that do not open is logged this often
 
 
 def conninfo_of(db_url: str) -> str:
@@ -51,10 +64,17 @@ class PgNotifyBus:
 
     shared = True
 
-    def __init__(self, db_url: str, *, replica_id: str | None = None, channel: str = CHANNEL):
+    def __init__(self, db_url: str, *, replica_id: str | None = None, channel: str = CHANNEL,
+                 cipher: AtRestCipher | None = None):
         self.conninfo = conninfo_of(db_url)
         self.replica_id = replica_id or new_replica_id()
         self.channel = channel
+        self.cipher = cipher
+        self._head = f'{{"r":{json.dumps(self.replica_id)},"m":['
+        shell = len(json.dumps({"r": self.replica_id, "s": ""}, separators=(",", ":")))
+        #: bytes of plaintext payload per notification (less when sealed: nonce, MAC, base64)
+        self.budget = (MAX_PAYLOAD if cipher is None
+                       else (MAX_PAYLOAD - shell) // 4 * 3 - SEAL_OVERHEAD)
         self._handlers: dict[str, list[Handler]] = {}
         self._gap: list[Callable[[], None]] = []
         self._out: deque[tuple[str, dict]] = deque()
@@ -66,6 +86,8 @@ class PgNotifyBus:
         self._threads: list[threading.Thread] = []
         self.sent = 0        # notifications sent (each may carry several messages)
         self.received = 0    # messages handled from other replicas
+        self.unopened = 0    # payloads that did not open (another key, altered, plaintext)
+        self._unopened_logged = (float("-inf"), 0)  # (when, how many then)
 
     # ---- the port ----------------------------------------------------------------------
     def subscribe(self, kind: str, handler: Handler) -> None:
@@ -88,8 +110,9 @@ class PgNotifyBus:
                 self._cond.notify()
                 return
         try:
-            conn.execute("SELECT pg_notify(%s, %s)", (self.channel, self._pack([(kind, data)])[0]))
-            self.sent += 1
+            for payload in self._pack([(kind, data)]):  # none: too large (logged)
+                conn.execute("SELECT pg_notify(%s, %s)", (self.channel, payload))
+                self.sent += 1
         except Exception:  # noqa: BLE001 - that connection is gone: the sender thread retries
             try:
                 conn.close()
@@ -189,9 +212,12 @@ class PgNotifyBus:
         try:
             doc = json.loads(payload)
         except ValueError:
-            log.warning("ignored a notification that is not JSON: %.80r", payload)
+            self._unopened("not JSON", payload)
             return
         if not isinstance(doc, dict) or doc.get("r") == self.replica_id:
+            return
+        doc = self._open(doc, payload)
+        if doc is None:
             return
         for kind, data in doc.get("m") or ():
             for handler in self._handlers.get(kind, ()):
@@ -200,6 +226,41 @@ class PgNotifyBus:
                 except Exception:  # noqa: BLE001 - a bad message must not stop listening
                     log.exception("handling %s from replica %s failed", kind, doc.get("r"))
             self.received += 1
+
+    def _open(self, doc: dict, payload: str) -> dict | None:
+        """The plaintext payload of ``doc``, or None (logged; the replica catches up)."""
+        if self.cipher is None:
+            if "m" in doc:
+                return doc
+            self._unopened("sealed, and this replica has no at-rest key", payload)
+            return None
+        sealed = doc.get("s")
+        if not isinstance(sealed, str):
+            self._unopened("not sealed", payload)
+            return None
+        try:
+            inner = json.loads(self.cipher.open(base64.b64decode(sealed, validate=True)))
+        except (AtRestError, ValueError):
+            self._unopened("does not open with this replica's at-rest key", payload)
+            return None
+        if not isinstance(inner, dict) or inner.get("r") != doc.get("r"):
+            self._unopened("names another sender inside", payload)
+            return None
+        return inner
+
+    def _unopened(self, why: str, payload: str) -> None:
+        """A payload this replica cannot read: whatever it said may have been missed, so
+        catch up from the rows (as after a gap)."""
+        self.unopened += 1
+        at, count = self._unopened_logged
+        now = time.monotonic()
+        if now - at >= UNOPENED_LOG_EVERY_S:
+            log.warning("replica %s ignored %d notification(s) that it cannot read (the last: "
+                        "%s; %.60r…); catching up from the rows. Replicas must share one "
+                        "at-rest key (SPARECYCLES_AT_REST_KEY)", self.replica_id,
+                        self.unopened - count, why, payload)
+            self._unopened_logged = (now, self.unopened)
+        self._caught_up()
 
     # ---- sending -------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -240,30 +301,41 @@ class PgNotifyBus:
             conn.close()
 
     def _pack(self, batch: list[tuple[str, dict]]) -> list[str]:
-        """The messages as few payloads as fit (each a JSON document under MAX_PAYLOAD)."""
-        head = f'{{"r":{json.dumps(self.replica_id)},"m":['
+        """The messages as few payloads as fit (each a JSON document of at most
+        :attr:`budget` bytes, then sealed when the bus has a key). A message too large
+        loses its ``c`` (a copy the receivers can read from the rows); one still too large
+        is dropped (logged)."""
+        head, budget = self._head, self.budget
         out, parts, size = [], [], len(head) + 2
         for kind, data in batch:
             part = json.dumps([kind, data], separators=(",", ":"))
-            if len(part) + len(head) + 2 > MAX_PAYLOAD:
+            if len(part) + len(head) + 2 > budget and "c" in data:
+                part = json.dumps([kind, {k: v for k, v in data.items() if k != "c"}],
+                                  separators=(",", ":"))
+            if len(part) + len(head) + 2 > budget:
                 log.warning("dropped a %s wake-up of %d bytes (too large to notify)", kind,
                             len(part))
                 continue
-            if parts and size + len(part) + 1 > MAX_PAYLOAD:
+            if parts and size + len(part) + 1 > budget:
                 out.append(head + ",".join(parts) + "]}")
                 parts, size = [], len(head) + 2
             parts.append(part)
             size += len(part) + 1
         if parts:
             out.append(head + ",".join(parts) + "]}")
-        return out
+        return out if self.cipher is None else [self._seal(p) for p in out]
+
+    def _seal(self, payload: str) -> str:
+        sealed = base64.b64encode(self.cipher.seal(payload.encode())).decode("ascii")
+        return json.dumps({"r": self.replica_id, "s": sealed}, separators=(",", ":"))
 
 
-def bus_for(db_url: str, replica_id: str | None = None):
-    """The bus a broker on ``db_url`` uses: LISTEN/NOTIFY on PostgreSQL; on SQLite (one
-    process, see broker.storage.lock) the in-process :class:`LocalBus`."""
+def bus_for(db_url: str, replica_id: str | None = None, cipher: AtRestCipher | None = None):
+    """The bus a broker on ``db_url`` uses: LISTEN/NOTIFY on PostgreSQL, its payloads sealed
+    with ``cipher`` (the at-rest key); on SQLite (one process, see broker.storage.lock) the
+    in-process :class:`LocalBus`."""
     from broker.replicas.bus import LocalBus
 
     if make_url(db_url).drivername.startswith("postgresql"):
-        return PgNotifyBus(db_url, replica_id=replica_id)
+        return PgNotifyBus(db_url, replica_id=replica_id, cipher=cipher)
     return LocalBus(replica_id)

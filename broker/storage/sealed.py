@@ -13,12 +13,22 @@ The key reaches the column types through the engine's dialect (``attach``), set 
 broker builds its engine: a type is shared by every engine, a dialect belongs to one. An
 engine without a key (a test's own) stores plaintext; values written either way are read
 back, so old rows keep working and are sealed when next written.
+
+The database records which key it is sealed with (``at_rest_key_check``: a keyed hash of a
+constant, :attr:`AtRestCipher.check_value`, never the key). :func:`open_at_rest` loads the
+broker's key and compares it with the recorded one, recording it the first time; a broker
+with another key, or none while the database has one, is refused at start
+(:class:`AtRestMismatch`, naming the setting to fix), before it writes anything the others
+cannot read.
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 from nacl.exceptions import CryptoError
@@ -29,16 +39,27 @@ from sqlalchemy.types import TypeDecorator
 
 from broker.blobs.local import LocalBlobStore
 
+log = logging.getLogger(__name__)
+
 _ATTR = "sparecycles_at_rest"
 _JSON_MARK = "$sealed"
 _TEXT_MARK = "sealed:v1:"
 _BLOB_MARK = b"SCSEAL1\0"
 # What sealing adds to a value: its nonce and its authenticator.
 SEAL_OVERHEAD = SecretBox.NONCE_SIZE + SecretBox.MACBYTES
+# What the key check value hashes (keyed with the at-rest key): it names the key, and
+# tells nothing about it.
+_CHECK_CONSTANT = b"sparecycles at-rest key check v1"
+KEY_SETTING = "SPARECYCLES_AT_REST_KEY"
 
 
 class AtRestError(RuntimeError):
     pass
+
+
+class AtRestMismatch(AtRestError):
+    """This broker's at-rest key is not the one the database is sealed with (or it has
+    none): it would write what the other replicas cannot read, and read nothing of theirs."""
 
 
 class AtRestCipher:
@@ -47,6 +68,8 @@ class AtRestCipher:
             raise AtRestError(f"the at-rest key must be {SecretBox.KEY_SIZE} bytes, got "
                               f"{len(key)}")
         self._box = SecretBox(key)
+        #: identifies the key (stored in the database; see :func:`open_at_rest`)
+        self.check_value = hashlib.blake2b(_CHECK_CONSTANT, key=key, digest_size=16).hexdigest()
 
     @classmethod
     def load(cls, explicit_b64: str, path: Path) -> "AtRestCipher":
@@ -78,6 +101,94 @@ class AtRestCipher:
         except CryptoError:
             raise AtRestError("a sealed value does not open with this broker's at-rest key "
                               "(was the key changed? replicas must share one)") from None
+
+
+def open_at_rest(engine, explicit_b64: str, path: Path) -> AtRestCipher:
+    """The broker's at-rest key (:meth:`AtRestCipher.load`), checked against the one the
+    database (migrated: it has the ``at_rest_key_check`` table) records, and recorded when
+    none is. A database that records a key is refused to a broker that has none (no
+    ``explicit_b64``, no file at ``path``) before a new key file is made for it."""
+    stored = recorded_key_check(engine)
+    if stored is not None and not explicit_b64 and not path.exists():
+        raise AtRestMismatch(
+            f"this database is sealed with an at-rest key (check value {stored[:12]}…) that "
+            f"this broker does not have: neither {KEY_SETTING} nor {path} is set. Give it "
+            f"the key the other replicas use: set {KEY_SETTING} (at_rest_key) to it, or copy "
+            "the at_rest.key of the broker that first served this database to "
+            f"{path}; a new key would write what they cannot read")
+    cipher = AtRestCipher.load(explicit_b64, path)
+    record_key_check(engine, cipher, source=KEY_SETTING if explicit_b64 else str(path))
+    return cipher
+
+
+def record_key_check(engine, cipher: AtRestCipher, source: str = KEY_SETTING) -> str:
+    """Compare ``cipher``'s check value with the database's; record it when the database
+    has none (unless values already sealed there do not open with it). Returns what it
+    did: ``"matches"`` or ``"recorded"``; raises :class:`AtRestMismatch` (``source``: where
+    the key came from, said in the error)."""
+    from sqlalchemy import insert
+    from sqlalchemy.exc import IntegrityError
+
+    from .models import AtRestKeyCheckRow
+
+    table = AtRestKeyCheckRow.__table__
+    for _ in range(2):
+        stored = recorded_key_check(engine)
+        if stored == cipher.check_value:
+            return "matches"
+        if stored is not None:
+            raise AtRestMismatch(
+                f"this broker's at-rest key (check value {cipher.check_value[:12]}…, from "
+                f"{source}) is not the one this database is sealed with (check value "
+                f"{stored[:12]}…): a replica with another key writes what the others cannot "
+                f"read. Set {KEY_SETTING} (at_rest_key) to the same key on every replica, "
+                "or copy the at_rest.key of the broker that first served this database")
+        _refuse_if_sealed_otherwise(engine, cipher, source)
+        try:
+            with engine.begin() as c:
+                c.execute(insert(table).values(id=1, check_value=cipher.check_value,
+                                               set_at=time.time()))
+        except IntegrityError:
+            continue  # another replica recorded one meanwhile: compare with it
+        log.info("recorded the at-rest key's check value %s… in the database",
+                 cipher.check_value[:12])
+        return "recorded"
+    raise AtRestError("the at-rest key check value could not be read or recorded")
+
+
+def recorded_key_check(engine) -> str | None:
+    """The check value of the key this database is sealed with (None: not recorded yet)."""
+    from sqlalchemy import select
+
+    from .models import AtRestKeyCheckRow
+
+    table = AtRestKeyCheckRow.__table__
+    with engine.connect() as c:
+        return c.execute(select(table.c.check_value).where(table.c.id == 1)).scalar()
+
+
+def _refuse_if_sealed_otherwise(engine, cipher: AtRestCipher, source: str,
+                                sample: int = 20) -> None:
+    """A database sealed before it recorded its key (by an older broker): the newest
+    sealed job inputs must open with ``cipher`` before its check value is recorded."""
+    from sqlalchemy import JSON, select, type_coerce
+
+    from .models import JobRow
+
+    t = JobRow.__table__
+    with engine.connect() as c:
+        rows = c.execute(select(type_coerce(t.c.inputs, JSON)).order_by(
+            t.c.created_at.desc()).limit(sample)).scalars().all()
+    sealed = next((v for v in rows if _is_sealed(v)), None)
+    if sealed is None:
+        return
+    try:
+        cipher.open(base64.b64decode(sealed[_JSON_MARK]))
+    except AtRestError:
+        raise AtRestMismatch(
+            f"jobs in this database are sealed with another at-rest key than this broker's "
+            f"(from {source}); give it the key they were sealed with: {KEY_SETTING} "
+            "(at_rest_key) or the at_rest.key of the broker that wrote them") from None
 
 
 def attach(engine, cipher: AtRestCipher) -> None:
@@ -181,11 +292,17 @@ def seal_existing(engine, blobs, batch: int = 500) -> dict[str, int]:
     the database so the old plaintext is gone from its files too; then the job blob files
     of a sealed local folder (``blobs``, or the store it wraps; an S3 bucket seals its own).
     Idempotent; returns how many of each it sealed. (PostgreSQL's WAL segments and any
-    backups still hold what was written before: rotate those as your retention allows.)"""
+    backups still hold what was written before: rotate those as your retention allows.)
+    The database records the key's check value first (:func:`record_key_check`): a key
+    that is not the one it is sealed with is refused before anything is rewritten."""
     from sqlalchemy import select, type_coerce, update
 
     from .models import JobEventRow, JobRow
 
+    cipher = _cipher(engine.dialect)
+    if cipher is None:
+        raise AtRestError("seal_existing needs an engine with the at-rest key (attach)")
+    record_key_check(engine, cipher)
     counts = {"jobs": 0, "events": 0, "blobs": 0}
     jobs, events = JobRow.__table__, JobEventRow.__table__
     for table, key, columns, what in (
