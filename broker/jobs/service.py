@@ -649,8 +649,8 @@ class JobService:
         if self.checkpoints is not None:
             resumed = self.checkpoints.base_fraction(job)
             shown = resumed
-            for rec in self.checkpoints.repo.for_job(job.id):
-                if rec.attempt == job.attempt and rec.total > 0:
+            for rec in self.checkpoints.credited(job):  # only those the broker asked for
+                if rec.attempt == job.attempt:
                     shown = max(shown, Fraction(min(rec.step, rec.total), rec.total))
         steps = steps_of(job)
         if steps > 0:
