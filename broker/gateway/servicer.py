@@ -410,6 +410,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             provider_id=provider.id, public_key=hello.public_key,
             account_id=provider.account_id,
             plugins={f"{p['name']}@{p['version']}": p["weights_digest"] for p in plugins},
+            classes={f"{p['name']}@{p['version']}": {"hardware_class": p["hardware_class"],
+                                                      "dtype": p["dtype"]} for p in plugins},
             slots=caps.slots, paused=provider.status != "active", loop=loop,
             outbox_max=self.outbox_max, stats=self.stats, name=hello.name[:200])
         session.resumed = {j.id: j for j in self.jobs.repo.leased_to(provider.id)}

@@ -55,6 +55,9 @@ class AgentSession:
     # no new jobs; unlike a drain it comes back.
     unavailable: str = ""
     quota_factor: float = 1.0        # cut by lost verification disputes (DESIGN §6)
+    # "name@version" -> the reproducibility class it declared at connect for the build
+    # ({"hardware_class", "dtype"}): recorded in each envelope it gets (broker.jobs.repro)
+    classes: dict[str, dict[str, str]] = field(default_factory=dict)
     resumed: dict[str, Job] = field(default_factory=dict)  # jobs it held when it connected
 
     def serves(self, job: Job) -> bool:

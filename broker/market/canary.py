@@ -24,6 +24,7 @@ from sdk.protocol.signing import KeyPair
 
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.model import Job, JobState
+from broker.jobs.repro import ENVELOPE_FIELD as REPRO_FIELD, declared_class
 
 from .service import Canary, MarketService
 from .throughput import timed_sample
@@ -59,8 +60,10 @@ class CanaryService:
         self._recent_lock = threading.Lock()
         # Verification (DESIGN §6) compares each canary's outputs with the answer known
         # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt, source),
-        # ``source`` the client job whose inputs it reused ("" for the benchmark payload).
-        self.on_answer = lambda provider_id, plugin, version, inputs, receipt, source: None
+        # ``source`` the client job whose inputs it reused ("" for the benchmark payload),
+        # ``repro`` the class its envelope recorded (``Canary.repro``).
+        self.on_answer = (lambda provider_id, plugin, version, inputs, receipt, source,
+                          repro: None)
         self.seeds = 4  # canaries draw their seed from this many, each with a known answer
 
     def send_due(self, session) -> int:
@@ -84,20 +87,21 @@ class CanaryService:
                 continue
             job_id = str(uuid.uuid4())
             now = self.market.clock()
+            # as every job's envelope: a canary looks like one
+            extra = {**self._extra(session, manifest, inputs, job_id, now),
+                     "request_id": new_request_digest()}
             envelope = make_envelope(job_id=job_id, attempt=0, plugin=manifest.name,
                                      version=manifest.version, inputs=inputs,
                                      provider_key=session.public_key,
                                      lease_timeout_s=self.lease_timeout_s,
-                                     ttl_s=self.envelope_ttl_s, now=now,
-                                     # as every job's envelope: a canary looks like one
-                                     extra={**self._extra(session, manifest, inputs, job_id,
-                                                          now),
-                                            "request_id": new_request_digest()},
+                                     ttl_s=self.envelope_ttl_s, now=now, extra=extra,
                                      sealed=True)
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now,
                                            version=manifest.version, inputs=inputs,
-                                           source=source))
+                                           source=source,
+                                           repro={**extra[REPRO_FIELD],
+                                                  "weights_digest": extra["weights_digest"]}))
             session.active.add(job_id)
             data, signature = sign_envelope(self.signer, envelope)
             session.send_assignment(data, signature)
@@ -131,10 +135,13 @@ class CanaryService:
 
     def _extra(self, session, manifest, inputs: dict, job_id: str, now: float) -> dict:
         """The envelope fields a job of the build would carry: the weights digest the agent
-        serves it with, and what checkpoints it would be asked for."""
+        serves it with, the class it declared for the build (what the canary is judged
+        in, recorded now as a job's is at assignment), and what checkpoints it would be
+        asked for."""
         served = getattr(session, "plugins", {}) or {}
         digest = served.get(manifest.ref, "") if isinstance(served, dict) else ""
-        extra: dict = {"weights_digest": digest or ""}
+        extra: dict = {"weights_digest": digest or "",
+                       REPRO_FIELD: declared_class(session, manifest.name, manifest.version)}
         if self.extra is not None:
             extra.update(self.extra.envelope_extra(Job(
                 id=job_id, account_id="", plugin=manifest.name, plugin_version=manifest.version,
@@ -167,7 +174,7 @@ class CanaryService:
         if canary.version:
             try:
                 self.on_answer(session.provider_id, canary.plugin, canary.version,
-                               canary.inputs, rec, canary.source)
+                               canary.inputs, rec, canary.source, canary.repro)
             except Exception:  # noqa: BLE001 - a check must never lose the measurement
                 log.exception("canary %s: comparing with the known answer failed", canary.job_id)
         sample = timed_sample(rec, canary.work_units, canary.sent_at, received_at)

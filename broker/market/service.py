@@ -119,6 +119,8 @@ class Canary:
     version: str = ""
     inputs: dict = field(default_factory=dict)
     source: str = ""  # the client job whose inputs it reused ("": the benchmark payload)
+    # the class its envelope recorded and its weights (broker.jobs.repro): what it is judged in
+    repro: dict = field(default_factory=dict)
 
     @property
     def since(self) -> float:

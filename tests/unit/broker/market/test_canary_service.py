@@ -47,9 +47,11 @@ def test_a_canary_carries_its_version_and_inputs_to_the_answer_check():
     canary = w.market.canary(job_id)
     assert canary.version == "1.0.0" and canary.inputs["text"] == "benchmark"
     assert w.canaries.receipt(w.session, *_receipt(w, w.sent[0])) == job_id
-    [(pid, plugin, version, inputs, rec, source)] = w.answers
+    [(pid, plugin, version, inputs, rec, source, repro)] = w.answers
     assert (pid, plugin, version, inputs) == ("p", "echo", "1.0.0", canary.inputs)
     assert source == ""  # no client job yet: the benchmark payload
+    # the class it is judged in: what the session declared when the canary went out
+    assert repro == {"hardware_class": "", "dtype": "", "weights_digest": ""} == canary.repro
     assert w.market.canary(job_id) is None and job_id not in w.session.active
     assert w.market.theta("p", "echo")[1]  # measured
 
@@ -88,3 +90,20 @@ def test_a_canary_looks_like_a_recent_client_job_of_another_operator():
     assert env["checkpoint_every"] >= 1                 # 12 steps: a job would checkpoint
     assert w.market.canary(env["job_id"]).inputs == inputs
 
+
+
+def test_a_canary_records_the_class_its_machine_declared_when_it_went_out():
+    """Issue #20: the class a canary is judged in is the one its session declared when the
+    broker sent it (in its envelope, as a job's is at assignment), not what the machine
+    declares by the time its answer comes."""
+    w = _world()
+    w.session.plugins = {"echo@1.0.0": "ab" * 32}
+    w.session.classes = {"echo@1.0.0": {"hardware_class": "cuda:sm90", "dtype": "float16"}}
+    w.canaries.send_due(w.session)
+    env = loads(w.sent[0])
+    assert env["repro_class"] == {"hardware_class": "cuda:sm90", "dtype": "float16"}
+    w.session.classes = {"echo@1.0.0": {"hardware_class": "cpu", "dtype": "float32"}}
+    w.canaries.receipt(w.session, *_receipt(w, w.sent[0]))
+    [answer] = w.answers
+    assert answer[-1] == {"hardware_class": "cuda:sm90", "dtype": "float16",
+                          "weights_digest": "ab" * 32}
