@@ -585,7 +585,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         if not self.canaries.owns(job_id):
             return False
         if kind == "give_back" and msg.give_back.for_owner:
-            # The owner needed the GPU: the canary says nothing of this provider's honesty.
+            # The owner needed the GPU (if the agent said so first): the canary says nothing
+            # of this provider's honesty; else it is a failure (CanaryService.withdrawn).
             self.canaries.withdrawn(session, job_id)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what=kind)))
             self.dispatcher.kick()
@@ -698,6 +699,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             a = msg.availability
             was = session.unavailable
             session.unavailable = "" if a.available else (a.state or "paused")
+            session.unavailable_reports += bool(session.unavailable and not was)
             self.providers.set_availability(pid, available=a.available, state=a.state,
                                             reason=a.reason)
             self.dispatcher.changed(session)  # free slots: none while unavailable

@@ -101,7 +101,9 @@ class CanaryService:
                                            version=manifest.version, inputs=inputs,
                                            source=source,
                                            repro={**extra[REPRO_FIELD],
-                                                  "weights_digest": extra["weights_digest"]}))
+                                                  "weights_digest": extra["weights_digest"]},
+                                           unavailable_reports=getattr(
+                                               session, "unavailable_reports", 0)))
             session.active.add(job_id)
             data, signature = sign_envelope(self.signer, envelope)
             session.send_assignment(data, signature)
@@ -187,11 +189,27 @@ class CanaryService:
                  *sample)
         return canary.job_id
 
-    def withdrawn(self, session, job_id: str) -> None:
-        """The agent gave the canary back for its machine's owner (idle-only mode): it is
-        done with, measured nothing and counts against nobody; another comes in time."""
+    def withdrawn(self, session, job_id: str) -> bool:
+        """The agent gave the canary back "for its machine's owner" (idle-only mode). That
+        is taken only from an agent that said it takes no work (``availability``: its owner
+        came back) while the canary was out, or says so now: then the canary is done with,
+        measured nothing and counts against nobody; another comes in time. Otherwise it is
+        given back as for any other reason, a failure: an agent that named its owner at
+        will would refuse every canary, and the known answer it is judged by, for free.
+        Returns whether it was taken as for the owner."""
+        canary = self.market.canary(job_id)
+        if canary is None:
+            return False
+        if not (getattr(session, "unavailable", "")
+                or getattr(session, "unavailable_reports", 0) > canary.unavailable_reports):
+            log.warning("canary %s on %s given back for the owner by an agent that has not "
+                        "said it takes no work: counted as failed", canary.plugin,
+                        session.provider_id)
+            self.failed(session, job_id)
+            return False
         if self.market.canary_done(job_id) is not None:
             session.active.discard(job_id)
+        return True
 
     def failed(self, session, job_id: str) -> None:
         canary = self.market.canary_done(job_id)

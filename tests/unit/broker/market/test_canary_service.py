@@ -3,6 +3,8 @@ that expires or is answered leaves nothing behind."""
 import random
 from types import SimpleNamespace
 
+import pytest
+
 from sdk.protocol.canonical import canonical_bytes, loads
 from sdk.protocol.envelope import make_receipt
 from sdk.protocol.sealing import open_inputs
@@ -107,3 +109,23 @@ def test_a_canary_records_the_class_its_machine_declared_when_it_went_out():
     [answer] = w.answers
     assert answer[-1] == {"hardware_class": "cuda:sm90", "dtype": "float16",
                           "weights_digest": "ab" * 32}
+
+
+@pytest.mark.parametrize("unavailable,reports,counted", [
+    ("", 1, 1),               # never said so while it was out: a failure
+    ("owner_active", 1, 0),   # said so, and still does
+    ("", 2, 0),               # the owner came and went while the agent waited to checkpoint
+])
+def test_a_canary_is_given_back_for_the_owner_only_by_an_agent_that_said_it_takes_no_work(
+        unavailable, reports, counted):
+    """Issue #20: a give-back "for the owner" was taken at any time, so a provider could
+    refuse every canary (and the known answer it is judged by) for free. It counts for
+    nothing only from an agent that said it takes no work while the canary was out."""
+    w = _world()
+    w.session.unavailable, w.session.unavailable_reports = "", 1
+    w.canaries.send_due(w.session)
+    job_id = loads(w.sent[-1])["job_id"]
+    w.session.unavailable, w.session.unavailable_reports = unavailable, reports
+    assert w.canaries.withdrawn(w.session, job_id) is (counted == 0)
+    assert w.market.tracker.record_of("p", "echo").failures == counted
+    assert w.market.canary(job_id) is None and job_id not in w.session.active
