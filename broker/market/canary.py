@@ -16,7 +16,7 @@ import secrets
 import threading
 import uuid
 from collections import deque
-from typing import Protocol
+from typing import Callable, Protocol
 
 from sdk.logs import new_request_digest
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
@@ -46,8 +46,12 @@ RECENT_INPUTS = 64
 class CanaryService:
     def __init__(self, market: MarketService, catalog: PluginCatalog, signer: KeyPair, *,
                  lease_timeout_s: float = 30.0, envelope_ttl_s: float = 60.0,
-                 extra: EnvelopeExtra | None = None, rng: random.Random | None = None):
+                 extra: EnvelopeExtra | None = None, rng: random.Random | None = None,
+                 linked_to: Callable[[str], frozenset[str]] | None = None):
         self.market = market
+        # the operator accounts the broker sees tied to one (broker.links): their jobs'
+        # inputs are no canary's for it, as its own are not
+        self.linked_to = linked_to or (lambda account: frozenset())
         self.catalog = catalog
         self.signer = signer
         self.lease_timeout_s = lease_timeout_s
@@ -121,12 +125,14 @@ class CanaryService:
 
     def _inputs_for(self, manifest, operator: str | None) -> tuple[dict, str]:
         """A canary's inputs and the client job they come from: a recent client job's of
-        the build, one another operator ran (the agent never sees its own job again);
+        the build, one another operator ran, not linked to its own (the agent never sees
+        its own job again, nor a partner's it could tell from a shared record);
         before there is any, the benchmark payload with a seed from a few (each with an
         answer that becomes known), and no job ("")."""
+        ours = {operator, *self.linked_to(operator)} if operator else {operator}
         with self._recent_lock:
             pool = [(i, job_id) for op, i, job_id in
-                    self._recent.get((manifest.name, manifest.version), ()) if op != operator]
+                    self._recent.get((manifest.name, manifest.version), ()) if op not in ours]
         if pool:
             inputs, job_id = self.rng.choice(pool)
             return manifest.validate_inputs(dict(inputs)), job_id

@@ -41,6 +41,7 @@ from broker.billing.errors import InsufficientCredits
 from broker.cache import TtlCache
 from broker.jobs.model import Job, JobOutput, JobState
 from broker.jobs.repro import recorded_class
+from broker.links.service import unlinked_pair
 from broker.jobs.service import SEED_INPUT
 from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, FundingSource
@@ -406,7 +407,7 @@ class VerificationService:
                       receipt: dict, source: str = "", recorded: dict | None = None) -> str:
         """Compare a canary's outputs with the answer known for its inputs in its
         reproducibility class. An answer becomes known once providers of two operators
-        returned it; a canary that disagrees with a known answer counts as a failed check
+        not linked to each other (``broker.links``) returned it; a canary that disagrees with a known answer counts as a failed check
         (CV reset, quota cut; no money: canaries are unpaid), one that agrees as a valid
         check. ``source``: the client job whose inputs the canary reused (its answer
         counts for its own operator); ``recorded``: the class (and weights) its envelope
@@ -420,7 +421,9 @@ class VerificationService:
         owner = self.providers.owner_of(provider_id) or provider_id
         if source:
             self._learn_from(source, plugin, version, inputs)
-        known = [a for a, ops in self.repo.answers(key).items() if len(ops) >= 2]
+        linked = self.links.linked if self.links is not None else None
+        known = [a for a, ops in self.repo.answers(key).items()  # two unlinked operators'
+                 if unlinked_pair(ops, linked)]
         if not known:
             self.repo.add_answer(key, answer, owner)
             return "learning"

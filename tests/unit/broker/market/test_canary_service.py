@@ -129,3 +129,16 @@ def test_a_canary_is_given_back_for_the_owner_only_by_an_agent_that_said_it_take
     assert w.canaries.withdrawn(w.session, job_id) is (counted == 0)
     assert w.market.tracker.record_of("p", "echo").failures == counted
     assert w.market.canary(job_id) is None and job_id not in w.session.active
+
+
+def test_a_canary_never_reuses_the_inputs_of_a_linked_operators_job():
+    """A partner account (linked, broker.links) could tell its own client job's inputs in a
+    canary to the agent, as the agent's own could: they are not reused for it."""
+    w = _world()
+    canaries = CanaryService(w.market, w.canaries.catalog, w.canaries.signer,
+                             linked_to=lambda a: frozenset({"pal"}) if a == "op" else frozenset())
+    w.session.account_id = "op"
+    canaries.remember("echo", "1.0.0", "pal", {"text": "the partner's job", "steps": 1})
+    assert canaries.send_due(w.session) == 1
+    inputs = open_inputs(loads(w.sent[0])["sealed_inputs"], w.agent)
+    assert inputs["text"] == "benchmark"  # the payload: no job of an unlinked operator yet
