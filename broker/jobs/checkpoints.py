@@ -6,6 +6,11 @@ in the blob store and the latest per attempt in a :class:`CheckpointRepository`.
 job is requeued, the next envelope names the latest one (``"resume": {"sha256", "step",
 "total"}``) and the new provider fetches it over its stream.
 
+Only checkpoints the broker asked for are kept (issue #20): the envelope asked for them,
+the total is the job's own step count (:func:`steps_of`) and the step lies inside the
+attempt; what a resume or a cancel credits is read through
+:meth:`CheckpointService.credited`.
+
 Money: the provider of an attempt that ended after a checkpoint the job later resumed from
 is paid for the steps it added (its checkpoint's step less the step it started from); the
 provider that finishes is paid for the rest. :meth:`CheckpointService.parts` lists the
@@ -194,7 +199,8 @@ class CheckpointService:
         if total != expected:
             raise ReceiptRefused(
                 "bad_checkpoint_total", f"checkpoint of a {total}-step run; job {job.id} runs "
-                f"{expected} steps by its inputs (image-to-image: int(steps × strength))")
+                f"{expected} steps by its inputs (image-to-image: min(int(steps × strength), "
+                "steps)), the total its checkpoints must name")
         base = int((envelope.get("resume") or {}).get("step", 0))
         if not base < step < total:
             raise ReceiptRefused(

@@ -63,9 +63,9 @@ class CanaryService:
         self._recent: dict[tuple[str, str], deque] = {}
         self._recent_lock = threading.Lock()
         # Verification (DESIGN §6) compares each canary's outputs with the answer known
-        # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt, source),
-        # ``source`` the client job whose inputs it reused ("" for the benchmark payload),
-        # ``repro`` the class its envelope recorded (``Canary.repro``).
+        # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt, source,
+        # repro), ``source`` the client job whose inputs it reused ("" for the benchmark
+        # payload), ``repro`` the class its envelope recorded (``Canary.repro``).
         self.on_answer = (lambda provider_id, plugin, version, inputs, receipt, source,
                           repro: None)
         self.seeds = 4  # canaries draw their seed from this many, each with a known answer
