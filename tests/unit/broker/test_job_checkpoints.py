@@ -195,6 +195,12 @@ def test_the_stall_bound_follows_the_expected_duration_when_it_is_longer():
     assert watch.bound_s("fast", lease_timeout_s=10) == 1.5 * 120 + 10
 
 
+def _refusal(cp, session, job, step, total) -> ReceiptRefused:
+    with pytest.raises(ReceiptRefused) as refused:
+        cp.upload(session.provider_id, job.id, 0, step, total, _ckpt(step), "")
+    return refused.value
+
+
 def test_a_checkpoint_is_refused_unless_the_job_asked_for_it_at_its_own_step_count(world):
     """Issue #20: a checkpoint's step and total were the agent's word, and what a cancel
     or a resume pays follows them: a 10-step job's checkpoint claimed as step 1 of 1 was
@@ -207,10 +213,8 @@ def test_a_checkpoint_is_refused_unless_the_job_asked_for_it_at_its_own_step_cou
     _assign(services, s1)
     for step, total, code in ((1, 1, "bad_checkpoint_total"), (2, 20, "bad_checkpoint_total"),
                               (10, 10, "bad_checkpoint_step"), (0, 10, "bad_checkpoint_step")):
-        with pytest.raises(ReceiptRefused) as refused:
-            cp.upload(s1.provider_id, job.id, 0, step, total, _ckpt(step), "")
-        assert refused.value.code == code, (step, total)
-    assert "runs 10 steps" in str(cp_refusal(cp, s1, job, 2, 20))
+        assert _refusal(cp, s1, job, step, total).code == code, (step, total)
+    assert "runs 10 steps" in str(_refusal(cp, s1, job, 2, 20))
     assert cp.upload(s1.provider_id, job.id, 0, 2, 10, _ckpt(2), "") is not None
     # A job too short to checkpoint asked for none: none is kept.
     short, _ = services.jobs.submit(client, {"plugin": "echo",
@@ -220,12 +224,6 @@ def test_a_checkpoint_is_refused_unless_the_job_asked_for_it_at_its_own_step_cou
     with pytest.raises(ReceiptRefused) as refused:
         cp.upload(s2.provider_id, short.id, 0, 1, 3, _ckpt(1), "")
     assert refused.value.code == "checkpoint_not_asked"
-
-
-def cp_refusal(cp, session, job, step, total) -> ReceiptRefused:
-    with pytest.raises(ReceiptRefused) as refused:
-        cp.upload(session.provider_id, job.id, 0, step, total, _ckpt(step), "")
-    return refused.value
 
 
 def test_an_img2img_checkpoint_counts_the_steps_diffusers_runs(world):
