@@ -243,7 +243,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                            bus=bus, figures=figures, elsewhere=elsewhere)
     market.on_rule_changed = audit_market_rules(audit)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
-                             envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints)
+                             envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints,
+                             linked_to=links.linked_to)
     attach_market(market, canaries, jobs, dispatcher)
     # The market's cold-start term asks the registry's warm index whether the provider's
     # plugin host has the model loaded (providers it has no report from count as warm).

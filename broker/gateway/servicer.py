@@ -410,6 +410,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             provider_id=provider.id, public_key=hello.public_key,
             account_id=provider.account_id,
             plugins={f"{p['name']}@{p['version']}": p["weights_digest"] for p in plugins},
+            classes={f"{p['name']}@{p['version']}": {"hardware_class": p["hardware_class"],
+                                                      "dtype": p["dtype"]} for p in plugins},
             slots=caps.slots, paused=provider.status != "active", loop=loop,
             outbox_max=self.outbox_max, stats=self.stats, name=hello.name[:200])
         session.resumed = {j.id: j for j in self.jobs.repo.leased_to(provider.id)}
@@ -583,7 +585,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         if not self.canaries.owns(job_id):
             return False
         if kind == "give_back" and msg.give_back.for_owner:
-            # The owner needed the GPU: the canary says nothing of this provider's honesty.
+            # The owner needed the GPU (if the agent said so first): the canary says nothing
+            # of this provider's honesty; else it is a failure (CanaryService.withdrawn).
             self.canaries.withdrawn(session, job_id)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what=kind)))
             self.dispatcher.kick()
@@ -696,6 +699,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             a = msg.availability
             was = session.unavailable
             session.unavailable = "" if a.available else (a.state or "paused")
+            session.unavailable_reports += bool(session.unavailable and not was)
             self.providers.set_availability(pid, available=a.available, state=a.state,
                                             reason=a.reason)
             self.dispatcher.changed(session)  # free slots: none while unavailable

@@ -6,6 +6,11 @@ in the blob store and the latest per attempt in a :class:`CheckpointRepository`.
 job is requeued, the next envelope names the latest one (``"resume": {"sha256", "step",
 "total"}``) and the new provider fetches it over its stream.
 
+Only checkpoints the broker asked for are kept (issue #20): the envelope asked for them,
+the total is the job's own step count (:func:`steps_of`) and the step lies inside the
+attempt; what a resume or a cancel credits is read through
+:meth:`CheckpointService.credited`.
+
 Money: the provider of an attempt that ended after a checkpoint the job later resumed from
 is paid for the steps it added (its checkpoint's step less the step it started from); the
 provider that finishes is paid for the rest. :meth:`CheckpointService.parts` lists the
@@ -83,11 +88,20 @@ class CheckpointPolicy:
 
 
 def steps_of(job: Job) -> int:
-    """The steps a job runs (diffusion steps, echo steps, Llama's new tokens)."""
+    """The steps a run of the job counts, from the job's own inputs as the broker holds
+    them (diffusion steps, echo steps, Llama's new tokens): the ``total`` its progress and
+    checkpoints report. Image-to-image (an ``init_image`` with a ``strength``) runs the
+    denoising steps diffusers keeps, ``min(int(steps * strength), steps)``
+    (``StableDiffusionImg2ImgPipeline.get_timesteps``), 0 when that leaves none (the
+    plugin refuses such a job)."""
     inputs = job.inputs or {}
     for name in ("steps", "max_new_tokens"):
         value = inputs.get(name)
         if isinstance(value, int) and not isinstance(value, bool):
+            strength = inputs.get("strength")
+            if (name == "steps" and inputs.get("init_image")
+                    and isinstance(strength, (int, float)) and not isinstance(strength, bool)):
+                return max(0, min(int(value * strength), value))
             return value
     return 0
 
@@ -117,16 +131,16 @@ class CheckpointService:
         every = self.policy.every(job)
         if every:
             extra["checkpoint_every"] = every
-        latest = self.latest(job.id, before_attempt=job.attempt)
+        latest = self.latest(job, before_attempt=job.attempt)
         if latest is not None:
             extra["resume"] = {"sha256": latest.sha256, "step": latest.step,
                                "total": latest.total}
         return extra
 
-    def latest(self, job_id: str, before_attempt: int | None = None) -> CheckpointRecord | None:
+    def latest(self, job: Job, before_attempt: int | None = None) -> CheckpointRecord | None:
         if before_attempt is not None and before_attempt <= 0:
             return None  # attempts count from 0: a first attempt has nothing to resume
-        rows = [r for r in self.repo.for_job(job_id)
+        rows = [r for r in self.credited(job)
                 if before_attempt is None or r.attempt < before_attempt]
         return max(rows, key=lambda r: (r.step, r.attempt), default=None)
 
@@ -138,11 +152,7 @@ class CheckpointService:
         into the blob store itself (a presigned URL); the stored object's checksum is
         checked instead."""
         job = self.jobs._leased(provider_id, job_id, attempt)
-        resume = (job.envelope or {}).get("resume") or {}
-        base = int(resume.get("step", 0))
-        if not base < step <= total or total <= 0:
-            raise ReceiptRefused("bad_checkpoint_step", f"checkpoint at step {step} of {total}; "
-                                 f"this attempt started at step {base}")
+        base = self._admissible(job, step, total)
         if stored:
             state = self.jobs.blobs.check(sha256) if sha256 else "missing"
             if state != "ok":
@@ -174,6 +184,38 @@ class CheckpointService:
             return rec
         return None
 
+    def _admissible(self, job: Job, step: int, total: int) -> int:
+        """The step ``job``'s current attempt started from, once a checkpoint at ``step`` of
+        ``total`` is one the broker asked for: the envelope asked for checkpoints, ``total``
+        is the job's own step count (:func:`steps_of`, never the agent's word) and ``step``
+        lies past where the attempt started and short of the end (a run's last step ends
+        with its receipt). Raises :class:`ReceiptRefused` naming what is wrong."""
+        envelope = job.envelope or {}
+        if not int(envelope.get("checkpoint_every") or 0):
+            raise ReceiptRefused(
+                "checkpoint_not_asked", f"job {job.id} attempt {job.attempt} asked for no "
+                "checkpoints (its envelope has no checkpoint_every); none is kept")
+        expected = steps_of(job)
+        if total != expected:
+            raise ReceiptRefused(
+                "bad_checkpoint_total", f"checkpoint of a {total}-step run; job {job.id} runs "
+                f"{expected} steps by its inputs (image-to-image: min(int(steps × strength), "
+                "steps)), the total its checkpoints must name")
+        base = int((envelope.get("resume") or {}).get("step", 0))
+        if not base < step < total:
+            raise ReceiptRefused(
+                "bad_checkpoint_step", f"checkpoint at step {step} of {total}; this attempt "
+                f"started at step {base}, so a checkpoint lies after it and before step {total}")
+        return base
+
+    def credited(self, job: Job) -> list[CheckpointRecord]:
+        """``job``'s checkpoints that count (for a resume and for what a cancel pays): those
+        :meth:`upload` would take now. A row kept before the broker checked the total
+        against the job's steps, with another total or a step outside it, is passed over."""
+        total = steps_of(job)
+        return [r for r in self.repo.for_job(job.id)
+                if r.total == total and r.base_step < r.step < r.total]
+
     def fetch(self, provider_id: str, job_id: str, attempt: int, sha256: str) -> bytes:
         """The checkpoint the envelope of the attempt ``provider_id`` holds names."""
         self._resumes_from(provider_id, job_id, attempt, sha256)
@@ -203,11 +245,11 @@ class CheckpointService:
         if job.envelope is not None:
             step = int(((job.envelope or {}).get("resume") or {}).get("step", 0))
         else:
-            latest = self.latest(job.id, before_attempt=job.attempt)
+            latest = self.latest(job, before_attempt=job.attempt)
             step = latest.step if latest is not None else 0
         if step <= 0:
             return []
-        rows = [r for r in self.repo.for_job(job.id) if r.attempt < job.attempt]
+        rows = [r for r in self.credited(job) if r.attempt < job.attempt]
         parts: list[Part] = []
         while step > 0:
             row = max((r for r in rows if r.step == step and r.base_step < step),
@@ -229,7 +271,7 @@ class CheckpointService:
         if job.envelope is None or not job.provider_id:
             return parts
         base = int(((job.envelope or {}).get("resume") or {}).get("step", 0))
-        own = max((r for r in self.repo.for_job(job.id)
+        own = max((r for r in self.credited(job)
                    if r.attempt == job.attempt and r.provider_id == job.provider_id
                    and r.step > base), key=lambda r: r.step, default=None)
         if own is not None:
@@ -240,5 +282,6 @@ class CheckpointService:
     def base_fraction(self, job: Job) -> Fraction:
         """The share of ``job`` its current attempt did not do (it resumed past it)."""
         resume = (job.envelope or {}).get("resume") or {}
-        step, total = int(resume.get("step", 0)), int(resume.get("total", 0))
-        return Fraction(step, total) if total > 0 and 0 < step <= total else Fraction(0)
+        step, total = int(resume.get("step", 0)), steps_of(job)
+        return (Fraction(step, total) if int(resume.get("total", 0)) == total and 0 < step < total
+                else Fraction(0))

@@ -54,7 +54,13 @@ class AgentSession:
     # limits, issue #26): the state it gave, "" while it takes work. Like a drain it gets
     # no new jobs; unlike a drain it comes back.
     unavailable: str = ""
+    # How many times it said so on this session: a canary it gives back for its owner must
+    # come after one (broker.market.canary.CanaryService.withdrawn)
+    unavailable_reports: int = 0
     quota_factor: float = 1.0        # cut by lost verification disputes (DESIGN §6)
+    # "name@version" -> the reproducibility class it declared at connect for the build
+    # ({"hardware_class", "dtype"}): recorded in each envelope it gets (broker.jobs.repro)
+    classes: dict[str, dict[str, str]] = field(default_factory=dict)
     resumed: dict[str, Job] = field(default_factory=dict)  # jobs it held when it connected
 
     def serves(self, job: Job) -> bool:

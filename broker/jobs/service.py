@@ -29,6 +29,7 @@ from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidR
 from .errors import (JobNotCancellable, JobNotFound, NoProvider, OutputExpired, OutputNotFound,
                      ReceiptRefused)
 from .checkpoints import steps_of
+from .repro import ENVELOPE_FIELD as REPRO_FIELD, declared_class
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput, JobState
 from .cache import parse_output_format, result_cache_key
@@ -649,8 +650,8 @@ class JobService:
         if self.checkpoints is not None:
             resumed = self.checkpoints.base_fraction(job)
             shown = resumed
-            for rec in self.checkpoints.repo.for_job(job.id):
-                if rec.attempt == job.attempt and rec.total > 0:
+            for rec in self.checkpoints.credited(job):  # only those the broker asked for
+                if rec.attempt == job.attempt:
                     shown = max(shown, Fraction(min(rec.step, rec.total), rec.total))
         steps = steps_of(job)
         if steps > 0:
@@ -693,6 +694,8 @@ class JobService:
         served = getattr(target, "plugins", {}) or {}
         extra = {"weights_digest": job.weights_digest
                  or served.get(f"{job.plugin}@{job.plugin_version}") or "",
+                 # the class this run is judged by, as its machine declared it now
+                 REPRO_FIELD: declared_class(target, job.plugin, job.plugin_version),
                  # Never the client's text (sdk.logs): its digest, or a random one of the
                  # same shape for a job no request named.
                  "request_id": (request_digest(job.request_id) if job.request_id

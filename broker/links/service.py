@@ -28,7 +28,7 @@ import ipaddress
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Iterable, Protocol
 
 from sdk.protocol.canonical import sha256_hex
 
@@ -153,6 +153,17 @@ class LinkService:
             others.update(self.repo.sharing(s.kind.value, s.value_sha256))
         others.discard(account_id)
         return frozenset(others)
+
+
+def unlinked_pair(accounts: Iterable[str],
+                  linked: Callable[[str, str], bool] | None = None) -> bool:
+    """Whether two of ``accounts`` are distinct and not linked to each other (``linked``:
+    :meth:`LinkService.linked`; None: none are known linked). What an answer needs to be
+    taken as independent confirmation, as a verdict needs (a canary's known answer: two
+    accounts of one person agreeing on a wrong one would fail every honest provider)."""
+    distinct = sorted({a for a in accounts if a})
+    return any(linked is None or not linked(a, b)
+               for i, a in enumerate(distinct) for b in distinct[i + 1:])
 
 
 def parse_peer(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -16,7 +16,7 @@ import secrets
 import threading
 import uuid
 from collections import deque
-from typing import Protocol
+from typing import Callable, Protocol
 
 from sdk.logs import new_request_digest
 from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
@@ -24,6 +24,7 @@ from sdk.protocol.signing import KeyPair
 
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.model import Job, JobState
+from broker.jobs.repro import ENVELOPE_FIELD as REPRO_FIELD, declared_class
 
 from .service import Canary, MarketService
 from .throughput import timed_sample
@@ -45,8 +46,12 @@ RECENT_INPUTS = 64
 class CanaryService:
     def __init__(self, market: MarketService, catalog: PluginCatalog, signer: KeyPair, *,
                  lease_timeout_s: float = 30.0, envelope_ttl_s: float = 60.0,
-                 extra: EnvelopeExtra | None = None, rng: random.Random | None = None):
+                 extra: EnvelopeExtra | None = None, rng: random.Random | None = None,
+                 linked_to: Callable[[str], frozenset[str]] | None = None):
         self.market = market
+        # the operator accounts the broker sees tied to one (broker.links): their jobs'
+        # inputs are no canary's for it, as its own are not
+        self.linked_to = linked_to or (lambda account: frozenset())
         self.catalog = catalog
         self.signer = signer
         self.lease_timeout_s = lease_timeout_s
@@ -58,9 +63,11 @@ class CanaryService:
         self._recent: dict[tuple[str, str], deque] = {}
         self._recent_lock = threading.Lock()
         # Verification (DESIGN §6) compares each canary's outputs with the answer known
-        # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt, source),
-        # ``source`` the client job whose inputs it reused ("" for the benchmark payload).
-        self.on_answer = lambda provider_id, plugin, version, inputs, receipt, source: None
+        # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt, source,
+        # repro), ``source`` the client job whose inputs it reused ("" for the benchmark
+        # payload), ``repro`` the class its envelope recorded (``Canary.repro``).
+        self.on_answer = (lambda provider_id, plugin, version, inputs, receipt, source,
+                          repro: None)
         self.seeds = 4  # canaries draw their seed from this many, each with a known answer
 
     def send_due(self, session) -> int:
@@ -84,20 +91,23 @@ class CanaryService:
                 continue
             job_id = str(uuid.uuid4())
             now = self.market.clock()
+            # as every job's envelope: a canary looks like one
+            extra = {**self._extra(session, manifest, inputs, job_id, now),
+                     "request_id": new_request_digest()}
             envelope = make_envelope(job_id=job_id, attempt=0, plugin=manifest.name,
                                      version=manifest.version, inputs=inputs,
                                      provider_key=session.public_key,
                                      lease_timeout_s=self.lease_timeout_s,
-                                     ttl_s=self.envelope_ttl_s, now=now,
-                                     # as every job's envelope: a canary looks like one
-                                     extra={**self._extra(session, manifest, inputs, job_id,
-                                                          now),
-                                            "request_id": new_request_digest()},
+                                     ttl_s=self.envelope_ttl_s, now=now, extra=extra,
                                      sealed=True)
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now,
                                            version=manifest.version, inputs=inputs,
-                                           source=source))
+                                           source=source,
+                                           repro={**extra[REPRO_FIELD],
+                                                  "weights_digest": extra["weights_digest"]},
+                                           unavailable_reports=getattr(
+                                               session, "unavailable_reports", 0)))
             session.active.add(job_id)
             data, signature = sign_envelope(self.signer, envelope)
             session.send_assignment(data, signature)
@@ -115,12 +125,14 @@ class CanaryService:
 
     def _inputs_for(self, manifest, operator: str | None) -> tuple[dict, str]:
         """A canary's inputs and the client job they come from: a recent client job's of
-        the build, one another operator ran (the agent never sees its own job again);
+        the build, one another operator ran, not linked to its own (the agent never sees
+        its own job again, nor a partner's it could tell from a shared record);
         before there is any, the benchmark payload with a seed from a few (each with an
         answer that becomes known), and no job ("")."""
+        ours = {operator, *self.linked_to(operator)} if operator else {operator}
         with self._recent_lock:
             pool = [(i, job_id) for op, i, job_id in
-                    self._recent.get((manifest.name, manifest.version), ()) if op != operator]
+                    self._recent.get((manifest.name, manifest.version), ()) if op not in ours]
         if pool:
             inputs, job_id = self.rng.choice(pool)
             return manifest.validate_inputs(dict(inputs)), job_id
@@ -131,10 +143,13 @@ class CanaryService:
 
     def _extra(self, session, manifest, inputs: dict, job_id: str, now: float) -> dict:
         """The envelope fields a job of the build would carry: the weights digest the agent
-        serves it with, and what checkpoints it would be asked for."""
+        serves it with, the class it declared for the build (what the canary is judged
+        in, recorded now as a job's is at assignment), and what checkpoints it would be
+        asked for."""
         served = getattr(session, "plugins", {}) or {}
         digest = served.get(manifest.ref, "") if isinstance(served, dict) else ""
-        extra: dict = {"weights_digest": digest or ""}
+        extra: dict = {"weights_digest": digest or "",
+                       REPRO_FIELD: declared_class(session, manifest.name, manifest.version)}
         if self.extra is not None:
             extra.update(self.extra.envelope_extra(Job(
                 id=job_id, account_id="", plugin=manifest.name, plugin_version=manifest.version,
@@ -167,7 +182,7 @@ class CanaryService:
         if canary.version:
             try:
                 self.on_answer(session.provider_id, canary.plugin, canary.version,
-                               canary.inputs, rec, canary.source)
+                               canary.inputs, rec, canary.source, canary.repro)
             except Exception:  # noqa: BLE001 - a check must never lose the measurement
                 log.exception("canary %s: comparing with the known answer failed", canary.job_id)
         sample = timed_sample(rec, canary.work_units, canary.sent_at, received_at)
@@ -180,11 +195,27 @@ class CanaryService:
                  *sample)
         return canary.job_id
 
-    def withdrawn(self, session, job_id: str) -> None:
-        """The agent gave the canary back for its machine's owner (idle-only mode): it is
-        done with, measured nothing and counts against nobody; another comes in time."""
+    def withdrawn(self, session, job_id: str) -> bool:
+        """The agent gave the canary back "for its machine's owner" (idle-only mode). That
+        is taken only from an agent that said it takes no work (``availability``: its owner
+        came back) while the canary was out, or says so now: then the canary is done with,
+        measured nothing and counts against nobody; another comes in time. Otherwise it is
+        given back as for any other reason, a failure: an agent that named its owner at
+        will would refuse every canary, and the known answer it is judged by, for free.
+        Returns whether it was taken as for the owner."""
+        canary = self.market.canary(job_id)
+        if canary is None:
+            return False
+        if not (getattr(session, "unavailable", "")
+                or getattr(session, "unavailable_reports", 0) > canary.unavailable_reports):
+            log.warning("canary %s on %s given back for the owner by an agent that has not "
+                        "said it takes no work: counted as failed", canary.plugin,
+                        session.provider_id)
+            self.failed(session, job_id)
+            return False
         if self.market.canary_done(job_id) is not None:
             session.active.discard(job_id)
+        return True
 
     def failed(self, session, job_id: str) -> None:
         canary = self.market.canary_done(job_id)

@@ -119,6 +119,9 @@ class Canary:
     version: str = ""
     inputs: dict = field(default_factory=dict)
     source: str = ""  # the client job whose inputs it reused ("": the benchmark payload)
+    # the class its envelope recorded and its weights (broker.jobs.repro): what it is judged in
+    repro: dict = field(default_factory=dict)
+    unavailable_reports: int = 0  # its session's count when it went out (canary.withdrawn)
 
     @property
     def since(self) -> float:

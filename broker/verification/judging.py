@@ -88,6 +88,19 @@ def repro_of(receipt: dict | None) -> ReproClass:
                       plugin_build=str(r.get("plugin_build") or "unknown"))
 
 
+def declared_repro(provider_id: str, plugin: str, version: str, declared: dict,
+                   weights: str = "") -> ReproClass:
+    """The class of a run of ``plugin@version`` on machine ``provider_id`` that declared
+    ``declared`` ({"hardware_class", "dtype"}; recorded at assignment, see
+    ``broker.jobs.repro``) on weights ``weights``. A part it did not declare is its own
+    (``undeclared:<id>``), equal to no other's, so its runs are compared structurally."""
+    own = f"undeclared:{provider_id}"
+    return ReproClass(hardware_class=str(declared.get("hardware_class") or "") or own,
+                      dtype=str(declared.get("dtype") or "") or own,
+                      plugin_build=(f"{plugin}@{version}+{weights[:16]}" if weights
+                                    else f"{plugin}@{version}"))
+
+
 def judge(output_kind: str, claimed: Run, check: Run) -> Judgement:
     if len(claimed.outputs) != len(check.outputs):
         return Judgement(Verdict.MISMATCH, "count",

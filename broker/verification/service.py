@@ -40,13 +40,15 @@ from sdk.protocol.canonical import canonical_bytes, sha256_hex
 from broker.billing.errors import InsufficientCredits
 from broker.cache import TtlCache
 from broker.jobs.model import Job, JobOutput, JobState
+from broker.jobs.repro import recorded_class
+from broker.links.service import unlinked_pair
 from broker.jobs.service import SEED_INPUT
 from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, FundingSource
 from broker.verification.comparators import THRESHOLDS_PATH
 from broker.verification.comparators import ReproClass, Verdict
 from broker.verification.judging import (SCORE_INPUT, Judgement, Run, RunOutput,
-                                         StoredJudgement, judge, needs_scoring,
+                                         StoredJudgement, declared_repro, judge, needs_scoring,
                                          scoring_inputs)
 from broker.verification.outcomes import (Outcome, Party, PenaltyPolicy, Role, Status,
                                           resolve_pair, resolve_three)
@@ -385,8 +387,7 @@ class VerificationService:
         self._event(v.job_id, status, f"an admin decided: {dispute.resolution.get('reason', '')}")
 
     # ---- canaries -------------------------------------------------------------------
-    def _canary_key(self, provider_id: str, plugin: str, version: str, inputs: dict) -> str:
-        repro = self._declared(provider_id, plugin, version)
+    def _canary_key(self, repro: ReproClass, plugin: str, version: str, inputs: dict) -> str:
         return sha256_hex(canonical_bytes({"plugin": plugin, "version": version,
                                            "inputs": inputs, "repro": repro.__dict__}))
 
@@ -398,26 +399,31 @@ class VerificationService:
         if job is None or not job.provider_id or not job.receipt \
                 or job.state is not JobState.SETTLED:
             return
-        key = self._canary_key(job.provider_id, plugin, version, inputs)
+        key = self._canary_key(self._repro(job), plugin, version, inputs)
         self.repo.add_answer(key, _answer_of(job.receipt),
                              self.providers.owner_of(job.provider_id) or job.provider_id)
 
     def canary_answer(self, provider_id: str, plugin: str, version: str, inputs: dict,
-                      receipt: dict, source: str = "") -> str:
+                      receipt: dict, source: str = "", recorded: dict | None = None) -> str:
         """Compare a canary's outputs with the answer known for its inputs in its
         reproducibility class. An answer becomes known once providers of two operators
-        returned it; a canary that disagrees with a known answer counts as a failed check
+        not linked to each other (``broker.links``) returned it; a canary that disagrees with a known answer counts as a failed check
         (CV reset, quota cut; no money: canaries are unpaid), one that agrees as a valid
         check. ``source``: the client job whose inputs the canary reused (its answer
-        counts for its own operator). Returns "learning", "valid", "invalid" or
-        "ambiguous"."""
-        repro = self._declared(provider_id, plugin, version)
-        key = self._canary_key(provider_id, plugin, version, inputs)
+        counts for its own operator); ``recorded``: the class (and weights) its envelope
+        recorded when it was sent (``Canary.repro``; None: what the machine declared
+        last). Returns "learning", "valid", "invalid" or "ambiguous"."""
+        repro = (self._declared(provider_id, plugin, version) if recorded is None else
+                 declared_repro(provider_id, plugin, version, recorded,
+                                str(recorded.get("weights_digest") or "")))
+        key = self._canary_key(repro, plugin, version, inputs)
         answer = _answer_of(receipt)
         owner = self.providers.owner_of(provider_id) or provider_id
         if source:
             self._learn_from(source, plugin, version, inputs)
-        known = [a for a, ops in self.repo.answers(key).items() if len(ops) >= 2]
+        linked = self.links.linked if self.links is not None else None
+        known = [a for a, ops in self.repo.answers(key).items()  # two unlinked operators'
+                 if unlinked_pair(ops, linked)]
         if not known:
             self.repo.add_answer(key, answer, owner)
             return "learning"
@@ -1054,15 +1060,20 @@ class VerificationService:
 
     def _repro(self, job: Job) -> ReproClass:
         """The reproducibility class of ``job``'s run as the broker knows it (issue #20):
-        what its machine declared at connect for the job's plugin build, with the weights
-        the broker pinned in its envelope. Never the receipt's ``repro``: a provider that
-        named another class there switched exact comparison to structural at will."""
-        declared = self._declared(job.provider_id or "", job.plugin, job.plugin_version)
+        what its machine declared for the job's plugin build when the broker assigned the
+        run, recorded in its envelope (``broker.jobs.repro``), with the weights the broker
+        pinned there. Never the receipt's ``repro`` (a provider that named another class
+        there switched exact comparison to structural at will), nor what the machine
+        declares later (a reconnect). An envelope written before the class was recorded:
+        what the machine declared last."""
         weights = (job.envelope or {}).get("weights_digest") or job.weights_digest
-        if not weights:
-            return declared
-        return ReproClass(declared.hardware_class, declared.dtype,
-                          f"{job.plugin}@{job.plugin_version}+{weights[:16]}")
+        recorded = recorded_class(job.envelope)
+        if recorded is None:
+            recorded = self.providers.declared_repro(job.provider_id, job.plugin,
+                                                     job.plugin_version)
+            weights = weights or recorded.get("weights_digest")
+        return declared_repro(job.provider_id or "", job.plugin, job.plugin_version,
+                              recorded, weights or "")
 
     def _declared(self, provider_id: str, plugin: str, version: str) -> ReproClass:
         """The class machine ``provider_id`` declared at connect for ``plugin@version``; a
@@ -1070,11 +1081,7 @@ class VerificationService:
         its runs are compared structurally. Canaries check the declaration: answers that
         differ from the known answer of the declared class fail them."""
         d = self.providers.declared_repro(provider_id, plugin, version)
-        own = f"undeclared:{provider_id}"
-        return ReproClass(hardware_class=d.get("hardware_class") or own,
-                          dtype=d.get("dtype") or own,
-                          plugin_build=(f"{plugin}@{version}+{d['weights_digest'][:16]}"
-                                        if d.get("weights_digest") else f"{plugin}@{version}"))
+        return declared_repro(provider_id, plugin, version, d, d.get("weights_digest") or "")
 
     def _party(self, job: Job, role: Role) -> Party:
         owner = self.providers.owner_of(job.provider_id) or job.provider_id or ""

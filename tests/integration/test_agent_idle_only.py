@@ -166,10 +166,14 @@ def test_schedule_closed_agent_is_paused_not_failed(world):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("for_owner", [True, False])
-def test_a_canary_given_back_for_the_owner_is_not_a_failure(world, for_owner):
-    """The broker's canary (a measuring job) given back for the owner counts against
-    nobody; given back for any other reason it still counts, as before."""
+@pytest.mark.parametrize("for_owner,said_unavailable,failed", [
+    (True, True, 0), (False, True, 1), (True, False, 1)])
+def test_a_canary_given_back_for_the_owner_is_not_a_failure(world, for_owner,
+                                                            said_unavailable, failed):
+    """The broker's canary (a measuring job) given back for the owner, after the agent
+    said it takes no work, counts against nobody; given back for any other reason it
+    still counts, as before, and so does one "for the owner" from an agent that never
+    said its owner came back (issue #20: else it refuses canaries for free)."""
     import json
 
     from sdk.protocol import agent_pb2 as pb
@@ -193,6 +197,9 @@ def test_a_canary_given_back_for_the_owner_is_not_a_failure(world, for_owner):
         msg = raw.recv()
     canary = json.loads(msg.assignment.envelope)
     assert broker.services.canaries.owns(canary["job_id"])
+    if said_unavailable:  # the owner came back: the agent says so first, as agents do
+        raw.send(availability=pb.Availability(available=False, state="owner_active",
+                                              reason="the owner started a game"))
     raw.send(give_back=pb.GiveBack(job_id=canary["job_id"], attempt=canary["attempt"],
                                    reason="the owner started a game", for_owner=for_owner))
     while (msg := raw.recv()).WhichOneof("body") != "ack":
@@ -200,7 +207,7 @@ def test_a_canary_given_back_for_the_owner_is_not_a_failure(world, for_owner):
     assert msg.ack.what == "give_back"
     assert not broker.services.canaries.owns(canary["job_id"])
     rec = broker.services.market.tracker.record_of(provider_id, "echo")
-    assert rec.failures == (0 if for_owner else 1)
+    assert rec.failures == failed
     raw.close()
 
 

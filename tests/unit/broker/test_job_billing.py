@@ -126,13 +126,13 @@ def test_cancel_mid_run_pays_only_the_work_shown(world):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, 10 * MICRO, by="test")
     job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 3000,
-                                                                        "steps": 4}})
+                                                                        "steps": 8}})
     assert job.max_price_micro == 1_000_000  # 4 units
     services.dispatcher.match_once()
     services.jobs.accepted(session.provider_id, job.id, 0)
-    services.jobs.progress(session.provider_id, job.id, 0, 4, 4)  # claims it all done
-    # ... and shows a quarter: a checkpoint at step 1 of 4, which the broker holds
-    services.jobs.checkpoints.upload(session.provider_id, job.id, 0, 1, 4, b"state", "")
+    services.jobs.progress(session.provider_id, job.id, 0, 8, 8)  # claims it all done
+    # ... and shows a quarter: a checkpoint at step 2 of 8, which the broker holds
+    services.jobs.checkpoints.upload(session.provider_id, job.id, 0, 2, 8, b"state", "")
     services.jobs.cancel(client, job.id)
     # 1 unit × 250,000 (no minimum on a cancel): fee 25,000, provider 225,000.
     assert _bal(services, client.account_id, C) == 10 * MICRO - 250_000

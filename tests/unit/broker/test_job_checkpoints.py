@@ -193,3 +193,86 @@ def test_the_stall_bound_follows_the_expected_duration_when_it_is_longer():
                        settings=StallSettings(factor=1.5))
     assert watch.bound_s("slow", lease_timeout_s=10) == 1.5 * 1000 + 10
     assert watch.bound_s("fast", lease_timeout_s=10) == 1.5 * 120 + 10
+
+
+def _refusal(cp, session, job, step, total) -> ReceiptRefused:
+    with pytest.raises(ReceiptRefused) as refused:
+        cp.upload(session.provider_id, job.id, 0, step, total, _ckpt(step), "")
+    return refused.value
+
+
+def test_a_checkpoint_is_refused_unless_the_job_asked_for_it_at_its_own_step_count(world):
+    """Issue #20: a checkpoint's step and total were the agent's word, and what a cancel
+    or a resume pays follows them: a 10-step job's checkpoint claimed as step 1 of 1 was
+    taken as all of it. The total must be the job's own step count, the step inside the
+    attempt's part of it, and the job must have asked for checkpoints."""
+    services, client, [(s1, *_), (s2, *_)] = world
+    cp = services.jobs.checkpoints
+    job, _ = services.jobs.submit(client, {"plugin": "echo",
+                                           "inputs": {"sleep_ms": 100, "steps": 10}})
+    _assign(services, s1)
+    for step, total, code in ((1, 1, "bad_checkpoint_total"), (2, 20, "bad_checkpoint_total"),
+                              (10, 10, "bad_checkpoint_step"), (0, 10, "bad_checkpoint_step")):
+        assert _refusal(cp, s1, job, step, total).code == code, (step, total)
+    assert "runs 10 steps" in str(_refusal(cp, s1, job, 2, 20))
+    assert cp.upload(s1.provider_id, job.id, 0, 2, 10, _ckpt(2), "") is not None
+    # A job too short to checkpoint asked for none: none is kept.
+    short, _ = services.jobs.submit(client, {"plugin": "echo",
+                                             "inputs": {"sleep_ms": 100, "steps": 3}})
+    env, _ = _assign(services, s2)
+    assert env["job_id"] == short.id and "checkpoint_every" not in env
+    with pytest.raises(ReceiptRefused) as refused:
+        cp.upload(s2.provider_id, short.id, 0, 1, 3, _ckpt(1), "")
+    assert refused.value.code == "checkpoint_not_asked"
+
+
+def test_an_img2img_checkpoint_counts_the_steps_diffusers_runs(world):
+    """Image-to-image runs min(int(steps × strength), steps) denoising steps, and its
+    checkpoints say so: the broker computes that total from the job's inputs."""
+    import time
+    import uuid
+
+    from broker.jobs.model import Job
+
+    services, client, [(s1, k1, a1), _] = world
+    version = services.catalog.get("sd15").version
+    session = RecordingSession(provider_id=s1.provider_id, public_key=s1.public_key,
+                               account_id=s1.account_id, plugins={f"sd15@{version}": ""})
+    now = time.time()
+    job, _ = services.jobs.repo.create(
+        Job(id=str(uuid.uuid4()), account_id=client.account_id, plugin="sd15",
+            plugin_version=version, state=JobState.QUEUED, created_at=now, updated_at=now,
+            inputs={"prompt": "a boat", "steps": 30, "strength": 0.5, "init_image": "iVBO",
+                    "seed": 1}), ("queued", {}))
+    job = services.jobs.assign(job, session)
+    assert job.envelope["checkpoint_every"] == 2
+    cp = services.jobs.checkpoints
+    with pytest.raises(ReceiptRefused) as refused:  # the txt2img count: not this run's
+        cp.upload(s1.provider_id, job.id, 0, 4, 30, _ckpt(4), "")
+    assert refused.value.code == "bad_checkpoint_total"
+    assert cp.upload(s1.provider_id, job.id, 0, 4, 15, _ckpt(4), "") is not None
+    with pytest.raises(ReceiptRefused):
+        cp.upload(s1.provider_id, job.id, 0, 15, 15, _ckpt(15), "")
+
+
+def test_a_checkpoint_kept_with_another_total_is_neither_resumed_nor_paid(world):
+    """A checkpoint row with a total other than the job's (kept before the broker checked
+    it) credits nothing: a cancel pays for none of it and a resume does not start there."""
+    from broker.jobs.checkpoints import CheckpointRecord
+
+    services, client, [(s1, k1, a1), (s2, *_)] = world
+    job, _ = services.jobs.submit(client, {"plugin": "echo",
+                                           "inputs": {"sleep_ms": 3000, "steps": 10}})
+    _assign(services, s1)
+    cp = services.jobs.checkpoints
+    sha = services.jobs.blobs.put(_ckpt(1))
+    cp.repo.save(CheckpointRecord(job_id=job.id, attempt=0, provider_id=s1.provider_id,
+                                  base_step=0, step=1, total=1, sha256=sha, size=1,
+                                  rate_micro_per_unit=None, created_at=0.0))
+    assert services.jobs.shown_fraction(services.jobs.repo.get(job.id)) == 0
+    services.jobs.failed(s1.provider_id, job.id, 0, "host_died", "gone", retryable=True)
+    env2, _ = _assign(services, s2)
+    assert "resume" not in env2
+    services.jobs.cancel(client, job.id)
+    assert services.ledger.balances(a1.account_id).get(P, 0) == 0
+    assert services.ledger.verify().ok

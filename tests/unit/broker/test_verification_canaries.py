@@ -78,3 +78,25 @@ def test_a_canary_on_a_client_jobs_inputs_counts_that_job_as_its_operators_answe
                            source="no-such-job") == "learning"
     assert v.canary_answer(c, "sd15", "1.0.0", other, _receipt("3" * 64),
                            source="no-such-job") == "learning"  # still nothing known
+
+
+def test_an_answer_is_known_only_once_two_operators_not_linked_to_each_other_gave_it(tmp_path):
+    """Issue #20: an answer two operators returned became known, so one person's two
+    accounts agreeing on a wrong answer made it the one every honest canary was judged by
+    (failed: CV reset, quota cut). Two accounts the broker sees linked count as one."""
+    services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0))
+    v = services.verification
+    cheat, pal, h1, h2 = (_provider(services, n) for n in ("cheat", "pal", "h1", "h2"))
+    owner = services.providers.owner_of
+    services.links.declare([owner(cheat), owner(pal)], "one person's two accounts")
+    inputs = {"prompt": "a lighthouse at dusk", "seed": 3}
+    wrong, right = _receipt("6" * 64), _receipt("1" * 64)
+    assert v.canary_answer(cheat, "sd15", "1.0.0", inputs, wrong) == "learning"
+    assert v.canary_answer(pal, "sd15", "1.0.0", inputs, wrong) == "learning"  # one word
+    assert v.canary_answer(h1, "sd15", "1.0.0", inputs, right) == "learning"  # not judged
+    hw = "cpu:x86_64:threads=1"
+    assert v.repo.standing(h1, "sd15", hw).failures == 0
+    assert v.canary_answer(h2, "sd15", "1.0.0", inputs, right) == "learning"  # h1 and h2
+    assert v.canary_answer(cheat, "sd15", "1.0.0", inputs, wrong) == "invalid"
+    assert v.canary_answer(h1, "sd15", "1.0.0", inputs, right) == "valid"
+    services.engine.dispose()

@@ -234,3 +234,26 @@ def test_progress_previews_are_small_webps_and_leave_the_output_as_it_was(run, m
         im = Image.open(io.BytesIO(data))
         assert media_type == "image/webp" and im.format == "WEBP"
         assert max(im.size) <= 64 and len(data) < 16 * 1024
+
+
+@pytest.mark.parametrize("steps,strength", [(10, 0.7), (9, 0.5), (100, 0.29)])
+def test_the_broker_counts_an_img2img_runs_steps_as_the_plugin_runs_them(run, ckpt_ctx, sd15,
+                                                                        steps, strength):
+    """Issue #20: a checkpoint whose total is not the job's own step count is refused, so
+    the broker must count image-to-image steps as diffusers runs them: min(int(steps ×
+    strength), steps), truncated (100 × 0.29 is 28.999…: 28 steps, not 29)."""
+    from broker.jobs.checkpoints import steps_of
+    from broker.jobs.model import Job, JobState
+
+    _, manifest = sd15
+    init = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(init, format="PNG")
+    inputs = manifest.validate_inputs({**FAST, "seed": 3, "steps": steps, "strength": strength,
+                                       "init_image": base64.b64encode(init.getvalue()).decode()})
+    ctx = ckpt_ctx(every=2)
+    run(ctx, **inputs)
+    total = ctx.progress_calls[-1][1]
+    job = Job(id="j", account_id="c", plugin="sd15", plugin_version=manifest.version,
+              inputs=inputs, state=JobState.QUEUED, created_at=0.0)
+    assert steps_of(job) == total == min(int(steps * strength), steps)
+    assert ctx.checkpoints and all(step < total for step in ctx.checkpoints)

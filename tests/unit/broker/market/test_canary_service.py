@@ -3,6 +3,8 @@ that expires or is answered leaves nothing behind."""
 import random
 from types import SimpleNamespace
 
+import pytest
+
 from sdk.protocol.canonical import canonical_bytes, loads
 from sdk.protocol.envelope import make_receipt
 from sdk.protocol.sealing import open_inputs
@@ -47,9 +49,11 @@ def test_a_canary_carries_its_version_and_inputs_to_the_answer_check():
     canary = w.market.canary(job_id)
     assert canary.version == "1.0.0" and canary.inputs["text"] == "benchmark"
     assert w.canaries.receipt(w.session, *_receipt(w, w.sent[0])) == job_id
-    [(pid, plugin, version, inputs, rec, source)] = w.answers
+    [(pid, plugin, version, inputs, rec, source, repro)] = w.answers
     assert (pid, plugin, version, inputs) == ("p", "echo", "1.0.0", canary.inputs)
     assert source == ""  # no client job yet: the benchmark payload
+    # the class it is judged in: what the session declared when the canary went out
+    assert repro == {"hardware_class": "", "dtype": "", "weights_digest": ""} == canary.repro
     assert w.market.canary(job_id) is None and job_id not in w.session.active
     assert w.market.theta("p", "echo")[1]  # measured
 
@@ -88,3 +92,53 @@ def test_a_canary_looks_like_a_recent_client_job_of_another_operator():
     assert env["checkpoint_every"] >= 1                 # 12 steps: a job would checkpoint
     assert w.market.canary(env["job_id"]).inputs == inputs
 
+
+
+def test_a_canary_records_the_class_its_machine_declared_when_it_went_out():
+    """Issue #20: the class a canary is judged in is the one its session declared when the
+    broker sent it (in its envelope, as a job's is at assignment), not what the machine
+    declares by the time its answer comes."""
+    w = _world()
+    w.session.plugins = {"echo@1.0.0": "ab" * 32}
+    w.session.classes = {"echo@1.0.0": {"hardware_class": "cuda:sm90", "dtype": "float16"}}
+    w.canaries.send_due(w.session)
+    env = loads(w.sent[0])
+    assert env["repro_class"] == {"hardware_class": "cuda:sm90", "dtype": "float16"}
+    w.session.classes = {"echo@1.0.0": {"hardware_class": "cpu", "dtype": "float32"}}
+    w.canaries.receipt(w.session, *_receipt(w, w.sent[0]))
+    [answer] = w.answers
+    assert answer[-1] == {"hardware_class": "cuda:sm90", "dtype": "float16",
+                          "weights_digest": "ab" * 32}
+
+
+@pytest.mark.parametrize("unavailable,reports,counted", [
+    ("", 1, 1),               # never said so while it was out: a failure
+    ("owner_active", 1, 0),   # said so, and still does
+    ("", 2, 0),               # the owner came and went while the agent waited to checkpoint
+])
+def test_a_canary_is_given_back_for_the_owner_only_by_an_agent_that_said_it_takes_no_work(
+        unavailable, reports, counted):
+    """Issue #20: a give-back "for the owner" was taken at any time, so a provider could
+    refuse every canary (and the known answer it is judged by) for free. It counts for
+    nothing only from an agent that said it takes no work while the canary was out."""
+    w = _world()
+    w.session.unavailable, w.session.unavailable_reports = "", 1
+    w.canaries.send_due(w.session)
+    job_id = loads(w.sent[-1])["job_id"]
+    w.session.unavailable, w.session.unavailable_reports = unavailable, reports
+    assert w.canaries.withdrawn(w.session, job_id) is (counted == 0)
+    assert w.market.tracker.record_of("p", "echo").failures == counted
+    assert w.market.canary(job_id) is None and job_id not in w.session.active
+
+
+def test_a_canary_never_reuses_the_inputs_of_a_linked_operators_job():
+    """A partner account (linked, broker.links) could tell its own client job's inputs in a
+    canary to the agent, as the agent's own could: they are not reused for it."""
+    w = _world()
+    canaries = CanaryService(w.market, w.canaries.catalog, w.canaries.signer,
+                             linked_to=lambda a: frozenset({"pal"}) if a == "op" else frozenset())
+    w.session.account_id = "op"
+    canaries.remember("echo", "1.0.0", "pal", {"text": "the partner's job", "steps": 1})
+    assert canaries.send_due(w.session) == 1
+    inputs = open_inputs(loads(w.sent[0])["sealed_inputs"], w.agent)
+    assert inputs["text"] == "benchmark"  # the payload: no job of an unlinked operator yet
