@@ -5,6 +5,7 @@ streams too); an expired key is refused saying so; rotation keeps the old key wo
 its grace period only."""
 from __future__ import annotations
 
+import base64
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from sdk.protocol.signing import KeyPair
 from tests.integration.test_gateway_and_sdk import RawAgent, _handshake
 
 SECRET = "x" * 48  # replicas share the token secret
+AT_REST = base64.b64encode(b"k" * 32).decode()  # and the at-rest key (a replica with another is refused)
 
 
 def _auth(key):
@@ -32,7 +34,7 @@ def replicas(tmp_path):
     out = []
     for name in ("a", "b"):
         svc = build_services(Settings(data_dir=tmp_path / name, db_url=db, verification=False,
-                                      admin_session_secret=SECRET))
+                                      admin_session_secret=SECRET, at_rest_key=AT_REST))
         out.append((create_app(svc).test_client(), svc))
     yield out
     for _, svc in out:
