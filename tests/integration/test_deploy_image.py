@@ -167,7 +167,10 @@ def test_the_broker_image_serves_a_job(podman, broker_image, tmp_path):
            "-e", "SPARECYCLES_TLS_CERT=/var/lib/sparecycles/tls/server.pem",
            "-e", "SPARECYCLES_TLS_KEY=/var/lib/sparecycles/tls/server.key",
            broker_image, timeout=180)
-    logs = lambda: podman("logs", name, check=False).stdout[-4000:]  # noqa: E731
+    def logs() -> str:  # the broker logs to stderr; podman logs gives it back there
+        out = podman("logs", name, check=False)
+        return (out.stdout + out.stderr)[-4000:]
+
     agent = None
     try:
         ready = _wait_ready(f"https://127.0.0.1:{http}/readyz", ca, 180, logs)
