@@ -77,6 +77,15 @@ system-deps:
 	    echo "!! podman, runc or debootstrap is missing: install them; the broker image test will be skipped"; \
 	  fi; \
 	fi
+	@if ! command -v docker-compose >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing docker-compose to check infra/compose*.yaml against the Compose Specification (apt; no daemon)"; \
+	    (apt-get install -y -q --no-install-recommends docker-compose >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends docker-compose >/dev/null)); \
+	  else \
+	    echo "!! docker-compose is missing: install it; the compose file check will be skipped"; \
+	  fi; \
+	fi
 
 demo: $(STAMP) system-deps
 	$(BIN)/sparecycles demo

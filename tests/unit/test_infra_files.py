@@ -5,6 +5,7 @@ migrate step before them, Prometheus and Grafana with the dashboard."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -169,3 +170,38 @@ def test_the_agent_compose_file_needs_only_the_broker_and_a_key():
     (agent,) = compose("compose.agent.yaml")["services"].values()
     assert agent["command"][0] == "--broker"
     assert agent["command"][1].startswith("${BROKER_ADDRESS:?")
+
+
+def _compose_tool() -> str:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is missing (make system-deps installs Debian's, which "
+                    "checks files against the Compose Specification without a daemon)")
+    return exe
+
+
+def _env_example() -> dict[str, str]:
+    values = {}
+    for line in (INFRA / "compose.env.example").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            values[name] = value or f"test-{name.lower()}"
+    return values
+
+
+@pytest.mark.parametrize("name,env", [
+    ("compose.yaml", None),
+    ("compose.agent.yaml", {"BROKER_ADDRESS": "broker.example.com:50051",
+                            "SPARECYCLES_API_KEY": "sc_provider_x"}),
+])
+def test_compose_files_pass_the_compose_specification(name, env, tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in (env or _env_example()).items()))
+    base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    out = subprocess.run([_compose_tool(), "-f", str(INFRA / name), "--env-file", str(env_file),
+                          "config", "-q"], capture_output=True, text=True, timeout=60, env=base)
+    assert out.returncode == 0, out.stderr
+    env_file.write_text("")  # nothing set: refused, naming what is missing
+    out = subprocess.run([_compose_tool(), "-f", str(INFRA / name), "--env-file", str(env_file),
+                          "config", "-q"], capture_output=True, text=True, timeout=60, env=base)
+    assert out.returncode != 0 and "Missing mandatory value" in out.stderr
