@@ -45,13 +45,14 @@ LABEL org.opencontainers.image.title="sparecycles-agent" \
       org.opencontainers.image.licenses="Apache-2.0"
 ENV DEBIAN_FRONTEND=noninteractive
 # python3 for the environment copied below; bubblewrap and libseccomp2 sandbox every plugin
-# host (never --no-sandbox in an image).
+# host (never --no-sandbox in an image). The GPUs' device nodes come from the NVIDIA
+# container toolkit, usable by any user, so the agent's user needs no video group.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 bubblewrap libseccomp2 ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10002 sparecycles-agent \
- && useradd --no-log-init --uid 10002 --gid sparecycles-agent --groups video \
+ && useradd --no-log-init --uid 10002 --gid sparecycles-agent \
       --home-dir /var/lib/sparecycles-agent --create-home --shell /usr/sbin/nologin \
       sparecycles-agent
 COPY --from=build /opt/sparecycles /opt/sparecycles
