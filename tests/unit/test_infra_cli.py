@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import io
 import json
+import os
 import re
 import shlex
 from functools import lru_cache
@@ -251,3 +252,18 @@ def test_a_misspelt_flag_or_variable_would_be_caught():
     with pytest.raises(AssertionError, match="--ca-fil"):
         check_mention(["agent", "init", "--ca-fil", "x"], "here")
     assert "SPARECYCLES_DB_URI" not in known_variables()
+
+
+def test_the_parser_checked_is_the_installed_command(monkeypatch):
+    """The parser these checks use is the one `sparecycles … --help` prints."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("COLUMNS", "100")
+    exe = Path(sys.executable).with_name("sparecycles")
+    if not exe.exists():
+        pytest.skip(f"no sparecycles script beside {sys.executable} (pip install -e .)")
+    for path in (("broker", "serve"), ("agent", "init")):
+        printed = subprocess.run([str(exe), *path, "--help"], capture_output=True, text=True,
+                                 timeout=120, env={**os.environ, "COLUMNS": "100"}).stdout
+        assert printed == _all_parsers()[path].format_help()
