@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml setup.py constraints.txt sdk/protocol/agent.proto
 venv: $(STAMP)
 
 # bubblewrap sandboxes plugin hosts; libseccomp backs its syscall filter; chromium drives
-# the console's browser tests; prometheus scrapes a live broker in tests/e2e. Installed when
+# the console's browser tests; prometheus scrapes a live broker in tests/e2e; systemd-analyze
+# verifies infra/systemd; podman (runc: crun refuses this machine's hybrid cgroups) builds and
+# runs the broker image on a base debootstrap makes (no registry is reachable). Installed when
 # missing and we are root with apt (CI, fresh dev machines); otherwise say what to do.
 system-deps:
 	@if ! command -v bwrap >/dev/null 2>&1; then \
@@ -54,6 +56,34 @@ system-deps:
 	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null)); \
 	  else \
 	    echo "!! prometheus is missing: install it (apt-get install prometheus); the Prometheus test will be skipped"; \
+	  fi; \
+	fi
+
+	@if ! command -v systemd-analyze >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing systemd for systemd-analyze verify of infra/systemd (apt; nothing is started)"; \
+	    (apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends systemd >/dev/null)); \
+	  else \
+	    echo "!! systemd-analyze is missing: install systemd; the unit verification test will be skipped"; \
+	  fi; \
+	fi
+	@if ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing podman, runc and debootstrap to build and run the broker image (apt)"; \
+	    (apt-get install -y -q --no-install-recommends podman runc crun netavark debootstrap >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends podman runc crun netavark debootstrap >/dev/null)); \
+	  else \
+	    echo "!! podman, runc or debootstrap is missing: install them; the broker image test will be skipped"; \
+	  fi; \
+	fi
+	@if ! command -v docker-compose >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing docker-compose to check infra/compose*.yaml against the Compose Specification (apt; no daemon)"; \
+	    (apt-get install -y -q --no-install-recommends docker-compose >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends docker-compose >/dev/null)); \
+	  else \
+	    echo "!! docker-compose is missing: install it; the compose file check will be skipped"; \
 	  fi; \
 	fi
 
