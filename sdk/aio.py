@@ -25,7 +25,7 @@ from sdk import _core as core
 from sdk._core import Call, Failed, Sleep
 from sdk._http import Response
 from sdk import tls
-from sdk.client import EVENT_READ_TIMEOUT_S, Job, _ClientBase, _Follow, _tls_refusal
+from sdk.client import Job, _ClientBase, _Follow, _tls_refusal
 from sdk.errors import APIConnectionError
 from sdk.models import Event
 

@@ -202,7 +202,8 @@ class _ClientBase:
         # Submit and wait in one request (``Prefer: wait``); a broker that answers before
         # the job (or every sibling) ends leaves the rest to the wait.
         budget = core.Timeout.of(timeout)  # counted from the submit
-        held = 30.0 if budget.seconds is None else min(budget.seconds, 30.0)
+        left = budget.left()  # a Timeout handed in may be partly spent already
+        held = 30.0 if left is None else max(0.0, min(left, 30.0))
         yield from self._validate(plugin, inputs)
         data = yield from core.submit(self._cfg, plugin, version, None, terms, inputs, held)
         target = Batch(self, data) if terms.get("n", 1) > 1 else Job(self, data)
