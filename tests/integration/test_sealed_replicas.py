@@ -295,3 +295,62 @@ def test_seal_existing_records_the_check_value_of_its_engine(tmp_path):
         seal_existing(other, LocalBlobStore(tmp_path / "blobs"))
     other.dispose()
     engine.dispose()
+
+
+def _broker_cli(*argv) -> int:
+    from sdk import cli
+
+    return cli.main(["broker", *[str(a) for a in argv]])
+
+
+def test_an_admin_command_without_the_key_does_not_record_one_it_made(tmp_path, pg_url,
+                                                                      monkeypatch, capsys):
+    """infra/README.md's one-off `create-key` in a throwaway container (no at-rest key, a
+    data dir that is gone afterwards) on a fresh database: the key file it makes for itself
+    is not recorded, so the replicas that then serve with the shared key are not refused."""
+    from sqlalchemy import create_engine
+
+    from broker.storage.sealed import recorded_key_check
+
+    monkeypatch.delenv("SPARECYCLES_AT_REST_KEY", raising=False)
+    throwaway = tmp_path / "container"
+    assert _broker_cli("migrate", "--data-dir", throwaway, "--db", pg_url) == 0
+    assert _broker_cli("create-key", "--data-dir", throwaway, "--db", pg_url,
+                       "--role", "admin", "--name", "ops") == 0
+    engine = create_engine(pg_url)
+    try:
+        assert recorded_key_check(engine) is None
+        key = _key()
+        a = _broker(tmp_path, "a", pg_url, at_rest_key=key)  # serves, and records its key
+        try:
+            assert recorded_key_check(engine) == AtRestCipher(base64.b64decode(key)).check_value
+        finally:
+            a.stop()
+    finally:
+        engine.dispose()
+
+
+def test_a_refused_broker_leaves_no_key_file_of_its_own(tmp_path, pg_url):
+    """A database sealed before it recorded its key (no check value), started by a broker
+    with no key: refused, and the random key file made for it is gone (the error says to
+    copy the right key to that path)."""
+    from sqlalchemy import create_engine, delete
+
+    from broker.storage.models import AtRestKeyCheckRow
+
+    a = _broker(tmp_path, "a", pg_url, at_rest_key=_key())
+    try:
+        seen_provider(a.services)
+        _, who = a.services.auth.create_account_with_key("client")
+        a.services.payments.grant(who.account_id, 10**7, by="test")
+        a.services.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "sealed on a"}})
+    finally:
+        a.stop()
+    engine = create_engine(pg_url)
+    with engine.begin() as c:
+        c.execute(delete(AtRestKeyCheckRow.__table__))
+    engine.dispose()
+    with pytest.raises(AtRestMismatch) as exc:
+        _broker(tmp_path, "c", pg_url)
+    assert "sealed with another at-rest key" in str(exc.value)
+    assert not (tmp_path / "c" / "broker" / "at_rest.key").exists()
