@@ -200,13 +200,22 @@ def _refuse_if_sealed_otherwise(engine, cipher: AtRestCipher, source: str,
 
     t = JobRow.__table__
     with engine.connect() as c:
-        rows = c.execute(select(type_coerce(t.c.inputs, JSON)).order_by(
-            t.c.created_at.desc()).limit(sample)).scalars().all()
-    sealed = next((v for v in rows if _is_sealed(v)), None)
+        rows = c.execute(select(t.c.id, type_coerce(t.c.inputs, JSON)).order_by(
+            t.c.created_at.desc()).limit(sample)).all()
+    job_id, sealed = next(((i, v) for i, v in rows if _is_sealed(v)), (None, None))
     if sealed is None:
         return
     try:
-        cipher.open(base64.b64decode(sealed[_JSON_MARK]))
+        raw = base64.b64decode(sealed[_JSON_MARK], validate=True)
+    except (ValueError, TypeError):  # binascii.Error is a ValueError
+        raise AtRestError(
+            f"job {job_id}'s stored inputs are marked sealed but are not base64 "
+            f"({str(sealed[_JSON_MARK])[:40]!r}): the row is damaged, so the database's "
+            "at-rest key cannot be checked against its sealed jobs and none is recorded. "
+            "Restore that row from a backup (or delete the job), then start again with "
+            f"the key its jobs were sealed with ({KEY_SETTING}, at_rest_key)") from None
+    try:
+        cipher.open(raw)
     except AtRestError:
         raise AtRestMismatch(
             f"jobs in this database are sealed with another at-rest key than this broker's "

@@ -354,3 +354,31 @@ def test_a_refused_broker_leaves_no_key_file_of_its_own(tmp_path, pg_url):
         _broker(tmp_path, "c", pg_url)
     assert "sealed with another at-rest key" in str(exc.value)
     assert not (tmp_path / "c" / "broker" / "at_rest.key").exists()
+
+
+def test_a_damaged_sealed_value_is_a_clean_refusal_not_a_traceback(tmp_path, pg_url):
+    """The newest sealed inputs are checked against the key before it is recorded; one that
+    is not even base64 (a damaged row) is refused saying which job, and why."""
+    from sqlalchemy import JSON, create_engine, delete, type_coerce, update
+
+    from broker.storage.models import AtRestKeyCheckRow, JobRow
+    from broker.storage.sealed import AtRestError
+
+    a = _broker(tmp_path, "a", pg_url, at_rest_key=_key())
+    try:
+        seen_provider(a.services)
+        _, who = a.services.auth.create_account_with_key("client")
+        a.services.payments.grant(who.account_id, 10**7, by="test")
+        job, _ = a.services.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "x"}})
+    finally:
+        a.stop()
+    engine = create_engine(pg_url)
+    jobs = JobRow.__table__
+    with engine.begin() as c:
+        c.execute(delete(AtRestKeyCheckRow.__table__))
+        c.execute(update(jobs).where(jobs.c.id == job.id).values(
+            inputs=type_coerce({"$sealed": "not*base64!"}, JSON)))
+    engine.dispose()
+    with pytest.raises(AtRestError) as exc:
+        _broker(tmp_path, "c", pg_url, at_rest_key=_key())
+    assert job.id in str(exc.value) and "not base64" in str(exc.value)
