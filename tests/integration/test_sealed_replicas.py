@@ -18,7 +18,8 @@ import psycopg
 import pytest
 
 from broker.settings import Settings
-from broker.storage.notify_pg import CHANNEL, MAX_PAYLOAD, PgNotifyBus, conninfo_of
+from broker.storage.notify_pg import (CATCH_UP_EVERY_S, CHANNEL, MAX_PAYLOAD, PgNotifyBus,
+                                      conninfo_of)
 from broker.storage.sealed import AtRestCipher, AtRestMismatch
 from sdk import Client
 
@@ -114,8 +115,8 @@ def _collect(bus, kind):
 
 def test_a_wake_up_that_does_not_open_is_a_catch_up_not_a_crash(buses, pg_url, caplog):
     a, stranger, b = buses("a"), buses("x", cipher=AtRestCipher(os.urandom(32))), buses("b")
-    gaps = []
-    b.on_gap(lambda: gaps.append(1))
+    gaps = []  # how many had not opened when each catch-up ran
+    b.on_gap(lambda: gaps.append(b.unopened))
     got = _collect(b, "job")
     for bus in (a, stranger, b):
         bus.start()
@@ -130,12 +131,37 @@ def test_a_wake_up_that_does_not_open_is_a_catch_up_not_a_crash(buses, pg_url, c
         c.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps(
             {"r": "a", "s": base64.b64encode(bytes(raw)).decode()})))
         c.execute("SELECT pg_notify(%s, %s)", (CHANNEL, "not json at all"))
-    # each one: the replica catches up from the rows (the counter counts before the
-    # catch-up runs, so wait for the catch-ups too)
-    assert _until(lambda: b.unopened == 4 and len(gaps) == 4)
+    # the replica catches up from the rows: at once for the first, and once more after
+    # the last (coalesced: CATCH_UP_EVERY_S apart)
+    assert _until(lambda: b.unopened == 4 and gaps and gaps[-1] == 4)
+    assert gaps[0] == 1 and len(gaps) <= 4
     a.publish("job", {"j": "after", "e": 1})  # and it still listens
     assert _until(lambda: got == [{"j": "after", "e": 1}])
     assert "cannot read" in caplog.text and "SPARECYCLES_AT_REST_KEY" in caplog.text
+
+
+def test_a_flood_of_wake_ups_that_do_not_open_costs_few_catch_ups(buses, pg_url):
+    """Any role that may NOTIFY can send junk: each payload that does not open would run
+    every catch-up handler (wake every waiting client, rescan the queue). They are
+    coalesced: at most one every CATCH_UP_EVERY_S, and one after the last."""
+    b = buses("b")
+    gaps = []  # (when, how many had not opened) for each catch-up
+    b.on_gap(lambda: gaps.append((time.monotonic(), b.unopened)))
+    got = _collect(b, "job")
+    b.start()
+    flood = 300
+    started = time.monotonic()
+    with psycopg.connect(conninfo_of(pg_url), autocommit=True) as c:
+        for i in range(flood):
+            c.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"junk {i}"))
+    assert _until(lambda: b.unopened == flood and gaps and gaps[-1][1] == flood)
+    elapsed = gaps[-1][0] - started
+    assert len(gaps) <= 2 + elapsed / CATCH_UP_EVERY_S, (len(gaps), elapsed)
+    assert len(gaps) < flood
+    a = buses("a")  # and it still hears what opens
+    a.start()
+    a.publish("job", {"j": "after", "e": 1})
+    assert _until(lambda: got == [{"j": "after", "e": 1}])
 
 
 def test_a_sealed_wake_up_too_large_for_notify_goes_without_its_copy(buses, pg_url):
