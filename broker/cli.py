@@ -345,13 +345,15 @@ def cmd_migrate(args) -> int:
 
 def _admin_services(args):
     """The services for a one-off command: an un-migrated PostgreSQL database is refused
-    with what to run (SQLite is upgraded, as `serve` does)."""
+    with what to run (SQLite is upgraded, as `serve` does). An at-rest key file it makes
+    for itself is not recorded in the database (it may not outlive the command: a
+    throwaway container), so the first `serve` records its own."""
     from broker.services import build_services
     from broker.storage.migrate import NotMigrated
     from broker.storage.sealed import AtRestError
 
     try:
-        return build_services(_settings(args), migrate="auto")
+        return build_services(_settings(args), migrate="auto", record_new_key=False)
     except (NotMigrated, AtRestError) as exc:
         raise SystemExit(f"error: {exc}") from None
 

@@ -128,11 +128,14 @@ class Services:
         self.dispose()
 
 
-def build_services(settings: Settings, *, migrate: bool | str = True) -> Services:
+def build_services(settings: Settings, *, migrate: bool | str = True,
+                   record_new_key: bool = True) -> Services:
     """``migrate``: True upgrades the schema first (under an advisory lock on PostgreSQL);
     "auto" (``broker serve`` and the admin commands) upgrades an embedded SQLite database
     and refuses a PostgreSQL one that is behind, saying to run ``broker migrate``
-    (NotMigrated); False neither upgrades nor checks."""
+    (NotMigrated); False neither upgrades nor checks. ``record_new_key``: whether an
+    at-rest key file made now (no setting, no file yet) may be recorded as the one the
+    database is sealed with (:func:`open_at_rest`); the one-off admin commands pass False."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.db_url)
     if migrate == "auto" and engine.dialect.name == "postgresql":
@@ -141,7 +144,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
         upgrade(engine)
     # Prompts, envelopes, events, job blobs and wake-ups are sealed with this key
     # (broker/storage/sealed.py), checked against the one the database is sealed with.
-    at_rest = open_at_rest(engine, settings.at_rest_key, settings.data_dir / "at_rest.key")
+    at_rest = open_at_rest(engine, settings.at_rest_key, settings.data_dir / "at_rest.key",
+                           record_new=record_new_key)
     attach_at_rest(engine, at_rest)
     sessions = sessionmaker(engine, expire_on_commit=False)
     # Other replicas on the same PostgreSQL hear of jobs, queues and agent commands through

@@ -21,6 +21,11 @@ allowed to ``LISTEN`` reads it, so each payload is ``{"r": sender, "s": base64 o
 sealed plaintext payload}`` (the sender inside too, compared on opening). One that does not
 open (another key, altered, forged in plaintext) is dropped, logged, and taken for what
 may have been missed: the ``on_gap`` handlers run, so the replica catches up from the rows.
+Those catch-ups are coalesced: at most one every ``CATCH_UP_EVERY_S``, and one more after
+the last payload that did not open, so a flood of junk from any role that may ``NOTIFY``
+costs a few catch-ups a second (each wakes every waiting client and rescans the queue),
+not one per payload, while a wake-up that was really missed is caught up within that
+interval.
 Sealing and base64 leave about 5,800 bytes of plaintext per notification; a message larger
 than a notification goes without its ``c`` (the copy it carries, which the receivers can
 read from the rows instead), and one still too large is dropped (logged), as before.
@@ -48,6 +53,7 @@ CHANNEL = "sparecycles"
 MAX_PAYLOAD = 7_800   # bytes of JSON per notification (PostgreSQL's limit is 8,000)
 RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 UNOPENED_LOG_EVERY_S = 10.0  # a stream of payloads that do not open is logged this often
+CATCH_UP_EVERY_S = 0.5  # payloads that do not open catch up at most this often (and once after)
 
 
 def conninfo_of(db_url: str) -> str:
@@ -88,6 +94,10 @@ class PgNotifyBus:
         self.received = 0    # messages handled from other replicas
         self.unopened = 0    # payloads that did not open (another key, altered, plaintext)
         self._unopened_logged = (float("-inf"), 0)  # (when, how many then)
+        # The listening thread's catch-ups: when the last ran (monotonic), and whether
+        # a payload that did not open came since (one more is due).
+        self._caught_up_at = float("-inf")
+        self._catch_up_due = False
 
     # ---- the port ----------------------------------------------------------------------
     def subscribe(self, kind: str, handler: Handler) -> None:
@@ -182,10 +192,12 @@ class PgNotifyBus:
                              self.replica_id)
                     self._caught_up()
                 failures = 0
-                for note in conn.notifies(timeout=1.0):
+                for note in conn.notifies(timeout=self._listen_timeout()):
                     self._dispatch(note.payload)
                     if self._closed:
                         return
+                    self._catch_up_if_due()
+                self._catch_up_if_due()
             except Exception as exc:  # noqa: BLE001 - the database went away: retry
                 if self._closed:
                     return
@@ -201,7 +213,26 @@ class PgNotifyBus:
                 self._listen_conn = None
                 time.sleep(wait)
 
+    def _listen_timeout(self) -> float:
+        """How long to wait for notifications: until a due catch-up may run, else 1 s."""
+        if not self._catch_up_due:
+            return 1.0
+        return min(1.0, max(0.0, self._caught_up_at + CATCH_UP_EVERY_S - time.monotonic()))
+
+    def _catch_up_soon(self) -> None:
+        """Catch up now unless one ran within ``CATCH_UP_EVERY_S``; then once it has passed
+        (the listening loop runs it: :meth:`_catch_up_if_due`)."""
+        self._catch_up_due = True
+        self._catch_up_if_due()
+
+    def _catch_up_if_due(self) -> None:
+        if (self._catch_up_due
+                and time.monotonic() - self._caught_up_at >= CATCH_UP_EVERY_S):
+            self._caught_up()
+
     def _caught_up(self) -> None:
+        self._catch_up_due = False
+        self._caught_up_at = time.monotonic()
         for handler in self._gap:
             try:
                 handler()
@@ -250,7 +281,7 @@ class PgNotifyBus:
 
     def _unopened(self, why: str, payload: str) -> None:
         """A payload this replica cannot read: whatever it said may have been missed, so
-        catch up from the rows (as after a gap)."""
+        catch up from the rows (as after a gap; coalesced, :meth:`_catch_up_soon`)."""
         self.unopened += 1
         at, count = self._unopened_logged
         now = time.monotonic()
@@ -260,7 +291,7 @@ class PgNotifyBus:
                         "at-rest key (SPARECYCLES_AT_REST_KEY)", self.replica_id,
                         self.unopened - count, why, payload)
             self._unopened_logged = (now, self.unopened)
-        self._caught_up()
+        self._catch_up_soon()
 
     # ---- sending -------------------------------------------------------------------
     def _send_loop(self) -> None:

@@ -16,7 +16,8 @@ back, so old rows keep working and are sealed when next written.
 
 The database records which key it is sealed with (``at_rest_key_check``: a keyed hash of a
 constant, :attr:`AtRestCipher.check_value`, never the key). :func:`open_at_rest` loads the
-broker's key and compares it with the recorded one, recording it the first time; a broker
+broker's key and compares it with the recorded one, recording it the first time (a key
+file a one-off command made for itself is not recorded: only ``serve`` records one); a broker
 with another key, or none while the database has one, is refused at start
 (:class:`AtRestMismatch`, naming the setting to fix), before it writes anything the others
 cannot read.
@@ -103,13 +104,20 @@ class AtRestCipher:
                               "(was the key changed? replicas must share one)") from None
 
 
-def open_at_rest(engine, explicit_b64: str, path: Path) -> AtRestCipher:
+def open_at_rest(engine, explicit_b64: str, path: Path, *, record_new: bool) -> AtRestCipher:
     """The broker's at-rest key (:meth:`AtRestCipher.load`), checked against the one the
     database (migrated: it has the ``at_rest_key_check`` table) records, and recorded when
     none is. A database that records a key is refused to a broker that has none (no
-    ``explicit_b64``, no file at ``path``) before a new key file is made for it."""
+    ``explicit_b64``, no file at ``path``) before a new key file is made for it.
+
+    A key file made by this call is recorded only when ``record_new`` (``broker serve``,
+    which keeps its data dir and seals with the key): a one-off command run where the file
+    does not last (a throwaway container) must not record a key nobody keeps, which would
+    refuse every real replica. A key file made by a call that is then refused is removed
+    (the error says to copy the right key to that path)."""
+    made = not explicit_b64 and not path.exists()
     stored = recorded_key_check(engine)
-    if stored is not None and not explicit_b64 and not path.exists():
+    if stored is not None and made:
         raise AtRestMismatch(
             f"this database is sealed with an at-rest key (check value {stored[:12]}…) that "
             f"this broker does not have: neither {KEY_SETTING} nor {path} is set. Give it "
@@ -117,15 +125,28 @@ def open_at_rest(engine, explicit_b64: str, path: Path) -> AtRestCipher:
             "the at_rest.key of the broker that first served this database to "
             f"{path}; a new key would write what they cannot read")
     cipher = AtRestCipher.load(explicit_b64, path)
-    record_key_check(engine, cipher, source=KEY_SETTING if explicit_b64 else str(path))
+    try:
+        record_key_check(engine, cipher, source=KEY_SETTING if explicit_b64 else str(path),
+                         record=record_new or not made)
+    except AtRestError:
+        if made:
+            path.unlink(missing_ok=True)
+        raise
+    if made and not record_new:
+        log.warning("made a new at-rest key in %s for this command and did not record it in "
+                    "the database: the first broker to serve it records its own key. Give "
+                    "one-off commands the replicas' key (%s) where that file does not last",
+                    path, KEY_SETTING)
     return cipher
 
 
-def record_key_check(engine, cipher: AtRestCipher, source: str = KEY_SETTING) -> str:
+def record_key_check(engine, cipher: AtRestCipher, source: str = KEY_SETTING, *,
+                     record: bool = True) -> str:
     """Compare ``cipher``'s check value with the database's; record it when the database
-    has none (unless values already sealed there do not open with it). Returns what it
-    did: ``"matches"`` or ``"recorded"``; raises :class:`AtRestMismatch` (``source``: where
-    the key came from, said in the error)."""
+    has none (unless values already sealed there do not open with it; ``record`` False:
+    only check). Returns what it did: ``"matches"``, ``"recorded"`` or ``"unrecorded"``;
+    raises :class:`AtRestMismatch` (``source``: where the key came from, said in the
+    error)."""
     from sqlalchemy import insert
     from sqlalchemy.exc import IntegrityError
 
@@ -144,6 +165,8 @@ def record_key_check(engine, cipher: AtRestCipher, source: str = KEY_SETTING) ->
                 f"read. Set {KEY_SETTING} (at_rest_key) to the same key on every replica, "
                 "or copy the at_rest.key of the broker that first served this database")
         _refuse_if_sealed_otherwise(engine, cipher, source)
+        if not record:
+            return "unrecorded"
         try:
             with engine.begin() as c:
                 c.execute(insert(table).values(id=1, check_value=cipher.check_value,
@@ -177,13 +200,22 @@ def _refuse_if_sealed_otherwise(engine, cipher: AtRestCipher, source: str,
 
     t = JobRow.__table__
     with engine.connect() as c:
-        rows = c.execute(select(type_coerce(t.c.inputs, JSON)).order_by(
-            t.c.created_at.desc()).limit(sample)).scalars().all()
-    sealed = next((v for v in rows if _is_sealed(v)), None)
+        rows = c.execute(select(t.c.id, type_coerce(t.c.inputs, JSON)).order_by(
+            t.c.created_at.desc()).limit(sample)).all()
+    job_id, sealed = next(((i, v) for i, v in rows if _is_sealed(v)), (None, None))
     if sealed is None:
         return
     try:
-        cipher.open(base64.b64decode(sealed[_JSON_MARK]))
+        raw = base64.b64decode(sealed[_JSON_MARK], validate=True)
+    except (ValueError, TypeError):  # binascii.Error is a ValueError
+        raise AtRestError(
+            f"job {job_id}'s stored inputs are marked sealed but are not base64 "
+            f"({str(sealed[_JSON_MARK])[:40]!r}): the row is damaged, so the database's "
+            "at-rest key cannot be checked against its sealed jobs and none is recorded. "
+            "Restore that row from a backup (or delete the job), then start again with "
+            f"the key its jobs were sealed with ({KEY_SETTING}, at_rest_key)") from None
+    try:
+        cipher.open(raw)
     except AtRestError:
         raise AtRestMismatch(
             f"jobs in this database are sealed with another at-rest key than this broker's "

@@ -18,7 +18,8 @@ import psycopg
 import pytest
 
 from broker.settings import Settings
-from broker.storage.notify_pg import CHANNEL, MAX_PAYLOAD, PgNotifyBus, conninfo_of
+from broker.storage.notify_pg import (CATCH_UP_EVERY_S, CHANNEL, MAX_PAYLOAD, PgNotifyBus,
+                                      conninfo_of)
 from broker.storage.sealed import AtRestCipher, AtRestMismatch
 from sdk import Client
 
@@ -114,8 +115,8 @@ def _collect(bus, kind):
 
 def test_a_wake_up_that_does_not_open_is_a_catch_up_not_a_crash(buses, pg_url, caplog):
     a, stranger, b = buses("a"), buses("x", cipher=AtRestCipher(os.urandom(32))), buses("b")
-    gaps = []
-    b.on_gap(lambda: gaps.append(1))
+    gaps = []  # how many had not opened when each catch-up ran
+    b.on_gap(lambda: gaps.append(b.unopened))
     got = _collect(b, "job")
     for bus in (a, stranger, b):
         bus.start()
@@ -130,11 +131,37 @@ def test_a_wake_up_that_does_not_open_is_a_catch_up_not_a_crash(buses, pg_url, c
         c.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps(
             {"r": "a", "s": base64.b64encode(bytes(raw)).decode()})))
         c.execute("SELECT pg_notify(%s, %s)", (CHANNEL, "not json at all"))
-    assert _until(lambda: b.unopened == 4)
-    assert len(gaps) == 4  # each one: the replica catches up from the rows
+    # the replica catches up from the rows: at once for the first, and once more after
+    # the last (coalesced: CATCH_UP_EVERY_S apart)
+    assert _until(lambda: b.unopened == 4 and gaps and gaps[-1] == 4)
+    assert gaps[0] == 1 and len(gaps) <= 4
     a.publish("job", {"j": "after", "e": 1})  # and it still listens
     assert _until(lambda: got == [{"j": "after", "e": 1}])
     assert "cannot read" in caplog.text and "SPARECYCLES_AT_REST_KEY" in caplog.text
+
+
+def test_a_flood_of_wake_ups_that_do_not_open_costs_few_catch_ups(buses, pg_url):
+    """Any role that may NOTIFY can send junk: each payload that does not open would run
+    every catch-up handler (wake every waiting client, rescan the queue). They are
+    coalesced: at most one every CATCH_UP_EVERY_S, and one after the last."""
+    b = buses("b")
+    gaps = []  # (when, how many had not opened) for each catch-up
+    b.on_gap(lambda: gaps.append((time.monotonic(), b.unopened)))
+    got = _collect(b, "job")
+    b.start()
+    flood = 300
+    started = time.monotonic()
+    with psycopg.connect(conninfo_of(pg_url), autocommit=True) as c:
+        for i in range(flood):
+            c.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"junk {i}"))
+    assert _until(lambda: b.unopened == flood and gaps and gaps[-1][1] == flood)
+    elapsed = gaps[-1][0] - started
+    assert len(gaps) <= 2 + elapsed / CATCH_UP_EVERY_S, (len(gaps), elapsed)
+    assert len(gaps) < flood
+    a = buses("a")  # and it still hears what opens
+    a.start()
+    a.publish("job", {"j": "after", "e": 1})
+    assert _until(lambda: got == [{"j": "after", "e": 1}])
 
 
 def test_a_sealed_wake_up_too_large_for_notify_goes_without_its_copy(buses, pg_url):
@@ -295,3 +322,90 @@ def test_seal_existing_records_the_check_value_of_its_engine(tmp_path):
         seal_existing(other, LocalBlobStore(tmp_path / "blobs"))
     other.dispose()
     engine.dispose()
+
+
+def _broker_cli(*argv) -> int:
+    from sdk import cli
+
+    return cli.main(["broker", *[str(a) for a in argv]])
+
+
+def test_an_admin_command_without_the_key_does_not_record_one_it_made(tmp_path, pg_url,
+                                                                      monkeypatch, capsys):
+    """infra/README.md's one-off `create-key` in a throwaway container (no at-rest key, a
+    data dir that is gone afterwards) on a fresh database: the key file it makes for itself
+    is not recorded, so the replicas that then serve with the shared key are not refused."""
+    from sqlalchemy import create_engine
+
+    from broker.storage.sealed import recorded_key_check
+
+    monkeypatch.delenv("SPARECYCLES_AT_REST_KEY", raising=False)
+    throwaway = tmp_path / "container"
+    assert _broker_cli("migrate", "--data-dir", throwaway, "--db", pg_url) == 0
+    assert _broker_cli("create-key", "--data-dir", throwaway, "--db", pg_url,
+                       "--role", "admin", "--name", "ops") == 0
+    engine = create_engine(pg_url)
+    try:
+        assert recorded_key_check(engine) is None
+        key = _key()
+        a = _broker(tmp_path, "a", pg_url, at_rest_key=key)  # serves, and records its key
+        try:
+            assert recorded_key_check(engine) == AtRestCipher(base64.b64decode(key)).check_value
+        finally:
+            a.stop()
+    finally:
+        engine.dispose()
+
+
+def test_a_refused_broker_leaves_no_key_file_of_its_own(tmp_path, pg_url):
+    """A database sealed before it recorded its key (no check value), started by a broker
+    with no key: refused, and the random key file made for it is gone (the error says to
+    copy the right key to that path)."""
+    from sqlalchemy import create_engine, delete
+
+    from broker.storage.models import AtRestKeyCheckRow
+
+    a = _broker(tmp_path, "a", pg_url, at_rest_key=_key())
+    try:
+        seen_provider(a.services)
+        _, who = a.services.auth.create_account_with_key("client")
+        a.services.payments.grant(who.account_id, 10**7, by="test")
+        a.services.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "sealed on a"}})
+    finally:
+        a.stop()
+    engine = create_engine(pg_url)
+    with engine.begin() as c:
+        c.execute(delete(AtRestKeyCheckRow.__table__))
+    engine.dispose()
+    with pytest.raises(AtRestMismatch) as exc:
+        _broker(tmp_path, "c", pg_url)
+    assert "sealed with another at-rest key" in str(exc.value)
+    assert not (tmp_path / "c" / "broker" / "at_rest.key").exists()
+
+
+def test_a_damaged_sealed_value_is_a_clean_refusal_not_a_traceback(tmp_path, pg_url):
+    """The newest sealed inputs are checked against the key before it is recorded; one that
+    is not even base64 (a damaged row) is refused saying which job, and why."""
+    from sqlalchemy import JSON, create_engine, delete, type_coerce, update
+
+    from broker.storage.models import AtRestKeyCheckRow, JobRow
+    from broker.storage.sealed import AtRestError
+
+    a = _broker(tmp_path, "a", pg_url, at_rest_key=_key())
+    try:
+        seen_provider(a.services)
+        _, who = a.services.auth.create_account_with_key("client")
+        a.services.payments.grant(who.account_id, 10**7, by="test")
+        job, _ = a.services.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "x"}})
+    finally:
+        a.stop()
+    engine = create_engine(pg_url)
+    jobs = JobRow.__table__
+    with engine.begin() as c:
+        c.execute(delete(AtRestKeyCheckRow.__table__))
+        c.execute(update(jobs).where(jobs.c.id == job.id).values(
+            inputs=type_coerce({"$sealed": "not*base64!"}, JSON)))
+    engine.dispose()
+    with pytest.raises(AtRestError) as exc:
+        _broker(tmp_path, "c", pg_url, at_rest_key=_key())
+    assert job.id in str(exc.value) and "not base64" in str(exc.value)
