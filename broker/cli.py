@@ -272,6 +272,16 @@ def cmd_serve(args) -> int:
 
 
 def cmd_seal_at_rest(args) -> int:
+    settings = _settings(args)
+    key_file = settings.data_dir / "at_rest.key"
+    if not settings.at_rest_key and not key_file.exists():
+        # A key made for this command alone would seal every row with a key nobody keeps
+        # (a one-off container's data dir is gone when it exits) and record it.
+        print("error: seal-at-rest needs the at-rest key the brokers serve with: set "
+              "SPARECYCLES_AT_REST_KEY, or run it with the --data-dir of a broker that has "
+              f"its at_rest.key (there is none at {key_file})", file=sys.stderr)
+        return 2
+
     def run(services):
         from broker.storage.sealed import recorded_key_check, seal_existing
 

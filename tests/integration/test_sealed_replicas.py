@@ -409,3 +409,16 @@ def test_a_damaged_sealed_value_is_a_clean_refusal_not_a_traceback(tmp_path, pg_
     with pytest.raises(AtRestError) as exc:
         _broker(tmp_path, "c", pg_url, at_rest_key=_key())
     assert job.id in str(exc.value) and "not base64" in str(exc.value)
+
+
+def test_seal_at_rest_without_a_key_is_refused_and_makes_none(tmp_path, capsys, monkeypatch):
+    """No key set and no key file in the data dir: sealing would make a key for this
+    command alone (gone with a one-off container) and seal everything with it."""
+    from sdk.cli import main
+
+    monkeypatch.delenv("SPARECYCLES_AT_REST_KEY", raising=False)
+    data = tmp_path / "d"
+    assert main(["broker", "seal-at-rest", "--data-dir", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "SPARECYCLES_AT_REST_KEY" in err and "at_rest.key" in err
+    assert not (data / "at_rest.key").exists()
