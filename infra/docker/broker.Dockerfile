@@ -13,12 +13,15 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 RUN python3 -m venv /opt/sparecycles
-# Dependencies first, from the metadata and the wire contract alone, so that a code change
+# Dependencies first, from the metadata alone, so that a code change
 # rebuilds only the last layer. `.[broker]`: the broker's extra (Flask, uvicorn, SQLAlchemy,
 # psycopg, grpcio, boto3, …), bounded in pyproject.toml; torch is never pulled (the agent's).
-COPY pyproject.toml setup.py constraints.txt README.md ./
-COPY sdk/protocol/*.proto sdk/protocol/
-RUN /opt/sparecycles/bin/pip install --no-cache-dir -c constraints.txt ".[broker]"
+COPY pyproject.toml setup.py constraints.txt ./
+# README.md is the metadata's long description only: an empty one here, the real one with
+# the code, so that editing it (or the .proto files) does not reinstall every dependency.
+RUN touch README.md \
+ && /opt/sparecycles/bin/pip install --no-cache-dir -c constraints.txt ".[broker]"
+COPY README.md ./
 COPY sdk sdk
 COPY broker broker
 COPY provider_agent provider_agent
