@@ -35,9 +35,12 @@ LABEL org.opencontainers.image.title="sparecycles-broker" \
       org.opencontainers.image.description="Sparecycles broker: REST API and agent gateway" \
       org.opencontainers.image.licenses="Apache-2.0"
 # uid/gid 10001: never root; a fixed number so volumes and Kubernetes' runAsUser agree.
+# blobs/ exists, owned by it, so that a fresh named volume mounted there (the registry's
+# files, shared by replicas: infra/compose.yaml) takes that owner.
 RUN groupadd --system --gid 10001 sparecycles \
  && useradd --no-log-init --uid 10001 --gid sparecycles --home-dir /var/lib/sparecycles \
-      --create-home --shell /usr/sbin/nologin sparecycles
+      --create-home --shell /usr/sbin/nologin sparecycles \
+ && install -d -o 10001 -g 10001 -m 0700 /var/lib/sparecycles/blobs
 COPY --from=build /opt/sparecycles /opt/sparecycles
 COPY infra/docker/healthcheck.py /opt/sparecycles/healthcheck.py
 # Settings are environment variables (broker/settings.py); these are the container's
