@@ -35,6 +35,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "localhost/sparecycles-base:bookworm"
 IMAGE = "localhost/sparecycles-broker:test"
+BUILD_STAGE = "localhost/sparecycles-broker-build:test"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparecycles" / "podman"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
@@ -149,10 +150,14 @@ def broker_image(podman) -> str:
     for path in ("/etc/pip.conf", "/etc/ssl/certs/ca-certificates.crt"):
         if Path(path).exists():
             mounts += ["-v", f"{path}:{path}:ro"]
-    podman("build", "--format", "docker", "--isolation=chroot", "--network=host", *_ulimits(),
-           *mounts, "--build-arg", f"PYTHON_IMAGE={BASE}", "-f",
-           str(ROOT / "infra/docker/broker.Dockerfile"), "-t", IMAGE, str(ROOT), timeout=2000)
-    # The previous build's image, untagged by this one, and its build stage.
+    build = ["build", "--format", "docker", "--isolation=chroot", "--network=host",
+             *_ulimits(), *mounts, "--build-arg", f"PYTHON_IMAGE={BASE}", "-f",
+             str(ROOT / "infra/docker/broker.Dockerfile")]
+    # The build stage tagged too: its layers (the dependencies' above all) are then an
+    # image's, not dangling, so the prune below keeps them for the next run's cache and
+    # removes only what this build untagged (the previous image and build stage).
+    podman(*build, "--target", "build", "-t", BUILD_STAGE, str(ROOT), timeout=2000)
+    podman(*build, "-t", IMAGE, str(ROOT), timeout=600)
     podman("image", "prune", "-f", check=False)
     return IMAGE
 
