@@ -26,11 +26,14 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 RUN python3 -m venv /opt/sparecycles
-# Dependencies first (metadata and wire contract only), so a code change rebuilds only the
+# Dependencies first (the metadata alone), so a code change rebuilds only the
 # last layer. torch's version is the one constraints.txt pins.
-COPY pyproject.toml setup.py constraints.txt README.md ./
-COPY sdk/protocol/*.proto sdk/protocol/
-RUN /opt/sparecycles/bin/pip install --no-cache-dir -c constraints.txt ".[agent]"
+COPY pyproject.toml setup.py constraints.txt ./
+# README.md is the metadata's long description only: an empty one here, the real one with
+# the code, so that editing it (or the .proto files) does not reinstall every dependency.
+RUN touch README.md \
+ && /opt/sparecycles/bin/pip install --no-cache-dir -c constraints.txt ".[agent]"
+COPY README.md ./
 COPY sdk sdk
 COPY broker broker
 COPY provider_agent provider_agent

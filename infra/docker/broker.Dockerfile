@@ -13,12 +13,15 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 RUN python3 -m venv /opt/sparecycles
-# Dependencies first, from the metadata and the wire contract alone, so that a code change
+# Dependencies first, from the metadata alone, so that a code change
 # rebuilds only the last layer. `.[broker]`: the broker's extra (Flask, uvicorn, SQLAlchemy,
 # psycopg, grpcio, boto3, …), bounded in pyproject.toml; torch is never pulled (the agent's).
-COPY pyproject.toml setup.py constraints.txt README.md ./
-COPY sdk/protocol/*.proto sdk/protocol/
-RUN /opt/sparecycles/bin/pip install --no-cache-dir -c constraints.txt ".[broker]"
+COPY pyproject.toml setup.py constraints.txt ./
+# README.md is the metadata's long description only: an empty one here, the real one with
+# the code, so that editing it (or the .proto files) does not reinstall every dependency.
+RUN touch README.md \
+ && /opt/sparecycles/bin/pip install --no-cache-dir -c constraints.txt ".[broker]"
+COPY README.md ./
 COPY sdk sdk
 COPY broker broker
 COPY provider_agent provider_agent
@@ -32,9 +35,12 @@ LABEL org.opencontainers.image.title="sparecycles-broker" \
       org.opencontainers.image.description="Sparecycles broker: REST API and agent gateway" \
       org.opencontainers.image.licenses="Apache-2.0"
 # uid/gid 10001: never root; a fixed number so volumes and Kubernetes' runAsUser agree.
+# blobs/ exists, owned by it, so that a fresh named volume mounted there (the registry's
+# files, shared by replicas: infra/compose.yaml) takes that owner.
 RUN groupadd --system --gid 10001 sparecycles \
  && useradd --no-log-init --uid 10001 --gid sparecycles --home-dir /var/lib/sparecycles \
-      --create-home --shell /usr/sbin/nologin sparecycles
+      --create-home --shell /usr/sbin/nologin sparecycles \
+ && install -d -o 10001 -g 10001 -m 0700 /var/lib/sparecycles/blobs
 COPY --from=build /opt/sparecycles /opt/sparecycles
 COPY infra/docker/healthcheck.py /opt/sparecycles/healthcheck.py
 # Settings are environment variables (broker/settings.py); these are the container's

@@ -116,6 +116,12 @@ def test_compose_runs_two_replicas_behind_the_proxy_after_migrate():
         assert env[0][shared] == env[1][shared], shared
     assert env[0]["SPARECYCLES_REPLICA_NAME"] != env[1]["SPARECYCLES_REPLICA_NAME"]
     assert env[0]["SPARECYCLES_BLOB_STORE"] == "s3"
+    # The registry's files (<data dir>/blobs, infra/README.md) in one named volume for both.
+    registry = [{v for v in services[f"broker-{i}"]["volumes"]
+                 if v.endswith(":/var/lib/sparecycles/blobs")} for i in (1, 2)]
+    assert registry[0] == registry[1] and len(registry[0]) == 1
+    (name,) = registry[0]
+    assert name.split(":")[0] in compose()["volumes"]
     for i in (1, 2):
         needs = services[f"broker-{i}"]["depends_on"]
         assert needs["migrate"]["condition"] == "service_completed_successfully"

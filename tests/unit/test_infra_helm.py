@@ -105,6 +105,12 @@ def test_the_agent_is_a_daemonset_on_gpu_nodes():
     assert agent["envFrom"] == [{"secretRef": {"name": "sparecycles-agent"}}]
     assert agent["securityContext"]["runAsNonRoot"] is True
     assert pod["terminationGracePeriodSeconds"] >= 600  # SIGTERM drains running jobs
+    # bubblewrap's fresh /proc: Unmasked, which Kubernetes 1.31+ allows only with a user
+    # namespace (hostUsers: false); with the host's users the field is left out, not refused.
+    assert pod["hostUsers"] is False and agent["securityContext"]["procMount"] == "Unmasked"
+    pod = _one(render({"agent": {"hostUsers": True}}), "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostUsers"] is True
+    assert "procMount" not in pod["containers"][0]["securityContext"]
 
 
 def test_service_monitor_scrapes_every_replica_over_tls():
