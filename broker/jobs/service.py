@@ -30,8 +30,8 @@ from .errors import (JobNotCancellable, JobNotFound, NoProvider, OutputExpired, 
                      ReceiptRefused)
 from .checkpoints import steps_of
 from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
-from .model import LEASED, Job, JobEvent, JobOutput, JobState
-from .cache import parse_output_format, result_cache_key
+from .model import LEASED, Job, JobEvent, JobOutput, JobRequest, JobState
+from .cache import result_cache_key
 from .ports import BlobStore, JobMetrics, JobRepository, NoMetrics, Presence
 
 log = logging.getLogger(__name__)
@@ -134,58 +134,27 @@ class JobService:
         self._assigned_lock = threading.Lock()
 
     # ---- clients ---------------------------------------------------------------------
-    def submit(self, who: Principal, body: Any, idempotency_key: str | None = None,
-               request_id: str | None = None) -> tuple[Job, bool]:
-        """Validate and queue a job. Returns (job, created); a repeated idempotency key with
-        the same request returns the first job, with another request raises.
-        ``request_id``: the X-Request-Id of the request, kept with the job (and its split
-        siblings) and carried, as its digest, in each envelope (sdk.logs)."""
+    def check_submitter(self, who: Principal) -> None:
+        """Refuse (403 role_cannot_submit) a key whose role does not pay for jobs."""
         if who.role not in SUBMIT_ROLES:
             raise Forbidden(
                 f"submitting jobs needs a client key; yours is {_a(who.role)} key, and "
                 f"{_ROLE_USES.get(who.role, 'that role does not pay for jobs')}. Submit "
                 "with a client key (an admin creates one with `sparecycles broker "
                 "create-key --role client`)", code_override="role_cannot_submit")
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object like "
-                                 '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
-        unknown = (set(body) - {"plugin", "version", "inputs", "verify", "weights_digest"}
-                   - set(MARKET_FIELDS) - set(OUTPUT_FIELDS))
-        if unknown:
-            raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: plugin, "
-                                 "version, inputs, verify, weights_digest, "
-                                 + ", ".join(MARKET_FIELDS + OUTPUT_FIELDS),
-                                 field=sorted(unknown)[0])
-        weights = body.get("weights_digest")
-        if weights is not None and not is_sha256_hex(weights):
-            raise InvalidRequest(f"weights_digest is {weights!r}; it must be the 64 lowercase "
-                                 "hex digits of a weights digest (GET /v1/plugins lists the "
-                                 "ones providers serve)", field="weights_digest")
-        terms = market_terms(body)
-        verify = body.get("verify", "sampled")
-        if verify not in ("sampled", "always"):
-            raise InvalidRequest(f"verify is {verify!r}; use \"sampled\" (the broker checks a "
-                                 "sample of jobs, free) or \"always\" (every output is re-run "
-                                 "on a second provider; you pay for both runs)", field="verify")
-        plugin = body.get("plugin")
-        if not isinstance(plugin, str) or not plugin:
-            raise InvalidRequest(f"plugin must be a plugin name; available: {self.catalog.names()}",
-                                 field="plugin")
-        version = body.get("version")
-        if version is not None and not isinstance(version, str):
-            raise InvalidRequest("version must be a string like 1.0.0", field="version")
-        manifest = self.catalog.get(plugin, version)
-        output_format = parse_output_format(body, manifest)
-        cache = body.get("cache", False)
-        if not isinstance(cache, bool):
-            raise InvalidRequest(f"cache is {cache!r}; use true (answer from the result cache "
-                                 "when a verified job with the same inputs exists, at the "
-                                 "plugin's cache price) or false (always run; the default)",
-                                 field="cache")
-        if cache and terms["n"] > 1:
-            raise InvalidRequest("cache works on single jobs: leave out n (or set it to 1), "
-                                 "or leave out cache", field="cache")
-        asked, inputs = self._inputs(manifest, body.get("inputs", {}), weights)
+
+    def submit(self, who: Principal, request: JobRequest, idempotency_key: str | None = None,
+               request_id: str | None = None) -> tuple[Job, bool]:
+        """Queue the job ``request`` asks for (checked at the edge, broker.api.job_request).
+        Returns (job, created); a repeated idempotency key with the same request returns
+        the first job, with another request raises.
+        ``request_id``: the X-Request-Id of the request, kept with the job (and its split
+        siblings) and carried, as its digest, in each envelope (sdk.logs)."""
+        self.check_submitter(who)
+        manifest, terms, verify = request.manifest, request.terms, request.verify
+        weights, output_format, cache = (request.weights_digest, request.output_format,
+                                         request.cache)
+        asked, inputs = self._inputs(manifest, request.inputs, weights)
         self.check_inputs(manifest.name, inputs)
         # The broker fixes the seed (after ``asked`` is taken: a retry of the same request
         # is the same request, and replays the first job, the seed it drew included).
@@ -1245,36 +1214,6 @@ _ROLE_USES = {"provider": "provider keys connect agents that run jobs and earn c
 
 def _a(word: str) -> str:
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
-
-
-MARKET_FIELDS = ("priority", "max_price_micro", "deadline_s", "n")
-OUTPUT_FIELDS = ("output_format", "output_quality", "cache")
-MAX_SPLIT = 64
-
-
-def market_terms(body: dict) -> dict:
-    """The request's market fields, checked: ``priority`` (economy | standard | fast),
-    ``max_price_micro`` (int micro-credits for the whole request), ``deadline_s`` (seconds
-    the client will wait for completion), ``n`` (split into n sibling jobs)."""
-    priority = body.get("priority", "standard")
-    if priority not in ("economy", "standard", "fast"):
-        raise InvalidRequest(f"priority is {priority!r}; use economy, standard or fast",
-                             field="priority")
-    cap = body.get("max_price_micro")
-    if cap is not None and (type(cap) is not int or cap <= 0):
-        raise InvalidRequest(f"max_price_micro is {cap!r}; it must be a positive integer "
-                             "(micro-credits for the whole request)", field="max_price_micro")
-    deadline = body.get("deadline_s")
-    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                 or not 0 < deadline <= 7 * 86_400):
-        raise InvalidRequest(f"deadline_s is {deadline!r}; it must be a number of seconds "
-                             "above 0 (at most a week)", field="deadline_s")
-    n = body.get("n", 1)
-    if type(n) is not int or not 1 <= n <= MAX_SPLIT:
-        raise InvalidRequest(f"n is {n!r}; it must be an integer from 1 to {MAX_SPLIT}",
-                             field="n")
-    return {"priority": priority, "max_price_micro": cap,
-            "deadline_s": None if deadline is None else float(deadline), "n": n}
 
 
 #: The input that seeds a plugin's random draws (an integer input without a default, as
