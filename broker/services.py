@@ -286,8 +286,8 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     import time as _time
 
     from broker.storage.verification_sql import SqlVerificationRepository
-    from broker.verification.service import (CHECK_ACCOUNT, VerificationService,
-                                             VerificationSettings)
+    from broker.verification.runs import CHECK_ACCOUNT
+    from broker.verification.service import VerificationService, VerificationSettings
 
     if accounts.get_account(CHECK_ACCOUNT) is None:
         try:
