@@ -285,6 +285,7 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     dispatch on minimum stake and the quota lost disputes cut."""
     import time as _time
 
+    from broker.jobs.verification_port import JobsForVerification
     from broker.storage.verification_sql import SqlVerificationRepository
     from broker.verification.runs import CHECK_ACCOUNT
     from broker.verification.service import VerificationService, VerificationSettings
@@ -299,7 +300,7 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     ledger.open_client(CHECK_ACCOUNT)
     repo = SqlVerificationRepository(sessions)
     verification = VerificationService(
-        repo, jobs, catalog, ledger, providers, admin["admin"].policies,
+        repo, JobsForVerification(jobs), catalog, ledger, providers, admin["admin"].policies,
         disputes=admin["disputes"], audit=admin["audit"], links=links,
         settings=VerificationSettings(check_delay_s=(0.0, max(0.0, settings.check_delay_max_s))))
     verification.judge_in_background()  # not on the agent stream that settled the check

@@ -39,7 +39,7 @@ class VerificationEffects:
         if jobs is None:
             jobs = {}
             for role, job_id in (record.get("runs") or {}).items():
-                job = self.jobs.repo.get(job_id)
+                job = self.jobs.get(job_id)
                 if job is None:
                     raise LookupError(f"verification of job {v.job_id}: run {job_id} is gone")
                 jobs[Role(role)] = job
@@ -123,16 +123,16 @@ class VerificationEffects:
             dispute)."""
             if step in done:
                 return
-            with self.jobs.repo.atomic():
+            with self.jobs.atomic():
                 effect()
                 done.add(step)
                 save()
 
         winner = by_provider.get(record.get("deliver_from") or "")
         if status is CheckStatus.OVERTURNED and winner is not None:
-            once("outputs", lambda: self.jobs.repo.replace_outputs(
+            once("outputs", lambda: self.jobs.replace_outputs(
                 primary.id, [JobOutput(primary.id, o.index, o.sha256, o.media_type, o.size)
-                             for o in self.jobs.repo.outputs(winner.id)],
+                             for o in self.jobs.outputs(winner.id)],
                 ("overturned", {"outputs_from": winner.id})))
         once("audit", lambda: self._audit(
             "verification.outcome", v.job_id,
@@ -182,7 +182,7 @@ class VerificationEffects:
         """A dispute's sides: each run's provider, role, first output and ``verdict(job)``."""
         sides = []
         for role, j in jobs.items():
-            outs = self.jobs.repo.outputs(j.id)
+            outs = self.jobs.outputs(j.id)
             sides.append({"provider_id": j.provider_id, "job_id": j.id, "role": role.value,
                           "output_index": 0, "sha256": outs[0].sha256 if outs else "",
                           "media_type": outs[0].media_type if outs else "",
@@ -222,9 +222,8 @@ class VerificationEffects:
 
     def _event(self, job_id: str, status: CheckStatus, note: str) -> None:
         try:
-            self.jobs.repo.add_event(job_id, "verification", {"status": status.value,
-                                                              "note": note})
-            self.jobs.hub.notify(job_id)
+            self.jobs.add_event(job_id, "verification", {"status": status.value,
+                                                         "note": note})
         except Exception:  # noqa: BLE001
             log.exception("job %s: could not record its verification event", job_id)
 

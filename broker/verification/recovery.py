@@ -39,7 +39,7 @@ class VerificationRecovery:
                 self.repo.touch(v.job_id)  # waits for an admin; let the others come first
                 continue
             current = v.tiebreak_job_id if v.status is CheckStatus.DISPUTED else v.checker_job_id
-            check = self.jobs.repo.get(current) if current else None
+            check = self.jobs.get(current) if current else None
             if check is None:
                 moved += self._queue_missing(v)
                 continue
@@ -70,10 +70,10 @@ class VerificationRecovery:
             v = self.repo.get(v.job_id) or v
             current = (v.tiebreak_job_id if v.status is CheckStatus.DISPUTED
                        else v.checker_job_id)
-            if current and self.jobs.repo.get(current) is not None:
+            if current and self.jobs.get(current) is not None:
                 return 0  # queued meanwhile
-            primary = self.jobs.repo.get(v.job_id)
-            checker = (self.jobs.repo.get(v.checker_job_id)
+            primary = self.jobs.get(v.job_id)
+            checker = (self.jobs.get(v.checker_job_id)
                        if v.status is CheckStatus.DISPUTED and v.checker_job_id else None)
             try:
                 if v.status is CheckStatus.CHECKING and primary is not None:
@@ -105,12 +105,12 @@ class VerificationRecovery:
     def _admin_resolved(self, dispute) -> None:
         v = self.repo.get(dispute.job_id)
         winner = (dispute.resolution or {}).get("winner_provider_id")
-        primary = self.jobs.repo.get(dispute.job_id)
+        primary = self.jobs.get(dispute.job_id)
         if v is None or primary is None or not winner:
             return
         runs = [j for j in (primary,
-                            self.jobs.repo.get(v.checker_job_id) if v.checker_job_id else None,
-                            self.jobs.repo.get(v.tiebreak_job_id) if v.tiebreak_job_id else None)
+                            self.jobs.get(v.checker_job_id) if v.checker_job_id else None,
+                            self.jobs.get(v.tiebreak_job_id) if v.tiebreak_job_id else None)
                 if j is not None and j.state is JobState.SETTLED]
         win = next((j for j in runs if j.provider_id == winner), None)
         if win is None:
@@ -132,9 +132,9 @@ class VerificationRecovery:
                            int(o["size"])) for o in (primary.receipt or {}).get("outputs", [])]
                 if win.id == primary.id else
                 [JobOutput(primary.id, o.index, o.sha256, o.media_type, o.size)
-                 for o in self.jobs.repo.outputs(win.id)])
-        if [o.sha256 for o in outs] != [o.sha256 for o in self.jobs.repo.outputs(primary.id)]:
-            self.jobs.repo.replace_outputs(primary.id, outs,
+                 for o in self.jobs.outputs(win.id)])
+        if [o.sha256 for o in outs] != [o.sha256 for o in self.jobs.outputs(primary.id)]:
+            self.jobs.replace_outputs(primary.id, outs,
                                            ("admin_override", {"outputs_from": win.id}))
         record.update(status=status.value, stalled=False,
                       admin={"dispute": dispute.id, "winner": winner,

@@ -117,7 +117,7 @@ class VerificationRuns:
         try:
             # The run (its funding, hold and row) and the record naming it commit together:
             # a failure in between leaves neither, so a retry never queues a second run.
-            with self.jobs.repo.atomic():
+            with self.jobs.atomic():
                 account, check = self._submit_run(primary, check_id, excluded, delay,
                                                   client_pays,
                                                   inputs or pinned_inputs(primary))

@@ -43,6 +43,7 @@ from broker.verification.comparators import THRESHOLDS_PATH
 from broker.verification.outcomes import PenaltyPolicy, Role
 from broker.verification.records import CheckStatus, Verification, VerificationRepository
 from broker.verification.effects import VerificationEffects
+from broker.verification.ports import CheckedJobs
 from broker.verification.recovery import VerificationRecovery
 from broker.verification.runs import VerificationRuns, _rerun_of, _third_run_of
 from broker.verification.verdicts import VerificationVerdicts
@@ -98,13 +99,13 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
     runs), verdicts.py (judging), effects.py (applying outcomes), recovery.py (the sweep,
     admin resolutions)."""
 
-    def __init__(self, repo: VerificationRepository, jobs, catalog, ledger, providers,
-                 policies, *, disputes=None, audit=None, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.time,
+    def __init__(self, repo: VerificationRepository, jobs: CheckedJobs, catalog, ledger,
+                 providers, policies, *, disputes=None, audit=None,
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.time,
                  settings: VerificationSettings | None = None, links: Links | None = None):
         self.repo = repo
         self.links = links  # operators tied to one another: never each other's checkers
-        self.jobs = jobs          # broker.jobs.service.JobService
+        self.jobs = jobs  # the job service, through the port (broker.verification.ports)
         self.catalog = catalog
         self.ledger = ledger
         self.providers = providers
@@ -189,9 +190,9 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
         failed_by = sorted(set(record.get("check_failed_by") or [])
                            | ({self.providers.owner_of(check.provider_id) or ""}
                               if check.provider_id else set()) - {""})
-        primary = self.jobs.repo.get(v.job_id)
+        primary = self.jobs.get(v.job_id)
         if primary is not None and tries < self.settings.check_tries:
-            with self.jobs.repo.atomic():
+            with self.jobs.atomic():
                 moved = self.repo.update(v.job_id, {CheckStatus.CHECKING},
                                          expect_checker=check.id,  # once per failed run
                                          outcome={**record, "check_tries": tries + 1,
@@ -222,14 +223,14 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
         """The third run failed: queue another, twice at most; then the dispute waits for
         an admin (the runs disagree and no majority could be had)."""
         tries = int((v.outcome or {}).get("tiebreak_tries", 1))
-        primary = self.jobs.repo.get(v.job_id)
-        checker = self.jobs.repo.get(v.checker_job_id) if v.checker_job_id else None
+        primary = self.jobs.get(v.job_id)
+        checker = self.jobs.get(v.checker_job_id) if v.checker_job_id else None
         if primary is None or checker is None:
             return
         if tries < self.settings.tiebreak_tries:
             # The try is counted with the run it queues: a queueing that fails counts none
             # (the sweep finds the failed run again and retries).
-            with self.jobs.repo.atomic():
+            with self.jobs.atomic():
                 moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
                                          expect_tiebreak=tiebreak.id,  # once per failed run
                                          outcome={**(v.outcome or {}),
@@ -260,7 +261,7 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
         """The client job whose inputs a canary reused is its operator's answer for them,
         in its provider's class: recorded (once) before the canary is compared, so that a
         canary of another operator in that class makes the answer known."""
-        job = self.jobs.repo.get(source)
+        job = self.jobs.get(source)
         if job is None or not job.provider_id or not job.receipt \
                 or job.state is not JobState.SETTLED:
             return

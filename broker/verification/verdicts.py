@@ -37,7 +37,7 @@ class VerificationVerdicts:
             if (v.outcome or {}).get("applied") is False:
                 self._apply(v)  # judged already; its effects were not all applied
                 return
-            primary = self.jobs.repo.get(v.job_id)
+            primary = self.jobs.get(v.job_id)
             kind = self._output_kind(primary)
             # Each run's outputs are read once, before judging and outside it: a read that
             # fails is the broker's trouble, not a provider's wrong answer, so it raises
@@ -74,7 +74,7 @@ class VerificationVerdicts:
                 self._finish(v, outcome, {Role.PRIMARY: primary, Role.CHECKER: check},
                              CheckStatus.CHECKING)
             elif check.id == v.tiebreak_job_id and v.status is CheckStatus.DISPUTED:
-                checker = self.jobs.repo.get(v.checker_job_id)
+                checker = self.jobs.get(v.checker_job_id)
                 runs = {role: self._load(job) for role, job in
                         ((Role.PRIMARY, primary), (Role.CHECKER, checker),
                          (Role.TIEBREAKER, check))}
@@ -164,7 +164,7 @@ class VerificationVerdicts:
             return True
         dropped = sorted(set(record.get("dropped_operators") or [])
                          | {self.providers.owner_of(tiebreak.provider_id) or ""} - {""})
-        with self.jobs.repo.atomic():
+        with self.jobs.atomic():
             moved = self.repo.update(v.job_id, {CheckStatus.DISPUTED},
                                      expect_tiebreak=tiebreak.id,
                                      outcome={**record, "escalations": n + 1,
@@ -282,7 +282,7 @@ class VerificationVerdicts:
         """Read ``job``'s outputs now (a failed read raises: the broker's trouble, never a
         provider's answer); what is returned builds the run from them and from the
         provider's receipt (its meta and reproducibility class), which ``_judge`` guards."""
-        data = [(o, self.jobs.blobs.get(o.sha256)) for o in self.jobs.repo.outputs(job.id)]
+        data = [(o, self.jobs.output_bytes(o.sha256)) for o in self.jobs.outputs(job.id)]
         repro = self._repro(job)
 
         def run() -> Run:
