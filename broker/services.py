@@ -13,7 +13,7 @@ from sqlalchemy.orm import sessionmaker
 
 from sdk.protocol.signing import KeyPair
 
-from broker.admin.wiring import audit_market_rules, audit_price_changes, build_admin
+from broker.admin_wiring import audit_market_rules, audit_price_changes, build_admin
 from broker.audit.money import AuditedLedger
 from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService

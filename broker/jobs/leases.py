@@ -16,7 +16,6 @@ from sdk.protocol.envelope import make_envelope, sign_envelope
 from sdk.logs import new_request_digest, request_digest
 
 from broker.auth.service import Principal
-from broker.billing.shared import cancel_shared
 from broker.errors import InvalidRequest
 from .errors import JobNotCancellable, ReceiptRefused
 from .model import LEASED, Job, JobState
@@ -239,8 +238,8 @@ class JobLeases:
                 if parts:
                     # As a cancel pays, with nothing counted past the checkpoints.
                     unreported = replace(job, progress_step=0, progress_total=0)
-                    self._money("deadline", job, lambda: cancel_shared(
-                        self.billing, unreported, parts, Fraction(1), message))
+                    self._money("deadline", job, lambda: self.billing.cancel_shared(
+                        unreported, parts, Fraction(1), message))
                 else:
                     self._money("release", moved,
                                 lambda: self.billing.failed(moved, f"deadline_exceeded: "
@@ -329,8 +328,8 @@ class JobLeases:
                     shown = self.shown_fraction(job)
                     if parts:  # resumed: earlier providers keep their shares
                         resumed = self.checkpoints.base_fraction(job)
-                        self._money("cancel", job, lambda: cancel_shared(
-                            self.billing, job, parts, resumed, reason, shown))
+                        self._money("cancel", job, lambda: self.billing.cancel_shared(
+                            job, parts, resumed, reason, shown))
                     else:
                         self._money("cancel", job,
                                     lambda: self.billing.cancelled(job, reason, shown))

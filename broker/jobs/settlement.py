@@ -11,7 +11,6 @@ import logging
 from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
 from sdk.protocol.envelope import EnvelopeError, open_receipt
 
-from broker.billing.shared import settle_shared
 from .errors import ReceiptRefused
 from .model import LEASED, Job, JobOutput, JobState
 from .leases import _check_output
@@ -213,7 +212,7 @@ class JobSettlement:
         if parts:  # resumed from a checkpoint: earlier providers get their shares
             resumed = self.checkpoints.base_fraction(job)
             self._money("settle", job,
-                        lambda: settle_shared(self.billing, job, units, parts, resumed))
+                        lambda: self.billing.settle_shared(job, units, parts, resumed))
             return
         self._money("settle", job, lambda: self.billing.settle(job, units))
 
