@@ -213,8 +213,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                       # connected providers' weights give it; the gateway keeps it current
                       input_defaults=WeightsDefaults(
                           catalog, _held_plugins(replicas, providers) if bus.shared else None),
-                      metrics=counting, retention=retention, result_cache=result_cache)
-    jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
+                      metrics=counting, retention=retention, result_cache=result_cache,
+                      check_inputs=registry.check_job_adapters)  # another plugin's adapter: 422
     attach_fault_tolerance(jobs, sessions, catalog, settings)
     from broker.admin.session import load_or_create_secret
 
@@ -225,7 +225,6 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     auth = ApiKeyService(accounts, token_secret=console_secret)
     auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
-    dispatcher = Dispatcher(jobs, bus=bus)
     reserve_of = lambda plugin: pricing.price(plugin).reserve_micro_per_unit  # noqa: E731
     market_settings = MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
                                      canary_interval_s=settings.market_canary_interval_s,
@@ -239,15 +238,19 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
         replicas.held_elsewhere, providers.repo.many, figures) if bus.shared else None
     market = MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
                            manifest_of=manifests_of(catalog), linked_to=links.linked_to,
-                           bus=bus, figures=figures, elsewhere=elsewhere)
-    market.on_rule_changed = audit_market_rules(audit)
+                           bus=bus, figures=figures, elsewhere=elsewhere,
+                           # the cold-start term asks the registry's warm index whether the
+                           # provider's plugin host has the model loaded (providers it has
+                           # no report from count as warm)
+                           warm=registry.warm.is_warm,
+                           on_rule_changed=audit_market_rules(audit))
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints)
-    attach_market(market, canaries, jobs, dispatcher)
-    # The market's cold-start term asks the registry's warm index whether the provider's
-    # plugin host has the model loaded (providers it has no report from count as warm).
-    market.warm = registry.warm.is_warm
-    dispatcher.needs_download = registry.warm.needs_download
+    # Lost disputes cut a provider's concurrency quota (verification's records hold it).
+    dispatcher = Dispatcher(jobs, bus=bus, market=market, canary_sender=canaries.send_due,
+                            needs_download=registry.warm.needs_download,
+                            quota=verifications.quota_factor if settings.verification else None)
+    attach_market(market, canaries, jobs)
     use_measured_throughput(jobs, market)
     admin = build_admin(settings, sessions, secret=console_secret, audit=audit, pricing=pricing,
                         providers=providers, dispatcher=dispatcher, ledger=ledger,
@@ -310,7 +313,6 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
         canaries.on_answer = verification.canary_answer
     jobs.on_ended = verification.ended
     dispatcher.eligible = verification.stake_ok
-    dispatcher.quota = repo.quota_factor
     verification.on_quota = dispatcher.set_quota
     return verification
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from sdk.protocol.canonical import canonical_bytes, sha256_hex
 from sdk.protocol.schema import InputError
@@ -68,7 +68,8 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                  input_defaults: InputDefaults | None = None,
                  seed_rng: random.Random | None = None,
                  metrics: JobMetrics | None = None,
-                 retention: Retention | None = None, result_cache=None):
+                 retention: Retention | None = None, result_cache=None,
+                 check_inputs: Callable[[str, dict], None] | None = None):
         self.repo = repo
         self.metrics = metrics or NoMetrics()  # broker.observability.metrics
         # Draws the seed of every job whose client gave none (see draw_seed)
@@ -96,9 +97,9 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         # provider known to the broker serves is refused at submit (409 no_provider), and
         # expire_unserved() gives up queued jobs whose build has had none for the window.
         self.presence: Presence | None = None
-        # Input checks that need more than the manifest (set by the wiring): the registry
-        # refuses adapters published for another plugin. callable(plugin, inputs) -> None
-        self.check_inputs = lambda plugin, inputs: None
+        # Input checks that need more than the manifest: the registry refuses adapters
+        # published for another plugin (raises InvalidInput).
+        self.check_inputs = check_inputs or (lambda plugin, inputs: None)
         # Every settled receipt, with when it reached the broker (epoch seconds): the market
         # times the run from the assignment (``matched_at``) to then (θ, DESIGN §4).
         self.on_receipt = lambda job, receipt, received_at: None

@@ -142,7 +142,9 @@ class MarketService(MarketStanding, MarketRules):
                  manifest_of: Callable[[str, str], Manifest | None] | None = None,
                  linked_to: Callable[[str], frozenset[str]] | None = None,
                  bus=None, figures: FigureStore | None = None,
-                 elsewhere: "Elsewhere | None" = None):
+                 elsewhere: "Elsewhere | None" = None,
+                 warm: Callable[[str, str], bool] | None = None,
+                 on_rule_changed: Callable[[str, float, float, str], None] | None = None):
         """``bus`` (broker.replicas.ReplicaBus): a rule an admin changes on another broker
         replica is read back from the store here at once. ``figures``: where θ,
         reliability and canary times outlive the process (:mod:`.figures`; None: memory
@@ -158,9 +160,9 @@ class MarketService(MarketStanding, MarketRules):
         self._dirty: set[tuple[str, str]] = set()  # figures changed since the last flush
         self.store = store
         self.manifest_of = manifest_of or (lambda plugin, version: None)
-        self.warm: Callable[[str, str], bool] = lambda provider_id, plugin: True
+        self.warm: Callable[[str, str], bool] = warm or (lambda provider_id, plugin: True)
         self.on_rule_changed: Callable[[str, float, float, str], None] = (
-            lambda rule, before, after, by: None)
+            on_rule_changed or (lambda rule, before, after, by: None))
         floor = self.settings.reputation_floor
         self._stored_asks: dict[str, dict[str, int]] = {}
         if store is not None:

@@ -5,7 +5,6 @@ import logging
 
 from broker.catalog.registry import PluginCatalog
 from broker.errors import UnknownPlugin
-from broker.jobs.dispatch import Dispatcher
 from broker.jobs.model import Job
 from broker.jobs.service import JobService
 from sdk.protocol.manifest import Manifest
@@ -28,12 +27,11 @@ def manifests_of(catalog: PluginCatalog):
     return manifest_of
 
 
-def attach_market(market: MarketService, canaries: CanaryService | None, jobs: JobService,
-                  dispatcher: Dispatcher) -> None:
-    dispatcher.market = market
-    if canaries is not None:
-        dispatcher.canary_sender = canaries.send_due
-
+def attach_market(market: MarketService, canaries: CanaryService | None,
+                  jobs: JobService) -> None:
+    """The job service's admission of terms, θ from its receipts and the failures it
+    counts against providers go to the market (the dispatcher is given the market and
+    the canaries at its construction)."""
     def check_terms(job: Job, n_slots: int) -> None:
         if job.deadline_s is None and not job.max_price_micro:
             return
