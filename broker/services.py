@@ -26,7 +26,7 @@ from broker.storage.sealed import AtRestCipher
 from broker.storage.sealed import attach as attach_at_rest
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
-from broker.fault_tolerance import attach_fault_tolerance, use_measured_throughput
+from broker.fault_tolerance import attach_checkpoints, stall_watch
 from broker.jobs.hub import EventHub
 from broker.jobs.model import SettledCopyCodec
 from broker.jobs.service import JobService, JobSettings
@@ -37,7 +37,7 @@ from broker.market import MarketService, MarketSettings
 from broker.providers.defaults import WeightsDefaults
 from broker.market.canary import CanaryService
 from broker.market.elsewhere import MarketElsewhere
-from broker.market.wiring import attach_market, manifests_of
+from broker.market.wiring import attach_market, manifests_of, terms_check
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
 from broker.providers.presence import Presence
@@ -204,27 +204,6 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     result_cache = ResultCache(job_repo, job_blobs, verified=lambda job_id: getattr(
         verifications.get(job_id), "status", None) == CheckStatus.VERIFIED,
         expired=retention.expired)
-    jobs = JobService(job_repo, blobs(job_blobs, "jobs"), catalog, signer,
-                      EventHub(bus, SettledCopyCodec()),
-                      JobSettings(max_attempts=settings.max_attempts,
-                                  lease_timeout_s=settings.lease_timeout_s,
-                                  envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
-                      # the image size (and any input default_from = "weights") as the
-                      # connected providers' weights give it; the gateway keeps it current
-                      input_defaults=WeightsDefaults(
-                          catalog, _held_plugins(replicas, providers) if bus.shared else None),
-                      metrics=counting, retention=retention, result_cache=result_cache,
-                      check_inputs=registry.check_job_adapters)  # another plugin's adapter: 422
-    attach_fault_tolerance(jobs, sessions, catalog, settings)
-    from broker.admin.session import load_or_create_secret
-
-    # Exchanged API tokens are signed with a key derived from the console's secret, which
-    # replicas share (SPARECYCLES_ADMIN_SESSION_SECRET) so a token works on any of them.
-    console_secret = (settings.admin_session_secret
-                      or load_or_create_secret(settings.admin_session_key_path))
-    auth = ApiKeyService(accounts, token_secret=console_secret)
-    auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
-    providers.on_connected = lambda p: ledger.open_provider(p.account_id)
     reserve_of = lambda plugin: pricing.price(plugin).reserve_micro_per_unit  # noqa: E731
     market_settings = MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
                                      canary_interval_s=settings.market_canary_interval_s,
@@ -244,6 +223,31 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                            # no report from count as warm)
                            warm=registry.warm.is_warm,
                            on_rule_changed=audit_market_rules(audit))
+    jobs = JobService(job_repo, blobs(job_blobs, "jobs"), catalog, signer,
+                      EventHub(bus, SettledCopyCodec()),
+                      JobSettings(max_attempts=settings.max_attempts,
+                                  lease_timeout_s=settings.lease_timeout_s,
+                                  envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
+                      # the image size (and any input default_from = "weights") as the
+                      # connected providers' weights give it; the gateway keeps it current
+                      input_defaults=WeightsDefaults(
+                          catalog, _held_plugins(replicas, providers) if bus.shared else None),
+                      metrics=counting, retention=retention, result_cache=result_cache,
+                      check_inputs=registry.check_job_adapters,  # another plugin's adapter: 422
+                      # admission of a job's terms before any row or hold (CannotMeetTerms)
+                      check_terms=terms_check(market),
+                      on_failure=market.failed,  # the failures counted as the provider's
+                      stalls=stall_watch(sessions, catalog, settings, market))
+    attach_checkpoints(jobs, sessions, settings)
+    from broker.admin.session import load_or_create_secret
+
+    # Exchanged API tokens are signed with a key derived from the console's secret, which
+    # replicas share (SPARECYCLES_ADMIN_SESSION_SECRET) so a token works on any of them.
+    console_secret = (settings.admin_session_secret
+                      or load_or_create_secret(settings.admin_session_key_path))
+    auth = ApiKeyService(accounts, token_secret=console_secret)
+    auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
+    providers.on_connected = lambda p: ledger.open_provider(p.account_id)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints)
     # Lost disputes cut a provider's concurrency quota (verification's records hold it).
@@ -251,7 +255,6 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
                             needs_download=registry.warm.needs_download,
                             quota=verifications.quota_factor if settings.verification else None)
     attach_market(market, canaries, jobs)
-    use_measured_throughput(jobs, market)
     admin = build_admin(settings, sessions, secret=console_secret, audit=audit, pricing=pricing,
                         providers=providers, dispatcher=dispatcher, ledger=ledger,
                         payments=payments, jobs=jobs, catalog=catalog, auth=auth)

@@ -28,6 +28,7 @@ from .hub import EventHub
 from .model import Job, JobOutput, JobRequest, JobState
 from .cache import result_cache_key
 from .ports import BlobStore, JobMetrics, JobRepository, NoMetrics, Presence
+from .stalls import StallWatch
 from .leases import JobLeases
 from .queries import JobQueries
 from .settlement import JobSettlement
@@ -69,7 +70,10 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                  seed_rng: random.Random | None = None,
                  metrics: JobMetrics | None = None,
                  retention: Retention | None = None, result_cache=None,
-                 check_inputs: Callable[[str, dict], None] | None = None):
+                 check_inputs: Callable[[str, dict], None] | None = None,
+                 check_terms: Callable[[Job, int], None] | None = None,
+                 on_failure: Callable[[str, str], None] | None = None,
+                 stalls: StallWatch | None = None):
         self.repo = repo
         self.metrics = metrics or NoMetrics()  # broker.observability.metrics
         # Draws the seed of every job whose client gave none (see draw_seed)
@@ -89,10 +93,10 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         self.on_released = lambda provider_id, job_id: None
         self.cancel_hook = lambda job: None      # pushes Cancel to the agent holding a job
         self.checkpoints = None   # broker.jobs.checkpoints.CheckpointService (resume, shares)
-        self.stalls = None        # broker.jobs.stalls.StallWatch (runs far past their bound)
-        # The market (set by the wiring): admission of a job's terms before any row or hold
-        # (raises CannotMeetTerms), and the timings of every verified receipt (θ).
-        self.check_terms = None                  # callable(job, n_slots) -> None
+        self.stalls = stalls      # runs far past their bound are taken back (None: never)
+        # The market: admission of a job's terms before any row or hold (raises
+        # CannotMeetTerms; None: every job's terms are admitted).
+        self.check_terms = check_terms
         # Whether anybody could run a build (set by the wiring): a job for a build no
         # provider known to the broker serves is refused at submit (409 no_provider), and
         # expire_unserved() gives up queued jobs whose build has had none for the window.
@@ -104,7 +108,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         # times the run from the assignment (``matched_at``) to then (θ, DESIGN §4).
         self.on_receipt = lambda job, receipt, received_at: None
         # A run that failed in a way that counts against the provider's reliability.
-        self.on_failure = lambda provider_id, plugin: None
+        self.on_failure = on_failure or (lambda provider_id, plugin: None)
         # (job, provider id) -> that provider's operator (account id) when a provider of
         # another operator is connected that could run the job, else None (see failed()).
         self.second_opinion = lambda job, provider_id: None
