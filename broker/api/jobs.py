@@ -122,8 +122,9 @@ def create_job():
     if wait_s is not None and not waiting.may_wait():
         wait_s = None  # the replica holds all the waiting clients it may: answer at once
     svc, who = services(), principal()
-    svc.jobs.check_submitter(who)  # a key that cannot submit hears so before its body is read
-    job, created = svc.jobs.submit(who, job_request(json_body(), svc.catalog),
+    body = json_body()  # JSON that cannot be read is refused first, then a key that cannot
+    svc.jobs.check_submitter(who)  # submit, then what the body asks (job_request)
+    job, created = svc.jobs.submit(who, job_request(body, svc.catalog),
                                    idempotency_key=key, request_id=request_id())
     status = 202 if created else 200
     applied = {"Preference-Applied": f"wait={wait_s:g}"} if wait_s is not None else {}

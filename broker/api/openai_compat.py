@@ -376,6 +376,7 @@ def _submit(manifest, inputs: dict, terms: dict, n: int):
                             "inputs": inputs, **terms}
     if n > 1:
         body["n"] = n
+    svc.jobs.check_submitter(who)  # before the terms are judged, as for POST /v1/jobs
     job, _ = svc.jobs.submit(who, job_request(body, svc.catalog),
                              idempotency_key=idempotency_key(),
                              request_id=request_id())
