@@ -170,8 +170,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
     if counting:
         ledger = MeteredLedger(ledger, counting)  # postings and earnings in /metrics
-    pricing = PricingService(SqlPriceRepository(sessions), bus=bus)
-    pricing.on_changed = audit_price_changes(audit)
+    pricing = PricingService(SqlPriceRepository(sessions), bus=bus,
+                             on_changed=audit_price_changes(audit))
     gateway = None
     if settings.stripe_secret_key:
         from broker.payments.stripe_gateway import StripeGateway
@@ -245,8 +245,9 @@ def build_services(settings: Settings, *, migrate: bool | str = True) -> Service
     # replicas share (SPARECYCLES_ADMIN_SESSION_SECRET) so a token works on any of them.
     console_secret = (settings.admin_session_secret
                       or load_or_create_secret(settings.admin_session_key_path))
-    auth = ApiKeyService(accounts, token_secret=console_secret)
-    auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
+    auth = ApiKeyService(accounts, token_secret=console_secret,
+                         on_account_created=lambda account_id, role: _open_ledger_accounts(
+                             ledger, account_id, role))
     providers.on_connected = lambda p: ledger.open_provider(p.account_id)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints)
