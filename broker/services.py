@@ -13,7 +13,7 @@ from sqlalchemy.orm import sessionmaker
 
 from sdk.protocol.signing import KeyPair
 
-from broker.admin.wiring import audit_market_rules, audit_price_changes, build_admin
+from broker.admin_wiring import audit_market_rules, audit_price_changes, build_admin
 from broker.audit.money import AuditedLedger
 from broker.audit.service import AuditLog
 from broker.auth.service import ApiKeyService
@@ -26,7 +26,7 @@ from broker.storage.sealed import open_at_rest
 from broker.storage.sealed import attach as attach_at_rest
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
-from broker.fault_tolerance import attach_fault_tolerance, use_measured_throughput
+from broker.fault_tolerance import attach_checkpoints, stall_watch
 from broker.jobs.hub import EventHub
 from broker.jobs.model import SettledCopyCodec
 from broker.jobs.service import JobService, JobSettings
@@ -37,7 +37,7 @@ from broker.market import MarketService, MarketSettings
 from broker.providers.defaults import WeightsDefaults
 from broker.market.canary import CanaryService
 from broker.market.elsewhere import MarketElsewhere
-from broker.market.wiring import attach_market, manifests_of
+from broker.market.wiring import attach_market, manifests_of, terms_check
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
 from broker.providers.presence import Presence
@@ -175,8 +175,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
     ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
     if counting:
         ledger = MeteredLedger(ledger, counting)  # postings and earnings in /metrics
-    pricing = PricingService(SqlPriceRepository(sessions), bus=bus)
-    pricing.on_changed = audit_price_changes(audit)
+    pricing = PricingService(SqlPriceRepository(sessions), bus=bus,
+                             on_changed=audit_price_changes(audit))
     gateway = None
     if settings.stripe_secret_key:
         from broker.payments.stripe_gateway import StripeGateway
@@ -209,28 +209,6 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
     result_cache = ResultCache(job_repo, job_blobs, verified=lambda job_id: getattr(
         verifications.get(job_id), "status", None) == CheckStatus.VERIFIED,
         expired=retention.expired)
-    jobs = JobService(job_repo, blobs(job_blobs, "jobs"), catalog, signer,
-                      EventHub(bus, SettledCopyCodec()),
-                      JobSettings(max_attempts=settings.max_attempts,
-                                  lease_timeout_s=settings.lease_timeout_s,
-                                  envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
-                      # the image size (and any input default_from = "weights") as the
-                      # connected providers' weights give it; the gateway keeps it current
-                      input_defaults=WeightsDefaults(
-                          catalog, _held_plugins(replicas, providers) if bus.shared else None),
-                      metrics=counting, retention=retention, result_cache=result_cache)
-    jobs.check_inputs = registry.check_job_adapters  # an adapter for another plugin: 422
-    attach_fault_tolerance(jobs, sessions, catalog, settings)
-    from broker.admin.session import load_or_create_secret
-
-    # Exchanged API tokens are signed with a key derived from the console's secret, which
-    # replicas share (SPARECYCLES_ADMIN_SESSION_SECRET) so a token works on any of them.
-    console_secret = (settings.admin_session_secret
-                      or load_or_create_secret(settings.admin_session_key_path))
-    auth = ApiKeyService(accounts, token_secret=console_secret)
-    auth.on_account_created = lambda account_id, role: _open_ledger_accounts(ledger, account_id, role)
-    providers.on_connected = lambda p: ledger.open_provider(p.account_id)
-    dispatcher = Dispatcher(jobs, bus=bus)
     reserve_of = lambda plugin: pricing.price(plugin).reserve_micro_per_unit  # noqa: E731
     market_settings = MarketSettings(claimed_throughput_factor=settings.market_claim_factor,
                                      canary_interval_s=settings.market_canary_interval_s,
@@ -244,17 +222,46 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
         replicas.held_elsewhere, providers.repo.many, figures) if bus.shared else None
     market = MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
                            manifest_of=manifests_of(catalog), linked_to=links.linked_to,
-                           bus=bus, figures=figures, elsewhere=elsewhere)
-    market.on_rule_changed = audit_market_rules(audit)
+                           bus=bus, figures=figures, elsewhere=elsewhere,
+                           # the cold-start term asks the registry's warm index whether the
+                           # provider's plugin host has the model loaded (providers it has
+                           # no report from count as warm)
+                           warm=registry.warm.is_warm,
+                           on_rule_changed=audit_market_rules(audit))
+    jobs = JobService(job_repo, blobs(job_blobs, "jobs"), catalog, signer,
+                      EventHub(bus, SettledCopyCodec()),
+                      JobSettings(max_attempts=settings.max_attempts,
+                                  lease_timeout_s=settings.lease_timeout_s,
+                                  envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
+                      # the image size (and any input default_from = "weights") as the
+                      # connected providers' weights give it; the gateway keeps it current
+                      input_defaults=WeightsDefaults(
+                          catalog, _held_plugins(replicas, providers) if bus.shared else None),
+                      metrics=counting, retention=retention, result_cache=result_cache,
+                      check_inputs=registry.check_job_adapters,  # another plugin's adapter: 422
+                      # admission of a job's terms before any row or hold (CannotMeetTerms)
+                      check_terms=terms_check(market),
+                      on_failure=market.failed,  # the failures counted as the provider's
+                      stalls=stall_watch(sessions, catalog, settings, market))
+    attach_checkpoints(jobs, sessions, settings)
+    from broker.admin.session import load_or_create_secret
+
+    # Exchanged API tokens are signed with a key derived from the console's secret, which
+    # replicas share (SPARECYCLES_ADMIN_SESSION_SECRET) so a token works on any of them.
+    console_secret = (settings.admin_session_secret
+                      or load_or_create_secret(settings.admin_session_key_path))
+    auth = ApiKeyService(accounts, token_secret=console_secret,
+                         on_account_created=lambda account_id, role: _open_ledger_accounts(
+                             ledger, account_id, role))
+    providers.on_connected = lambda p: ledger.open_provider(p.account_id)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
                              envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints,
                              linked_to=links.linked_to)
-    attach_market(market, canaries, jobs, dispatcher)
-    # The market's cold-start term asks the registry's warm index whether the provider's
-    # plugin host has the model loaded (providers it has no report from count as warm).
-    market.warm = registry.warm.is_warm
-    dispatcher.needs_download = registry.warm.needs_download
-    use_measured_throughput(jobs, market)
+    # Lost disputes cut a provider's concurrency quota (verification's records hold it).
+    dispatcher = Dispatcher(jobs, bus=bus, market=market, canary_sender=canaries.send_due,
+                            needs_download=registry.warm.needs_download,
+                            quota=verifications.quota_factor if settings.verification else None)
+    attach_market(market, canaries, jobs)
     admin = build_admin(settings, sessions, secret=console_secret, audit=audit, pricing=pricing,
                         providers=providers, dispatcher=dispatcher, ledger=ledger,
                         payments=payments, jobs=jobs, catalog=catalog, auth=auth)
@@ -291,9 +298,10 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     dispatch on minimum stake and the quota lost disputes cut."""
     import time as _time
 
+    from broker.jobs.verification_port import JobsForVerification
     from broker.storage.verification_sql import SqlVerificationRepository
-    from broker.verification.service import (CHECK_ACCOUNT, VerificationService,
-                                             VerificationSettings)
+    from broker.verification.runs import CHECK_ACCOUNT
+    from broker.verification.service import VerificationService, VerificationSettings
 
     if accounts.get_account(CHECK_ACCOUNT) is None:
         try:
@@ -305,7 +313,7 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     ledger.open_client(CHECK_ACCOUNT)
     repo = SqlVerificationRepository(sessions)
     verification = VerificationService(
-        repo, jobs, catalog, ledger, providers, admin["admin"].policies,
+        repo, JobsForVerification(jobs), catalog, ledger, providers, admin["admin"].policies,
         disputes=admin["disputes"], audit=admin["audit"], links=links,
         settings=VerificationSettings(check_delay_s=(0.0, max(0.0, settings.check_delay_max_s))))
     verification.judge_in_background()  # not on the agent stream that settled the check
@@ -315,7 +323,6 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
         canaries.on_answer = verification.canary_answer
     jobs.on_ended = verification.ended
     dispatcher.eligible = verification.stake_ok
-    dispatcher.quota = repo.quota_factor
     verification.on_quota = dispatcher.set_quota
     return verification
 

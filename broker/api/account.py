@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from flask import Blueprint
 
-from broker.errors import InvalidRequest
 from broker.ledger.model import AccountId, AccountKind
 from .common import int_arg, json_object, principal, services
+from .job_request import QUOTE_FIELDS, job_request
 
 bp = Blueprint("account", __name__)
 
@@ -68,15 +68,12 @@ def list_transactions():
 
 @bp.post("/v1/quotes")
 def create_quote():
-    body = json_object(("plugin", "version", "inputs"), '{"plugin": "sd15", "inputs": {...}}')
     svc = services()
-    plugin, version = body.get("plugin"), body.get("version")
-    if not isinstance(plugin, str) or not plugin:
-        raise InvalidRequest(f"plugin must be a plugin name; available: {svc.catalog.names()}",
-                             field="plugin")
-    manifest = svc.catalog.get(plugin, version)
+    asked = job_request(json_object(QUOTE_FIELDS, '{"plugin": "sd15", "inputs": {...}}'),
+                        svc.catalog, QUOTE_FIELDS)
+    manifest = asked.manifest
     # as a job would run them: the weights' own defaults (image sizes) for what is left out
-    inputs = svc.jobs.resolve_inputs(manifest, body.get("inputs", {}))
+    inputs = svc.jobs.resolve_inputs(manifest, asked.inputs)
     q = svc.pricing.quote(manifest.name, manifest.version, manifest.work_units_for(inputs))
     # Adapter royalties (issue #5) are added to the hold at submit and paid after the
     # provider's share and before the platform fee (broker/billing/service.py).

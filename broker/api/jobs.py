@@ -10,6 +10,7 @@ from broker.errors import BrokerError
 from broker.jobs.hub import HubWait, quiet_slice_s
 from broker.jobs.model import Job, JobOutput
 from . import waiting
+from .job_request import job_request
 from .common import (idempotency_key, int_arg, internal_problem, json_body, output_response,
                      principal, request_id, seconds_arg, served_type, services)
 
@@ -121,8 +122,10 @@ def create_job():
     if wait_s is not None and not waiting.may_wait():
         wait_s = None  # the replica holds all the waiting clients it may: answer at once
     svc, who = services(), principal()
-    job, created = svc.jobs.submit(who, json_body(), idempotency_key=key,
-                                   request_id=request_id())
+    body = json_body()  # JSON that cannot be read is refused first, then a key that cannot
+    svc.jobs.check_submitter(who)  # submit, then what the body asks (job_request)
+    job, created = svc.jobs.submit(who, job_request(body, svc.catalog),
+                                   idempotency_key=key, request_id=request_id())
     status = 202 if created else 200
     applied = {"Preference-Applied": f"wait={wait_s:g}"} if wait_s is not None else {}
     if job.batch_id:

@@ -32,6 +32,7 @@ from broker.jobs.hub import HubWait, quiet_slice_s
 from sdk.protocol.signing import SignatureError, verify
 from . import schemas, waiting
 from .jobs import _metas
+from .job_request import job_request
 from .common import (idempotency_key, internal_problem, json_body, output_response,
                      principal, request_id, services)
 
@@ -373,7 +374,9 @@ def _submit(manifest, inputs: dict, terms: dict, n: int):
                             "inputs": inputs, **terms}
     if n > 1:
         body["n"] = n
-    job, _ = svc.jobs.submit(who, body, idempotency_key=idempotency_key(),
+    svc.jobs.check_submitter(who)  # before the terms are judged, as for POST /v1/jobs
+    job, _ = svc.jobs.submit(who, job_request(body, svc.catalog),
+                             idempotency_key=idempotency_key(),
                              request_id=request_id())
     if job.batch_id:
         return svc.jobs.batch(who, job.batch_id)

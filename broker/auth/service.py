@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import jwt
 
@@ -94,7 +94,10 @@ def _sha(secret: str) -> str:
 class ApiKeyService:
     CACHE_TTL_S = KEY_CACHE_S
 
-    def __init__(self, repo: AccountRepository, clock=time.time, token_secret: str = ""):
+    def __init__(self, repo: AccountRepository, clock=time.time, token_secret: str = "",
+                 on_account_created: Callable[[str, str], None] | None = None):
+        """``on_account_created(account_id, role)`` runs after each new account (the wiring
+        opens its ledger accounts there)."""
         self.repo = repo
         self.clock = clock
         # Signs exchanged tokens; replicas share it (SPARECYCLES_ADMIN_SESSION_SECRET or the
@@ -106,7 +109,7 @@ class ApiKeyService:
         self._cache: dict[str, tuple[Principal, float]] = {}
         self._records: dict[str, tuple[KeyRecord | None, float]] = {}
         self._lock = threading.Lock()
-        self.on_account_created = lambda account_id, role: None  # opens ledger accounts
+        self.on_account_created = on_account_created or (lambda account_id, role: None)
 
     def create_account_with_key(self, role: str, name: str = "", *, scopes=None,
                                 expires_at: float | None = None) -> tuple[str, Principal]:

@@ -29,6 +29,9 @@ from fractions import Fraction
 from typing import Callable
 
 from broker.billing.errors import InsufficientCredits
+from broker.billing.shared import (cancel_shared, open_accounts_and, royalty_fields,
+                                   settle_shared)
+from broker.jobs.checkpoints import Part
 from broker.jobs.model import Job
 from broker.ledger import errors as lerr
 from broker.ledger.model import AccountId, AccountKind, Splits, Transaction
@@ -214,29 +217,13 @@ class JobBilling:
             job.hold_id, splits, idempotency_key=f"job:{job.id}:post",
             vesting_window_s=vesting_window_s))
 
+    def settle_shared(self, job: Job, work_units_used, parts: list[Part],
+                      resumed: Fraction) -> Transaction | None:
+        """:meth:`settle` for a job resumed from checkpoints: each provider that worked on
+        it is paid its share (broker.billing.shared)."""
+        return settle_shared(self, job, work_units_used, parts, resumed)
 
-def royalty_fields(legs: list[tuple[str, int]]) -> dict:
-    """``Splits`` keyword arguments paying ``legs`` [(publisher, royalty), ...]."""
-    if not legs:
-        return {}
-    return {"publisher": legs[0][0], "royalty_micro": legs[0][1],
-            "other_royalties": tuple(legs[1:])}
-
-
-def open_accounts_and(ledger: LedgerService, post: Callable[[], Transaction]) -> Transaction:
-    """``post()``, opening each provider-vesting or publisher-royalties account it names
-    that does not exist yet (a provider or publisher paid for the first time), once each."""
-    opened: set[AccountId] = set()
-    while True:
-        try:
-            return post()
-        except lerr.UnknownAccount as exc:
-            account = exc.account
-            if account in opened or account.kind not in (AccountKind.PROVIDER_VESTING,
-                                                         AccountKind.PUBLISHER_ROYALTIES):
-                raise
-            opened.add(account)
-            if account.kind is AccountKind.PROVIDER_VESTING:
-                ledger.open_provider(account.owner)
-            else:
-                ledger.open_publisher(account.owner)
+    def cancel_shared(self, job: Job, parts: list[Part], resumed: Fraction, reason: str,
+                      shown: Fraction = Fraction(0)) -> Transaction | None:
+        """:meth:`cancelled` for a job resumed from checkpoints (broker.billing.shared)."""
+        return cancel_shared(self, job, parts, resumed, reason, shown)

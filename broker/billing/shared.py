@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from fractions import Fraction
+from typing import Callable
 
-from broker.billing.service import open_accounts_and, royalty_fields
 from broker.jobs.checkpoints import Part
 from broker.jobs.model import Job
-from broker.ledger.model import Splits, Transaction
+from broker.ledger import errors as lerr
+from broker.ledger.model import AccountId, AccountKind, Splits, Transaction
+from broker.ledger.service import LedgerService
 from broker.pricing.model import exact_units
 
 log = logging.getLogger(__name__)
@@ -105,3 +107,30 @@ def _post_shares(billing, job: Job, shares: list[tuple[str, int, int]], *,
     return open_accounts_and(billing.ledger, lambda: billing.ledger.post_shared(
         job.hold_id, main, others, idempotency_key=f"job:{job.id}:post",
         vesting_window_s=price.vesting_window_s))
+
+
+def royalty_fields(legs: list[tuple[str, int]]) -> dict:
+    """``Splits`` keyword arguments paying ``legs`` [(publisher, royalty), ...]."""
+    if not legs:
+        return {}
+    return {"publisher": legs[0][0], "royalty_micro": legs[0][1],
+            "other_royalties": tuple(legs[1:])}
+
+
+def open_accounts_and(ledger: LedgerService, post: Callable[[], Transaction]) -> Transaction:
+    """``post()``, opening each provider-vesting or publisher-royalties account it names
+    that does not exist yet (a provider or publisher paid for the first time), once each."""
+    opened: set[AccountId] = set()
+    while True:
+        try:
+            return post()
+        except lerr.UnknownAccount as exc:
+            account = exc.account
+            if account in opened or account.kind not in (AccountKind.PROVIDER_VESTING,
+                                                         AccountKind.PUBLISHER_ROYALTIES):
+                raise
+            opened.add(account)
+            if account.kind is AccountKind.PROVIDER_VESTING:
+                ledger.open_provider(account.owner)
+            else:
+                ledger.open_publisher(account.owner)

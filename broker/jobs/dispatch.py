@@ -17,7 +17,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from broker.auction.errors import NoMatch
 
@@ -25,6 +25,7 @@ from .model import Job, JobState, job_from_wire, job_to_wire
 from .service import JobService
 
 if TYPE_CHECKING:
+    from broker.market.service import MarketService
     from broker.replicas.bus import ReplicaBus
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,22 @@ class AgentSession:
 
 class Dispatcher:
     def __init__(self, jobs: JobService, *, reap_interval_s: float = 0.5,
-                 rng: random.Random | None = None, bus: ReplicaBus | None = None):
+                 rng: random.Random | None = None, bus: ReplicaBus | None = None,
+                 market: MarketService | None = None,
+                 canary_sender: Callable[[AgentSession], None] | None = None,
+                 quota: Callable[[str], float] | None = None,
+                 needs_download: Callable[[str, Job], bool] | None = None):
         """``bus``: the other broker replicas (docs/architecture.md, *Replicas*): jobs
         queued here that no agent here took wake their dispatchers, and a command for an
         agent whose stream another replica holds (cancel, a freed slot, pause, quota)
-        travels there; None: this process is the whole broker."""
+        travels there; None: this process is the whole broker. ``market``
+        (broker.market.MarketService): each job clears in its auction; None: least-loaded
+        matching. ``canary_sender(session)`` sends the canaries due to an agent with a free
+        slot. ``quota(provider_id)``: the concurrency quota factor lost disputes left a
+        provider (DESIGN §6; None: 1). ``needs_download(provider_id, job)``: whether the
+        provider would first have to download something the job names (an adapter it has
+        not installed, issue #3); such providers are avoided while one that holds
+        everything can take the job."""
         self.jobs = jobs
         self.bus = bus
         self.reap_interval_s = reap_interval_s
@@ -123,16 +135,13 @@ class Dispatcher:
         self._stamp = 0
         self._scanned_at = float("-inf")
         self._remote: set[str] = set()  # ids of jobs other replicas queued (to read)
-        self.market = None        # broker.market.MarketService; None: least-loaded matching
-        self.canary_sender = None  # callable(session): sends the canaries due to an agent
+        self.market = market
+        self.canary_sender = canary_sender
+        self.quota = quota or (lambda provider_id: 1.0)
+        self.needs_download = needs_download or (lambda provider_id, job: False)
         # Verification (DESIGN §6): whether a provider may take a plugin's jobs (it holds
-        # the plugin's minimum stake), and its concurrency quota factor.
+        # the plugin's minimum stake; set by the wiring, as verification is built later).
         self.eligible = lambda provider_id, plugin: True
-        self.quota = lambda provider_id: 1.0
-        # The marketplace (issue #3): whether a provider would first have to download
-        # something the job names (an adapter it has not installed). Such providers are
-        # avoided while one that holds everything can take the job.
-        self.needs_download = lambda provider_id, job: False
         # An agent's stream ended (broker.providers.presence: it was seen until now).
         self.on_left = lambda provider_id: None
         jobs.on_queued = self._queued

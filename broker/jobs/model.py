@@ -153,3 +153,18 @@ def job_from_wire(doc: dict) -> Job:
     doc = dict(doc)
     doc["state"] = JobState(doc["state"])
     return Job(**doc)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What a client asks for, checked at the edge (``broker.api.job_request``) and shared by
+    submit and quote: the build, the inputs as sent (the job service checks them against
+    the manifest and fills the defaults), and the market and output options."""
+
+    manifest: Any                    # sdk.protocol.manifest.Manifest of plugin@version
+    inputs: Any                      # as the client sent them
+    terms: dict[str, Any]            # priority, max_price_micro, deadline_s, n
+    verify: str = "sampled"          # or "always"
+    weights_digest: str | None = None
+    output_format: dict | None = None  # None: the plugin's own
+    cache: bool = False

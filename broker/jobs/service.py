@@ -12,38 +12,28 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, replace
-from fractions import Fraction
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
-from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
-from sdk.protocol.envelope import EnvelopeError, make_envelope, open_receipt, sign_envelope
+from sdk.protocol.canonical import canonical_bytes, sha256_hex
 from sdk.protocol.schema import InputError
 from sdk.protocol.signing import KeyPair
-from sdk.logs import new_request_digest, request_digest
+from sdk.logs import request_digest
 
 from broker.auth.service import Principal
-from broker.billing.shared import cancel_shared, settle_shared
 from broker.catalog.registry import PluginCatalog
 from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
-from .errors import (JobNotCancellable, JobNotFound, NoProvider, OutputExpired, OutputNotFound,
-                     ReceiptRefused)
-from .checkpoints import steps_of
-from .repro import ENVELOPE_FIELD as REPRO_FIELD, declared_class
-from .hub import EventHub, HubWait, Waiting, drive, quiet_slice_s
-from .model import LEASED, Job, JobEvent, JobOutput, JobState
-from .cache import parse_output_format, result_cache_key
+from .errors import NoProvider
+from .hub import EventHub
+from .model import Job, JobOutput, JobRequest, JobState
+from .cache import result_cache_key
 from .ports import BlobStore, JobMetrics, JobRepository, NoMetrics, Presence
+from .stalls import StallWatch
+from .leases import JobLeases
+from .queries import JobQueries
+from .settlement import JobSettlement
 
 log = logging.getLogger(__name__)
-ASSIGNED_COPIES = 4096  # leases kept as assign() wrote them, for their receipts
-MAX_UPLOADS_PER_REQUEST = 1024  # blobs one UploadRequest may name (a receipt's outputs)
-MAX_UPLOAD_BYTES = 5 << 30      # one presigned PUT (S3's limit for a single PUT)
-MAX_PREVIEW_BYTES = 16 * 1024   # a progress preview (a thumbnail)
-PREVIEW_TYPES = ("image/webp", "image/jpeg", "image/png")
-BAD_INPUT = "bad_input"            # a failure code: the plugin refused the job's input
-NO_PROVIDER = "no_provider"        # a failure code: no provider served the build for long
-INPUT_DISPUTED = "input_disputed"  # a requeue: another operator's provider tries that input
 
 
 @dataclass
@@ -51,16 +41,6 @@ class JobSettings:
     max_attempts: int = 3
     lease_timeout_s: float = 30.0
     envelope_ttl_s: float = 60.0
-
-
-class AssignmentTarget:
-    """What the service needs of a connected agent to hand it a job (see dispatch.py)."""
-
-    provider_id: str
-    public_key: str
-
-    def send_assignment(self, envelope_bytes: bytes, signature: str) -> None: ...
-    def send_cancel(self, job_id: str, attempt: int, reason: str) -> None: ...
 
 
 class InputDefaults(Protocol):
@@ -78,14 +58,22 @@ class Retention(Protocol):
     def expired(self, finished_at: float | None, now: float | None = None) -> bool: ...
 
 
-class JobService:
+class JobService(JobQueries, JobLeases, JobSettlement):
+    """Jobs from submit to their end. This file holds creation (submit, a split's siblings,
+    verification's check runs, cache answers); reading is in queries.py, leases in leases.py,
+    receipts, failures and money in settlement.py."""
+
     def __init__(self, repo: JobRepository, blobs: BlobStore, catalog: PluginCatalog,
                  signer: KeyPair, hub: EventHub | None = None,
                  settings: JobSettings | None = None, clock=time.time, billing=None,
                  input_defaults: InputDefaults | None = None,
                  seed_rng: random.Random | None = None,
                  metrics: JobMetrics | None = None,
-                 retention: Retention | None = None, result_cache=None):
+                 retention: Retention | None = None, result_cache=None,
+                 check_inputs: Callable[[str, dict], None] | None = None,
+                 check_terms: Callable[[Job, int], None] | None = None,
+                 on_failure: Callable[[str, str], None] | None = None,
+                 stalls: StallWatch | None = None):
         self.repo = repo
         self.metrics = metrics or NoMetrics()  # broker.observability.metrics
         # Draws the seed of every job whose client gave none (see draw_seed)
@@ -105,22 +93,22 @@ class JobService:
         self.on_released = lambda provider_id, job_id: None
         self.cancel_hook = lambda job: None      # pushes Cancel to the agent holding a job
         self.checkpoints = None   # broker.jobs.checkpoints.CheckpointService (resume, shares)
-        self.stalls = None        # broker.jobs.stalls.StallWatch (runs far past their bound)
-        # The market (set by the wiring): admission of a job's terms before any row or hold
-        # (raises CannotMeetTerms), and the timings of every verified receipt (θ).
-        self.check_terms = None                  # callable(job, n_slots) -> None
+        self.stalls = stalls      # runs far past their bound are taken back (None: never)
+        # The market: admission of a job's terms before any row or hold (raises
+        # CannotMeetTerms; None: every job's terms are admitted).
+        self.check_terms = check_terms
         # Whether anybody could run a build (set by the wiring): a job for a build no
         # provider known to the broker serves is refused at submit (409 no_provider), and
         # expire_unserved() gives up queued jobs whose build has had none for the window.
         self.presence: Presence | None = None
-        # Input checks that need more than the manifest (set by the wiring): the registry
-        # refuses adapters published for another plugin. callable(plugin, inputs) -> None
-        self.check_inputs = lambda plugin, inputs: None
+        # Input checks that need more than the manifest: the registry refuses adapters
+        # published for another plugin (raises InvalidInput).
+        self.check_inputs = check_inputs or (lambda plugin, inputs: None)
         # Every settled receipt, with when it reached the broker (epoch seconds): the market
         # times the run from the assignment (``matched_at``) to then (θ, DESIGN §4).
         self.on_receipt = lambda job, receipt, received_at: None
         # A run that failed in a way that counts against the provider's reliability.
-        self.on_failure = lambda provider_id, plugin: None
+        self.on_failure = on_failure or (lambda provider_id, plugin: None)
         # (job, provider id) -> that provider's operator (account id) when a provider of
         # another operator is connected that could run the job, else None (see failed()).
         self.second_opinion = lambda job, provider_id: None
@@ -135,58 +123,27 @@ class JobService:
         self._assigned_lock = threading.Lock()
 
     # ---- clients ---------------------------------------------------------------------
-    def submit(self, who: Principal, body: Any, idempotency_key: str | None = None,
-               request_id: str | None = None) -> tuple[Job, bool]:
-        """Validate and queue a job. Returns (job, created); a repeated idempotency key with
-        the same request returns the first job, with another request raises.
-        ``request_id``: the X-Request-Id of the request, kept with the job (and its split
-        siblings) and carried, as its digest, in each envelope (sdk.logs)."""
+    def check_submitter(self, who: Principal) -> None:
+        """Refuse (403 role_cannot_submit) a key whose role does not pay for jobs."""
         if who.role not in SUBMIT_ROLES:
             raise Forbidden(
                 f"submitting jobs needs a client key; yours is {_a(who.role)} key, and "
                 f"{_ROLE_USES.get(who.role, 'that role does not pay for jobs')}. Submit "
                 "with a client key (an admin creates one with `sparecycles broker "
                 "create-key --role client`)", code_override="role_cannot_submit")
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object like "
-                                 '{"plugin": "sd15", "inputs": {"prompt": "…"}}')
-        unknown = (set(body) - {"plugin", "version", "inputs", "verify", "weights_digest"}
-                   - set(MARKET_FIELDS) - set(OUTPUT_FIELDS))
-        if unknown:
-            raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; allowed: plugin, "
-                                 "version, inputs, verify, weights_digest, "
-                                 + ", ".join(MARKET_FIELDS + OUTPUT_FIELDS),
-                                 field=sorted(unknown)[0])
-        weights = body.get("weights_digest")
-        if weights is not None and not is_sha256_hex(weights):
-            raise InvalidRequest(f"weights_digest is {weights!r}; it must be the 64 lowercase "
-                                 "hex digits of a weights digest (GET /v1/plugins lists the "
-                                 "ones providers serve)", field="weights_digest")
-        terms = market_terms(body)
-        verify = body.get("verify", "sampled")
-        if verify not in ("sampled", "always"):
-            raise InvalidRequest(f"verify is {verify!r}; use \"sampled\" (the broker checks a "
-                                 "sample of jobs, free) or \"always\" (every output is re-run "
-                                 "on a second provider; you pay for both runs)", field="verify")
-        plugin = body.get("plugin")
-        if not isinstance(plugin, str) or not plugin:
-            raise InvalidRequest(f"plugin must be a plugin name; available: {self.catalog.names()}",
-                                 field="plugin")
-        version = body.get("version")
-        if version is not None and not isinstance(version, str):
-            raise InvalidRequest("version must be a string like 1.0.0", field="version")
-        manifest = self.catalog.get(plugin, version)
-        output_format = parse_output_format(body, manifest)
-        cache = body.get("cache", False)
-        if not isinstance(cache, bool):
-            raise InvalidRequest(f"cache is {cache!r}; use true (answer from the result cache "
-                                 "when a verified job with the same inputs exists, at the "
-                                 "plugin's cache price) or false (always run; the default)",
-                                 field="cache")
-        if cache and terms["n"] > 1:
-            raise InvalidRequest("cache works on single jobs: leave out n (or set it to 1), "
-                                 "or leave out cache", field="cache")
-        asked, inputs = self._inputs(manifest, body.get("inputs", {}), weights)
+
+    def submit(self, who: Principal, request: JobRequest, idempotency_key: str | None = None,
+               request_id: str | None = None) -> tuple[Job, bool]:
+        """Queue the job ``request`` asks for (checked at the edge, broker.api.job_request).
+        Returns (job, created); a repeated idempotency key with the same request returns
+        the first job, with another request raises.
+        ``request_id``: the X-Request-Id of the request, kept with the job (and its split
+        siblings) and carried, as its digest, in each envelope (sdk.logs)."""
+        self.check_submitter(who)
+        manifest, terms, verify = request.manifest, request.terms, request.verify
+        weights, output_format, cache = (request.weights_digest, request.output_format,
+                                         request.cache)
+        asked, inputs = self._inputs(manifest, request.inputs, weights)
         self.check_inputs(manifest.name, inputs)
         # The broker fixes the seed (after ``asked`` is taken: a retry of the same request
         # is the same request, and replays the first job, the seed it drew included).
@@ -496,746 +453,12 @@ class JobService:
                                      self.metrics.submitted(job.plugin)))
         return job
 
-    def batch(self, who: Principal, batch_id: str) -> list[Job]:
-        """The siblings of a split request, in order (404 unless they are the caller's)."""
-        jobs = self.repo.batch(batch_id) if _is_uuid(batch_id) else []
-        if not jobs or (jobs[0].account_id != who.account_id and who.role != "admin"):
-            raise JobNotFound(f"no batch {batch_id!r} in your account")
-        return jobs
-
-    def get(self, who: Principal, job_id: str) -> Job:
-        job = self.repo.get(job_id) if _is_uuid(job_id) else None
-        if job is None or (job.account_id != who.account_id and who.role != "admin"):
-            raise JobNotFound(f"no job {job_id!r} in your account")
-        return job
-
-    def wait(self, who: Principal, job_id: str, timeout_s: float, job: Job | None = None) -> Job:
-        """The job once it is terminal, or as it is when ``timeout_s`` passes (``job``: the
-        caller's fresh copy, e.g. just submitted). Blocks this thread while it waits."""
-        return drive(self.waiting(who, job_id, timeout_s, job), self.hub)
-
-    def waiting(self, who: Principal, job_id: str, timeout_s: float,
-                job: Job | None = None) -> Waiting[Job]:
-        """:meth:`wait` as a generator that yields each wait on the hub instead of blocking
-        (see :mod:`.hub`): the asyncio front waits on its event loop, holding no thread."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        version = self.hub.version(job_id)
-        # A caller's copy is from before the version was read: a fast job may have ended in
-        # between, and no later notification would come to say so.
-        fresh = job is None or self.hub.ended(job_id)
-        if fresh:
-            job = self._ended_copy(who, job_id) or self.get(who, job_id)
-        while not job.state.terminal:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return job if fresh else self.get(who, job_id)
-            seen = version
-            version = yield HubWait(job_id, seen, min(left, quiet_slice_s()))
-            # Every change here wakes the waiter (assigned, running, progress…); the hub
-            # says whether it was the end. A quiet slice re-reads the row: the job may
-            # have ended on another broker replica.
-            if self.hub.ended(job_id):
-                job, fresh = self._ended_copy(who, job_id) or self.get(who, job_id), True
-            elif version == seen:
-                job, fresh = self.get(who, job_id), True
-            else:
-                fresh = False
-        return job
-
-    def wait_batch(self, who: Principal, batch_id: str, timeout_s: float,
-                   jobs: list[Job] | None = None) -> list[Job]:
-        """A split request's siblings once all are terminal, or as they are when
-        ``timeout_s`` passes (``jobs``: the caller's fresh copies, e.g. just submitted)."""
-        return drive(self.waiting_batch(who, batch_id, timeout_s, jobs), self.hub)
-
-    def waiting_batch(self, who: Principal, batch_id: str, timeout_s: float,
-                      jobs: list[Job] | None = None) -> Waiting[list[Job]]:
-        """:meth:`wait_batch` as a waiting generator (see :meth:`waiting`)."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        out = []
-        for job in (jobs or self.batch(who, batch_id)):
-            out.append((yield from self.waiting(who, job.id, deadline - time.monotonic(),
-                                                job=job)))
-        return out
-
-    def _ended_copy(self, who: Principal, job_id: str) -> Job | None:
-        """The job as its settlement wrote it, while nothing has happened to it since
-        (saves reading back what this process just wrote); None: read it."""
-        held = self.hub.copy(job_id)
-        if held is None or (held[0].account_id != who.account_id and who.role != "admin"):
-            return None
-        return held[0]
-
-    def outputs_of(self, job: Job) -> list[JobOutput]:
-        """A settled job's outputs: from its settlement's copy when ``job`` is that copy
-        and nothing has happened to it since, else read."""
-        held = self.hub.copy(job.id)
-        if held is not None and held[0] is job:
-            return list(held[1])
-        return self.repo.outputs(job.id)
-
-    def events(self, who: Principal, job_id: str, after_id: int = 0) -> list[JobEvent]:
-        self.get(who, job_id)
-        return self.repo.events_after(job_id, after_id)
-
-    def outputs(self, who: Principal, job_id: str) -> list[JobOutput]:
-        self.get(who, job_id)
-        return self.repo.outputs(job_id)
-
-    def output(self, who: Principal, job_id: str, index: int) -> tuple[JobOutput, bytes]:
-        out = self.output_meta(who, job_id, index)
-        return out, self.blobs.get(out.sha256)
-
-    def output_meta(self, who: Principal, job_id: str, index: int) -> JobOutput:
-        """Output ``index`` of the job; OutputExpired once retention deleted its bytes."""
-        job = self.get(who, job_id)
-        for out in self.repo.outputs(job_id):
-            if out.index == index:
-                if self.outputs_expired(job):
-                    raise OutputExpired(
-                        f"output {index} of job {job_id} was deleted: outputs are kept "
-                        f"{self.retention.policy.output_retention_s:g} s after their job ends "
-                        "(output_retention_s); run the job again to get it",
-                        field="index")
-                return out
-        raise OutputNotFound(f"job {job_id} has no output {index}")
-
-    def outputs_expired(self, job: Job) -> bool:
-        return self.retention is not None and self.retention.expired(job.finished_at)
-
-    def cancel(self, who: Principal, job_id: str, reason: str = "cancelled by client") -> Job:
-        job = self.get(who, job_id)
-        while not job.state.terminal:
-            with self.repo.atomic():  # the cancellation with its payment or release
-                moved = self.repo.transition(
-                    job.id, [job.state], JobState.CANCELLED, expect_attempt=job.attempt,
-                    event=("cancelled", {"reason": reason}), finished_at=self.clock(),
-                    error_code="cancelled", error_message=reason)
-                if moved is not None:
-                    parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
-                    shown = self.shown_fraction(job)
-                    if parts:  # resumed: earlier providers keep their shares
-                        resumed = self.checkpoints.base_fraction(job)
-                        self._money("cancel", job, lambda: cancel_shared(
-                            self.billing, job, parts, resumed, reason, shown))
-                    else:
-                        self._money("cancel", job,
-                                    lambda: self.billing.cancelled(job, reason, shown))
-            if moved is not None:
-                if job.state in LEASED and job.provider_id:
-                    self.cancel_hook(job)
-                    self.on_released(job.provider_id, job.id)
-                self.hub.notify(job.id, ended=True)
-                self._ended(moved)
-                self.on_ended(moved)
-                return moved
-            job = self.get(who, job_id)
-        if job.state == JobState.CANCELLED:
-            return job
-        raise JobNotCancellable(f"job {job_id} is already {job.state.value}; only jobs that "
-                                "have not finished can be cancelled")
-
-    def shown_fraction(self, job: Job) -> Fraction:
-        """The share of ``job`` (0..1, of its whole work) that its current attempt has
-        *shown* it did: the step of the latest checkpoint the broker received from that
-        attempt, or the tokens it streamed (one ``token`` event each, counted from the
-        resume step, over the job's steps: Llama's ``max_new_tokens``), whichever reaches
-        further. What a cancelled job pays its current provider for; reported progress
-        is not counted (a provider says 100 % as easily as 10 %). 0 for a job no provider
-        holds now."""
-        if job.state not in LEASED or not job.provider_id:
-            return Fraction(0)
-        shown = Fraction(0)
-        resumed = Fraction(0)
-        if self.checkpoints is not None:
-            resumed = self.checkpoints.base_fraction(job)
-            shown = resumed
-            for rec in self.checkpoints.credited(job):  # only those the broker asked for
-                if rec.attempt == job.attempt:
-                    shown = max(shown, Fraction(min(rec.step, rec.total), rec.total))
-        steps = steps_of(job)
-        if steps > 0:
-            tokens = self._tokens_streamed(job, limit=steps)
-            if tokens:
-                shown = max(shown, min(Fraction(1), resumed + Fraction(tokens, steps)))
-        return min(Fraction(1), shown)
-
-    def _tokens_streamed(self, job: Job, limit: int) -> int:
-        """``token`` events of the job's current attempt (after its ``assigned`` event),
-        counted up to ``limit``."""
-        count, after, attempt_started = 0, 0, False
-        while True:
-            events = self.repo.events_after(job.id, after)
-            if not events:
-                return count
-            for e in events:
-                if e.kind == "assigned":
-                    attempt_started = e.data.get("attempt") == job.attempt
-                    count = 0
-                elif e.kind == "token" and attempt_started:
-                    count += 1
-            if count >= limit and attempt_started:
-                return limit
-            after = events[-1].id
-
-    # ---- dispatch --------------------------------------------------------------------
-    def queued(self, limit: int = 200) -> list[Job]:
-        return self.repo.queued(limit)
-
-    def assign(self, job: Job, target: AssignmentTarget,
-               price_micro_per_unit: int | None = None) -> Job | None:
-        """Lease ``job`` to ``target`` and push it the signed envelope. None when someone
-        else moved the job first. ``price_micro_per_unit`` is the auction's clearing price
-        (what settlement charges); None leaves the reserve."""
-        now = self.clock()
-        attempt = job.attempt
-        # Every envelope names the weights to run on: the job's pin, else the digest the
-        # agent advertises for this plugin version (what a check of this run then pins).
-        served = getattr(target, "plugins", {}) or {}
-        extra = {"weights_digest": job.weights_digest
-                 or served.get(f"{job.plugin}@{job.plugin_version}") or "",
-                 # the class this run is judged by, as its machine declared it now
-                 REPRO_FIELD: declared_class(target, job.plugin, job.plugin_version),
-                 # Never the client's text (sdk.logs): its digest, or a random one of the
-                 # same shape for a job no request named.
-                 "request_id": (request_digest(job.request_id) if job.request_id
-                                else new_request_digest())}
-        if job.output_format:  # the agent encodes image outputs so (provider_agent/encode.py)
-            extra["output_format"] = job.output_format
-        if self.checkpoints is not None:
-            extra.update(self.checkpoints.envelope_extra(job) or {})
-        envelope = make_envelope(job_id=job.id, attempt=attempt, plugin=job.plugin,
-                                 version=job.plugin_version, inputs=job.inputs,
-                                 provider_key=target.public_key,
-                                 lease_timeout_s=self.settings.lease_timeout_s,
-                                 ttl_s=self.settings.envelope_ttl_s, now=now, extra=extra,
-                                 sealed=True)  # only the assigned provider reads the inputs
-        # Signed first, so the copy kept for the receipt holds the signed bytes' hash.
-        data, signature = sign_envelope(self.signer, envelope)
-        moved = self.repo.transition(
-            job.id, [JobState.QUEUED], JobState.MATCHED, expect_attempt=attempt,
-            event=("assigned", {"provider_id": target.provider_id, "attempt": attempt}),
-            provider_id=target.provider_id, envelope=envelope, matched_at=now,
-            lease_expires_at=now + self.settings.lease_timeout_s,
-            price_micro_per_unit=price_micro_per_unit)
-        if moved is None:
-            return None
-        self.metrics.placed(job.plugin, now - (job.updated_at or job.created_at or now))
-        with self._assigned_lock:
-            self._assigned[moved.id] = (moved, sha256_hex(data))
-            self._assigned.move_to_end(moved.id)
-            if len(self._assigned) > ASSIGNED_COPIES:
-                self._assigned.popitem(last=False)
-        target.send_assignment(data, signature)
-        self.hub.notify(job.id)
-        return moved
-
-    # ---- agents ----------------------------------------------------------------------
-    def _leased(self, provider_id: str, job_id: str, attempt: int, job: Job | None = None) -> Job:
-        """The job if ``attempt`` of it is leased to ``provider_id`` (``job``: as just read)."""
-        if job is None:
-            job = self.repo.get(job_id) if _is_uuid(job_id) else None
-        _check_lease(job_id, provider_id, attempt,
-                     None if job is None else (job.state, job.provider_id, job.attempt))
-        return job
-
-    def accepted(self, provider_id: str, job_id: str, attempt: int) -> None:
-        now = self.clock()
-        moved = self.repo.transition(job_id, [JobState.MATCHED], JobState.RUNNING,
-                                     expect_attempt=attempt, expect_provider=provider_id,
-                                     event=("running", {"attempt": attempt}), started_at=now,
-                                     lease_expires_at=now + self.settings.lease_timeout_s)
-        if moved is not None:
-            self.hub.notify(job_id)
-
-    def progress(self, provider_id: str, job_id: str, attempt: int, step: int, total: int,
-                 message: str = "", text: str = "") -> None:
-        job = self._leased(provider_id, job_id, attempt)
-        if total and not text and total == job.progress_total and step <= job.progress_step:
-            return  # a re-sent or late report: progress only moves forward (idempotent)
-        data: dict[str, Any] = {"step": step, "total": total}
-        if message:
-            data["message"] = message
-        if text:
-            data["text"] = text
-        # A streamed token without a step count leaves the step count as it is.
-        fields = {"progress_step": step, "progress_total": total} if total else {}
-        self.repo.add_event(job.id, "token" if text and not total else "progress", data,
-                            **fields)
-        self.hub.notify(job.id)
-
-    def preview(self, provider_id: str, job_id: str, attempt: int, step: int, total: int,
-                data: bytes, media_type: str) -> None:
-        """A small picture of the job's output so far: a "preview" event the client's
-        event stream carries as a data: URL (previews are thumbnails: at most
-        MAX_PREVIEW_BYTES, of an image type; others are refused)."""
-        job = self._leased(provider_id, job_id, attempt)
-        if len(data) > MAX_PREVIEW_BYTES or media_type not in PREVIEW_TYPES:
-            raise InvalidRequest(f"a preview must be an image of type "
-                                 f"{', '.join(PREVIEW_TYPES)} of at most {MAX_PREVIEW_BYTES} "
-                                 f"bytes; got {media_type!r}, {len(data)} bytes")
-        import base64
-
-        self.repo.add_event(job.id, "preview", {
-            "step": step, "total": total,
-            "preview": f"data:{media_type};base64,{base64.b64encode(data).decode()}"})
-        self.hub.notify(job.id)
-
-    def store_output(self, provider_id: str, job_id: str, attempt: int, data: bytes,
-                     sha256: str) -> str:
-        """An output sent ahead of its receipt (a large one)."""
-        # Only the lease is needed, not the whole row.
-        _check_lease(job_id, provider_id, attempt,
-                     self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
-        return self._put_output(job_id, data, sha256)
-
-    def grant_uploads(self, provider_id: str, job_id: str, attempt: int,
-                      blobs: list[tuple[str, int]]) -> list:
-        """Presigned PUT URLs (broker.blobs.model.PresignedPut), one per (sha256, size) in
-        ``blobs``, for the provider holding ``attempt`` of the job: each stores only the
-        bytes with that sha256, straight into the blob store (S3), never through here."""
-        with self._assigned_lock:  # the lease as assign() wrote it, when it is the asker's
-            copy = self._assigned.get(job_id)
-        if copy is None or copy[0].provider_id != provider_id or copy[0].attempt != attempt:
-            # Not this process's fresh lease: read it. (A copy out of date only hands out
-            # URLs; the receipt's conditional settlement still decides.)
-            _check_lease(job_id, provider_id, attempt,
-                         self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
-        return self.presign_uploads(blobs)
-
-    def presign_uploads(self, blobs: list[tuple[str, int]]) -> list:
-        """:meth:`grant_uploads` without the lease check (a canary has no job row)."""
-        if not getattr(self.blobs, "presigns", False):
-            raise InvalidRequest("this broker's blob store takes no direct uploads; send "
-                                 "outputs and checkpoints on the stream",
-                                 code_override="no_direct_uploads")
-        if not 0 < len(blobs) <= MAX_UPLOADS_PER_REQUEST:
-            raise InvalidRequest(f"an upload request names {len(blobs)} blobs; 1 to "
-                                 f"{MAX_UPLOADS_PER_REQUEST} are allowed")
-        out = []
-        for sha, size in blobs:
-            if not is_sha256_hex(sha):
-                raise InvalidRequest(f"blob {sha!r} is no sha256: give 64 lowercase hex digits")
-            if not 0 <= size <= MAX_UPLOAD_BYTES:
-                raise InvalidRequest(f"blob {sha[:12]}… is {size} bytes; at most "
-                                     f"{MAX_UPLOAD_BYTES} are allowed")
-            out.append(self.blobs.presign_put(sha, size))
-        return out
-
-    def _check_stored(self, job_id: str, index: int, sha: str) -> None:
-        """Refuse a receipt naming an output the store does not hold as those exact bytes
-        (for S3, the object's stored SHA-256 checksum: a HEAD, no bytes read)."""
-        state = self.blobs.check(sha)
-        if state == "missing":
-            raise ReceiptRefused("output_missing",
-                                 f"output {index} ({sha[:12]}…) was not uploaded before the receipt")
-        if state != "ok":
-            raise ReceiptRefused(
-                "output_checksum_mismatch",
-                f"output {index} of job {job_id}: the object stored as {sha[:12]}… is not "
-                f"those bytes ({'stored without a SHA-256 checksum' if state == 'no_checksum' else 'its SHA-256 checksum differs'}); "
-                "upload it again with a URL from an UploadRequest")
-
-    def _put_output(self, job_id: str, data: bytes, sha256: str) -> str:
-        _check_output(job_id, data, sha256)
-        return self.blobs.put(data)
-
-    def receipt(self, provider_id: str, provider_key: str, data: bytes, signature: str,
-                uploads: list[tuple[bytes, str]] = (), received_at: float | None = None) -> Job:
-        """Verify a signed receipt and settle the job; idempotent for the same receipt.
-        ``uploads``: (data, sha256) of outputs that came with the receipt, stored once it
-        verifies and the job's lease is the sender's (each must be one the receipt names).
-        ``received_at``: when the receipt reached the broker (the gateway stamps it as it
-        reads the message; now when not given) — the end of the run the market times."""
-        received_at = self.clock() if received_at is None else received_at
-        try:
-            rec = open_receipt(data, signature, provider_key=provider_key)
-        except EnvelopeError as exc:
-            raise ReceiptRefused(exc.code, str(exc)) from None
-        job_id, attempt = str(rec["job_id"]), int(rec["attempt"])
-        # The lease as assign() wrote it, when it is this sender's and this attempt's: the
-        # settlement's conditional UPDATE still decides, and if the job has moved since,
-        # the receipt is judged again on the row as it is now.
-        with self._assigned_lock:
-            copy = self._assigned.get(job_id)
-            if copy is not None and (copy[0].provider_id == provider_id
-                                     and copy[0].attempt == attempt):
-                del self._assigned[job_id]
-            else:
-                copy = None
-        if copy is not None:
-            try:
-                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1],
-                                    received_at=received_at)
-            except _Moved:
-                pass
-        job = self.repo.get(job_id) if _is_uuid(job_id) else None
-        if job is None:
-            raise ReceiptRefused("unknown_job", f"receipt names unknown job {job_id!r}")
-        if (job.receipt == rec and job.provider_id == provider_id
-                and job.state in (JobState.SUBMITTED, JobState.SETTLED)):
-            # A re-sent receipt (e.g. after a reconnect): already settled once; the post is
-            # idempotent, so this also finishes a settlement interrupted before its post.
-            self._charge(job, rec)
-            return job
-        job = self._leased(provider_id, job_id, attempt, job)
-        return self._settle(job, rec, signature, uploads, received_at=received_at)
-
-    def _settle(self, job: Job, rec: dict, signature: str, uploads,
-                envelope_sha: str | None = None, received_at: float | None = None) -> Job:
-        """Settle ``job`` (leased to the receipt's sender) on its verified receipt ``rec``.
-        ``envelope_sha``: ``job`` is assign()'s copy and this the hash of its envelope as
-        signed; a job that has moved since then raises _Moved instead of being refused."""
-        provider_id, attempt = job.provider_id, int(rec["attempt"])
-        from_copy = envelope_sha is not None
-        if envelope_sha is None:
-            envelope_sha = sha256_hex(canonical_bytes(job.envelope))
-        if rec["envelope_sha256"] != envelope_sha:
-            raise ReceiptRefused("envelope_mismatch", "receipt does not cover this job's envelope")
-        check_receipt_shape(rec)
-        named = {out["sha256"] for out in rec["outputs"]}
-        stray = next((sha for _, sha in uploads if sha not in named), None)
-        if stray is not None:
-            raise ReceiptRefused("output_not_in_receipt",
-                                 f"an output sent with the receipt ({stray[:12]}…) is not one "
-                                 "the receipt names")
-        for blob, sha in uploads:
-            _check_output(job.id, blob, sha)
-        sent = {sha for _, sha in uploads}
-        outputs = []
-        for i, out in enumerate(rec["outputs"]):
-            sha = out["sha256"]
-            if sha not in sent:
-                self._check_stored(job.id, i, sha)
-            outputs.append(JobOutput(job.id, out["index"], sha, out["media_type"], out["size"]))
-        now = self.clock()
-        # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
-        # receipt settles at once, in one transaction with its outputs and both events.
-        # The settlement and its ledger post (with the post's audit entry) commit as one
-        # transaction; a post that fails rolls back alone (a savepoint), and the
-        # settlement stands with a ledger_error event (see _money).
-        with self.repo.atomic():
-            settled = self.repo.transition(
-                job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
-                expect_provider=provider_id, outputs=outputs,
-                events=[("submitted", {"attempt": attempt}),
-                        ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
-                                               "media_type": o.media_type, "size": o.size}
-                                              for o in outputs]})],
-                receipt=rec, receipt_signature=signature, lease_expires_at=None,
-                finished_at=now)
-            if settled is None:
-                if from_copy:
-                    raise _Moved()  # nothing was written: judged again on the row
-                raise ReceiptRefused("not_your_job",
-                                     f"job {job.id} moved before the receipt arrived")
-            # Stored once the job is the sender's to settle; if storing fails, the
-            # settlement rolls back with it.
-            for blob, _ in uploads:
-                self.blobs.put(blob)
-            self._charge(settled, rec)
-        try:
-            self.on_receipt(settled, rec, self.clock() if received_at is None else received_at)
-            if _input_disputed(settled):  # whoever called this input bad was wrong
-                for refuser in self._input_refusers(job.id):
-                    self.on_failure(refuser, job.plugin)
-        except Exception:  # noqa: BLE001 - a measurement must never undo a settlement
-            log.exception("job %s: telling the market of the receipt (timings, refusals of "
-                          "its input) failed", job.id)
-        self.on_released(provider_id, job.id)
-        # Verification draws whether to check the job once its receipt is signed and
-        # settled, before the client is woken, so it never sees a status that changes back.
-        self.on_settled(settled, rec)
-        self.hub.notify(job.id, ended=True, copy=(settled, tuple(outputs)))
-        self._ended(settled)
-        if received_at:  # the wall clock the gateway stamped the receipt with
-            self.metrics.settled(job.plugin, max(0.0, self.clock() - received_at))
-        return settled
-
-    def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
-               retryable: bool) -> Job | None:
-        try:
-            job = self._leased(provider_id, job_id, attempt)
-        except ReceiptRefused:
-            return None  # already moved (cancelled, requeued): nothing to do
-        self.on_released(provider_id, job_id)
-        if code == BAD_INPUT and not retryable and not job.check_of:
-            return self._input_refused(job, provider_id, message)
-        self.on_failure(provider_id, job.plugin)
-        if retryable:
-            # (the provider's message may quote the inputs: it goes to the sealed event,
-            # the log gets its code alone)
-            return self._requeue(job, "failed", f"{code}: {message}", logged=code)
-        return self._fail(job, code, message)
-
-    def _input_refused(self, job: Job, provider_id: str, message: str) -> Job | None:
-        """A provider says the job's input is bad (the plugin refused it): the client's
-        fault, which must not count against the provider, but a provider could say so of
-        any failure. So the first refusal sends the job to a provider of another operator
-        (the refuser's operator is excluded for good); a second refusal there confirms it,
-        and the job fails ``bad_input`` with nobody's reliability touched, while a
-        settlement there proves the first refusal false and counts it as the refuser's
-        failure (see _settle). With no other operator connected, the job fails at once and
-        the refusal counts, as any failure does."""
-        if _input_disputed(job):  # refused by a provider of another operator already
-            return self._fail(job, BAD_INPUT, f"{message} (providers of two operators "
-                                              "refused this input)")
-        operator = self.second_opinion(job, provider_id)
-        if operator is None:
-            self.on_failure(provider_id, job.plugin)
-            return self._fail(job, BAD_INPUT, message)
-        return self._requeue(job, INPUT_DISPUTED,
-                             f"{BAD_INPUT}: {message}; a provider of another operator tries it",
-                             exclude=[f"operator:{operator}"])
-
-    def _input_refusers(self, job_id: str) -> list[str]:
-        """The providers whose refusal of the job's input sent it to another operator."""
-        return [e.data.get("provider_id") for e in self.repo.events_after(job_id, 0)
-                if e.kind == "requeued" and e.data.get("why") == INPUT_DISPUTED
-                and e.data.get("provider_id")]
-
-    def give_back(self, provider_id: str, job_id: str, attempt: int, reason: str) -> Job | None:
-        try:
-            job = self._leased(provider_id, job_id, attempt)
-        except ReceiptRefused:
-            return None
-        self.on_released(provider_id, job_id)
-        return self._requeue(job, "given_back", reason, count_attempt=False)
-
-    def heartbeat(self, provider_id: str, running_job_ids: list[str]) -> None:
-        ids = [j for j in running_job_ids if _is_uuid(j)]
-        self.repo.extend_leases(provider_id, ids, self.clock() + self.settings.lease_timeout_s)
-
-    def reap_expired(self) -> list[Job]:
-        """Requeue (or fail) every job whose lease has expired."""
-        moved = []
-        for job in self.repo.expired_leases(self.clock()):
-            result = self.take_back(job, "lease_expired",
-                                    f"provider {job.provider_id} stopped heartbeating")
-            if result is not None:
-                moved.append(result)
-        if self.stalls is not None:
-            moved += self.stalls.reap(self)
-        for job in self.repo.overdue(self.clock()):
-            result = self.expire(job)
-            if result is not None:
-                moved.append(result)
-        return moved
-
-    def expire(self, job: Job, last: str = "") -> Job | None:
-        """``job`` is past its deadline (``deadline_s`` after it was created): it fails
-        ``deadline_exceeded``, the agent running it is told to stop, and the client gets
-        its hold back except for the work checkpoints saved (each provider whose checkpoint
-        the job holds is paid its share of it; steps reported but not checkpointed are not
-        paid). None when it moved first (settled, cancelled)."""
-        message = (f"the job's deadline of {job.deadline_s:g} s passed before it could be "
-                   "finished; it was stopped and the hold released, except for the work "
-                   "its checkpoints saved" + (f"; last: {last}" if last else ""))
-        with self.repo.atomic():
-            moved = self.repo.transition(
-                job.id, [job.state], JobState.FAILED, expect_attempt=job.attempt,
-                event=("failed", {"code": "deadline_exceeded", "message": message}),
-                error_code="deadline_exceeded", error_message=message,
-                finished_at=self.clock(), lease_expires_at=None)
-            if moved is not None:
-                parts = self.checkpoints.saved_parts(job) if self.checkpoints is not None else []
-                if parts:
-                    # As a cancel pays, with nothing counted past the checkpoints.
-                    unreported = replace(job, progress_step=0, progress_total=0)
-                    self._money("deadline", job, lambda: cancel_shared(
-                        self.billing, unreported, parts, Fraction(1), message))
-                else:
-                    self._money("release", moved,
-                                lambda: self.billing.failed(moved, f"deadline_exceeded: "
-                                                            f"{message}"))
-        if moved is None:
-            return None
-        log.info("job %s failed: its deadline of %gs passed", job.id, job.deadline_s)
-        if job.state in LEASED and job.provider_id:
-            self.cancel_hook(moved)
-            self.on_released(job.provider_id, job.id)
-        self.hub.notify(job.id, ended=True)
-        self.on_ended(moved)
-        return moved
-
-    def take_back(self, job: Job, kind: str, reason: str) -> Job | None:
-        """Take a leased job away from its provider (lease expired, stalled): requeue or
-        fail it, and only if that move happened free the slot and tell a zombie agent to
-        stop (a job that settled in the meantime keeps both)."""
-        moved = self._requeue(job, kind, reason)
-        if moved is not None:
-            self.on_released(job.provider_id, job.id)
-            self.cancel_hook(job)
-        return moved
-
-    def _requeue(self, job: Job, kind: str, reason: str, count_attempt: bool = True,
-                 exclude: list[str] = (), logged: str | None = None) -> Job | None:
-        """Back to the queue for another provider, or FAILED once attempts run out.
-        ``exclude``: more exclusions (``operator:<account>`` ones are hard); ``logged``:
-        what the log line says instead of ``reason`` (a provider's words stay out of it)."""
-        used = job.attempt + 1
-        if count_attempt and used >= job.max_attempts:
-            return self._fail(job, "attempts_exhausted",
-                              f"gave up after {used} attempts; last: {reason}")
-        if job.deadline_s is not None and self.clock() > job.created_at + job.deadline_s:
-            return self.expire(job, last=reason)
-        excluded = sorted(set(job.excluded_providers) | {job.provider_id} | set(exclude))
-        moved = self.repo.transition(
-            job.id, [job.state], JobState.QUEUED, expect_attempt=job.attempt,
-            expect_provider=job.provider_id,
-            event=("requeued", {"reason": reason, "why": kind, "attempt": job.attempt + 1,
-                                "provider_id": job.provider_id}),
-            attempt=job.attempt + 1, provider_id=None, lease_expires_at=None, envelope=None,
-            excluded_providers=excluded, progress_step=0, progress_total=0)
-        if moved is not None:
-            log.info("job %s requeued (%s): %s", job.id, kind,
-                     reason if logged is None else logged)
-            self.hub.notify(job.id)
-            self.on_queued(moved)
-        return moved
-
-    def expire_unserved(self, limit: int = 500) -> list[Job]:
-        """Fail the queued jobs (oldest ``limit``) whose build has had no provider for the
-        presence window: no provider connected now serves it and none that does was seen
-        within the window. Each fails ``no_provider`` with its hold voided (a full refund)
-        and a ``failed`` event; the maintenance thread calls it every pass."""
-        if self.presence is None:
-            return []
-        served: dict[tuple[str, str], bool] = {}
-        gone = []
-        for job in self.repo.queued(limit):
-            build = (job.plugin, job.plugin_version)
-            if build not in served:
-                served[build] = self.presence.serves(*build)
-            if served[build]:
-                continue
-            moved = self._fail(job, NO_PROVIDER,
-                               f"no provider has served {job.plugin}@{job.plugin_version} for "
-                               f"{self.presence.window_s:g} s (none connected, none seen), so "
-                               "the job was given up and its hold released in full")
-            if moved is not None:
-                log.info("job %s failed: no provider served %s@%s for %gs", job.id,
-                         job.plugin, job.plugin_version, self.presence.window_s)
-                gone.append(moved)
-        return gone
-
-    def give_up(self, job: Job, code: str, message: str) -> Job | None:
-        """Fail a queued job the broker will not run after all (a check no provider of
-        another operator took in time): its hold is released, ``on_ended`` runs."""
-        return self._fail(job, code, message)
-
-    def _fail(self, job: Job, code: str, message: str) -> Job | None:
-        with self.repo.atomic():  # the failure with its hold's release
-            moved = self.repo.transition(job.id, [job.state], JobState.FAILED,
-                                         expect_attempt=job.attempt,
-                                         event=("failed", {"code": code, "message": message}),
-                                         error_code=code, error_message=message,
-                                         finished_at=self.clock(), lease_expires_at=None)
-            if moved is not None:
-                self._money("release", moved,
-                            lambda: self.billing.failed(moved, f"{code}: {message}"))
-        if moved is not None:
-            self.hub.notify(job.id, ended=True)
-            self._ended(moved)
-            self.on_ended(moved)
-        return moved
-
-    def _ended(self, job: Job) -> None:
-        """Tell the metrics a job reached its end state."""
-        end = job.finished_at or self.clock()
-        self.metrics.ended(job.plugin, job.state.value, end - (job.created_at or end))
-
-    # ---- money -----------------------------------------------------------------------
-    def _charge(self, job: Job, receipt: dict) -> None:
-        units = receipt.get("work_units", job.work_units)
-        parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
-        if parts:  # resumed from a checkpoint: earlier providers get their shares
-            resumed = self.checkpoints.base_fraction(job)
-            self._money("settle", job,
-                        lambda: settle_shared(self.billing, job, units, parts, resumed))
-            return
-        self._money("settle", job, lambda: self.billing.settle(job, units))
-
-    def _money(self, what: str, job: Job, action) -> None:
-        """Run a billing step after the job's state change, in its ``atomic`` block (the two
-        commit together). The state change stands even if the ledger fails: the ledger's
-        writes are a savepoint that rolls back alone (the hold then expires back to the
-        client after its TTL); the
-        failure is logged and recorded as a ``ledger_error`` event on the job, with its
-        cause, so an admin sees it on the job page and can reconcile it (every ledger call
-        is keyed by the job id: re-running it is safe)."""
-        if self.billing is None or job.hold_id is None:
-            return
-        try:
-            action()
-        except Exception as exc:  # noqa: BLE001 - the job already moved; money is reconciled
-            log.exception("job %s: ledger %s failed", job.id, what)
-            try:
-                self.repo.add_event(job.id, "ledger_error",
-                                    {"step": what, "error": f"{type(exc).__name__}: {exc}"})
-            except Exception:  # noqa: BLE001 - the log line above still names the job
-                log.exception("job %s: could not record the ledger failure", job.id)
-
-
-def _check_output(job_id: str, data: bytes, sha256: str) -> None:
-    actual = sha256_hex(data)
-    if sha256 and actual != sha256:
-        raise ReceiptRefused("output_hash_mismatch",
-                             f"output of job {job_id} hashes to {actual}, not {sha256}")
-
-
 class _Taken(Exception):
     """The job's id is an earlier request's (the same idempotency key): ``job``."""
 
     def __init__(self, job: Job):
         super().__init__(job.id)
         self.job = job
-
-
-class _Moved(Exception):
-    """assign()'s copy of a lease is out of date: the job moved since."""
-
-
-def _check_lease(job_id: str, provider_id: str, attempt: int,
-                 lease: tuple[JobState, str | None, int] | None) -> None:
-    """Refuse unless ``lease`` (state, holder, attempt) says ``attempt`` of the job is
-    leased to ``provider_id``."""
-    if lease is None:
-        raise ReceiptRefused("unknown_job", f"no job {job_id!r}")
-    state, holder, current = lease
-    if holder != provider_id or current != attempt or state not in LEASED:
-        raise ReceiptRefused("not_your_job",
-                             f"job {job_id} attempt {attempt} is not leased to you (it is "
-                             f"{state.value}, attempt {current})")
-
-
-def check_receipt_shape(rec: dict) -> None:
-    """Refuse a receipt whose outputs or reproducibility class are not what the broker and
-    verification read (a provider controls every byte of it): ``outputs`` a list of
-    ``{index: int, sha256: 64 hex, media_type: str, size: int >= 0, meta: dict}`` with
-    indexes 0..n-1, and ``repro`` (when present) a dict of strings."""
-    outs = rec.get("outputs")
-    if not isinstance(outs, list) or len(outs) > 1024:
-        raise ReceiptRefused("malformed_receipt", "receipt outputs must be a list (at most 1024)")
-    for i, out in enumerate(outs):
-        where = f"receipt output {i}"
-        if not isinstance(out, dict):
-            raise ReceiptRefused("malformed_receipt", f"{where} is not an object")
-        if not is_sha256_hex(out.get("sha256")):
-            raise ReceiptRefused("malformed_receipt", f"{where}: sha256 must be 64 lowercase hex")
-        if out.get("index") != i or isinstance(out.get("index"), bool):
-            raise ReceiptRefused("malformed_receipt", f"{where}: index must be {i}")
-        media = out.get("media_type")
-        if not isinstance(media, str) or not 0 < len(media) <= 100 or "/" not in media:
-            raise ReceiptRefused("malformed_receipt", f"{where}: media_type must be a MIME type")
-        size = out.get("size")
-        if type(size) is not int or size < 0:
-            raise ReceiptRefused("malformed_receipt", f"{where}: size must be an integer >= 0")
-        if not isinstance(out.get("meta", {}), dict):
-            raise ReceiptRefused("malformed_receipt", f"{where}: meta must be an object")
-    repro = rec.get("repro", {})
-    if not isinstance(repro, dict) or not all(isinstance(v, str) for v in repro.values()):
-        raise ReceiptRefused("malformed_receipt", "receipt repro must be an object of strings")
 
 
 # Who pays for jobs: clients, and admins (their accounts get client ledger accounts, see
@@ -1248,36 +471,6 @@ _ROLE_USES = {"provider": "provider keys connect agents that run jobs and earn c
 
 def _a(word: str) -> str:
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
-
-
-MARKET_FIELDS = ("priority", "max_price_micro", "deadline_s", "n")
-OUTPUT_FIELDS = ("output_format", "output_quality", "cache")
-MAX_SPLIT = 64
-
-
-def market_terms(body: dict) -> dict:
-    """The request's market fields, checked: ``priority`` (economy | standard | fast),
-    ``max_price_micro`` (int micro-credits for the whole request), ``deadline_s`` (seconds
-    the client will wait for completion), ``n`` (split into n sibling jobs)."""
-    priority = body.get("priority", "standard")
-    if priority not in ("economy", "standard", "fast"):
-        raise InvalidRequest(f"priority is {priority!r}; use economy, standard or fast",
-                             field="priority")
-    cap = body.get("max_price_micro")
-    if cap is not None and (type(cap) is not int or cap <= 0):
-        raise InvalidRequest(f"max_price_micro is {cap!r}; it must be a positive integer "
-                             "(micro-credits for the whole request)", field="max_price_micro")
-    deadline = body.get("deadline_s")
-    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                 or not 0 < deadline <= 7 * 86_400):
-        raise InvalidRequest(f"deadline_s is {deadline!r}; it must be a number of seconds "
-                             "above 0 (at most a week)", field="deadline_s")
-    n = body.get("n", 1)
-    if type(n) is not int or not 1 <= n <= MAX_SPLIT:
-        raise InvalidRequest(f"n is {n!r}; it must be an integer from 1 to {MAX_SPLIT}",
-                             field="n")
-    return {"priority": priority, "max_price_micro": cap,
-            "deadline_s": None if deadline is None else float(deadline), "n": n}
 
 
 #: The input that seeds a plugin's random draws (an integer input without a default, as
@@ -1323,15 +516,3 @@ def _derived_id(name: str) -> str:
     return str(uuid.UUID(bytes=uuid.uuid5(_JOB_IDS, name).bytes, version=4))
 
 
-def _input_disputed(job: Job) -> bool:
-    """Did a provider refuse this (non-check) job's input, sending it to another operator?
-    (Only that puts an ``operator:`` exclusion on a job that is not a check.)"""
-    return not job.check_of and any(e.startswith("operator:") for e in job.excluded_providers)
-
-
-def _is_uuid(value: str) -> bool:
-    try:
-        uuid.UUID(str(value))
-        return True
-    except ValueError:
-        return False

@@ -35,7 +35,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sdk.protocol.canonical import is_sha256_hex
@@ -47,10 +47,12 @@ from sdk.protocol.manifest import Manifest
 
 from . import builds
 from .builds import ANY_WEIGHTS, NO_WEIGHTS
-from .errors import InvalidBenchmark, InvalidMarketRule, PluginNotServed
-from .figures import Figures, FigureStore
+from .errors import InvalidBenchmark, PluginNotServed
+from .figures import FigureStore
 from .store import AskStore
 from .throughput import ThroughputTracker
+from .rules import MarketRules, _floor
+from .standing import MarketStanding
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,7 @@ class Canary:
         return self.sent_at
 
 
-class MarketService:
+class MarketService(MarketStanding, MarketRules):
     """``manifest_of(plugin, version)`` gives the catalog's manifest of a build (None when
     unknown): the source of weight pins and cold-start estimates. ``store`` keeps asks and
     admin-set rules across restarts (None: memory only). ``warm`` is a hook,
@@ -143,7 +145,9 @@ class MarketService:
                  manifest_of: Callable[[str, str], Manifest | None] | None = None,
                  linked_to: Callable[[str], frozenset[str]] | None = None,
                  bus=None, figures: FigureStore | None = None,
-                 elsewhere: "Elsewhere | None" = None):
+                 elsewhere: "Elsewhere | None" = None,
+                 warm: Callable[[str, str], bool] | None = None,
+                 on_rule_changed: Callable[[str, float, float, str], None] | None = None):
         """``bus`` (broker.replicas.ReplicaBus): a rule an admin changes on another broker
         replica is read back from the store here at once. ``figures``: where θ,
         reliability and canary times outlive the process (:mod:`.figures`; None: memory
@@ -159,9 +163,9 @@ class MarketService:
         self._dirty: set[tuple[str, str]] = set()  # figures changed since the last flush
         self.store = store
         self.manifest_of = manifest_of or (lambda plugin, version: None)
-        self.warm: Callable[[str, str], bool] = lambda provider_id, plugin: True
+        self.warm: Callable[[str, str], bool] = warm or (lambda provider_id, plugin: True)
         self.on_rule_changed: Callable[[str, float, float, str], None] = (
-            lambda rule, before, after, by: None)
+            on_rule_changed or (lambda rule, before, after, by: None))
         floor = self.settings.reputation_floor
         self._stored_asks: dict[str, dict[str, int]] = {}
         if store is not None:
@@ -361,44 +365,6 @@ class MarketService:
                 state.cold_start_s[plugin] = float(cold_start_s)
             self._repost(state)
 
-    # ---- measurements ----------------------------------------------------------------
-    def observe(self, provider_id: str, plugin: str, work_units: float, run_ms: float) -> None:
-        """A timed run (a real job's receipt or a canary) on this provider."""
-        with self._lock:
-            if self.tracker.observe(provider_id, plugin, work_units, run_ms) is None:
-                return
-            self._dirty.add((provider_id, plugin))
-            first = self.tracker.record_of(provider_id, plugin).samples == 1
-            state = self._providers.get(provider_id)
-            if state is not None and state.online:
-                self._repost(state)
-        if first:  # measured at last: other replicas now count it eligible, at once
-            self.flush_figures(provider_id)
-
-    def failed(self, provider_id: str, plugin: str) -> None:
-        with self._lock:
-            self.tracker.failed(provider_id, plugin)
-            self._dirty.add((provider_id, plugin))
-            state = self._providers.get(provider_id)
-            if state is not None and state.online:
-                self._repost(state)
-
-    def theta(self, provider_id: str, plugin: str) -> tuple[float, bool]:
-        with self._lock:
-            return self.tracker.theta(provider_id, plugin)
-
-    def measured_any(self, plugin: str, weights_digest: str = ANY_WEIGHTS) -> bool:
-        """Has the broker measured any online provider of ``plugin`` (with those weights)?
-        Until it has (a cold market), the dispatcher hands jobs out by the spine's rule at
-        the reserve, to the providers :meth:`admitted`, and those jobs' receipts are the first
-        measurements."""
-        with self._lock:
-            return any(s.online and plugin in s.plugins
-                       and (weights_digest == ANY_WEIGHTS
-                            or s.digests.get(plugin) == weights_digest)
-                       and self.tracker.theta(pid, plugin)[1]
-                       for pid, s in self._providers.items())
-
     def admitted(self, spec: JobSpec) -> set[str]:
         """The providers that may take the job outside the auction (the cold market): the
         online ones serving the build with the pinned weights and at or above the
@@ -425,10 +391,6 @@ class MarketService:
         with self._lock:
             state = self._providers.get(provider_id)
             return state.operator_id if state is not None else None
-
-    def flagged(self, provider_id: str, plugin: str) -> bool:
-        with self._lock:
-            return self.tracker.record_of(provider_id, plugin).flagged
 
     # ---- canaries --------------------------------------------------------------------
     def canaries_due(self, provider_id: str) -> list[str]:
@@ -549,134 +511,6 @@ class MarketService:
                 log.exception("could not read the providers other replicas hold")
         if refused is not None:
             raise refused
-
-    # ---- figures (issue #21) ----------------------------------------------------------
-    def load_figures(self, rows) -> None:
-        with self._lock:
-            for f in rows:
-                key = (f.provider_id, f.plugin)
-                if key in self._dirty:
-                    continue  # this process's own newer figures win until flushed
-                rec = self.tracker.record_of(f.provider_id, f.plugin)
-                rec.measured_units_per_s = f.measured_units_per_s
-                rec.samples, rec.successes, rec.failures = f.samples, f.successes, f.failures
-                rec.claimed_units_per_s = None
-                rec.flagged = False
-                if f.claimed_units_per_s is not None:  # sets the claim and its flag
-                    self.tracker.claim(f.provider_id, f.plugin, f.claimed_units_per_s)
-                if f.last_canary_at is not None:
-                    self._last_canary[key] = max(f.last_canary_at,
-                                                 self._last_canary.get(key, 0.0))
-
-    def _reload_figures(self, provider_id: str) -> None:
-        if self.figures is None:
-            return
-        try:
-            self.flush_figures(provider_id)
-            self.load_figures(self.figures.load_figures([provider_id]))
-        except Exception:  # noqa: BLE001 - the figures in memory (if any) stand
-            log.exception("could not read the stored figures of %s", provider_id)
-
-    def flush_figures(self, provider_id: str | None = None) -> int:
-        """Write the figures changed since the last flush (of one provider, or all); the
-        maintenance thread calls it every pass. Returns how many rows were written."""
-        if self.figures is None:
-            return 0
-        with self._lock:
-            keys = [k for k in self._dirty if provider_id is None or k[0] == provider_id]
-            if not keys:
-                return 0
-            self._dirty.difference_update(keys)
-            rows = []
-            for pid, plugin in keys:
-                rec = self.tracker.record_of(pid, plugin)
-                rows.append(Figures(pid, plugin, rec.claimed_units_per_s,
-                                    rec.measured_units_per_s, rec.samples, rec.successes,
-                                    rec.failures, self._last_canary.get((pid, plugin))))
-        try:
-            self.figures.save_figures(rows, self.clock())
-        except Exception:
-            with self._lock:
-                self._dirty.update(keys)  # written next time
-            log.exception("could not store the market's figures of %d provider(s)", len(rows))
-            return 0
-        return len(rows)
-
-    # ---- rules (admins) ----------------------------------------------------------------
-    def set_reputation_floor(self, floor: float, *, by: str = "admin") -> float:
-        """Change the reputation floor at run time (stored: it outlives the broker).
-        Raises :class:`InvalidMarketRule` unless it is a number from 0 to 1."""
-        value = _floor(floor)
-        # Stored first, outside the clearing lock: a failed write changes nothing.
-        if self.store is not None:
-            self.store.save_rule("reputation_floor", value, by, self.clock())
-        with self._lock:
-            before = self.rules.reputation_floor
-            self.rules = replace(self.rules, reputation_floor=value)
-            self.book.set_rules(self.rules)
-        self.on_rule_changed("reputation_floor", before, value, by)
-        if self.bus is not None:
-            self.bus.publish("market_rule", {"rule": "reputation_floor"})
-        return value
-
-    def reload_rules(self) -> None:
-        """Read the admin-set rules back from the store (changed on another replica)."""
-        if self.store is None:
-            return
-        floor = self.store.load_rules().get("reputation_floor")
-        if floor is None:
-            return
-        with self._lock:
-            self.rules = replace(self.rules, reputation_floor=_floor(floor))
-            self.book.set_rules(self.rules)
-
-    def market_rules(self) -> dict:
-        with self._lock:
-            return {"reputation_floor": self.rules.reputation_floor,
-                    "claimed_throughput_factor": self.rules.claimed_throughput_factor,
-                    "default_cold_start_s": self.settings.default_cold_start_s,
-                    "canary_interval_s": self.settings.canary_interval_s}
-
-    # ---- reads (owner and admins only) -------------------------------------------------
-    def asks(self, provider_ids: set[str] | None = None) -> list[dict]:
-        """Every provider's asks with the facts the score uses. Stored asks of providers
-        not connected since the broker started are listed too (``online`` false)."""
-        with self._lock:
-            rows = []
-            floor = self.rules.reputation_floor
-            for pid, state in self._providers.items():
-                if provider_ids is not None and pid not in provider_ids:
-                    continue
-                for plugin, version in sorted(state.plugins.items()):
-                    rec = self.tracker.record_of(pid, plugin)
-                    posted = state.asks.get(plugin)
-                    rows.append({
-                        "provider_id": pid, "plugin": plugin, "version": version,
-                        "price_micro_per_unit": posted if posted is not None
-                        else self.reserve_of(plugin),
-                        "at_reserve": posted is None, "online": state.online,
-                        "weights_digest": state.digests.get(plugin, ""),
-                        "claimed_units_per_s": rec.claimed_units_per_s,
-                        "measured_units_per_s": rec.measured_units_per_s,
-                        "samples": rec.samples, "overclaim_flagged": rec.flagged,
-                        "reliability": round(rec.reliability, 4),
-                        "below_reputation_floor": rec.reliability < floor,
-                        "queue_s": round(state.queue_s, 3),
-                        "cold_start_s": round(self._cold_start_s(state, plugin), 3)})
-            for pid, stored in self._stored_asks.items():
-                if pid in self._providers or (provider_ids is not None
-                                              and pid not in provider_ids):
-                    continue
-                for plugin, price in sorted(stored.items()):
-                    rows.append({
-                        "provider_id": pid, "plugin": plugin, "version": None,
-                        "price_micro_per_unit": price, "at_reserve": False, "online": False,
-                        "weights_digest": "", "claimed_units_per_s": None,
-                        "measured_units_per_s": None, "samples": 0,
-                        "overclaim_flagged": False, "reliability": None,
-                        "below_reputation_floor": False, "queue_s": None,
-                        "cold_start_s": None})
-            return rows
 
     # ---- internals -------------------------------------------------------------------
     def _catalog_pin(self, plugin: str, version: str) -> str:
@@ -802,10 +636,3 @@ class MarketService:
                           "restarts", provider_id, plugin)
 
 
-def _floor(value) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or not 0.0 <= value <= 1.0):
-        raise InvalidMarketRule(
-            f"reputation_floor must be a number from 0 to 1 (a share of attempts that "
-            f"succeeded); got {value!r}", field="reputation_floor")
-    return float(value)

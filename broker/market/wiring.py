@@ -1,11 +1,11 @@
-"""Connects the market to the job service and the dispatcher (called by the app wiring)."""
+"""Connects the market to the job service (called by the app wiring, broker/services.py)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from broker.catalog.registry import PluginCatalog
 from broker.errors import UnknownPlugin
-from broker.jobs.dispatch import Dispatcher
 from broker.jobs.model import Job
 from broker.jobs.service import JobService
 from sdk.protocol.manifest import Manifest
@@ -28,12 +28,10 @@ def manifests_of(catalog: PluginCatalog):
     return manifest_of
 
 
-def attach_market(market: MarketService, canaries: CanaryService | None, jobs: JobService,
-                  dispatcher: Dispatcher) -> None:
-    dispatcher.market = market
-    if canaries is not None:
-        dispatcher.canary_sender = canaries.send_due
-
+def terms_check(market: MarketService) -> Callable[[Job, int], None]:
+    """``check_terms(job, n_slots)`` for :class:`JobService`: a job with a deadline or a
+    price cap is admitted only when the market could meet its terms (raises
+    CannotMeetTerms)."""
     def check_terms(job: Job, n_slots: int) -> None:
         if job.deadline_s is None and not job.max_price_micro:
             return
@@ -42,7 +40,13 @@ def attach_market(market: MarketService, canaries: CanaryService | None, jobs: J
             client_id=job.account_id, priority=job.priority,
             max_price_micro=job.max_price_micro or None, deadline_s=job.deadline_s,
             n_slots=n_slots, weights_digest=getattr(job, "weights_digest", None)))
+    return check_terms
 
+
+def attach_market(market: MarketService, canaries: CanaryService | None,
+                  jobs: JobService) -> None:
+    """θ from the job service's receipts goes to the market, and each client job's inputs to
+    the canaries (which are built after the job service: they sign with its checkpoints)."""
     def on_receipt(job: Job, receipt: dict, received_at: float) -> None:
         # θ as the broker saw it: from sending the assignment to the receipt's arrival,
         # the units the broker computed for the inputs (throughput.timed_sample).
@@ -53,6 +57,4 @@ def attach_market(market: MarketService, canaries: CanaryService | None, jobs: J
             canaries.remember(job.plugin, job.plugin_version,
                               market.operator_of(job.provider_id) or "", job.inputs, job.id)
 
-    jobs.check_terms = check_terms
     jobs.on_receipt = on_receipt
-    jobs.on_failure = market.failed  # the failures the job service counts as the provider's

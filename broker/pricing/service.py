@@ -5,7 +5,7 @@ Every change goes through :meth:`PricingService.set_price` (the audit log hooks 
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from broker.cache import TtlCache
 from broker.pricing.errors import InvalidPrice
@@ -30,14 +30,15 @@ class PricingService:
     # broker applies to the very next job, and one made on another replica within CACHE_S.
     CACHE_S = 2.0
 
-    def __init__(self, repo: PriceRepository, clock=time.time, bus=None):
+    def __init__(self, repo: PriceRepository, clock=time.time, bus=None,
+                 on_changed: Callable[[PluginPrice, PluginPrice, str], None] | None = None):
         """``bus`` (broker.replicas.ReplicaBus): a change made on another broker replica
-        drops this one's cached price at once, not CACHE_S later."""
+        drops this one's cached price at once, not CACHE_S later. ``on_changed(before,
+        after, by)`` is called after every change (the audit log hooks in here)."""
         self.repo = repo
         self.clock = clock
         self.bus = bus
-        # Called after every change with (before, after, by): the audit log hooks in here.
-        self.on_changed = lambda before, after, by: None
+        self.on_changed = on_changed or (lambda before, after, by: None)
         self._cache: TtlCache[str, PluginPrice | None] = TtlCache(self.CACHE_S)
         if bus is not None:
             bus.subscribe("price", lambda d: self._cache.invalidate(str(d.get("plugin"))))

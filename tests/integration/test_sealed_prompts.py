@@ -15,6 +15,7 @@ from sdk.protocol.sealing import SealingError, open_inputs
 from sdk.protocol.canonical import canonical_bytes
 
 from tests.integration.conftest import LiveBroker, agent_starter
+from broker.api.job_request import job_request
 
 
 @pytest.fixture
@@ -117,7 +118,7 @@ def test_plaintext_stored_before_sealing_is_sealed_by_the_command(tmp_path, caps
     seen_provider(svc, ["echo"])
     key, who = svc.auth.create_account_with_key("client")
     svc.payments.grant(who.account_id, 10**7, by="test")
-    job, _ = svc.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "x"}})
+    job, _ = svc.jobs.submit(who, job_request({"plugin": "echo", "inputs": {"text": "x"}}, svc.jobs.catalog))
     old = f"old-secret-{uuid.uuid4().hex}"
     bare = make_engine(settings.db_url)  # no at-rest key: writes plaintext, as before
     with bare.begin() as c:
@@ -161,7 +162,7 @@ def test_sealed_columns_on_postgresql(pg_url, tmp_path):
         seen_provider(svc, ["echo"])
         _, who = svc.auth.create_account_with_key("client")
         svc.payments.grant(who.account_id, 10**7, by="test")
-        job, _ = svc.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "pg-secret"}})
+        job, _ = svc.jobs.submit(who, job_request({"plugin": "echo", "inputs": {"text": "pg-secret"}}, svc.jobs.catalog))
         assert svc.jobs.repo.get(job.id).inputs["text"] == "pg-secret"
         t = JobRow.__table__
         with svc.engine.connect() as c:

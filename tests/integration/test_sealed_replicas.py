@@ -17,6 +17,7 @@ import uuid
 import psycopg
 import pytest
 
+from broker.api.job_request import job_request
 from broker.settings import Settings
 from broker.storage.notify_pg import (CATCH_UP_EVERY_S, CHANNEL, MAX_PAYLOAD, PgNotifyBus,
                                       conninfo_of)
@@ -218,8 +219,8 @@ def test_a_replica_with_another_at_rest_key_or_none_is_refused(tmp_path, pg_url)
             seen_provider(a.services)
             _, who = a.services.auth.create_account_with_key("client")
             a.services.payments.grant(who.account_id, 10**7, by="test")
-            job, _ = a.services.jobs.submit(who, {"plugin": "echo",
-                                                  "inputs": {"text": "sealed on a"}})
+            job, _ = a.services.jobs.submit(who, job_request({"plugin": "echo",
+                                                  "inputs": {"text": "sealed on a"}}, a.services.jobs.catalog))
             assert b.services.jobs.repo.get(job.id).inputs["text"] == "sealed on a"
         finally:
             b.stop()
@@ -278,7 +279,9 @@ def test_seal_at_rest_records_the_check_value_and_refuses_another_key(tmp_path, 
     seen_provider(svc, ["echo"])
     _, who = svc.auth.create_account_with_key("client")
     svc.payments.grant(who.account_id, 10**7, by="test")
-    svc.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "sealed by the first key"}})
+    svc.jobs.submit(who, job_request({"plugin": "echo",
+                                      "inputs": {"text": "sealed by the first key"}},
+                                     svc.jobs.catalog))
     _forget_check(svc.engine)
     svc.close()
 
@@ -370,7 +373,9 @@ def test_a_refused_broker_leaves_no_key_file_of_its_own(tmp_path, pg_url):
         seen_provider(a.services)
         _, who = a.services.auth.create_account_with_key("client")
         a.services.payments.grant(who.account_id, 10**7, by="test")
-        a.services.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "sealed on a"}})
+        a.services.jobs.submit(who, job_request({"plugin": "echo",
+                                                 "inputs": {"text": "sealed on a"}},
+                                                a.services.jobs.catalog))
     finally:
         a.stop()
     engine = create_engine(pg_url)
@@ -396,7 +401,8 @@ def test_a_damaged_sealed_value_is_a_clean_refusal_not_a_traceback(tmp_path, pg_
         seen_provider(a.services)
         _, who = a.services.auth.create_account_with_key("client")
         a.services.payments.grant(who.account_id, 10**7, by="test")
-        job, _ = a.services.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "x"}})
+        job, _ = a.services.jobs.submit(who, job_request(
+            {"plugin": "echo", "inputs": {"text": "x"}}, a.services.jobs.catalog))
     finally:
         a.stop()
     engine = create_engine(pg_url)

@@ -5,6 +5,7 @@ from broker.jobs.dispatch import Dispatcher
 from sdk.protocol.signing import KeyPair
 
 from broker_fixtures import RecordingSession, make_world
+from broker.api.job_request import job_request
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def test_a_job_cancelled_while_queued_leaves_the_memory_queue(world):
     jobs, client = world
     d = Dispatcher(jobs, reap_interval_s=0.0)  # re-read the database on every pass
     d.register(_session({"other@1.0.0": ""}))   # connected, but serves no echo
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, jobs.catalog))
     assert d.match_once() == 0 and job.id in d._pending and d._backlog
     jobs.cancel(client, job.id)
     for _ in range(2):
@@ -43,7 +44,7 @@ def test_a_job_queued_during_the_database_read_is_kept(world):
     def queued_while_another_arrives(limit):
         rows = read(limit)  # the read sees the queue before the next job exists
         if not late:
-            late.append(jobs.submit(client, {"plugin": "echo", "inputs": {}})[0])
+            late.append(jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, jobs.catalog))[0])
         return rows
 
     jobs.queued = queued_while_another_arrives
@@ -57,7 +58,7 @@ def test_siblings_of_a_split_that_did_not_fit_stay_queued(world):
     s = _session({"echo@1.0.0": ""})
     s.slots = 2
     d.register(s)
-    first, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}, "n": 3})
+    first, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {}, "n": 3}, jobs.catalog))
     for _ in range(3):
         d.match_once()
     assert len(s.sent) == 2

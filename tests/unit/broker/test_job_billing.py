@@ -12,6 +12,7 @@ from sdk.protocol.envelope import make_receipt
 from sdk.protocol.signing import KeyPair
 
 from broker_fixtures import RecordingSession
+from broker.api.job_request import job_request
 
 MICRO = 1_000_000
 C, P, PLATFORM = AccountKind.CLIENT_AVAILABLE, AccountKind.PROVIDER_VESTING, "platform"
@@ -76,7 +77,7 @@ def test_submit_without_credits_is_402_naming_the_shortfall_and_creates_no_job(w
 def test_settlement_splits_to_the_micro_credit(world):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, 10 * MICRO, by="test")
-    job, created = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 1234}})
+    job, created = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {"sleep_ms": 1234}}, services.jobs.catalog))
     # Hold: 2.234 units × 250,000 = 558,500
     assert created and job.max_price_micro == 558_500
     assert _bal(services, client.account_id, C) == 10 * MICRO - 558_500
@@ -96,11 +97,11 @@ def test_settlement_splits_to_the_micro_credit(world):
 def test_minimum_charge_and_cap_at_the_hold(world):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, 10 * MICRO, by="test")
-    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, services.jobs.catalog))
     assert job.max_price_micro == 250_000
     _run(services, job, session, key, work_units=0.1)  # 25,000 < minimum 100,000
     assert _bal(services, client.account_id, C) == 10 * MICRO - 100_000
-    job2, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job2, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, services.jobs.catalog))
     _run(services, job2, session, key, work_units=50)  # claims far more than the hold
     assert _bal(services, client.account_id, C) == 10 * MICRO - 100_000 - 250_000
     assert _bal(services, prov.account_id, P) == 90_000 + 225_000
@@ -110,11 +111,11 @@ def test_minimum_charge_and_cap_at_the_hold(world):
 def test_cancel_before_run_and_failure_refund_everything(world):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, MICRO, by="test")
-    queued, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    queued, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, services.jobs.catalog))
     services.jobs.cancel(client, queued.id)
     assert _bal(services, client.account_id, C) == MICRO
     assert services.ledger.get_hold(queued.hold_id).state is HoldState.VOIDED
-    doomed, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    doomed, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, services.jobs.catalog))
     services.dispatcher.match_once()
     services.jobs.failed(session.provider_id, doomed.id, 0, "oom", "out of memory", retryable=False)
     assert _bal(services, client.account_id, C) == MICRO
@@ -125,8 +126,8 @@ def test_cancel_before_run_and_failure_refund_everything(world):
 def test_cancel_mid_run_pays_only_the_work_shown(world):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, 10 * MICRO, by="test")
-    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 3000,
-                                                                        "steps": 8}})
+    job, _ = services.jobs.submit(client, job_request(
+        {"plugin": "echo", "inputs": {"sleep_ms": 3000, "steps": 8}}, services.jobs.catalog))
     assert job.max_price_micro == 1_000_000  # 4 units
     services.dispatcher.match_once()
     services.jobs.accepted(session.provider_id, job.id, 0)
@@ -145,8 +146,8 @@ def test_claimed_progress_alone_pays_nothing_on_a_cancel(world):
     """Issue #20: reporting 100 % and having the client cancel paid 2.7 credits."""
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, 10 * MICRO, by="test")
-    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 3000,
-                                                                        "steps": 4}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {"sleep_ms": 3000,
+                                                                        "steps": 4}}, services.jobs.catalog))
     services.dispatcher.match_once()
     services.jobs.accepted(session.provider_id, job.id, 0)
     for step in range(1, 5):
@@ -161,8 +162,8 @@ def test_a_cancel_pays_the_tokens_streamed_to_the_client(world):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, 10 * MICRO, by="test")
     # echo's steps stand in for a text job's max_new_tokens: 4 steps, 4 work units
-    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 3000,
-                                                                        "steps": 4}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {"sleep_ms": 3000,
+                                                                        "steps": 4}}, services.jobs.catalog))
     services.dispatcher.match_once()
     services.jobs.accepted(session.provider_id, job.id, 0)
     services.jobs.progress(session.provider_id, job.id, 0, 0, 0, text="Hel")
@@ -177,25 +178,25 @@ def test_idempotent_resubmit_holds_once(world):
     services, client, *_ = world
     services.payments.grant(client.account_id, MICRO, by="test")
     body = {"plugin": "echo", "inputs": {"text": "x"}}
-    first, created = services.jobs.submit(client, body, idempotency_key="k1")
-    again, created_again = services.jobs.submit(client, body, idempotency_key="k1")
+    first, created = services.jobs.submit(client, job_request(body, services.jobs.catalog), idempotency_key="k1")
+    again, created_again = services.jobs.submit(client, job_request(body, services.jobs.catalog), idempotency_key="k1")
     assert created and not created_again and again.id == first.id
     assert again.hold_id == first.hold_id
     assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 250_000
     # The replay wrote nothing: no audit entry for the hold it found again, no event.
     entries = len(services.audit.search(limit=100))
     events = len(services.jobs.repo.events_after(first.id, 0))
-    services.jobs.submit(client, body, idempotency_key="k1")
+    services.jobs.submit(client, job_request(body, services.jobs.catalog), idempotency_key="k1")
     assert len(services.audit.search(limit=100)) == entries
     assert len(services.jobs.repo.events_after(first.id, 0)) == events
     # Still the first job when the price moved since (the hold taken again would not
     # match the first one): looked up, not refused, and nothing more is held.
     services.pricing.set_price("echo", {"reserve_micro_per_unit": 300_000}, by="test")
-    third, created_third = services.jobs.submit(client, body, idempotency_key="k1")
+    third, created_third = services.jobs.submit(client, job_request(body, services.jobs.catalog), idempotency_key="k1")
     assert third.id == first.id and not created_third
     assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 250_000
     with pytest.raises(IdempotencyConflict):  # the same key for another request
-        services.jobs.submit(client, {**body, "inputs": {"text": "other"}}, idempotency_key="k1")
+        services.jobs.submit(client, job_request({**body, "inputs": {"text": "other"}}, services.jobs.catalog), idempotency_key="k1")
     assert services.audit.verify().ok and services.ledger.verify().ok
 
 
@@ -210,14 +211,14 @@ def test_job_insert_failure_takes_the_hold_and_its_audit_entry_with_it(world, mo
         raise RuntimeError("database went away")
     monkeypatch.setattr(services.jobs.repo, "create", broken)
     with pytest.raises(RuntimeError):
-        services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+        services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, services.jobs.catalog))
     # The hold, the job row and the hold's audit entry were one transaction: all gone.
     assert _bal(services, client.account_id, C) == MICRO
     assert _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 0
     assert services.jobs.repo.counts_by_state() == {}
     assert len(services.audit.search(limit=100)) == entries
     monkeypatch.undo()
-    job, created = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, created = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, services.jobs.catalog))
     assert created and _bal(services, client.account_id, AccountKind.CLIENT_HELD) == 250_000
     assert [e.action for e in services.audit.search(limit=1)] == ["ledger.hold"]
     assert services.audit.verify().ok and services.ledger.verify().ok
@@ -226,7 +227,7 @@ def test_job_insert_failure_takes_the_hold_and_its_audit_entry_with_it(world, mo
 def test_a_post_that_fails_midway_rolls_back_alone_and_the_settlement_stands(world, monkeypatch):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, MICRO, by="test")
-    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, services.jobs.catalog))
     from broker.storage import ledger_sql
 
     written = ledger_sql._SqlUnitOfWork.add_transaction
@@ -257,7 +258,7 @@ def test_vesting_after_the_window_via_maintenance(world):
     services, client, prov, session, key = world
     services.payments.grant(client.account_id, MICRO, by="test")
     services.pricing.set_price("echo", {"vesting_window_s": 0}, by="test")
-    job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, services.jobs.catalog))
     _run(services, job, session, key, work_units=1)
     assert services.maintenance.run_once()["vested"] == 1
     assert _bal(services, prov.account_id, AccountKind.PROVIDER_AVAILABLE) == 225_000

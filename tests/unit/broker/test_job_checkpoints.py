@@ -16,6 +16,7 @@ from sdk.protocol.envelope import make_receipt
 from sdk.protocol.signing import KeyPair
 
 from broker_fixtures import RecordingSession
+from broker.api.job_request import job_request
 
 MICRO = 1_000_000
 C, P = AccountKind.CLIENT_AVAILABLE, AccountKind.PROVIDER_VESTING
@@ -75,8 +76,8 @@ def _ckpt(step):
 
 def test_moved_job_resumes_and_each_provider_is_paid_its_steps(world):
     services, client, [(s1, k1, a1), (s2, k2, a2)] = world
-    job, _ = services.jobs.submit(client, {"plugin": "echo",
-                                           "inputs": {"sleep_ms": 3000, "steps": 10}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                           "inputs": {"sleep_ms": 3000, "steps": 10}}, services.jobs.catalog))
     env, _ = _assign(services, s1)
     assert env["checkpoint_every"] == 2 and "resume" not in env
     cp = services.jobs.checkpoints
@@ -108,8 +109,8 @@ def test_moved_job_resumes_and_each_provider_is_paid_its_steps(world):
 
 def test_checkpoints_of_jobs_one_does_not_hold_or_bad_steps_are_refused(world):
     services, client, [(s1, k1, a1), (s2, *_)] = world
-    job, _ = services.jobs.submit(client, {"plugin": "echo",
-                                           "inputs": {"sleep_ms": 100, "steps": 10}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                           "inputs": {"sleep_ms": 100, "steps": 10}}, services.jobs.catalog))
     _assign(services, s1)
     cp = services.jobs.checkpoints
     with pytest.raises(ReceiptRefused, match="not leased"):
@@ -122,15 +123,15 @@ def test_checkpoints_of_jobs_one_does_not_hold_or_bad_steps_are_refused(world):
 
 def test_short_jobs_never_checkpoint(world):
     services, client, [(s1, *_), _] = world
-    services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 100, "steps": 3}})
+    services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {"sleep_ms": 100, "steps": 3}}, services.jobs.catalog))
     env, _ = _assign(services, s1)
     assert "checkpoint_every" not in env
 
 
 def test_a_job_running_far_past_its_bound_is_taken_back(world):
     services, client, [(s1, *_), _] = world
-    job, _ = services.jobs.submit(client, {"plugin": "echo",
-                                           "inputs": {"sleep_ms": 100, "steps": 10}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                           "inputs": {"sleep_ms": 100, "steps": 10}}, services.jobs.catalog))
     _assign(services, s1)
     now = [services.jobs.repo.get(job.id).matched_at]
     watch = StallWatch(lambda j: 120.0, lambda j: None, settings=StallSettings(factor=1.5),
@@ -145,8 +146,8 @@ def test_a_job_running_far_past_its_bound_is_taken_back(world):
 
 def test_progress_is_idempotent_and_only_moves_forward(world):
     services, client, [(s1, *_), _] = world
-    job, _ = services.jobs.submit(client, {"plugin": "echo",
-                                           "inputs": {"sleep_ms": 100, "steps": 10}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                           "inputs": {"sleep_ms": 100, "steps": 10}}, services.jobs.catalog))
     _assign(services, s1)
     for step in (1, 2, 2, 1, 3, 3):                 # re-sent and late reports
         services.jobs.progress(s1.provider_id, job.id, 0, step, 10)
@@ -158,8 +159,8 @@ def test_progress_is_idempotent_and_only_moves_forward(world):
 
 def test_cancel_after_a_resume_pays_each_provider_its_steps(world):
     services, client, [(s1, k1, a1), (s2, k2, a2)] = world
-    job, _ = services.jobs.submit(client, {"plugin": "echo",
-                                           "inputs": {"sleep_ms": 3000, "steps": 10}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                           "inputs": {"sleep_ms": 3000, "steps": 10}}, services.jobs.catalog))
     _assign(services, s1)
     cp = services.jobs.checkpoints
     cp.upload(s1.provider_id, job.id, 0, 4, 10, _ckpt(4), "")
@@ -177,8 +178,8 @@ def test_cancel_after_a_resume_pays_each_provider_its_steps(world):
 
 def test_cancel_while_requeued_pays_the_checkpointed_steps_only(world):
     services, client, [(s1, k1, a1), _] = world
-    job, _ = services.jobs.submit(client, {"plugin": "echo",
-                                           "inputs": {"sleep_ms": 3000, "steps": 10}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                           "inputs": {"sleep_ms": 3000, "steps": 10}}, services.jobs.catalog))
     _assign(services, s1)
     services.jobs.checkpoints.upload(s1.provider_id, job.id, 0, 6, 10, _ckpt(6), "")
     services.jobs.failed(s1.provider_id, job.id, 0, "host_died", "gone", retryable=True)
@@ -208,8 +209,8 @@ def test_a_checkpoint_is_refused_unless_the_job_asked_for_it_at_its_own_step_cou
     attempt's part of it, and the job must have asked for checkpoints."""
     services, client, [(s1, *_), (s2, *_)] = world
     cp = services.jobs.checkpoints
-    job, _ = services.jobs.submit(client, {"plugin": "echo",
-                                           "inputs": {"sleep_ms": 100, "steps": 10}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                           "inputs": {"sleep_ms": 100, "steps": 10}}, services.jobs.catalog))
     _assign(services, s1)
     for step, total, code in ((1, 1, "bad_checkpoint_total"), (2, 20, "bad_checkpoint_total"),
                               (10, 10, "bad_checkpoint_step"), (0, 10, "bad_checkpoint_step")):
@@ -217,8 +218,8 @@ def test_a_checkpoint_is_refused_unless_the_job_asked_for_it_at_its_own_step_cou
     assert "runs 10 steps" in str(_refusal(cp, s1, job, 2, 20))
     assert cp.upload(s1.provider_id, job.id, 0, 2, 10, _ckpt(2), "") is not None
     # A job too short to checkpoint asked for none: none is kept.
-    short, _ = services.jobs.submit(client, {"plugin": "echo",
-                                             "inputs": {"sleep_ms": 100, "steps": 3}})
+    short, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                             "inputs": {"sleep_ms": 100, "steps": 3}}, services.jobs.catalog))
     env, _ = _assign(services, s2)
     assert env["job_id"] == short.id and "checkpoint_every" not in env
     with pytest.raises(ReceiptRefused) as refused:
@@ -261,8 +262,8 @@ def test_a_checkpoint_kept_with_another_total_is_neither_resumed_nor_paid(world)
     from broker.jobs.checkpoints import CheckpointRecord
 
     services, client, [(s1, k1, a1), (s2, *_)] = world
-    job, _ = services.jobs.submit(client, {"plugin": "echo",
-                                           "inputs": {"sleep_ms": 3000, "steps": 10}})
+    job, _ = services.jobs.submit(client, job_request({"plugin": "echo",
+                                           "inputs": {"sleep_ms": 3000, "steps": 10}}, services.jobs.catalog))
     _assign(services, s1)
     cp = services.jobs.checkpoints
     sha = services.jobs.blobs.put(_ckpt(1))

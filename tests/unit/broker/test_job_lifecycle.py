@@ -10,6 +10,7 @@ from sdk.protocol.envelope import make_receipt
 from sdk.protocol.signing import KeyPair
 
 from broker_fixtures import RecordingSession, make_world
+from broker.api.job_request import job_request
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def _matched(world, inputs=None, pid="prov-1"):
     (job, session, key, dispatcher)."""
     jobs, _, client, _ = world
     s, key, d = _provider(jobs, pid)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": inputs or {}})
+    job, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": inputs or {}}, jobs.catalog))
     assert d.match_once() == 1
     return job, s, key, d
 
@@ -58,7 +59,7 @@ def _finish(jobs, job, session, key: KeyPair, data=b'{"ok":true}'):
 def test_submit_match_run_settle(world):
     jobs, clock, client, _ = world
     s, key, d = _provider(jobs)
-    job, created = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "hi"}})
+    job, created = jobs.submit(client, job_request({"plugin": "echo", "inputs": {"text": "hi"}}, jobs.catalog))
     assert created and job.state == JobState.QUEUED and job.inputs["sleep_ms"] == 0
     assert d.match_once() == 1 and len(s.sent) == 1
     jobs.accepted(s.provider_id, job.id, 0)
@@ -82,7 +83,7 @@ def test_wait_returns_the_job_when_it_ends_or_as_it_is_at_the_deadline(world):
 
     jobs, _, client, _ = world
     s, key, d = _provider(jobs)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, jobs.catalog))
     got = {}
 
     def waiter(name, timeout_s):
@@ -114,7 +115,7 @@ def test_wait_on_a_copy_from_before_the_job_ended_returns_the_end_at_once(world)
 
     jobs, _, client, _ = world
     s, key, d = _provider(jobs)
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, jobs.catalog))
     d.match_once()
     jobs.accepted(s.provider_id, job.id, 0)
     _, blob, sig = _finish(jobs, job, s, key)
@@ -202,24 +203,24 @@ def test_settled_job_cannot_be_cancelled(world):
 def test_bad_requests_create_no_job(world, body, error, field):
     jobs, _, client, _ = world
     with pytest.raises(error) as exc:
-        jobs.submit(client, body)
+        jobs.submit(client, job_request(body, jobs.catalog))
     assert exc.value.field == field
     assert jobs.repo.counts_by_state() == {}
 
 
 def test_idempotency_key(world):
     jobs, _, client, _ = world
-    a, created = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "a"}}, "key-1")
-    b, created2 = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "a"}}, "key-1")
+    a, created = jobs.submit(client, job_request({"plugin": "echo", "inputs": {"text": "a"}}, jobs.catalog), "key-1")
+    b, created2 = jobs.submit(client, job_request({"plugin": "echo", "inputs": {"text": "a"}}, jobs.catalog), "key-1")
     assert created and not created2 and a.id == b.id
     with pytest.raises(IdempotencyConflict):
-        jobs.submit(client, {"plugin": "echo", "inputs": {"text": "b"}}, "key-1")
+        jobs.submit(client, job_request({"plugin": "echo", "inputs": {"text": "b"}}, jobs.catalog), "key-1")
     assert jobs.repo.counts_by_state() == {"queued": 1}
 
 
 def test_jobs_are_private_to_their_account(world):
     jobs, _, client, provider = world
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, jobs.catalog))
     with pytest.raises(JobNotFound):
         jobs.get(provider, job.id)
     with pytest.raises(JobNotFound):
@@ -268,10 +269,10 @@ def test_a_provider_that_needs_no_download_is_preferred_then_any_other(world):
     d.needs_download = lambda pid, job: pid == "cold" and job.inputs.get("text") == "ink"
     d.register(cold)
     d.register(warm)
-    first, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "ink"}})
+    first, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {"text": "ink"}}, jobs.catalog))
     d.match_once()
     assert jobs.repo.get(first.id).provider_id == "warm"
-    second, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "ink"}})
+    second, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {"text": "ink"}}, jobs.catalog))
     d.match_once()
     assert jobs.repo.get(second.id).provider_id == "cold"  # the warm one is busy
 
@@ -377,7 +378,7 @@ def _refused_once(world, counted: list):
     jobs.on_failure = lambda provider_id, plugin: counted.append(provider_id)
     d = Dispatcher(jobs)
     machines = {pid: _machine(d, pid, op) for pid, op in (("a1", "op-a"), ("b1", "op-b"))}
-    job, _ = jobs.submit(client, {"plugin": "echo", "inputs": {}})
+    job, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, jobs.catalog))
     assert d.match_once() == 1
     first, _ = _holder(machines)
     moved = jobs.failed(first.provider_id, job.id, 0, "bad_input", "prompt too long", False)
@@ -432,7 +433,7 @@ def test_with_one_operator_a_refused_input_fails_at_once_and_counts(world):
     assert failed.state is JobState.FAILED and failed.error_code == "bad_input"
     assert counted == [s.provider_id]  # nobody could confirm it: counted as any failure
     # other failures count as before, retryable or not
-    job2, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "2"}})
+    job2, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {"text": "2"}}, jobs.catalog))
     d.match_once()
     assert jobs.failed(s.provider_id, job2.id, 0, "oom", "out of memory", True).state is \
         JobState.QUEUED
@@ -446,17 +447,17 @@ def test_the_broker_fixes_the_seed_of_a_job_whose_client_gave_none(world):
     all; a client's own seed stands; a plugin without a seed input gets none."""
     jobs, _, client, _ = world
     body = {"plugin": "sd15", "inputs": {"prompt": "a lighthouse", "steps": 2}}
-    first, created = jobs.submit(client, body, "unseeded-1")
+    first, created = jobs.submit(client, job_request(body, jobs.catalog), "unseeded-1")
     seed = first.inputs["seed"]
     assert created and isinstance(seed, int) and 0 <= seed <= 2**31
-    again, created = jobs.submit(client, body, "unseeded-1")
+    again, created = jobs.submit(client, job_request(body, jobs.catalog), "unseeded-1")
     assert not created and again.id == first.id and again.inputs["seed"] == seed
-    other, _ = jobs.submit(client, body)
+    other, _ = jobs.submit(client, job_request(body, jobs.catalog))
     assert other.inputs["seed"] != seed  # drawn per job (a clash: 1 in 2**31)
-    own, _ = jobs.submit(client, {**body, "inputs": {**body["inputs"], "seed": 7}})
+    own, _ = jobs.submit(client, job_request({**body, "inputs": {**body["inputs"], "seed": 7}}, jobs.catalog))
     assert own.inputs["seed"] == 7
-    split, _ = jobs.submit(client, {**body, "n": 2})
+    split, _ = jobs.submit(client, job_request({**body, "n": 2}, jobs.catalog))
     siblings = jobs.batch(client, split.batch_id)
     assert [j.inputs["seed"] - siblings[0].inputs["seed"] for j in siblings] == [0, 1]
-    echo, _ = jobs.submit(client, {"plugin": "echo", "inputs": {"text": "hi"}})
+    echo, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {"text": "hi"}}, jobs.catalog))
     assert "seed" not in echo.inputs

@@ -6,6 +6,7 @@ from broker.services import build_services
 from broker.settings import Settings
 from broker.storage.metrics_sql import SqlMetricsReader
 from sdk.protocol.signing import KeyPair
+from broker.api.job_request import job_request
 
 
 def test_shared_facts_and_telemetry_rows(db_url, tmp_path):
@@ -15,9 +16,9 @@ def test_shared_facts_and_telemetry_rows(db_url, tmp_path):
         _, who = svc.auth.create_account_with_key("client")
         svc.payments.grant(who.account_id, 100 * 1_000_000, by="test")
         for i in range(3):
-            svc.jobs.submit(who, {"plugin": "echo", "inputs": {"text": str(i)}},
+            svc.jobs.submit(who, job_request({"plugin": "echo", "inputs": {"text": str(i)}}, svc.jobs.catalog),
                             request_id=f"req-{i}")
-        job, _ = svc.jobs.submit(who, {"plugin": "echo", "inputs": {"text": "gone"}})
+        job, _ = svc.jobs.submit(who, job_request({"plugin": "echo", "inputs": {"text": "gone"}}, svc.jobs.catalog))
         svc.jobs.cancel(who, job.id)
         facts = SqlMetricsReader(svc.jobs.repo.sessions).read()
         assert facts.jobs == {("queued", "echo"): 3}  # the cancelled one has ended

@@ -15,7 +15,7 @@ from broker.ledger.model import AccountKind
 from broker.ledger.seeding import seed_earned
 from broker.verification.outcomes import Role
 from broker.verification.records import CheckStatus
-from broker.verification.service import CHECK_ACCOUNT
+from broker.verification.runs import CHECK_ACCOUNT
 from tests.verification_world import HW, VerificationWorld
 
 GOOD, BAD = b'{"text": "the truth"}', b'{"text": "made up"}'
@@ -425,7 +425,7 @@ def test_a_check_is_judged_on_the_judging_worker_not_the_settling_thread(world, 
     worker compares the runs; a check the worker never judged is judged by the sweep."""
     import threading
 
-    from broker.verification import service as vs
+    from broker.verification import verdicts as vs
 
     first, second = world.checked("a", GOOD), world.checked("a", GOOD)
     checks = [world.settle(world.check_of(first), "b", GOOD),

@@ -13,6 +13,7 @@ from sdk.protocol.envelope import make_receipt
 from sdk.protocol.signing import KeyPair
 
 from broker_fixtures import RecordingSession
+from broker.api.job_request import job_request
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def test_inflated_units_in_a_millisecond_measure_what_the_broker_saw_and_lose(se
     cheat, cheat_key = _provider(services, "cheat")
     # Cold market: the only provider gets the first job. It takes 2 s as the broker sees
     # it (2 work units), and its receipt claims 20 units in 1 ms.
-    first, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 1000}})
+    first, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {"sleep_ms": 1000}}, services.jobs.catalog))
     assert _matched(services, first).provider_id == cheat.provider_id
     _run(services, cheat, cheat_key, seen_s=2.0, work_units=20.0, run_ms=1)
     theta, measured = services.market.theta(cheat.provider_id, "echo")
@@ -81,7 +82,7 @@ def test_inflated_units_in_a_millisecond_measure_what_the_broker_saw_and_lose(se
     honest, honest_key = _provider(services, "honest")
     services.market.observe(honest.provider_id, "echo", 2.0, 1000.0)
     for _ in range(3):
-        job, _ = services.jobs.submit(client, {"plugin": "echo", "inputs": {"sleep_ms": 1000}})
+        job, _ = services.jobs.submit(client, job_request({"plugin": "echo", "inputs": {"sleep_ms": 1000}}, services.jobs.catalog))
         assert _matched(services, job).provider_id == honest.provider_id
         _run(services, honest, honest_key, seen_s=1.0)
 

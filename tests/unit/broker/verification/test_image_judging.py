@@ -22,6 +22,7 @@ from provider_agent.cheats import FALSE_CLASS, claim_schedule
 from tests.verification_world import HW, VerificationWorld
 
 from .conftest import RecordingContext, load_plugin
+from broker.api.job_request import job_request
 
 JOB = {"prompt": "a lighthouse at dusk", "steps": 30, "width": 64, "height": 64, "seed": 11}
 OTHER_CLASS = "cpu:x86_64:threads=2"
@@ -122,8 +123,8 @@ def test_a_cached_image_for_unseeded_jobs_is_checked_with_the_brokers_seed(world
         world.services.ledger.deposit(who.account_id, 10_000_000,
                                       idempotency_key=f"grant:{who.account_id}",
                                       source=FundingSource.DEV_GRANT, memo="test credits")
-    first, _ = world.jobs.submit(clients[0], {"plugin": "sd15", "inputs": inputs})
-    second, _ = world.jobs.submit(clients[1], {"plugin": "sd15", "inputs": inputs})
+    first, _ = world.jobs.submit(clients[0], job_request({"plugin": "sd15", "inputs": inputs}, world.jobs.catalog))
+    second, _ = world.jobs.submit(clients[1], job_request({"plugin": "sd15", "inputs": inputs}, world.jobs.catalog))
     seeds = first.inputs["seed"], second.inputs["seed"]
     assert seeds[0] != seeds[1]  # the broker drew each job's seed
     cached = run(sd15, first.inputs)  # the cheat's one honest run, kept for both jobs

@@ -133,9 +133,9 @@ def test_a_check_that_judged_every_token_needs_no_scoring(world, honest):
 
 def test_a_plugin_version_that_cannot_score_is_judged_on_what_the_check_says(
         world, honest, monkeypatch):
-    from broker.verification import service
+    from broker.verification import verdicts
 
-    monkeypatch.setattr(service, "SCORE_INPUT", "no_such_input")  # as llama 1.0.0 had none
+    monkeypatch.setattr(verdicts, "SCORE_INPUT", "no_such_input")  # as llama 1.0.0 had none
     claim = run(honest, JOB)
     job = world.primary("a", claim)
     first = world.check(job)

@@ -1,5 +1,7 @@
 """Builds the console's services (called by broker.services.build_services, which stays the
-one place that chooses implementations: this module only groups the admin part of it)."""
+one place that chooses implementations: this module only groups the admin part of it). It
+sits beside services.py, not in broker/admin, so that the console imports no storage code
+(broker/storage imports the console's records: the loop is gone)."""
 from __future__ import annotations
 
 from broker.admin.disputes import DisputeService

@@ -1,0 +1,276 @@
+"""How a run ends: a provider's signed receipt checked and settled (the money moved in the
+same block as the state), a failure reported by the provider, a job given up, and the
+ledger steps behind them.
+
+A part of :class:`broker.jobs.service.JobService`.
+"""
+from __future__ import annotations
+
+import logging
+
+from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
+from sdk.protocol.envelope import EnvelopeError, open_receipt
+
+from .errors import ReceiptRefused
+from .model import LEASED, Job, JobOutput, JobState
+from .leases import _check_output
+from .queries import _is_uuid
+
+log = logging.getLogger(__name__)
+
+BAD_INPUT = "bad_input"            # a failure code: the plugin refused the job's input
+INPUT_DISPUTED = "input_disputed"  # a requeue: another operator's provider tries that input
+
+
+class JobSettlement:
+    """Receipts, failures and money (a part of JobService)."""
+
+    def receipt(self, provider_id: str, provider_key: str, data: bytes, signature: str,
+                uploads: list[tuple[bytes, str]] = (), received_at: float | None = None) -> Job:
+        """Verify a signed receipt and settle the job; idempotent for the same receipt.
+        ``uploads``: (data, sha256) of outputs that came with the receipt, stored once it
+        verifies and the job's lease is the sender's (each must be one the receipt names).
+        ``received_at``: when the receipt reached the broker (the gateway stamps it as it
+        reads the message; now when not given) — the end of the run the market times."""
+        received_at = self.clock() if received_at is None else received_at
+        try:
+            rec = open_receipt(data, signature, provider_key=provider_key)
+        except EnvelopeError as exc:
+            raise ReceiptRefused(exc.code, str(exc)) from None
+        job_id, attempt = str(rec["job_id"]), int(rec["attempt"])
+        # The lease as assign() wrote it, when it is this sender's and this attempt's: the
+        # settlement's conditional UPDATE still decides, and if the job has moved since,
+        # the receipt is judged again on the row as it is now.
+        with self._assigned_lock:
+            copy = self._assigned.get(job_id)
+            if copy is not None and (copy[0].provider_id == provider_id
+                                     and copy[0].attempt == attempt):
+                del self._assigned[job_id]
+            else:
+                copy = None
+        if copy is not None:
+            try:
+                return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1],
+                                    received_at=received_at)
+            except _Moved:
+                pass
+        job = self.repo.get(job_id) if _is_uuid(job_id) else None
+        if job is None:
+            raise ReceiptRefused("unknown_job", f"receipt names unknown job {job_id!r}")
+        if (job.receipt == rec and job.provider_id == provider_id
+                and job.state in (JobState.SUBMITTED, JobState.SETTLED)):
+            # A re-sent receipt (e.g. after a reconnect): already settled once; the post is
+            # idempotent, so this also finishes a settlement interrupted before its post.
+            self._charge(job, rec)
+            return job
+        job = self._leased(provider_id, job_id, attempt, job)
+        return self._settle(job, rec, signature, uploads, received_at=received_at)
+
+    def _settle(self, job: Job, rec: dict, signature: str, uploads,
+                envelope_sha: str | None = None, received_at: float | None = None) -> Job:
+        """Settle ``job`` (leased to the receipt's sender) on its verified receipt ``rec``.
+        ``envelope_sha``: ``job`` is assign()'s copy and this the hash of its envelope as
+        signed; a job that has moved since then raises _Moved instead of being refused."""
+        provider_id, attempt = job.provider_id, int(rec["attempt"])
+        from_copy = envelope_sha is not None
+        if envelope_sha is None:
+            envelope_sha = sha256_hex(canonical_bytes(job.envelope))
+        if rec["envelope_sha256"] != envelope_sha:
+            raise ReceiptRefused("envelope_mismatch", "receipt does not cover this job's envelope")
+        check_receipt_shape(rec)
+        named = {out["sha256"] for out in rec["outputs"]}
+        stray = next((sha for _, sha in uploads if sha not in named), None)
+        if stray is not None:
+            raise ReceiptRefused("output_not_in_receipt",
+                                 f"an output sent with the receipt ({stray[:12]}…) is not one "
+                                 "the receipt names")
+        for blob, sha in uploads:
+            _check_output(job.id, blob, sha)
+        sent = {sha for _, sha in uploads}
+        outputs = []
+        for i, out in enumerate(rec["outputs"]):
+            sha = out["sha256"]
+            if sha not in sent:
+                self._check_stored(job.id, i, sha)
+            outputs.append(JobOutput(job.id, out["index"], sha, out["media_type"], out["size"]))
+        now = self.clock()
+        # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
+        # receipt settles at once, in one transaction with its outputs and both events.
+        # The settlement and its ledger post (with the post's audit entry) commit as one
+        # transaction; a post that fails rolls back alone (a savepoint), and the
+        # settlement stands with a ledger_error event (see _money).
+        with self.repo.atomic():
+            settled = self.repo.transition(
+                job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
+                expect_provider=provider_id, outputs=outputs,
+                events=[("submitted", {"attempt": attempt}),
+                        ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
+                                               "media_type": o.media_type, "size": o.size}
+                                              for o in outputs]})],
+                receipt=rec, receipt_signature=signature, lease_expires_at=None,
+                finished_at=now)
+            if settled is None:
+                if from_copy:
+                    raise _Moved()  # nothing was written: judged again on the row
+                raise ReceiptRefused("not_your_job",
+                                     f"job {job.id} moved before the receipt arrived")
+            # Stored once the job is the sender's to settle; if storing fails, the
+            # settlement rolls back with it.
+            for blob, _ in uploads:
+                self.blobs.put(blob)
+            self._charge(settled, rec)
+        try:
+            self.on_receipt(settled, rec, self.clock() if received_at is None else received_at)
+            if _input_disputed(settled):  # whoever called this input bad was wrong
+                for refuser in self._input_refusers(job.id):
+                    self.on_failure(refuser, job.plugin)
+        except Exception:  # noqa: BLE001 - a measurement must never undo a settlement
+            log.exception("job %s: telling the market of the receipt (timings, refusals of "
+                          "its input) failed", job.id)
+        self.on_released(provider_id, job.id)
+        # Verification draws whether to check the job once its receipt is signed and
+        # settled, before the client is woken, so it never sees a status that changes back.
+        self.on_settled(settled, rec)
+        self.hub.notify(job.id, ended=True, copy=(settled, tuple(outputs)))
+        self._ended(settled)
+        if received_at:  # the wall clock the gateway stamped the receipt with
+            self.metrics.settled(job.plugin, max(0.0, self.clock() - received_at))
+        return settled
+
+    def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
+               retryable: bool) -> Job | None:
+        try:
+            job = self._leased(provider_id, job_id, attempt)
+        except ReceiptRefused:
+            return None  # already moved (cancelled, requeued): nothing to do
+        self.on_released(provider_id, job_id)
+        if code == BAD_INPUT and not retryable and not job.check_of:
+            return self._input_refused(job, provider_id, message)
+        self.on_failure(provider_id, job.plugin)
+        if retryable:
+            # (the provider's message may quote the inputs: it goes to the sealed event,
+            # the log gets its code alone)
+            return self._requeue(job, "failed", f"{code}: {message}", logged=code)
+        return self._fail(job, code, message)
+
+    def _input_refused(self, job: Job, provider_id: str, message: str) -> Job | None:
+        """A provider says the job's input is bad (the plugin refused it): the client's
+        fault, which must not count against the provider, but a provider could say so of
+        any failure. So the first refusal sends the job to a provider of another operator
+        (the refuser's operator is excluded for good); a second refusal there confirms it,
+        and the job fails ``bad_input`` with nobody's reliability touched, while a
+        settlement there proves the first refusal false and counts it as the refuser's
+        failure (see _settle). With no other operator connected, the job fails at once and
+        the refusal counts, as any failure does."""
+        if _input_disputed(job):  # refused by a provider of another operator already
+            return self._fail(job, BAD_INPUT, f"{message} (providers of two operators "
+                                              "refused this input)")
+        operator = self.second_opinion(job, provider_id)
+        if operator is None:
+            self.on_failure(provider_id, job.plugin)
+            return self._fail(job, BAD_INPUT, message)
+        return self._requeue(job, INPUT_DISPUTED,
+                             f"{BAD_INPUT}: {message}; a provider of another operator tries it",
+                             exclude=[f"operator:{operator}"])
+
+    def _input_refusers(self, job_id: str) -> list[str]:
+        """The providers whose refusal of the job's input sent it to another operator."""
+        return [e.data.get("provider_id") for e in self.repo.events_after(job_id, 0)
+                if e.kind == "requeued" and e.data.get("why") == INPUT_DISPUTED
+                and e.data.get("provider_id")]
+
+    def give_up(self, job: Job, code: str, message: str) -> Job | None:
+        """Fail a queued job the broker will not run after all (a check no provider of
+        another operator took in time): its hold is released, ``on_ended`` runs."""
+        return self._fail(job, code, message)
+
+    def _fail(self, job: Job, code: str, message: str) -> Job | None:
+        with self.repo.atomic():  # the failure with its hold's release
+            moved = self.repo.transition(job.id, [job.state], JobState.FAILED,
+                                         expect_attempt=job.attempt,
+                                         event=("failed", {"code": code, "message": message}),
+                                         error_code=code, error_message=message,
+                                         finished_at=self.clock(), lease_expires_at=None)
+            if moved is not None:
+                self._money("release", moved,
+                            lambda: self.billing.failed(moved, f"{code}: {message}"))
+        if moved is not None:
+            self.hub.notify(job.id, ended=True)
+            self._ended(moved)
+            self.on_ended(moved)
+        return moved
+
+    def _ended(self, job: Job) -> None:
+        """Tell the metrics a job reached its end state."""
+        end = job.finished_at or self.clock()
+        self.metrics.ended(job.plugin, job.state.value, end - (job.created_at or end))
+
+    # ---- money -----------------------------------------------------------------------
+    def _charge(self, job: Job, receipt: dict) -> None:
+        units = receipt.get("work_units", job.work_units)
+        parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
+        if parts:  # resumed from a checkpoint: earlier providers get their shares
+            resumed = self.checkpoints.base_fraction(job)
+            self._money("settle", job,
+                        lambda: self.billing.settle_shared(job, units, parts, resumed))
+            return
+        self._money("settle", job, lambda: self.billing.settle(job, units))
+
+    def _money(self, what: str, job: Job, action) -> None:
+        """Run a billing step after the job's state change, in its ``atomic`` block (the two
+        commit together). The state change stands even if the ledger fails: the ledger's
+        writes are a savepoint that rolls back alone (the hold then expires back to the
+        client after its TTL); the
+        failure is logged and recorded as a ``ledger_error`` event on the job, with its
+        cause, so an admin sees it on the job page and can reconcile it (every ledger call
+        is keyed by the job id: re-running it is safe)."""
+        if self.billing is None or job.hold_id is None:
+            return
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - the job already moved; money is reconciled
+            log.exception("job %s: ledger %s failed", job.id, what)
+            try:
+                self.repo.add_event(job.id, "ledger_error",
+                                    {"step": what, "error": f"{type(exc).__name__}: {exc}"})
+            except Exception:  # noqa: BLE001 - the log line above still names the job
+                log.exception("job %s: could not record the ledger failure", job.id)
+
+
+class _Moved(Exception):
+    """assign()'s copy of a lease is out of date: the job moved since."""
+
+
+def check_receipt_shape(rec: dict) -> None:
+    """Refuse a receipt whose outputs or reproducibility class are not what the broker and
+    verification read (a provider controls every byte of it): ``outputs`` a list of
+    ``{index: int, sha256: 64 hex, media_type: str, size: int >= 0, meta: dict}`` with
+    indexes 0..n-1, and ``repro`` (when present) a dict of strings."""
+    outs = rec.get("outputs")
+    if not isinstance(outs, list) or len(outs) > 1024:
+        raise ReceiptRefused("malformed_receipt", "receipt outputs must be a list (at most 1024)")
+    for i, out in enumerate(outs):
+        where = f"receipt output {i}"
+        if not isinstance(out, dict):
+            raise ReceiptRefused("malformed_receipt", f"{where} is not an object")
+        if not is_sha256_hex(out.get("sha256")):
+            raise ReceiptRefused("malformed_receipt", f"{where}: sha256 must be 64 lowercase hex")
+        if out.get("index") != i or isinstance(out.get("index"), bool):
+            raise ReceiptRefused("malformed_receipt", f"{where}: index must be {i}")
+        media = out.get("media_type")
+        if not isinstance(media, str) or not 0 < len(media) <= 100 or "/" not in media:
+            raise ReceiptRefused("malformed_receipt", f"{where}: media_type must be a MIME type")
+        size = out.get("size")
+        if type(size) is not int or size < 0:
+            raise ReceiptRefused("malformed_receipt", f"{where}: size must be an integer >= 0")
+        if not isinstance(out.get("meta", {}), dict):
+            raise ReceiptRefused("malformed_receipt", f"{where}: meta must be an object")
+    repro = rec.get("repro", {})
+    if not isinstance(repro, dict) or not all(isinstance(v, str) for v in repro.values()):
+        raise ReceiptRefused("malformed_receipt", "receipt repro must be an object of strings")
+
+
+def _input_disputed(job: Job) -> bool:
+    """Did a provider refuse this (non-check) job's input, sending it to another operator?
+    (Only that puts an ``operator:`` exclusion on a job that is not a check.)"""
+    return not job.check_of and any(e.startswith("operator:") for e in job.excluded_providers)
