@@ -58,6 +58,17 @@ class Retention(Protocol):
     def expired(self, finished_at: float | None, now: float | None = None) -> bool: ...
 
 
+
+def dearer(manifest, asked: dict[str, Any], resolved: dict[str, Any]) -> bool | None:
+    """The never-dearer rule of the weights' defaults: whether ``resolved`` (with what the
+    providers' weights give) costs more work units than ``asked`` (the manifest's
+    defaults). None when the formula cannot be worked out on these inputs (it names an
+    input neither gives: a required one the client has to send), which judges nothing."""
+    try:
+        return manifest.work_units_for(resolved) > manifest.work_units_for(asked)
+    except (ValueError, TypeError, ArithmeticError):
+        return None
+
 class JobService(JobQueries, JobLeases, JobSettlement):
     """Jobs from submit to their end. This file holds creation (submit, a split's siblings,
     verification's check runs, cache answers); reading is in queries.py, leases in leases.py,
@@ -208,33 +219,30 @@ class JobService(JobQueries, JobLeases, JobSettlement):
 
     def defaults_for(self, manifest, weights_digest: str | None = None) -> dict[str, Any]:
         """What :meth:`resolve_inputs` fills in now for the inputs whose default the weights
-        set, where it differs from the manifest's (what ``GET /v1/plugins`` shows)."""
+        set, where it differs from the manifest's (what ``GET /v1/plugins`` shows): none
+        where they would make a job of the manifest's defaults dearer (:func:`dearer`)."""
         if self.input_defaults is None:
             return {}
         defaults = self.input_defaults.for_job(manifest, weights_digest)
         if defaults:
             declared = {f.name: f.default for f in manifest.inputs.fields
                         if f.default is not None}
-            try:
-                if (manifest.work_units_for({**declared, **defaults})
-                        > manifest.work_units_for(declared)):
-                    return {}  # never dearer (see _inputs): the manifest's defaults stand
-            except Exception:  # noqa: BLE001 - a formula needing a required input: _inputs judges
-                pass
+            if dearer(manifest, declared, {**declared, **defaults}):
+                return {}
         return defaults
 
     def _inputs(self, manifest, raw: Any, weights_digest: str | None) -> tuple[dict, dict]:
         """(the inputs as asked, with the manifest's defaults; as they will run). What the
         providers' weights report may make a job smaller than the manifest's defaults (tiny
-        weights' 64×64 images), never dearer: a report that would add work units is not
-        applied, so no provider can raise the price of a job whose client named no size."""
+        weights' 64×64 images), never dearer (:func:`dearer`, judged on this job's own
+        inputs), so no provider can raise the price of a job whose client named no size."""
         try:
             asked = manifest.validate_inputs(raw)
             defaults = self.defaults_for(manifest, weights_digest)
             if not defaults:
                 return asked, asked
             resolved = manifest.validate_inputs(raw, defaults)
-            if manifest.work_units_for(resolved) > manifest.work_units_for(asked):
+            if dearer(manifest, asked, resolved) is not False:
                 log.info("%s: the providers' weights give %s, which would cost more than the "
                          "manifest's defaults; those stand", manifest.ref, defaults)
                 return asked, asked
