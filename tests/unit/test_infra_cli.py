@@ -23,6 +23,12 @@ from sdk.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
+
+
+def infra_files() -> list[Path]:
+    """The files infra/ ships (as tests/unit/test_infra_files.py reads them): not the
+    bytecode a test that imports one of its scripts leaves in ``__pycache__``."""
+    return sorted(p for p in INFRA.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 ENTRYPOINT_SH = INFRA / "docker" / "agent-entrypoint.sh"
 
 
@@ -204,7 +210,7 @@ def test_the_agent_entrypoint_runs_init_then_run():
 
 def _mentions() -> list[tuple[str, list[str]]]:
     found = []
-    for path in sorted(p for p in INFRA.rglob("*") if p.is_file()):
+    for path in infra_files():
         text = path.read_text()
         where = str(path.relative_to(ROOT))
         snippets = re.findall(r"`(sparecycles [^`]+)`", text)
@@ -240,7 +246,7 @@ def test_every_variable_infra_sets_is_read_by_the_broker_or_the_cli():
     known = known_variables()
     assert {"SPARECYCLES_DB_URL", "SPARECYCLES_API_KEY", "SPARECYCLES_AGENT_HOME",
             "AWS_ACCESS_KEY_ID"} <= known
-    for path in sorted(p for p in INFRA.rglob("*") if p.is_file()):
+    for path in infra_files():
         used = set(re.findall(r"\b(SPARECYCLES_[A-Z0-9_]+)\b", path.read_text()))
         unknown = sorted(used - known)
         assert not unknown, f"{path.relative_to(ROOT)} names {unknown}, which nothing reads"
