@@ -1,9 +1,9 @@
-"""bench/cheaters.py runs every behaviour of the cheat registry (provider_agent/cheats.py),
+"""bench/cheaters.py runs every behaviour of the cheat registry (bench/cheating_host.py),
 so a mode appended there is measured without touching the bench."""
 import importlib.util
 from pathlib import Path
 
-from provider_agent import cheats
+from bench import cheating_host as cheats
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cheaters.py"
 
