@@ -168,7 +168,9 @@ class Network:
             args.append("--no-sandbox")
         import os
 
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        # PYTHONPATH: this checkout's code, not whatever an editable install points at
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "PYTHONPATH": str(ROOT), **(env or {})}
         out = open(self.work / f"agent-{name}.log", "ab")
         self.procs[name] = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                             env=full_env, cwd=self.work)
