@@ -96,6 +96,8 @@ BENCH_INPUTS = {
     "collude": ("sd15", {}),
     "fail-checks": ("sd15", {}),
     "detect-checks": ("sd15", {}),
+    # half of 64 a side is below sd15's smallest size: jobs of 128 are halved to 64
+    "reduced-res": ("sd15", {"width": 128, "height": 128}),
 }
 #: Modes of the registry this bench leaves out, and why.
 SKIPPED = {"colder-sampling": "on this tiny llama half the temperature changes nothing a "

@@ -83,6 +83,11 @@ Issue #20, what a provider claims about its work and who it is (trust-market):
                       seed (the first such job runs honestly), meta naming the seed they
                       were made with: where the broker let a check re-run a job without a
                       seed with the seed its provider reported, it passed
+``reduced-res``       image jobs run at half the width and height (multiples of 8, not below
+                      the plugin's smallest size: about a quarter of the work), each image scaled up to the asked
+                      size (bicubic) and its latent trace's points scaled up (bilinear) to
+                      the shape a run at the asked size records, the work of the whole job
+                      billed: only the latents' own trajectory can tell
 """
 from __future__ import annotations
 
@@ -107,7 +112,7 @@ log = logging.getLogger("agent.cheat")
 MODES = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
          "cached-output", "truncate-text", "pad-text", "other-text-model",
          "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text",
-         "half-steps", "false-class", "cached-unseeded")
+         "half-steps", "false-class", "cached-unseeded", "reduced-res")
 # issue #20 (trust-market): claims about the work, and one person's two accounts
 TRUST_MODES = ("inflated-units", "fake-progress", "collude", "fail-checks", "detect-checks")
 MODES += TRUST_MODES
@@ -148,6 +153,7 @@ class Cheat:
     log_path: Path | None = None
     rng: random.Random = field(default_factory=random.Random)
     cached: dict[str, list] = field(default_factory=dict)  # plugin -> first HostOutputs
+    cached_inputs: dict[str, dict] = field(default_factory=dict)  # plugin -> their inputs
     role: str = "cheat"                 # PAIR_MODES: "cheat" or "pal"
     shared_dir: Path | None = None      # PAIR_MODES: the folder the pair shares
     uuid_versions: set = field(default_factory=set)  # detect-checks: versions of ids seen
@@ -220,6 +226,15 @@ class Cheat:
                 if isinstance(run.get(key), int) and run[key] > 1:
                     run[key] = max(1, run[key] // 2)
                     out.cheated = True
+        elif self.mode == "reduced-res" and output_kind == "images":
+            for key in ("width", "height"):
+                if isinstance(run.get(key), int) and run[key] >= 16:
+                    run[key] = max(8, run[key] // 2 // 8 * 8)
+                    out.cheated = True
+            try:
+                manifest.validate_inputs(run)
+            except Exception:  # noqa: BLE001 - below the schema's smallest size: run honestly
+                out.cheated = False
         elif self.mode == "adapter-dropped":
             for key in ("adapters", "loras"):
                 if run.get(key):
@@ -228,9 +243,16 @@ class Cheat:
         elif self.mode == "random-image":
             out.cheated = out.skip_run = output_kind == "images"
         elif self.mode == "cached-output":
-            out.cheated = out.skip_run = bool(self.cached.get(plugin))
+            # a job of the very inputs the cache was made from gets their honest answer:
+            # no cheat (a canary may replay a client job's inputs)
+            out.cheated = out.skip_run = (bool(self.cached.get(plugin))
+                                          and self.cached_inputs.get(plugin) != validated)
         elif self.mode == "cached-unseeded":
-            out.cheated = out.skip_run = _unseeded_key(plugin, validated) in self.by_inputs
+            cached = self.by_inputs.get(_unseeded_key(plugin, validated))
+            # made with this very seed: the honest answer, no cheat (a canary may replay a
+            # client job's inputs, seed and all)
+            out.cheated = out.skip_run = bool(cached) and (
+                (cached[0].meta or {}).get("seed") != validated.get("seed"))
         elif self.mode in ("truncate-text", "pad-text", "altered-text"):
             out.cheated = output_kind == "text"
         elif self.mode in SAMPLING_MODES and output_kind == "text":
@@ -269,6 +291,7 @@ class Cheat:
                     else outputs)
         if self.mode == "cached-output" and not self.cached.get(plugin) and outputs:
             self.cached[plugin] = [copy.deepcopy(o) for o in outputs]
+            self.cached_inputs[plugin] = copy.deepcopy(outcome.validated)
         if self.mode == "cached-unseeded" and outputs and outcome.validated is not None:
             self.by_inputs.setdefault(_unseeded_key(plugin, outcome.validated),
                                       [copy.deepcopy(o) for o in outputs])
@@ -278,6 +301,8 @@ class Cheat:
             return self._claim_job_meta(outputs, outcome.job_inputs)
         if self.mode in HALF_STEP_MODES:
             return [claim_schedule(o, outcome.validated or {}) for o in outputs]
+        if self.mode == "reduced-res":
+            return [claim_size(o, outcome.validated or {}) for o in outputs]
         if self.mode == "truncate-text":
             return [truncate_text(o) for o in outputs]
         if self.mode == "pad-text":
@@ -538,6 +563,46 @@ def claim_schedule(out, job: dict[str, Any]):
         points = [points[min(range(len(own)), key=lambda j: abs(own[j] / total - k / steps))]
                   for k in claimed] if own and points else points
     out.meta["latent_trace"] = {**trace, "total": steps, "steps": claimed, "points": points}
+    return out
+
+
+def claim_size(out, job: dict[str, Any]):
+    """reduced-res: an image made at a smaller size claimed as one of the job's size: the
+    image scaled up (bicubic), the latent trace's points scaled up (bilinear) to the shape
+    a run of the job's size records (``plugins.api.trace_point``: at most TRACE_SIDE a
+    side of the latents, an eighth of the image's)."""
+    width, height = job.get("width"), job.get("height")
+    if out.media_type != "image/png" or not isinstance(width, int) or not isinstance(height, int):
+        return out
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(out.data))
+    if image.size != (width, height):
+        buf = io.BytesIO()
+        image.resize((width, height), Image.Resampling.BICUBIC).save(buf, format="PNG")
+        out.data = buf.getvalue()
+    trace = out.meta.get("latent_trace")
+    if isinstance(trace, dict) and trace.get("points"):
+        import base64
+
+        import numpy as np
+        import torch
+
+        from plugins.api import TRACE_SIDE
+
+        c, h, w = (int(d) for d in trace["shape"])
+        side = (min(height // 8, TRACE_SIDE), min(width // 8, TRACE_SIDE))
+        points = []
+        for point in trace["points"]:
+            x = torch.from_numpy(np.frombuffer(base64.b64decode(point), dtype=np.float16)
+                                 .astype(np.float32).reshape(1, c, h, w))
+            x = torch.nn.functional.interpolate(x, size=side, mode="bilinear")
+            points.append(base64.b64encode(np.ascontiguousarray(
+                x[0].numpy().astype(np.float16)).tobytes()).decode())
+        out.meta["latent_trace"] = {**trace, "shape": [c, *side], "points": points}
+    for key, value in (("width", width), ("height", height)):
+        if key in out.meta:
+            out.meta[key] = value
     return out
 
 

@@ -539,3 +539,37 @@ def test_cached_unseeded_returns_an_earlier_image_with_its_own_seed(hosts, tiny,
     assert rec["outputs"][0]["meta"]["seed"] == IMG["seed"]  # the seed it was made with
     _, other, _ = run_job(agent, "sd15", {**IMG, "prompt": "a blue cube", "seed": 99})
     assert other[0] != first[0]                      # other inputs: run honestly
+
+
+def test_reduced_res_runs_a_smaller_image_and_claims_the_jobs_size(hosts, tiny, honest):
+    """Half the width and height (about a quarter of the work), scaled up: the image and
+    the latent trace have the job's size and shape, the whole job's work is billed."""
+    job = {**IMG, "width": 128, "height": 128}
+    h_rec, h_out, _ = run_job(agent_on(hosts, tiny, "sd15"), "sd15", job)
+    cheat = cheats.Cheat("reduced-res")
+    rec, outputs, _ = run_job(agent_on(hosts, tiny, "sd15", cheat), "sd15", job)
+    assert _size(outputs[0]) == _size(h_out[0]) == (128, 128) and outputs[0] != h_out[0]
+    trace = rec["outputs"][0]["meta"]["latent_trace"]
+    h_trace = h_rec["outputs"][0]["meta"]["latent_trace"]
+    assert (trace["shape"], trace["steps"], trace["total"]) == (
+        h_trace["shape"], h_trace["steps"], h_trace["total"])
+    assert trace["points"] != h_trace["points"]
+    assert rec["work_units"] == h_rec["work_units"]
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    assert not cheat.before("j", manifest, IMG).cheated  # 64 a side is the smallest: honest
+
+
+def test_a_cache_replayed_for_its_own_inputs_is_no_cheat():
+    """cached-output / cached-unseeded: returning the cached answer for the very inputs (and
+    seed) it was made from is the honest answer, and the log says so (a canary may replay a
+    client job's inputs)."""
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    job = {"prompt": "x", "seed": 3}
+    for mode in ("cached-output", "cached-unseeded"):
+        c = cheats.Cheat(mode)
+        first = c.before("j1", manifest, job)
+        assert not first.cheated
+        c.after("sd15", first, [HostOutput(0, "image/png", b"png", {"seed": 3, "index": 0})])
+        assert not c.before("j2", manifest, job).cheated
+        again = c.before("j3", manifest, {**job, "seed": 4})
+        assert again.cheated and again.skip_run
