@@ -98,6 +98,7 @@ BENCH_INPUTS = {
     "detect-checks": ("sd15", {}),
     # half of 64 a side is below sd15's smallest size: jobs of 128 are halved to 64
     "reduced-res": ("sd15", {"width": 128, "height": 128}),
+    "duplicate-images": ("sd15", {"n": 2}),
 }
 #: Modes of the registry this bench leaves out, and why.
 SKIPPED = {"colder-sampling": "on this tiny llama half the temperature changes nothing a "

@@ -88,6 +88,9 @@ Issue #20, what a provider claims about its work and who it is (trust-market):
                       size (bicubic) and its latent trace's points scaled up (bilinear) to
                       the shape a run at the asked size records, the work of the whole job
                       billed: only the latents' own trajectory can tell
+``duplicate-images``  image jobs of n ≥ 2 images run one image and return it n times, each
+                      copy's meta claiming its own index and seed (seed + index), the work
+                      of all n billed
 """
 from __future__ import annotations
 
@@ -112,7 +115,8 @@ log = logging.getLogger("agent.cheat")
 MODES = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
          "cached-output", "truncate-text", "pad-text", "other-text-model",
          "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text",
-         "half-steps", "false-class", "cached-unseeded", "reduced-res")
+         "half-steps", "false-class", "cached-unseeded", "reduced-res",
+         "duplicate-images")
 # issue #20 (trust-market): claims about the work, and one person's two accounts
 TRUST_MODES = ("inflated-units", "fake-progress", "collude", "fail-checks", "detect-checks")
 MODES += TRUST_MODES
@@ -235,6 +239,10 @@ class Cheat:
                 manifest.validate_inputs(run)
             except Exception:  # noqa: BLE001 - below the schema's smallest size: run honestly
                 out.cheated = False
+        elif self.mode == "duplicate-images" and output_kind == "images":
+            if int(run.get("n") or 1) >= 2:
+                run["n"] = 1
+                out.cheated = True
         elif self.mode == "adapter-dropped":
             for key in ("adapters", "loras"):
                 if run.get(key):
@@ -303,6 +311,8 @@ class Cheat:
             return [claim_schedule(o, outcome.validated or {}) for o in outputs]
         if self.mode == "reduced-res":
             return [claim_size(o, outcome.validated or {}) for o in outputs]
+        if self.mode == "duplicate-images" and outputs:
+            return duplicate(outputs[0], int((outcome.validated or {}).get("n") or 1))
         if self.mode == "truncate-text":
             return [truncate_text(o) for o in outputs]
         if self.mode == "pad-text":
@@ -564,6 +574,19 @@ def claim_schedule(out, job: dict[str, Any]):
                   for k in claimed] if own and points else points
     out.meta["latent_trace"] = {**trace, "total": steps, "steps": claimed, "points": points}
     return out
+
+
+def duplicate(out, n: int) -> list:
+    """duplicate-images: one image as the job's ``n``, copy ``i`` claiming index ``i`` and
+    seed ``seed + i`` in its meta."""
+    seed = out.meta.get("seed")
+    copies = []
+    for i in range(n):
+        meta = {**copy.deepcopy(out.meta), "index": i}
+        if isinstance(seed, int):
+            meta["seed"] = seed + i
+        copies.append(HostOutput(i, out.media_type, out.data, meta))
+    return copies
 
 
 def claim_size(out, job: dict[str, Any]):

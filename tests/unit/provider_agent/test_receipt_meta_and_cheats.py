@@ -573,3 +573,15 @@ def test_a_cache_replayed_for_its_own_inputs_is_no_cheat():
         assert not c.before("j2", manifest, job).cheated
         again = c.before("j3", manifest, {**job, "seed": 4})
         assert again.cheated and again.skip_run
+
+
+def test_duplicate_images_runs_one_image_and_claims_n():
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    c = cheats.Cheat("duplicate-images")
+    o = c.before("j", manifest, {"prompt": "x", "seed": 5, "n": 3})
+    assert o.cheated and o.run_inputs["n"] == 1
+    outs = c.after("sd15", o, [HostOutput(0, "image/png", b"png",
+                                          {"seed": 5, "index": 0, "latent_sha256": "ab"})])
+    assert [(x.index, x.meta["index"], x.meta["seed"], x.data) for x in outs] == [
+        (0, 0, 5, b"png"), (1, 1, 6, b"png"), (2, 2, 7, b"png")]
+    assert not c.before("j", manifest, {"prompt": "x", "seed": 5}).cheated  # one image: honest
