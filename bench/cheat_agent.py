@@ -26,16 +26,17 @@ from sdk.cli import build_parser  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        print("usage: cheat_agent.py --mode MODE [cheat options] -- agent run [agent options]",
-              file=sys.stderr)
-        return 2
-    cut = argv.index("--")
-    parser = argparse.ArgumentParser(prog="cheat_agent.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="cheat_agent.py", description=__doc__.split("\n")[0],
+        usage="cheat_agent.py --mode MODE [cheat options] -- agent run [agent options]")
     add_arguments(parser)
+    if "--" not in argv:
+        parser.parse_args(argv)  # --help, or what is wrong with the cheat options
+        parser.error("after the cheat options comes -- agent run [agent options]")
+    cut = argv.index("--")
     cheat_args = parser.parse_args(argv[:cut])
     args = build_parser().parse_args(argv[cut + 1:])
-    if getattr(args, "func", None) is not cmd_run:
+    if getattr(args, "agent_command", None) != "run":
         print(f"after -- comes `agent run ...`, not {' '.join(argv[cut + 1:])!r}",
               file=sys.stderr)
         return 2
