@@ -1,8 +1,9 @@
 """Spot redundancy against real cheating agents (issue #7, DESIGN §6).
 
 A real broker (in this process, verification on) and real agent processes on tiny models
-(sd15 and llama in their real layouts). For each cheating behaviour an agent started with
-``SPARECYCLES_CHEAT=<behaviour>`` runs a batch of client jobs alone; then two honest
+(sd15 and llama in their real layouts). For each cheating behaviour an agent started by
+``bench/cheat_agent.py --mode <behaviour>`` (the real agent, its plugin hosts wrapped by
+``bench/cheating_host.py``) runs a batch of client jobs alone; then two honest
 agents of other operators run the checks (and the tiebreaks). The script reports, per
 behaviour:
 
@@ -12,7 +13,7 @@ behaviour:
   its jobs) is caught and slashed, simulated with the broker's own sampling rule and the
   q and slash rates just measured;
 
-The behaviours are the cheat modes of ``provider_agent/cheats.py`` (``MODES``), so a mode
+The behaviours are the cheat modes of ``bench/cheating_host.py`` (``MODES``), so a mode
 appended there is run here; a few run their own scenario (issue #20): ``inflated-units``
 against an honest rival of the same speed in the auction, ``fake-progress`` with the client
 cancelling mid-run, the account pairs ``collude`` (linked by a payout account the broker
@@ -60,7 +61,7 @@ from broker.settings import Settings  # noqa: E402
 from broker.verification.comparators import THRESHOLDS_PATH  # noqa: E402
 from broker.verification.records import CheckStatus  # noqa: E402
 from broker.verification.sampling import SamplingPolicy, Standing, check_probability  # noqa: E402
-from provider_agent.cheats import MODES  # noqa: E402
+from bench.cheating_host import MODES  # noqa: E402
 from sdk import Client  # noqa: E402
 from sdk.localnet import cli  # noqa: E402
 
@@ -95,6 +96,9 @@ BENCH_INPUTS = {
     "collude": ("sd15", {}),
     "fail-checks": ("sd15", {}),
     "detect-checks": ("sd15", {}),
+    # half of 64 a side is below sd15's smallest size: jobs of 128 are halved to 64
+    "reduced-res": ("sd15", {"width": 128, "height": 128}),
+    "duplicate-images": ("sd15", {"n": 2}),
 }
 #: Modes of the registry this bench leaves out, and why.
 SKIPPED = {"colder-sampling": "on this tiny llama half the temperature changes nothing a "
@@ -149,7 +153,10 @@ class Network:
         self.svc.payments.grant(who.account_id, credits * 1_000_000, by="bench")
         return Client(self.url, key, timeout=120)
 
-    def start_agent(self, name: str, plugins: str, env: dict | None = None) -> str:
+    def start_agent(self, name: str, plugins: str, env: dict | None = None,
+                    cheat: list[str] | None = None) -> str:
+        """An agent of its own operator; ``cheat``: bench/cheat_agent.py's options (a
+        cheating agent), else an honest ``sparecycles agent run``."""
         key, _ = self.svc.auth.create_account_with_key("provider", name)  # one operator each
         home = self.work / f"agent-{name}"
         subprocess.run(cli("agent", "init", "--home", str(home), "--broker", self.grpc,
@@ -157,11 +164,16 @@ class Network:
                            "--weights-dir", str(self.weights / "honest")),
                        check=True, capture_output=True)
         args = cli("agent", "run", "--home", str(home), "--device", "cpu")
+        if cheat is not None:
+            args = [sys.executable, str(ROOT / "bench" / "cheat_agent.py"), *cheat, "--",
+                    *args[args.index("sdk.cli") + 1:]]
         if not self.sandbox:
             args.append("--no-sandbox")
         import os
 
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        # PYTHONPATH: this checkout's code, not whatever an editable install points at
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "PYTHONPATH": str(ROOT), **(env or {})}
         out = open(self.work / f"agent-{name}.log", "ab")
         self.procs[name] = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                             env=full_env, cwd=self.work)
@@ -215,14 +227,13 @@ def slashed(v, provider_id: str) -> bool:
 def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: str,
                   jobs: int, stake_micro: int) -> dict:
     plugin, extra = BEHAVIOURS[behaviour]
-    env = {"SPARECYCLES_CHEAT": behaviour, "SPARECYCLES_CHEAT_SEED": "1",
-           "SPARECYCLES_CHEAT_LOG": str(net.work / f"cheat-{behaviour}.jsonl")}
+    cheat = _cheat(net, behaviour)
     if behaviour == "other-model":
-        env["SPARECYCLES_CHEAT_WEIGHTS"] = str(net.weights / "other-sd15")
+        cheat += ["--weights", str(net.weights / "other-sd15")]
     if behaviour == "other-text-model":
-        env["SPARECYCLES_CHEAT_WEIGHTS"] = str(net.weights / "other-llama")
+        cheat += ["--weights", str(net.weights / "other-llama")]
     name = f"cheater-{behaviour}"
-    cheater = net.start_agent(name, plugin, env)
+    cheater = net.start_agent(name, plugin, cheat=cheat)
     net.give_stake(cheater, stake_micro)
     for pid in honest:
         net.svc.dispatcher.set_paused(pid, True)
@@ -288,9 +299,11 @@ def _truth(net: Network, behaviour: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _env(net: Network, behaviour: str, **more) -> dict:
-    return {"SPARECYCLES_CHEAT": behaviour, "SPARECYCLES_CHEAT_SEED": "1",
-            "SPARECYCLES_CHEAT_LOG": str(net.work / f"cheat-{behaviour}.jsonl"), **more}
+def _cheat(net: Network, behaviour: str, *more: str,
+           log_name: str = "cheat") -> list[str]:
+    """bench/cheat_agent.py's options for ``behaviour`` (its log: the ground truth)."""
+    return ["--mode", behaviour, "--seed", "1",
+            "--log", str(net.work / f"{log_name}-{behaviour}.jsonl"), *more]
 
 
 def _pause(net: Network, pids, paused: bool) -> None:
@@ -305,7 +318,7 @@ def run_inflated_units(net: Network, client: Client, honest: list[str], behaviou
     in the auction: θ timed by the broker gives the cheater about half the jobs; the
     receipt's 10× units in 1 ms used to give it all of them."""
     plugin, extra = BEHAVIOURS[behaviour]
-    cheater = net.start_agent(f"cheater-{behaviour}", plugin, _env(net, behaviour))
+    cheater = net.start_agent(f"cheater-{behaviour}", plugin, cheat=_cheat(net, behaviour))
     net.give_stake(cheater, stake_micro)
     rival, others = honest[0], honest[1:]
     _pause(net, others, True)
@@ -336,7 +349,7 @@ def run_fake_progress(net: Network, client: Client, honest: list[str], behaviour
     """The cheater reports 100 % at once; the client cancels a second into the run. A
     cancel pays the work shown (checkpoints), not the progress claimed."""
     plugin, extra = BEHAVIOURS[behaviour]
-    cheater = net.start_agent(f"cheater-{behaviour}", plugin, _env(net, behaviour))
+    cheater = net.start_agent(f"cheater-{behaviour}", plugin, cheat=_cheat(net, behaviour))
     _pause(net, honest, True)
     ids, claimed = [], 0
     for i in range(jobs):
@@ -376,12 +389,10 @@ def run_pair(net: Network, client: Client, honest: list[str], behaviour: str, jo
     plugin, extra = BEHAVIOURS[behaviour]
     shared = str(net.work / f"pair-{behaviour}")
     cheater = net.start_agent(f"cheater-{behaviour}", plugin,
-                              _env(net, behaviour, SPARECYCLES_CHEAT_ROLE="cheat",
-                                   SPARECYCLES_CHEAT_SHARED=shared))
+                              cheat=_cheat(net, behaviour, "--role", "cheat", "--shared", shared))
     pal = net.start_agent(f"pal-{behaviour}", plugin,
-                          _env(net, behaviour, SPARECYCLES_CHEAT_ROLE="pal",
-                               SPARECYCLES_CHEAT_SHARED=shared,
-                               SPARECYCLES_CHEAT_LOG=str(net.work / f"pal-{behaviour}.jsonl")))
+                          cheat=_cheat(net, behaviour, "--role", "pal", "--shared", shared,
+                                       log_name="pal"))
     net.give_stake(cheater, stake_micro)
     net.give_stake(pal, stake_micro)
     if behaviour == "collude":  # what the broker sees: their payouts go to one account
@@ -423,7 +434,7 @@ def run_detector(net: Network, client: Client, honest: list[str], behaviour: str
     is the only checker of an honest provider's checked jobs: could it tell the checks?"""
     plugin, extra = BEHAVIOURS[behaviour]
     name = f"cheater-{behaviour}"
-    detector = net.start_agent(name, plugin, _env(net, behaviour))
+    detector = net.start_agent(name, plugin, cheat=_cheat(net, behaviour))
     net.give_stake(detector, stake_micro)
     _pause(net, honest, True)
     own = []

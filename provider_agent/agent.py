@@ -35,13 +35,12 @@ from sdk.protocol.signing import KeyPair
 
 from .availability import AVAILABLE, OWNER_ACTIVE, DeviceState, Gate
 from .benchmark import benchmark_plugin, throttle
-from .cheats import Cheat
 from . import transport as broker_transport
 from .config import AgentConfig, pin_broker_key
 from .errors import AgentError, ConfigError, HostError
 from .fingerprint import machine_fingerprint
 from .gpu_usage import default_source, own_pids
-from .host.manager import HostResult, PluginHost
+from .host.manager import HostFactory, PluginHost
 from .launch import gpu_indices_for
 from .encode import encode_outputs, pack_checkpoint, unpack_checkpoint
 from .uploads import DirectUploads
@@ -108,10 +107,11 @@ class ServedPlugin:
 class Agent:
     def __init__(self, cfg: AgentConfig, identity: KeyPair, *, plugin_dirs: dict[str, Path],
                  sandboxed: bool, launcher=None, home: Path | None = None,
-                 max_backoff_s: float = 30.0, cheat: Cheat | None = None, installer=None,
+                 max_backoff_s: float = 30.0, installer=None,
                  gate: Gate | None = None, availability_poll_s: float = 1.0,
                  device: str | None = None, name: str | None = None,
-                 telemetry: Telemetry | None = None):
+                 telemetry: Telemetry | None = None,
+                 host_factory: HostFactory = PluginHost):
         cfg.check()
         self._uploading: dict[str, tuple[float, JobTimes]] = {}  # receipt sent, no ack yet
         self.metrics = None      # provider_agent.metrics.AgentMetrics with metrics_addr
@@ -130,30 +130,23 @@ class Agent:
         self.sandboxed = sandboxed
         self.max_backoff_s = max_backoff_s
         self.broker_address = (cfg.brokers or [cfg.broker])[0]  # the replica it talks to now
-        # Verification harness only (provider_agent.cheats): None is an honest agent.
-        self.cheat = cheat
         # provider_agent.installer.Installer: fetches registry adapters a job names (None:
         # only what is on disk). Its adapters are advertised so the broker prefers us.
         self.installer = installer
-        if cheat is not None:
-            cheat.announce()
         if sandboxed and launcher is None:
             # Never claim a sandbox to the broker while running plain subprocesses.
             from .launch import host_launcher
             launcher = host_launcher(
                 sandboxed=True, home=home, cfg=cfg,
-                extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
                 registry_root=installer.root if installer is not None else None)
         self.launcher = launcher
         self.plugins: dict[str, ServedPlugin] = {}
         for name, folder in plugin_dirs.items():
             manifest = load_manifest(folder)
             weights = cfg.weights_for(name)
-            # A cheat may run other weights; the agent still advertises its own.
-            run_weights = cheat.weights_for(manifest.output, weights) if cheat else weights
             self.plugins[name] = ServedPlugin(
-                manifest, PluginHost(folder, run_weights, device=self.device, launcher=launcher,
-                                     name=name, max_vram_gb=float(cfg.max_vram_gb or 0)),
+                manifest, host_factory(folder, weights, device=self.device, launcher=launcher,
+                                       name=name, max_vram_gb=float(cfg.max_vram_gb or 0)),
                 folder_digest(weights, (home / "weights-cache.json") if home else None))
         self.replay = ReplayGuard()
         # SimpleQueue (C) rather than Queue (Python locks and conditions): cheaper hand-offs.
@@ -836,36 +829,15 @@ class Agent:
         resume_from = self._fetch_checkpoint(job_id, attempt, env.get("resume"))
         run_at = time.perf_counter()
         rj.times.load_s += run_at - t0
-        inputs, cheated = env["inputs"], None
         try:
-            if self.cheat is not None:  # the verification harness's cheating agent
-                cheated = self.cheat.before(job_id, served.manifest, env["inputs"],
-                                            envelope=env)
-                inputs = cheated.run_inputs
-                if cheated.fail:
-                    raise HostError("out_of_memory", "the GPU ran out of memory",
-                                    retryable=False)
-                if self.cheat.fake_progress(cheated):
-                    total = int((cheated.validated or {}).get("steps")
-                                or (cheated.validated or {}).get("max_new_tokens") or 1)
-                    progress_with_total(total, total, "")
-            if cheated is not None and cheated.skip_run:
-                result = HostResult(self.cheat.fake_outputs(env["plugin"], cheated,
-                                                            repro_class(served, [])["dtype"]),
-                                    int((time.perf_counter() - t0) * 1000), 0.0)
-            else:
-                result = served.host.run(job_id, inputs,
-                                         wall_clock_s=served.manifest.wall_clock_s,
-                                         on_progress=progress_with_total, on_stream=stream,
-                                         cancelled=rj.cancelled,
-                                         checkpoint_every=int(env.get("checkpoint_every") or 0),
-                                         resume_from=resume_from, on_checkpoint=checkpoint,
-                                         request_id=rj.times.request_id,
-                                         on_preview=preview)
-            if cheated is not None:
-                result.outputs = self.cheat.after(env["plugin"], cheated, result.outputs)
-                if cheated.validated is not None:  # claim the work the job asked for
-                    result.work_units = served.manifest.work_units_for(cheated.validated)
+            result = served.host.run(job_id, env["inputs"],
+                                     wall_clock_s=served.manifest.wall_clock_s,
+                                     on_progress=progress_with_total, on_stream=stream,
+                                     cancelled=rj.cancelled,
+                                     checkpoint_every=int(env.get("checkpoint_every") or 0),
+                                     resume_from=resume_from, on_checkpoint=checkpoint,
+                                     request_id=rj.times.request_id,
+                                     on_preview=preview)
         except Exception as exc:  # noqa: BLE001 - a bad job must never stop this worker
             if not isinstance(exc, HostError):
                 log.exception("job %s: unexpected error in the agent", job_id)
@@ -896,9 +868,6 @@ class Agent:
             return
         run_ms = result.run_ms + int(throttle(self._throttle(env["plugin"]),
                                               float(result.work_units or 0)))
-        if cheated is not None:  # inflated-units: the receipt's own figures lie
-            result.work_units, run_ms = self.cheat.receipt_figures(cheated, result.work_units,
-                                                                   run_ms)
         messages, outputs, chunks = [], [], []
         for out in result.outputs:
             sha = sha256_hex(out.data)
@@ -925,9 +894,7 @@ class Agent:
                                timings_ms={"run": run_ms,
                                            "total": int((time.perf_counter() - t0) * 1000),
                                            "queue": max(0, int((t0 - rj.received) * 1000))},
-                               extra={"repro": (self.cheat.receipt_repro(repro_class(
-                                   served, outputs)) if self.cheat is not None
-                                   else repro_class(served, outputs))})
+                               extra={"repro": repro_class(served, outputs)})
         data = canonical_bytes(receipt)
         messages.append(pb.AgentMessage(receipt=pb.Receipt(
             receipt=data, signature=self.identity.sign_canonical("receipt", data),

@@ -4,6 +4,10 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .host.manager import HostFactory
 
 
 def register(sub) -> None:
@@ -174,11 +178,13 @@ def cmd_init(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
+def cmd_run(args, *, host_factory: HostFactory | None = None) -> int:
+    """``host_factory``: what builds each plugin's host (None: ``PluginHost``, the real
+    one; bench/cheat_agent.py passes its cheating wrapper)."""
     from plugins import builtin_plugin_dir
 
-    from .cheats import from_env as cheat_from_env
     from .config import load_config
+    from .host.manager import PluginHost
     from .errors import AgentError
 
     import os
@@ -220,9 +226,6 @@ def cmd_run(args) -> int:
         plugin_dirs = resolve_plugins(cfg, installer, builtin=builtin_plugin_dir)
         if not plugin_dirs:
             raise AgentError("no plugin to serve (see the errors above)")
-        # SPARECYCLES_CHEAT: the verification harness's deliberately dishonest agent
-        # (provider_agent.cheats); unset, this is None and the agent is honest.
-        cheat = cheat_from_env()
         cfg.check()
         from .fleet import build_fleet
 
@@ -230,7 +233,8 @@ def cmd_run(args) -> int:
         # installer made above, the others get their own.
         installers = iter([installer])
         fleet = build_fleet(cfg, home=args.home, plugin_dirs=plugin_dirs,
-                            sandboxed=not args.no_sandbox, cheat=cheat,
+                            sandboxed=not args.no_sandbox,
+                            host_factory=host_factory or PluginHost,
                             make_installer=lambda: next(installers, None) or make_installer(cfg))
         fleet.install_signal_handlers()
         return fleet.run()

@@ -37,6 +37,7 @@ from .availability import Clock, UsageMeter, make_gate
 from .config import AgentConfig, config_dir, load_identity
 from .errors import AgentError, ConfigError
 from .gpu_usage import GpuUsageSource, default_source, only
+from .host.manager import HostFactory, PluginHost
 from .launch import gpu_indices_for, host_launcher
 from .telemetry import Telemetry
 
@@ -169,7 +170,8 @@ class Fleet:
 
 
 def build_fleet(cfg: AgentConfig, *, home: Path | None, plugin_dirs: dict[str, Path],
-                sandboxed: bool, cheat=None, make_installer: Callable[[], object] = lambda: None,
+                sandboxed: bool, host_factory: HostFactory = PluginHost,
+                make_installer: Callable[[], object] = lambda: None,
                 dev_root: Path = Path("/dev"), clock: Clock | None = None,
                 source: GpuUsageSource | None = None, devices: list[str] | None = None,
                 availability_poll_s: float = 1.0, status: bool = True) -> Fleet:
@@ -198,7 +200,6 @@ def build_fleet(cfg: AgentConfig, *, home: Path | None, plugin_dirs: dict[str, P
                 memory_limit_mb=memory_mb if several else None,
                 cpu_cores=cores if several else None,
                 gpu_devices=gpu_indices_for(device, dev_root), gpu_dev_root=dev_root,
-                extra_ro_paths=cheat.extra_ro_paths() if cheat is not None else [],
                 registry_root=installer.root if installer is not None else None)
             # One GPU source per device's agent, read by its gate and its telemetry alike:
             # NVML for this device only (or the source given, narrowed to this device).
@@ -213,12 +214,13 @@ def build_fleet(cfg: AgentConfig, *, home: Path | None, plugin_dirs: dict[str, P
                 device_cfg.metrics_addr = f"{host}:{int(port) + i if int(port) else 0}"
             slot.agent = Agent(device_cfg, identity_for(device, i == 0, home),
                                plugin_dirs=plugin_dirs,
-                               sandboxed=sandboxed, launcher=launcher, home=home, cheat=cheat,
+                               sandboxed=sandboxed, launcher=launcher, home=home,
                                installer=installer, gate=gate,
                                telemetry=Telemetry(
                                    usage, interval_s=device_cfg.telemetry_interval_s),
                                availability_poll_s=availability_poll_s, device=device,
-                               name=f"{cfg.name}/{device}" if several else cfg.name)
+                               name=f"{cfg.name}/{device}" if several else cfg.name,
+                               host_factory=host_factory)
         except (AgentError, OSError, ValueError) as exc:
             slot.error = str(exc)
             log.error("device %s taken out: %s", device, exc)

@@ -131,8 +131,7 @@ class HostLauncher:
 
     Everything that is the same for every host of the agent comes at construction: the
     limits (``memory_limit_mb`` for all hosts together, ``cpu_cores``, ``pids_limit`` per
-    host), the GPUs, the host user when the agent is root, the paths to hide, read-only
-    paths every host gets (``extra_ro_paths``: a verification-harness cheat's) and the
+    host), the GPUs, the host user when the agent is root, the paths to hide and the
     registry cache. The agent group of the limits is made at the first host and removed
     by ``close``.
 
@@ -143,8 +142,7 @@ class HostLauncher:
     def __init__(self, *, home: Path | None = None, memory_limit_mb: int | None = None,
                  cpu_cores: float | None = None, pids_limit: int = 256,
                  gpu_devices: list[int] | None = None, sandbox_user: str = "",
-                 extra_ro_paths: list[Path] = (), registry_root: Path | None = None,
-                 gpu_dev_root: Path = Path("/dev")):
+                 registry_root: Path | None = None, gpu_dev_root: Path = Path("/dev")):
         from .sandbox import SandboxError, SandboxUser
         from .sandbox.launcher import host_user
 
@@ -173,7 +171,6 @@ class HostLauncher:
         self.pids_limit = pids_limit
         self.gpu_devices = list(gpu_devices or [])
         self.gpu_dev_root = Path(gpu_dev_root)
-        self.extra_ro_paths = [Path(p).resolve() for p in extra_ro_paths]
         self.registry_root = Path(registry_root).resolve() if registry_root else None
         self.hide = secret_paths(home)
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
@@ -202,8 +199,7 @@ class HostLauncher:
         from .sandbox import SandboxPolicy
 
         ro = [*host_code_paths(),
-              *plugin_ro_paths(plugin, plugin_dir, weights_dir, self.registry_root),
-              *self.extra_ro_paths]
+              *plugin_ro_paths(plugin, plugin_dir, weights_dir, self.registry_root)]
         return SandboxPolicy.for_current_python(
             ro_paths=list(dict.fromkeys(ro)), memory_limit_mb=self.memory_limit_mb,
             pids_limit=self.pids_limit, gpu_devices=self.gpu_devices,
@@ -234,8 +230,7 @@ class HostLauncher:
 def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
                   memory_limit_mb: int | None = None, cpu_cores: float | None = None,
                   pids_limit: int = 256, gpu_devices: list[int] | None = None,
-                  extra_ro_paths: list[Path] = (), registry_root: Path | None = None,
-                  sandbox_user: str | None = None,
+                  registry_root: Path | None = None, sandbox_user: str | None = None,
                   gpu_dev_root: Path = Path("/dev")) -> HostLauncher | None:
     """The launcher for PluginHost: a ``HostLauncher``, or None for plain subprocesses.
     Limits and the host user not given come from ``cfg`` (agent.toml), then defaults."""
@@ -263,5 +258,5 @@ def host_launcher(*, sandboxed: bool, home: Path | None = None, cfg=None,
                           "(apt-get install bubblewrap) or, knowing the risk, run with --no-sandbox")
     return HostLauncher(home=home, memory_limit_mb=memory_limit_mb, cpu_cores=cpu_cores,
                         pids_limit=pids_limit, gpu_devices=gpu_devices,
-                        sandbox_user=sandbox_user, extra_ro_paths=extra_ro_paths,
+                        sandbox_user=sandbox_user,
                         registry_root=registry_root, gpu_dev_root=gpu_dev_root)

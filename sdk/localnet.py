@@ -200,7 +200,7 @@ class LocalNetwork:
         """Start ``sparecycles agent run`` (after ``agent init`` the first time); extra
         ``run_args`` go to `agent run` (e.g. ["--ask", "echo=200"]); ``env`` (or its older
         name ``extra_env``) is merged into the agent process's environment, e.g.
-        ``{"SPARECYCLES_CHEAT": "wrong-seed"}`` for the verification harness. ``broker``:
+        ``{"OMP_NUM_THREADS": "2"}``. ``broker``:
         the agent address(es) to give it (default the first broker's; replicas'
         as "HOST:PORT,HOST:PORT")."""
         home = self.workdir / f"agent-{name}"

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from provider_agent.errors import AgentError, HostError
 from .protocol import FrameReader, FrameWriter, ProtocolError
@@ -255,3 +255,14 @@ class PluginHost:
             self.start()
         except HostError as exc:
             log.error("plugin host %s could not restart: %s", self.name, exc)
+
+
+class HostFactory(Protocol):
+    """What the agent builds each plugin's host with (``Agent(host_factory=...)``):
+    ``PluginHost`` itself in production. A harness may pass a factory of hosts with
+    PluginHost's interface (bench/cheating_host.py wraps the real host to simulate
+    cheats); the production agent has no other."""
+
+    def __call__(self, plugin_dir: Path, weights_dir: Path | None, *, device: str,
+                 launcher: Callable[..., subprocess.Popen] | None, name: str,
+                 max_vram_gb: float) -> PluginHost: ...

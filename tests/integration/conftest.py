@@ -68,6 +68,21 @@ def live_broker(tmp_path):
     b.stop()
 
 
+def _rewriting_hosts(cheat):
+    """A host factory (``provider_agent.host.manager.HostFactory``) whose hosts pass every
+    output through ``cheat(bytes) -> bytes``."""
+    from provider_agent.host.manager import PluginHost
+
+    class RewritingHost(PluginHost):
+        def run(self, *args, **kwargs):
+            result = super().run(*args, **kwargs)
+            for out in result.outputs:
+                out.data = cheat(out.data)
+            return result
+
+    return RewritingHost
+
+
 def agent_starter(broker: LiveBroker):
     """(start, stop_all): ``start(name, slots=1, key=None, cheat=None, plugins=None,
     weights_dir=None, connect_timeout_s=30, telemetry=None)`` runs an in-process agent
@@ -80,6 +95,7 @@ def agent_starter(broker: LiveBroker):
     from plugins import builtin_plugin_dir
     from provider_agent.agent import Agent
     from provider_agent.config import AgentConfig
+    from provider_agent.host.manager import PluginHost
     from sdk.protocol.signing import KeyPair
 
     agents = []
@@ -91,19 +107,11 @@ def agent_starter(broker: LiveBroker):
                           name=name, slots=slots, plugins=list(plugins), device="cpu",
                           **({"weights_dir": str(weights_dir)} if weights_dir else {}),
                           **cfg_fields)
+        # A cheat is in its hosts from the start: its very first run (the broker's canary)
+        # is already cheated.
         agent = Agent(cfg, KeyPair.generate(), plugin_dirs=dict(plugins), sandboxed=False,
-                      gate=gate, availability_poll_s=poll_s, telemetry=telemetry)
-        # The cheat is in place before the agent connects: its very first run (the
-        # broker's canary) is already cheated.
-        for served in (agent.plugins.values() if cheat is not None else ()):
-            honest = served.host.run
-
-            def run(*args, _honest=honest, **kwargs):
-                result = _honest(*args, **kwargs)
-                for out in result.outputs:
-                    out.data = cheat(out.data)
-                return result
-            served.host.run = run
+                      gate=gate, availability_poll_s=poll_s, telemetry=telemetry,
+                      host_factory=_rewriting_hosts(cheat) if cheat is not None else PluginHost)
         t = threading.Thread(target=agent.run, daemon=True)
         t.start()
         agents.append((agent, t))

@@ -1,9 +1,10 @@
-"""bench/cheaters.py runs every behaviour of the cheat registry (provider_agent/cheats.py),
-so a mode appended there is measured without touching the bench."""
+"""bench/cheaters.py runs every behaviour of the cheat registry (bench/cheating_host.py),
+so a mode appended there is measured without touching the bench; bench/cheat_agent.py
+starts the real agent with the harness's cheating hosts injected."""
 import importlib.util
 from pathlib import Path
 
-from provider_agent import cheats
+from bench import cheating_host as cheats
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cheaters.py"
 
@@ -24,3 +25,22 @@ def test_every_registered_cheat_mode_is_a_bench_behaviour():
     assert bench.bench_inputs("some-text-cheat") == ("llama", {})
     for mode in cheats.TRUST_MODES:
         assert mode in bench.RUNNERS
+
+
+def test_cheat_agent_runs_the_real_agent_with_cheating_hosts_injected(monkeypatch, tmp_path):
+    from bench import cheat_agent
+
+    seen = {}
+
+    def fake_run(args, *, host_factory):
+        seen.update(home=args.home, factory=host_factory)
+        return 0
+
+    monkeypatch.setattr(cheat_agent, "cmd_run", fake_run)
+    assert cheat_agent.main(["--mode", "wrong-seed", "--seed", "1", "--", "agent", "run",
+                             "--home", str(tmp_path)]) == 0
+    assert isinstance(seen["factory"], cheats.CheatingHosts)
+    assert seen["factory"].cheat.mode == "wrong-seed" and str(seen["home"]) == str(tmp_path)
+    # anything but `agent run` after --, or a cheat that cannot be, is refused
+    assert cheat_agent.main(["--mode", "wrong-seed", "--", "agent", "status"]) == 2
+    assert cheat_agent.main(["--mode", "other-model", "--", "agent", "run"]) == 2

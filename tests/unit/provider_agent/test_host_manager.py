@@ -124,17 +124,14 @@ def test_each_plugin_host_is_given_its_own_plugin_and_nothing_of_the_others(tmp_
     assert not any(p.is_relative_to(project / "tests") or p.is_relative_to(project / "broker")
                    or p.is_relative_to(project / "plugins" / "echo") for p in code)
 
-    # The agent hands its launcher the registry cache and a cheat's paths once, at
-    # construction; each host then names its own plugin when it starts.
+    # The agent hands its launcher the registry cache once, at construction; each host
+    # then names its own plugin (and so its weights) when it starts.
     installer = SimpleNamespace(root=cache)
-    cheat = SimpleNamespace(extra_ro_paths=lambda: [tmp_path / "other-weights"],
-                            announce=lambda: None, weights_for=lambda output, honest: honest)
     asked = []
     monkeypatch.setattr(launch, "host_launcher", lambda **kw: asked.append(kw))
     Agent(AgentConfig(api_key="k", plugins=["echo"], device="cpu"), KeyPair.generate(),
-          plugin_dirs={"echo": ECHO}, sandboxed=True, installer=installer, cheat=cheat)
+          plugin_dirs={"echo": ECHO}, sandboxed=True, installer=installer)
     assert asked[0]["registry_root"] == cache
-    assert asked[0]["extra_ro_paths"] == [tmp_path / "other-weights"]
     started = []
 
     def launcher(argv, **plugin):

@@ -1,6 +1,6 @@
 """Receipts carry each output's plugin meta and the reproducibility class (DESIGN §6), and
-the verification harness's cheating agents (provider_agent.cheats) misbehave as asked
-while their receipts stay signed and valid.
+the verification harness's cheating agents (bench/cheating_host.py: the real agent with
+its plugin hosts wrapped) misbehave as asked while their receipts stay signed and valid.
 
 Jobs go through ``Agent._run_job`` (the worker's path) with the broker stream replaced by
 a queue; the model jobs run in real plugin hosts on tiny weights, on the CPU."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import cheating_host as cheats
 from plugins import builtin_plugin_dir
-from provider_agent import cheats
 from provider_agent.agent import Agent, RunningJob, json_safe
 from provider_agent.config import AgentConfig
 from provider_agent.errors import ConfigError
@@ -28,11 +28,15 @@ from sdk.protocol.signing import KeyPair
 
 
 # -- helpers ------------------------------------------------------------------------------
-def make_agent(plugin: str, weights: Path | None = None, cheat=None) -> Agent:
+def make_agent(plugin: str, weights: Path | None = None,
+               cheat: cheats.Cheat | None = None) -> Agent:
+    """An agent serving ``plugin``; with ``cheat``, its hosts are the harness's cheating
+    wrappers (injected as the host factory, as bench/cheat_agent.py does)."""
     cfg = AgentConfig(api_key="sc_provider_test", plugins=[plugin], device="cpu",
                       weights={plugin: str(weights)} if weights else {})
     return Agent(cfg, KeyPair.generate(), plugin_dirs={plugin: builtin_plugin_dir(plugin)},
-                 sandboxed=False, cheat=cheat)
+                 sandboxed=False,
+                 host_factory=cheats.CheatingHosts(cheat) if cheat else PluginHost)
 
 
 def run_job(agent: Agent, plugin: str, inputs: dict) -> tuple[dict, dict[int, bytes], list]:
@@ -132,21 +136,27 @@ def test_json_safe():
 
 
 # -- D: cheats, unit level ------------------------------------------------------------------
-def test_no_env_no_cheat_and_bad_settings_are_refused(tmp_path):
-    assert cheats.from_env({}) is None
+def _cheat_args(*argv: str):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cheats.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bad_cheat_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="one of"):
-        cheats.from_env({"SPARECYCLES_CHEAT": "lazy"})
+        cheats.Cheat("lazy")
     with pytest.raises(ConfigError, match="between 0 and 1"):
-        cheats.from_env({"SPARECYCLES_CHEAT": "wrong-seed", "SPARECYCLES_CHEAT_RATE": "2"})
-    with pytest.raises(ConfigError, match="SPARECYCLES_CHEAT_WEIGHTS"):
-        cheats.from_env({"SPARECYCLES_CHEAT": "other-model"})
-    c = cheats.from_env({"SPARECYCLES_CHEAT": "pad-text", "SPARECYCLES_CHEAT_RATE": "0.25",
-                         "SPARECYCLES_CHEAT_SEED": "1"})
+        cheats.from_args(_cheat_args("--mode", "wrong-seed", "--rate", "2"))
+    with pytest.raises(ConfigError, match="--weights"):
+        cheats.from_args(_cheat_args("--mode", "other-model"))
+    c = cheats.from_args(_cheat_args("--mode", "pad-text", "--rate", "0.25", "--seed", "1"))
     assert (c.mode, c.rate) == ("pad-text", 0.25)
 
 
 def test_a_cheating_agent_warns_loudly(caplog):
-    with caplog.at_level(logging.WARNING, logger="agent"):
+    with caplog.at_level(logging.WARNING, logger="agent.cheat"):
         make_agent("echo", cheat=cheats.Cheat("wrong-seed"))
     assert "CHEATS ON PURPOSE" in caplog.text and "wrong-seed" in caplog.text
 
@@ -154,8 +164,8 @@ def test_a_cheating_agent_warns_loudly(caplog):
 def test_rate_draws_per_job_and_the_log_records_ground_truth(tmp_path):
     manifest = load_manifest(builtin_plugin_dir("sd15"))
     log_path = tmp_path / "cheat.jsonl"
-    c = cheats.from_env({"SPARECYCLES_CHEAT": "wrong-seed", "SPARECYCLES_CHEAT_RATE": "0.5",
-                         "SPARECYCLES_CHEAT_SEED": "7", "SPARECYCLES_CHEAT_LOG": str(log_path)})
+    c = cheats.from_args(_cheat_args("--mode", "wrong-seed", "--rate", "0.5", "--seed", "7",
+                                     "--log", str(log_path)))
     outcomes = [c.before(f"j{i}", manifest, {"prompt": "x", "seed": 10}) for i in range(200)]
     cheated = sum(o.cheated for o in outcomes)
     assert 70 < cheated < 130
@@ -268,9 +278,8 @@ def test_localnet_start_agent_merges_env(tmp_path, monkeypatch):
     net.info = {"grpc": "127.0.0.1:1"}
     (tmp_path / "agent-a").mkdir()
     (tmp_path / "agent-a" / "agent.toml").write_text("")
-    net.start_agent("a", "key", env={"SPARECYCLES_CHEAT": "wrong-seed"},
-                    extra_env={"X_EXTRA": "1"})
-    assert seen["SPARECYCLES_CHEAT"] == "wrong-seed" and seen["X_EXTRA"] == "1"
+    net.start_agent("a", "key", env={"X_MODE": "one"}, extra_env={"X_EXTRA": "1"})
+    assert seen["X_MODE"] == "one" and seen["X_EXTRA"] == "1"
     for log in net._logs:
         log.close()
 
@@ -308,8 +317,11 @@ def hosts(tiny):
 
 
 def agent_on(hosts, tiny, plugin, cheat=None) -> Agent:
-    agent = make_agent(plugin, tiny[plugin], cheat=cheat)
-    agent.plugins[plugin].host = hosts[plugin]
+    """An agent on the module's warm host (wrapped by ``cheat``'s CheatingHost)."""
+    agent = make_agent(plugin, tiny[plugin])
+    served = agent.plugins[plugin]
+    served.host = (cheats.CheatingHost(cheat, served.manifest, hosts[plugin]) if cheat
+                   else hosts[plugin])
     return agent
 
 
@@ -472,7 +484,7 @@ def test_a_colluding_pal_agrees_with_or_fails_what_its_partner_ran(tmp_path):
                 [b"wrong"]
         else:
             assert check.fail
-    with pytest.raises(ConfigError, match="SHARED"):
+    with pytest.raises(ConfigError, match="--shared"):
         cheats.Cheat("collude", role="pal")
 
 
@@ -480,19 +492,16 @@ def test_detect_checks_cheats_only_on_what_looks_like_a_client_job():
     manifest = load_manifest(builtin_plugin_dir("sd15"))
     c = cheats.Cheat("detect-checks")
     v5 = str(uuid.uuid5(uuid.NAMESPACE_URL, "client"))
-    assert c.before(v5, manifest, {"prompt": "x", "seed": 1},
-                    envelope={"weights_digest": ""}).cheated
+    assert c.before(v5, manifest, {"prompt": "x", "seed": 1}).cheated
     # once it has seen derived (v5) client ids, a random id is a check: run honestly
-    assert not c.before(str(uuid.uuid4()), manifest, {"prompt": "x", "seed": 1},
-                        envelope={"weights_digest": ""}).cheated
-    # the benchmark payload, or an envelope without weights_digest: a canary
+    assert not c.before(str(uuid.uuid4()), manifest, {"prompt": "x", "seed": 1}).cheated
+    # the benchmark payload: a canary
     bench = dict(manifest.benchmark_inputs)
-    assert not c.before(v5, manifest, bench, envelope={"weights_digest": ""}).cheated
-    assert not c.before(v5, manifest, {"prompt": "x"}, envelope={"job_id": v5}).cheated
+    assert not c.before(v5, manifest, bench).cheated
     # where every id is random and canaries look like jobs, it cannot tell: it cheats
     blind = cheats.Cheat("detect-checks")
-    assert all(blind.before(str(uuid.uuid4()), manifest, {"prompt": f"p{i}", "seed": i},
-                            envelope={"weights_digest": ""}).cheated for i in range(5))
+    assert all(blind.before(str(uuid.uuid4()), manifest, {"prompt": f"p{i}", "seed": i}).cheated
+               for i in range(5))
 def test_half_steps_claims_the_jobs_schedule_in_the_latent_trace(hosts, tiny, honest):
     """Issue #20: half the steps, the trace relabelled as the job's schedule (so the
     broker cannot tell it from the labels), the work of the whole job billed."""
@@ -506,14 +515,19 @@ def test_half_steps_claims_the_jobs_schedule_in_the_latent_trace(hosts, tiny, ho
     assert outputs[0] != h_out[0]
 
 
-def test_false_class_names_a_made_up_class_in_its_receipts(hosts, tiny, honest):
-    rec, _, _ = run_job(agent_on(hosts, tiny, "sd15", cheats.Cheat("false-class")), "sd15",
-                        {**IMG, "steps": 4})
-    assert rec["repro"]["hardware_class"] == cheats.FALSE_CLASS
+def test_false_class_declares_and_names_a_made_up_class(hosts, tiny, honest):
+    from provider_agent.agent import declared_repro, hardware_class
+
+    agent = agent_on(hosts, tiny, "sd15", cheats.Cheat("false-class"))
+    rec, _, _ = run_job(agent, "sd15", {**IMG, "steps": 4})
+    made_up = hardware_class({**hosts["sd15"].ready["hardware"], "threads": cheats.FALSE_THREADS})
+    assert rec["repro"]["hardware_class"] == made_up != honest["sd15"][0]["repro"]["hardware_class"]
+    assert declared_repro(agent.plugins["sd15"])["hardware_class"] == made_up  # at connect too
     assert rec["outputs"][0]["meta"]["latent_trace"]["total"] == 4
-    env = cheats.from_env({"SPARECYCLES_CHEAT": "false-class",
-                           "SPARECYCLES_CHEAT_CLASS": "cuda:Other"})
-    assert env.receipt_repro({"hardware_class": "cpu"})["hardware_class"] == "cuda:Other"
+    gpu = cheats.Cheat("false-class").hardware({"device": "cuda", "gpu_name": "NVIDIA H200",
+                                                "torch": "2.13.0"})
+    assert hardware_class(gpu) == cheats.FALSE_CLASS
+    assert hosts["sd15"].ready["hardware"].get("threads") != cheats.FALSE_THREADS  # untouched
 
 
 def test_cached_unseeded_returns_an_earlier_image_with_its_own_seed(hosts, tiny, honest):
@@ -525,3 +539,49 @@ def test_cached_unseeded_returns_an_earlier_image_with_its_own_seed(hosts, tiny,
     assert rec["outputs"][0]["meta"]["seed"] == IMG["seed"]  # the seed it was made with
     _, other, _ = run_job(agent, "sd15", {**IMG, "prompt": "a blue cube", "seed": 99})
     assert other[0] != first[0]                      # other inputs: run honestly
+
+
+def test_reduced_res_runs_a_smaller_image_and_claims_the_jobs_size(hosts, tiny, honest):
+    """Half the width and height (about a quarter of the work), scaled up: the image and
+    the latent trace have the job's size and shape, the whole job's work is billed."""
+    job = {**IMG, "width": 128, "height": 128}
+    h_rec, h_out, _ = run_job(agent_on(hosts, tiny, "sd15"), "sd15", job)
+    cheat = cheats.Cheat("reduced-res")
+    rec, outputs, _ = run_job(agent_on(hosts, tiny, "sd15", cheat), "sd15", job)
+    assert _size(outputs[0]) == _size(h_out[0]) == (128, 128) and outputs[0] != h_out[0]
+    trace = rec["outputs"][0]["meta"]["latent_trace"]
+    h_trace = h_rec["outputs"][0]["meta"]["latent_trace"]
+    assert (trace["shape"], trace["steps"], trace["total"]) == (
+        h_trace["shape"], h_trace["steps"], h_trace["total"])
+    assert trace["points"] != h_trace["points"]
+    assert rec["work_units"] == h_rec["work_units"]
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    assert not cheat.before("j", manifest, IMG).cheated  # 64 a side is the smallest: honest
+
+
+def test_a_cache_replayed_for_its_own_inputs_is_no_cheat():
+    """cached-output / cached-unseeded: returning the cached answer for the very inputs (and
+    seed) it was made from is the honest answer, and the log says so (a canary may replay a
+    client job's inputs)."""
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    job = {"prompt": "x", "seed": 3}
+    for mode in ("cached-output", "cached-unseeded"):
+        c = cheats.Cheat(mode)
+        first = c.before("j1", manifest, job)
+        assert not first.cheated
+        c.after("sd15", first, [HostOutput(0, "image/png", b"png", {"seed": 3, "index": 0})])
+        assert not c.before("j2", manifest, job).cheated
+        again = c.before("j3", manifest, {**job, "seed": 4})
+        assert again.cheated and again.skip_run
+
+
+def test_duplicate_images_runs_one_image_and_claims_n():
+    manifest = load_manifest(builtin_plugin_dir("sd15"))
+    c = cheats.Cheat("duplicate-images")
+    o = c.before("j", manifest, {"prompt": "x", "seed": 5, "n": 3})
+    assert o.cheated and o.run_inputs["n"] == 1
+    outs = c.after("sd15", o, [HostOutput(0, "image/png", b"png",
+                                          {"seed": 5, "index": 0, "latent_sha256": "ab"})])
+    assert [(x.index, x.meta["index"], x.meta["seed"], x.data) for x in outs] == [
+        (0, 0, 5, b"png"), (1, 1, 6, b"png"), (2, 2, 7, b"png")]
+    assert not c.before("j", manifest, {"prompt": "x", "seed": 5}).cheated  # one image: honest

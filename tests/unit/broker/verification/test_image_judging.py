@@ -18,7 +18,7 @@ import pytest
 
 from broker.jobs.model import Job, JobState
 from broker.verification.records import CheckStatus
-from provider_agent.cheats import FALSE_CLASS, claim_schedule
+from bench.cheating_host import FALSE_CLASS, claim_schedule
 from tests.verification_world import HW, VerificationWorld
 
 from .conftest import RecordingContext, load_plugin

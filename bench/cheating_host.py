@@ -1,30 +1,35 @@
 """Simulated cheating, for the verification harness only (DESIGN §6, bench/cheaters.py).
 
-An agent started with ``SPARECYCLES_CHEAT=<mode>`` misbehaves on purpose so that spot
-redundancy can be measured against real cheating behaviours. It logs a loud WARNING at
-start. Without the variable nothing here runs and the agent is honest.
+Nothing here is part of the production agent: ``provider_agent`` has no cheat code path and
+no switch for one (tests/unit/provider_agent/test_no_cheat_harness.py). A cheating agent is
+the real agent built with :class:`CheatingHosts` as its host factory (``Agent(...,
+host_factory=...)``, ``provider_agent.cli.cmd_run(args, host_factory=...)``): every plugin
+host it starts is a :class:`CheatingHost`, a ``PluginHost`` that rewrites a job's inputs
+before the plugin runs it, or its outputs and figures after. ``bench/cheat_agent.py`` starts
+such an agent as a process (what bench/cheaters.py runs); it logs a loud WARNING at start.
 
-Environment:
+Options (``bench/cheat_agent.py --mode ... -- agent run ...``; the fields of :class:`Cheat`):
 
-``SPARECYCLES_CHEAT``          the mode (below)
-``SPARECYCLES_CHEAT_RATE``     fraction of jobs cheated on, 0..1, drawn per job (default 1)
-``SPARECYCLES_CHEAT_SEED``     seeds that draw (and the random bytes/tokens) for repeatable runs
-``SPARECYCLES_CHEAT_WEIGHTS``  other-model / other-text-model: the weights folder to run
-``SPARECYCLES_CHEAT_LOG``      optional JSON-lines file: one line per job, with the mode and
-                               whether it was cheated on (the harness's ground truth)
-``SPARECYCLES_CHEAT_CLASS``    false-class: the hardware class its receipts name
+``--mode``     the mode (below)
+``--rate``     fraction of jobs cheated on, 0..1, drawn per job (default 1)
+``--seed``     seeds that draw (and the random bytes/tokens) for repeatable runs
+``--weights``  other-model / other-text-model: the weights folder to run
+``--log``      optional JSON-lines file: one line per job, with the mode and whether it was
+               cheated on (the harness's ground truth)
+``--role``, ``--shared``  the account pairs (collude, fail-checks), below
 
-Modes (the plugin code stays honest: a cheat rewrites a job's inputs before
-``host.run`` or its outputs after, in the agent; the receipt stays signed and valid and
-the outputs are uploaded as usual; meta keeps claiming what the job asked, e.g. its seed):
+Modes (the plugin code stays honest: a cheat rewrites a job's inputs on their way into the
+plugin host or its outputs on their way out; the agent around it signs a valid receipt and
+uploads the outputs as usual; meta keeps claiming what the job asked, e.g. its seed). The
+agent's own benchmark runs (job ids ``benchmark-…``) run honestly:
 
 ``wrong-seed``        runs with seed + 1 (a job without a seed: a random one)
 ``fewer-steps``       runs ``steps`` (or ``num_inference_steps``) halved, at least 1, and
                       reports the work units of the job as asked
-``other-model``       image plugins run on SPARECYCLES_CHEAT_WEIGHTS instead of their own
-                      weights; the agent still advertises its own weights' digest. The
-                      weights are swapped when the agent starts, so the rate is ignored:
-                      every job of those plugins runs on the other weights.
+``other-model``       image plugins run on ``--weights`` instead of their own weights (the
+                      host is started on them; the sandbox binds what the host is given);
+                      the agent still advertises its own weights' digest. Every job of
+                      those plugins runs on the other weights: the rate is ignored.
 ``other-text-model``  the same for text plugins (llama)
 ``adapter-dropped``   removes the ``adapters`` / ``loras`` input (jobs without adapters run
                       honestly); meta still names the adapters asked for
@@ -48,35 +53,44 @@ the outputs are uploaded as usual; meta keeps claiming what the job asked, e.g. 
 
 Issue #20, what a provider claims about its work and who it is (trust-market):
 
-``inflated-units``    runs honestly; the receipt claims 10× the work units and a run time
-                      of 1 ms (θ used to be the receipt's units over its run time)
+``inflated-units``    runs honestly; the run's figures claim 10× the work units and a run
+                      time of 1 ms (θ used to be the receipt's units over its run time)
 ``fake-progress``     reports the job 100 % done as soon as it starts, then runs it as
                       usual (a cancel used to pay by reported progress)
-``collude``           two accounts of one person (``SPARECYCLES_CHEAT_ROLE``): the
-                      ``cheat`` runs every job with a wrong seed and leaves its outputs in
-                      ``SPARECYCLES_CHEAT_SHARED`` (a folder both agents see); the ``pal``
-                      runs honestly except a job with inputs the cheat ran, for which it
-                      returns the cheat's outputs (agreeing with it as checker or third run)
+``collude``           two accounts of one person (``--role``): the ``cheat`` runs every job
+                      with a wrong seed and leaves its outputs in ``--shared`` (a folder
+                      both agents see); the ``pal`` runs honestly except a job with inputs
+                      the cheat ran, for which it returns the cheat's outputs (agreeing with
+                      it as checker or third run)
 ``fail-checks``       the same pair, but the ``pal`` fails the jobs the cheat ran (its
                       checks) as "non-retryable" (a check so failed used to be given up)
 ``detect-checks``     cheats (a wrong seed) only on what looks like a client job, and runs
-                      honestly what looks like a check or a canary by the tells agents used
-                      to have: client job ids derived as version-5 UUIDs while checks and
-                      canaries were version 4; a canary's benchmark inputs and its missing
-                      weights_digest. Its log says what it took each job for
-                      (``looked_like``).
+                      honestly what looks like a check or a canary by the tells a plugin
+                      host can see: client job ids derived as version-5 UUIDs while checks
+                      and canaries were version 4; a canary's benchmark inputs. Its log says
+                      what it took each job for (``looked_like``). (The envelope's tells,
+                      e.g. a canary without ``weights_digest``, are out of a host's sight.)
 ``half-steps``        image jobs run half the steps (as ``fewer-steps``) and the meta's
                       ``latent_trace`` is relabelled as the job's own schedule (its points
                       of a quarter, half, ... of the way claimed as the job's), so that only
                       the latents themselves can tell
-``false-class``       ``half-steps``, and the receipt names a hardware class no other
-                      machine has (``SPARECYCLES_CHEAT_CLASS``, default a made-up GPU), so
-                      that a checker of its own class would be compared structurally if the
-                      receipt decided
+``false-class``       ``half-steps``, and its hosts report hardware no other machine has
+                      (a made-up GPU name on a GPU, a made-up thread count on a CPU), so the
+                      agent declares that class at connect and names it in every receipt:
+                      where the class decided exact or structural comparison, a class of its
+                      own was compared structurally
 ``cached-unseeded``   returns the outputs of an earlier job with the same inputs but for the
                       seed (the first such job runs honestly), meta naming the seed they
                       were made with: where the broker let a check re-run a job without a
                       seed with the seed its provider reported, it passed
+``reduced-res``       image jobs run at half the width and height (multiples of 8, not below
+                      the plugin's smallest size: about a quarter of the work), each image scaled up to the asked
+                      size (bicubic) and its latent trace's points scaled up (bilinear) to
+                      the shape a run at the asked size records, the work of the whole job
+                      billed: only the latents' own trajectory can tell
+``duplicate-images``  image jobs of n ≥ 2 images run one image and return it n times, each
+                      copy's meta claiming its own index and seed (seed + index), the work
+                      of all n billed
 """
 from __future__ import annotations
 
@@ -84,7 +98,6 @@ import copy
 import io
 import json
 import logging
-import os
 import random
 import secrets
 import string
@@ -93,23 +106,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from provider_agent.errors import ConfigError, HostError
+from provider_agent.host.manager import HostOutput, HostResult, PluginHost
+from sdk.protocol.manifest import Manifest, load_manifest
 
-log = logging.getLogger("agent")
+log = logging.getLogger("agent.cheat")
 
 MODES = ("wrong-seed", "fewer-steps", "other-model", "adapter-dropped", "random-image",
          "cached-output", "truncate-text", "pad-text", "other-text-model",
          "greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop", "altered-text",
-         "half-steps", "false-class", "cached-unseeded")
+         "half-steps", "false-class", "cached-unseeded", "reduced-res",
+         "duplicate-images")
 # issue #20 (trust-market): claims about the work, and one person's two accounts
 TRUST_MODES = ("inflated-units", "fake-progress", "collude", "fail-checks", "detect-checks")
 MODES += TRUST_MODES
-#: Modes run by a pair of agents of two accounts (SPARECYCLES_CHEAT_ROLE cheat / pal).
+#: Modes run by a pair of agents of two accounts (``role`` cheat / pal).
 PAIR_MODES = ("collude", "fail-checks")
 INFLATE_UNITS = 10.0
 #: Image cheats that run half the steps and claim the job's schedule in the latent trace.
 HALF_STEP_MODES = ("half-steps", "false-class")
-FALSE_CLASS = "cuda:NVIDIA Imaginary 9000:torch=2.13.0"
+#: false-class: the GPU name (on a GPU) or thread count (on a CPU) its hosts report.
+FALSE_GPU = "NVIDIA Imaginary 9000"
+FALSE_THREADS = 977
+FALSE_CLASS = f"cuda:{FALSE_GPU}:torch=2.13.0"  # the class it declares on a GPU of torch 2.13
 #: Text cheats that run the job with other sampling settings than it asked, and claim its own.
 SAMPLING_MODES = ("greedy-as-sampled", "colder-sampling", "narrow-top-p", "early-stop")
 ALTERED_TEXT = b"\n\nSponsored: visit example.com"
@@ -138,29 +157,29 @@ class Cheat:
     log_path: Path | None = None
     rng: random.Random = field(default_factory=random.Random)
     cached: dict[str, list] = field(default_factory=dict)  # plugin -> first HostOutputs
+    cached_inputs: dict[str, dict] = field(default_factory=dict)  # plugin -> their inputs
     role: str = "cheat"                 # PAIR_MODES: "cheat" or "pal"
     shared_dir: Path | None = None      # PAIR_MODES: the folder the pair shares
     uuid_versions: set = field(default_factory=set)  # detect-checks: versions of ids seen
-    false_class: str = FALSE_CLASS  # false-class: the hardware class its receipts name
     # cached-unseeded: (plugin, the inputs but the seed) -> the outputs of the first such job
     by_inputs: dict[str, list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ConfigError(f"SPARECYCLES_CHEAT={self.mode!r}; one of {list(MODES)}")
+            raise ConfigError(f"cheat mode {self.mode!r}; one of {list(MODES)}")
         if not 0.0 <= self.rate <= 1.0:
-            raise ConfigError(f"SPARECYCLES_CHEAT_RATE={self.rate}; must be between 0 and 1")
+            raise ConfigError(f"cheat rate {self.rate}; must be between 0 and 1")
         if self.mode in WEIGHT_MODES:
             if self.weights is None:
-                raise ConfigError(f"SPARECYCLES_CHEAT={self.mode} needs SPARECYCLES_CHEAT_WEIGHTS "
+                raise ConfigError(f"cheat mode {self.mode} needs --weights "
                                   "(the other weights folder to run)")
             if not self.weights.is_dir():
-                raise ConfigError(f"SPARECYCLES_CHEAT_WEIGHTS={self.weights} is not a folder")
+                raise ConfigError(f"cheat --weights {self.weights} is not a folder")
         if self.mode in PAIR_MODES:
             if self.role not in ("cheat", "pal"):
-                raise ConfigError(f"SPARECYCLES_CHEAT_ROLE={self.role!r}; cheat or pal")
+                raise ConfigError(f"cheat --role {self.role!r}; cheat or pal")
             if self.shared_dir is None:
-                raise ConfigError(f"SPARECYCLES_CHEAT={self.mode} needs SPARECYCLES_CHEAT_SHARED "
+                raise ConfigError(f"cheat mode {self.mode} needs --shared "
                                   "(a folder both agents of the pair can write)")
             self.shared_dir.mkdir(parents=True, exist_ok=True)
 
@@ -168,7 +187,7 @@ class Cheat:
     def announce(self) -> None:
         bar = "!" * 72
         log.warning("%s\nTHIS AGENT CHEATS ON PURPOSE (verification harness): "
-                    "SPARECYCLES_CHEAT=%s, rate %.2f%s\nNever run this against a real "
+                    "mode %s, rate %.2f%s\nNever run this against a real "
                     "marketplace: its providers get slashed.\n%s", bar, self.mode, self.rate,
                     f", weights {self.weights}" if self.weights else "", bar)
 
@@ -178,20 +197,14 @@ class Cheat:
             return self.weights
         return honest
 
-    def extra_ro_paths(self) -> list[Path]:
-        """Folders the sandbox must bind read-only for this cheat (the other weights)."""
-        return [self.weights.resolve()] if self.mode in WEIGHT_MODES and self.weights else []
-
     # ---- per job -------------------------------------------------------------------------
-    def before(self, job_id: str, manifest, inputs: dict[str, Any],
-               envelope: dict[str, Any] | None = None) -> Outcome:
-        """Decide (per job, at ``rate``) and rewrite the inputs the host will get
+    def before(self, job_id: str, manifest: Manifest, inputs: dict[str, Any]) -> Outcome:
+        """Decide (per job, at ``rate``) and rewrite the inputs the plugin will get
         (``manifest``: the served plugin's; an input rewrite starts from the validated
-        inputs, so a default the job left out is cheated on too). ``envelope``: the job's
-        signed envelope as the agent got it (what detect-checks looks at)."""
+        inputs, so a default the job left out is cheated on too)."""
         plugin, output_kind = manifest.name, manifest.output
         if self.mode in TRUST_MODES:
-            return self._claims_and_pairs(job_id, manifest, inputs, envelope or {})
+            return self._claims_and_pairs(job_id, manifest, inputs)
         try:
             validated = manifest.validate_inputs(inputs)
         except Exception:  # noqa: BLE001 - the host refuses it honestly
@@ -217,6 +230,19 @@ class Cheat:
                 if isinstance(run.get(key), int) and run[key] > 1:
                     run[key] = max(1, run[key] // 2)
                     out.cheated = True
+        elif self.mode == "reduced-res" and output_kind == "images":
+            for key in ("width", "height"):
+                if isinstance(run.get(key), int) and run[key] >= 16:
+                    run[key] = max(8, run[key] // 2 // 8 * 8)
+                    out.cheated = True
+            try:
+                manifest.validate_inputs(run)
+            except Exception:  # noqa: BLE001 - below the schema's smallest size: run honestly
+                out.cheated = False
+        elif self.mode == "duplicate-images" and output_kind == "images":
+            if int(run.get("n") or 1) >= 2:
+                run["n"] = 1
+                out.cheated = True
         elif self.mode == "adapter-dropped":
             for key in ("adapters", "loras"):
                 if run.get(key):
@@ -225,9 +251,16 @@ class Cheat:
         elif self.mode == "random-image":
             out.cheated = out.skip_run = output_kind == "images"
         elif self.mode == "cached-output":
-            out.cheated = out.skip_run = bool(self.cached.get(plugin))
+            # a job of the very inputs the cache was made from gets their honest answer:
+            # no cheat (a canary may replay a client job's inputs)
+            out.cheated = out.skip_run = (bool(self.cached.get(plugin))
+                                          and self.cached_inputs.get(plugin) != validated)
         elif self.mode == "cached-unseeded":
-            out.cheated = out.skip_run = _unseeded_key(plugin, validated) in self.by_inputs
+            cached = self.by_inputs.get(_unseeded_key(plugin, validated))
+            # made with this very seed: the honest answer, no cheat (a canary may replay a
+            # client job's inputs, seed and all)
+            out.cheated = out.skip_run = bool(cached) and (
+                (cached[0].meta or {}).get("seed") != validated.get("seed"))
         elif self.mode in ("truncate-text", "pad-text", "altered-text"):
             out.cheated = output_kind == "text"
         elif self.mode in SAMPLING_MODES and output_kind == "text":
@@ -239,8 +272,6 @@ class Cheat:
     def fake_outputs(self, plugin: str, outcome: Outcome, dtype: str = "float32") -> list:
         """The outputs of a job that is not run (random-image, cached-output); ``dtype``:
         what an honest run would report (float16 on a GPU)."""
-        from .host.manager import HostOutput
-
         validated = outcome.validated or {}
         if outcome.shared is not None:  # collude's pal: the cheat's outputs
             return self.shared_outputs(outcome)
@@ -268,6 +299,7 @@ class Cheat:
                     else outputs)
         if self.mode == "cached-output" and not self.cached.get(plugin) and outputs:
             self.cached[plugin] = [copy.deepcopy(o) for o in outputs]
+            self.cached_inputs[plugin] = copy.deepcopy(outcome.validated)
         if self.mode == "cached-unseeded" and outputs and outcome.validated is not None:
             self.by_inputs.setdefault(_unseeded_key(plugin, outcome.validated),
                                       [copy.deepcopy(o) for o in outputs])
@@ -277,6 +309,10 @@ class Cheat:
             return self._claim_job_meta(outputs, outcome.job_inputs)
         if self.mode in HALF_STEP_MODES:
             return [claim_schedule(o, outcome.validated or {}) for o in outputs]
+        if self.mode == "reduced-res":
+            return [claim_size(o, outcome.validated or {}) for o in outputs]
+        if self.mode == "duplicate-images" and outputs:
+            return duplicate(outputs[0], int((outcome.validated or {}).get("n") or 1))
         if self.mode == "truncate-text":
             return [truncate_text(o) for o in outputs]
         if self.mode == "pad-text":
@@ -290,8 +326,8 @@ class Cheat:
         return outputs
 
     # ---- issue #20: claims about the work, one person's two accounts ----------------------
-    def _claims_and_pairs(self, job_id: str, manifest, inputs: dict[str, Any],
-                          envelope: dict[str, Any]) -> Outcome:
+    def _claims_and_pairs(self, job_id: str, manifest: Manifest,
+                          inputs: dict[str, Any]) -> Outcome:
         plugin = manifest.name
         try:
             validated = manifest.validate_inputs(inputs)
@@ -319,15 +355,14 @@ class Cheat:
                     out.skip_run, out.shared = True, shared
             return self._record(job_id, plugin, out)
         # detect-checks
-        looked = self._looks_like(job_id, manifest, inputs, envelope)
+        looked = self._looks_like(job_id, manifest, inputs)
         if looked == "client" and self.rng.random() < self.rate:
             out.run_inputs = _wrong_seed(validated, self.rng)
             out.cheated = True
         return self._record(job_id, plugin, out, looked_like=looked)
 
-    def _looks_like(self, job_id: str, manifest, inputs: dict[str, Any],
-                    envelope: dict[str, Any]) -> str:
-        """"check", "canary" or "client", by the tells agents used to have."""
+    def _looks_like(self, job_id: str, manifest: Manifest, inputs: dict[str, Any]) -> str:
+        """"check", "canary" or "client", by the tells plugin hosts used to see."""
         import uuid as _uuid
 
         bench = dict(manifest.benchmark_inputs or {})
@@ -337,8 +372,6 @@ class Cheat:
         except Exception:  # noqa: BLE001 - inputs the plugin refuses are no canary's
             same = False
         if same:
-            return "canary"
-        if envelope and "weights_digest" not in envelope:
             return "canary"
         try:
             version = _uuid.UUID(job_id).version
@@ -362,8 +395,6 @@ class Cheat:
 
     def shared_outputs(self, outcome: Outcome) -> list:
         """collude's pal: the cheat's outputs for the job, as its own."""
-        from .host.manager import HostOutput
-
         return [HostOutput(o["index"], o["media_type"], bytes.fromhex(o["data"]), o["meta"])
                 for o in outcome.shared or []]
 
@@ -381,11 +412,16 @@ class Cheat:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-    def receipt_repro(self, repro: dict) -> dict:
-        """The ``repro`` its receipts name: false-class names a class of its own making."""
-        if self.mode == "false-class":
-            return {**repro, "hardware_class": self.false_class}
-        return repro
+
+    def hardware(self, hardware: dict) -> dict:
+        """The hardware its hosts report (the ready message's ``hardware``, from which the
+        agent derives the class it declares and names in receipts): false-class makes up a
+        GPU name on a GPU, a thread count on a CPU, so no other machine shares its class."""
+        if self.mode != "false-class":
+            return hardware
+        if hardware.get("device") == "cuda":
+            return {**hardware, "gpu_name": FALSE_GPU}
+        return {**hardware, "threads": FALSE_THREADS}
 
     # ---- helpers -------------------------------------------------------------------------
     def _claim_job_meta(self, outputs: list, job_inputs: dict[str, Any]) -> list:
@@ -412,31 +448,105 @@ class Cheat:
                                         "cheated": outcome.cheated, "time": time.time(),
                                         "role": self.role, **extra}) + "\n")
             except OSError as exc:
-                log.error("cannot write SPARECYCLES_CHEAT_LOG %s: %s", self.log_path, exc)
+                log.error("cannot write the cheat log %s: %s", self.log_path, exc)
         return outcome
 
 
-def from_env(environ: dict[str, str] | None = None) -> Cheat | None:
-    """The cheat the environment asks for, or None (an honest agent)."""
-    environ = os.environ if environ is None else environ
-    mode = environ.get("SPARECYCLES_CHEAT", "").strip()
-    if not mode:
-        return None
-    try:
-        rate = float(environ.get("SPARECYCLES_CHEAT_RATE", "1.0") or 1.0)
-    except ValueError:
-        raise ConfigError(f"SPARECYCLES_CHEAT_RATE={environ['SPARECYCLES_CHEAT_RATE']!r} is "
-                          "not a number") from None
-    seed = environ.get("SPARECYCLES_CHEAT_SEED")
-    weights = environ.get("SPARECYCLES_CHEAT_WEIGHTS")
-    log_path = environ.get("SPARECYCLES_CHEAT_LOG")
-    shared = environ.get("SPARECYCLES_CHEAT_SHARED")
-    return Cheat(mode, rate, Path(weights).expanduser() if weights else None,
-                 Path(log_path) if log_path else None,
-                 random.Random(int(seed)) if seed not in (None, "") else random.Random(),
-                 role=environ.get("SPARECYCLES_CHEAT_ROLE", "cheat").strip() or "cheat",
-                 shared_dir=Path(shared).expanduser() if shared else None,
-                 false_class=environ.get("SPARECYCLES_CHEAT_CLASS") or FALSE_CLASS)
+class CheatingHost:
+    """A wrapper around a real plugin host (``inner``) whose jobs ``cheat`` rewrites: inputs
+    on their way in, outputs and the run's figures (work units, run time) on their way out;
+    a job it fails or fakes never reaches the plugin. Its ready message reports
+    ``Cheat.hardware``. Everything else is the inner host's (the agent sees a PluginHost)."""
+
+    def __init__(self, cheat: Cheat, manifest: Manifest, inner: PluginHost):
+        self.cheat = cheat
+        self.manifest = manifest
+        self.inner = inner
+
+    def __getattr__(self, name: str):  # stop, alive, cancel, weights_dir, name, ...
+        return getattr(self.inner, name)
+
+    @property
+    def ready(self) -> dict:
+        ready = self.inner.ready
+        if not ready.get("hardware"):
+            return ready
+        return {**ready, "hardware": self.cheat.hardware(ready["hardware"])}
+
+    def start(self) -> dict:
+        self.inner.start()
+        return self.ready
+
+    def run(self, job_id: str, inputs: dict, **run) -> HostResult:
+        if job_id.startswith("benchmark-"):  # the agent's own benchmark: honest
+            return self.inner.run(job_id, inputs, **run)
+        t0 = time.perf_counter()
+        outcome = self.cheat.before(job_id, self.manifest, inputs)
+        if outcome.fail:
+            raise HostError("out_of_memory", "the GPU ran out of memory", retryable=False)
+        if self.cheat.fake_progress(outcome):
+            total = int((outcome.validated or {}).get("steps")
+                        or (outcome.validated or {}).get("max_new_tokens") or 1)
+            run.get("on_progress", lambda *a: None)(total, total, "")
+        if outcome.skip_run:
+            dtype = (self.manifest.dtype if (self.ready.get("hardware") or {}).get("device")
+                     == "cuda" else "float32")  # what an honest run would report
+            result = HostResult(self.cheat.fake_outputs(self.manifest.name, outcome, dtype),
+                                int((time.perf_counter() - t0) * 1000), 0.0)
+        else:
+            result = self.inner.run(job_id, outcome.run_inputs, **run)
+        result.outputs = self.cheat.after(self.manifest.name, outcome, result.outputs)
+        if outcome.cheated and outcome.validated is not None:  # claim the work asked for
+            result.work_units = self.manifest.work_units_for(outcome.validated)
+        result.work_units, result.run_ms = self.cheat.receipt_figures(
+            outcome, result.work_units, result.run_ms)
+        return result
+
+
+class CheatingHosts:
+    """The host factory of a cheating agent (``provider_agent.host.manager.HostFactory``):
+    each plugin's host is a :class:`CheatingHost` of ``cheat`` around a real
+    ``PluginHost`` started on the weights the cheat runs (other-model: its other weights,
+    which the sandbox binds as it binds any host's; the agent still advertises its own)."""
+
+    def __init__(self, cheat: Cheat):
+        self.cheat = cheat
+        self._announced = False
+
+    def __call__(self, plugin_dir: Path, weights_dir: Path | None, *, device: str,
+                 launcher=None, name: str | None = None,
+                 max_vram_gb: float = 0.0) -> CheatingHost:
+        if not self._announced:  # once per agent process, in the agent's log format
+            self.cheat.announce()
+            self._announced = True
+        manifest = load_manifest(plugin_dir)
+        inner = PluginHost(plugin_dir, self.cheat.weights_for(manifest.output, weights_dir),
+                           device=device, launcher=launcher, name=name, max_vram_gb=max_vram_gb)
+        return CheatingHost(self.cheat, manifest, inner)
+
+
+def add_arguments(parser) -> None:
+    """The options of a cheat (bench/cheat_agent.py)."""
+    parser.add_argument("--mode", required=True, choices=MODES, help="the cheat")
+    parser.add_argument("--rate", type=float, default=1.0,
+                        help="fraction of jobs cheated on, 0..1, drawn per job (default 1)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seeds the draws and the random bytes/tokens")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="other-model / other-text-model: the weights folder to run")
+    parser.add_argument("--log", type=Path, default=None,
+                        help="JSON-lines file: one line per job, cheated or not")
+    parser.add_argument("--role", default="cheat", choices=("cheat", "pal"),
+                        help="collude / fail-checks: which account of the pair")
+    parser.add_argument("--shared", type=Path, default=None,
+                        help="collude / fail-checks: the folder both agents of the pair see")
+
+
+def from_args(args) -> Cheat:
+    """The cheat ``add_arguments``' options name."""
+    return Cheat(args.mode, args.rate, args.weights.expanduser() if args.weights else None,
+                 args.log, random.Random(args.seed) if args.seed is not None else random.Random(),
+                 role=args.role, shared_dir=args.shared.expanduser() if args.shared else None)
 
 
 def _unseeded_key(plugin: str, inputs: dict[str, Any] | None) -> str:
@@ -453,7 +563,7 @@ def claim_schedule(out, job: dict[str, Any]):
     steps = job.get("steps") or job.get("num_inference_steps")
     if not isinstance(trace, dict) or not isinstance(steps, int):
         return out
-    from plugins.api import trace_steps  # the agent's plugins: the same rule
+    from plugins.api import trace_steps  # the plugins' own rule
 
     claimed = trace_steps(steps)
     points = list(trace.get("points") or [])
@@ -463,6 +573,59 @@ def claim_schedule(out, job: dict[str, Any]):
         points = [points[min(range(len(own)), key=lambda j: abs(own[j] / total - k / steps))]
                   for k in claimed] if own and points else points
     out.meta["latent_trace"] = {**trace, "total": steps, "steps": claimed, "points": points}
+    return out
+
+
+def duplicate(out, n: int) -> list:
+    """duplicate-images: one image as the job's ``n``, copy ``i`` claiming index ``i`` and
+    seed ``seed + i`` in its meta."""
+    seed = out.meta.get("seed")
+    copies = []
+    for i in range(n):
+        meta = {**copy.deepcopy(out.meta), "index": i}
+        if isinstance(seed, int):
+            meta["seed"] = seed + i
+        copies.append(HostOutput(i, out.media_type, out.data, meta))
+    return copies
+
+
+def claim_size(out, job: dict[str, Any]):
+    """reduced-res: an image made at a smaller size claimed as one of the job's size: the
+    image scaled up (bicubic), the latent trace's points scaled up (bilinear) to the shape
+    a run of the job's size records (``plugins.api.trace_point``: at most TRACE_SIDE a
+    side of the latents, an eighth of the image's)."""
+    width, height = job.get("width"), job.get("height")
+    if out.media_type != "image/png" or not isinstance(width, int) or not isinstance(height, int):
+        return out
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(out.data))
+    if image.size != (width, height):
+        buf = io.BytesIO()
+        image.resize((width, height), Image.Resampling.BICUBIC).save(buf, format="PNG")
+        out.data = buf.getvalue()
+    trace = out.meta.get("latent_trace")
+    if isinstance(trace, dict) and trace.get("points"):
+        import base64
+
+        import numpy as np
+        import torch
+
+        from plugins.api import TRACE_SIDE
+
+        c, h, w = (int(d) for d in trace["shape"])
+        side = (min(height // 8, TRACE_SIDE), min(width // 8, TRACE_SIDE))
+        points = []
+        for point in trace["points"]:
+            x = torch.from_numpy(np.frombuffer(base64.b64decode(point), dtype=np.float16)
+                                 .astype(np.float32).reshape(1, c, h, w))
+            x = torch.nn.functional.interpolate(x, size=side, mode="bilinear")
+            points.append(base64.b64encode(np.ascontiguousarray(
+                x[0].numpy().astype(np.float16)).tobytes()).decode())
+        out.meta["latent_trace"] = {**trace, "shape": [c, *side], "points": points}
+    for key, value in (("width", width), ("height", height)):
+        if key in out.meta:
+            out.meta[key] = value
     return out
 
 
