@@ -3,6 +3,7 @@ Retry-After (other keys and other groups are not touched); counters in Redis are
 every replica naming it."""
 from __future__ import annotations
 
+import base64
 import socket
 import time
 
@@ -13,6 +14,9 @@ from broker.services import build_services
 from broker.settings import Settings
 
 
+AT_REST = base64.b64encode(b"r" * 32).decode()  # replicas share it, or the second is refused
+
+
 def _auth(key):
     return {"Authorization": f"Bearer {key}"}
 
@@ -20,7 +24,8 @@ def _auth(key):
 def _app(tmp_path, name="a", **settings):
     svc = build_services(Settings(data_dir=tmp_path / name, verification=False,
                                   db_url=f"sqlite:///{tmp_path / 'shared.db'}",
-                                  admin_session_secret="s" * 40, **settings))
+                                  admin_session_secret="s" * 40,
+                                  at_rest_key=AT_REST, **settings))
     return create_app(svc).test_client(), svc
 
 
