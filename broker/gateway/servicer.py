@@ -36,7 +36,8 @@ from sdk.protocol.signing import KeyPair, SignatureError, verify
 from broker.auth import scopes
 from broker.auth.service import KEY_CACHE_S, ApiKeyService
 from broker.errors import BrokerError
-from broker.jobs.dispatch import AgentSession, Dispatcher
+from broker.jobs.dispatch import Dispatcher
+from broker.jobs.presence import AgentSession
 from broker.jobs.service import JobService
 from broker.observability.telemetry import TelemetryStore
 from broker.providers.service import ProviderService
