@@ -216,11 +216,15 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                                      reputation_floor=settings.market_reputation_floor,
                                      default_cold_start_s=settings.market_cold_start_s)
     figures = SqlFigureStore(sessions)  # θ, reliability, canaries: outlive the process
+    # The agents whose streams this replica holds: kept once, read by all (issue #21).
+    # Which replica holds each stream is recorded in the replica registry as they come and
+    # go; the streams the others hold are read back through it alone.
+    held = ProviderPresence(streams=replicas)
     # Admission counts the providers other replicas hold (read from the database).
     elsewhere = MarketElsewhere(
         lambda: MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
                               manifest_of=manifests_of(catalog), linked_to=links.linked_to),
-        replicas.held_elsewhere, providers.repo.many, figures) if bus.shared else None
+        held.held_elsewhere, providers.repo.many, figures) if bus.shared else None
     market = MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
                            manifest_of=manifests_of(catalog), linked_to=links.linked_to,
                            bus=bus, figures=figures, elsewhere=elsewhere,
@@ -229,8 +233,6 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                            # no report from count as warm)
                            warm=registry.warm.is_warm,
                            on_rule_changed=audit_market_rules(audit))
-    # The agents whose streams this replica holds: kept once, read by all (issue #21).
-    held = ProviderPresence()
     # Whether anybody could run a build: the agents held here, and those any replica saw
     # within the window (no provider for a build: refuse, then expire; 0: never asked).
     presence = (Presence(providers.repo, held.serving, held.ids,
@@ -244,7 +246,7 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
                       input_defaults=WeightsDefaults(
-                          catalog, _held_plugins(replicas, providers) if bus.shared else None),
+                          catalog, _held_plugins(held, providers) if bus.shared else None),
                       metrics=counting, retention=retention, result_cache=result_cache,
                       check_inputs=registry.check_job_adapters,  # another plugin's adapter: 422
                       # admission of a job's terms before any row or hold (CannotMeetTerms)
@@ -334,10 +336,10 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     return verification
 
 
-def _held_plugins(replicas: ReplicaRegistry, providers: ProviderService):
+def _held_plugins(presence: ProviderPresence, providers: ProviderService):
     """provider id -> its stored plugins, for the streams other replicas hold."""
     def held() -> dict[str, list]:
-        ids = list(replicas.held_elsewhere())
+        ids = list(presence.held_elsewhere())
         return {p.id: list(p.plugins or []) for p in providers.repo.many(ids)} if ids else {}
     return held
 

@@ -48,18 +48,18 @@ class Dispatcher:
                  quota: Callable[[str], float] | None = None,
                  needs_download: Callable[[str, Job], bool] | None = None,
                  on_left: Callable[[str], None] | None = None):
-        """``presence``: the agents whose streams this replica holds (shared with
-        whoever else reads them; None: a fresh one of its own). ``bus``: the other broker replicas (docs/architecture.md, *Replicas*): jobs
-        queued here that no agent here took wake their dispatchers, and a command for an
-        agent whose stream another replica holds (cancel, a freed slot, pause, quota)
-        travels there; None: this process is the whole broker. ``market``
-        (broker.market.MarketService): each job clears in its auction; None: least-loaded
-        matching. ``canary_sender(session)`` sends the canaries due to an agent with a free
-        slot. ``quota(provider_id)``: the concurrency quota factor lost disputes left a
-        provider (DESIGN §6; None: 1). ``needs_download(provider_id, job)``: whether the
-        provider would first have to download something the job names (an adapter it has
-        not installed, issue #3); such providers are avoided while one that holds
-        everything can take the job. ``on_left(provider_id)``: an agent's stream ended
+        """``presence``: the agents whose streams this replica holds (shared with whoever else
+        reads them; None: a fresh one of its own). ``bus``: the other broker replicas
+        (docs/architecture.md, *Replicas*): jobs queued here that no agent here took wake
+        their dispatchers, and a command for an agent whose stream another replica holds
+        (cancel, a freed slot, pause, quota) travels there; None: this process is the whole
+        broker. ``market`` (broker.market.MarketService): each job clears in its auction;
+        None: least-loaded matching. ``canary_sender(session)`` sends the canaries due to an
+        agent with a free slot. ``quota(provider_id)``: the concurrency quota factor lost
+        disputes left a provider (DESIGN §6; None: 1). ``needs_download(provider_id, job)``:
+        whether the provider would first have to download something the job names (an
+        adapter it has not installed, issue #3); such providers are avoided while one that
+        holds everything can take the job. ``on_left(provider_id)``: an agent's stream ended
         (broker.providers.presence: it was seen until now)."""
         self.jobs = jobs
         self.bus = bus
@@ -122,7 +122,9 @@ class Dispatcher:
         with self._cond:
             if not self.presence.count():  # it kept no queue in memory meanwhile: read it now
                 self._scanned_at = float("-inf")
-            if self.presence.add(session):
+        new = self.presence.add(session)
+        with self._cond:
+            if new:
                 self._ring.append(pid)
             self._due.add(pid)
         if self.market is not None:
@@ -155,9 +157,9 @@ class Dispatcher:
         self.kick()
 
     def unregister(self, session: AgentSession) -> None:
-        with self._cond:
-            gone = self.presence.remove(session)
-            if gone:
+        gone = self.presence.remove(session)
+        if gone:
+            with self._cond:
                 self._busy.discard(session.provider_id)
         if gone and self.market is not None:
             self.market.disconnect(session.provider_id)

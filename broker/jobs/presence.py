@@ -9,13 +9,22 @@ provider not held here may be held by another replica: commands for it travel on
 
 ``lock`` guards the sessions and the index; the dispatcher's condition is built on the same
 lock, so that a slot taken or freed and the session it belongs to change together.
+
+Which replica holds each stream is written through to ``streams`` (the replica registry,
+:class:`broker.replicas.service.ReplicaRegistry`) as a session comes and goes, and
+:meth:`ProviderPresence.held_elsewhere` is the one read of the streams other live replicas
+hold (admission's market of the others, the weights defaults).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .model import Job
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -63,17 +72,29 @@ class AgentSession:
         raise NotImplementedError
 
 
-class ProviderPresence:
-    """The sessions held here (provider id -> :class:`AgentSession`) and who serves what."""
+class Streams(Protocol):
+    """Where the broker records which replica holds each agent's stream."""
 
-    def __init__(self) -> None:
+    def hold(self, provider_id: str) -> None: ...
+    def release(self, provider_id: str) -> None: ...
+    def held_elsewhere(self) -> dict[str, str]: ...
+
+
+class ProviderPresence:
+    """The sessions held here (provider id -> :class:`AgentSession`) and who serves what.
+    ``streams``: where the streams held are recorded for the other replicas (None: this
+    process is the whole broker, nobody else holds any)."""
+
+    def __init__(self, streams: Streams | None = None) -> None:
+        self.streams = streams
         self.lock = threading.RLock()
         self._sessions: dict[str, AgentSession] = {}
         self._serving: dict[str, set[str]] = {}  # "name@version" -> provider ids
 
     def add(self, session: AgentSession) -> bool:
         """Hold ``session``, replacing the provider's previous one (whose jobs it keeps);
-        returns whether the provider was not held here before."""
+        returns whether the provider was not held here before. Call it without holding
+        :attr:`lock`: the stream is recorded in the database after the memory changed."""
         pid = session.provider_id
         with self.lock:
             old = self._sessions.get(pid)
@@ -83,17 +104,26 @@ class ProviderPresence:
                 self._unserve(old)
             for build in session.plugins:
                 self._serving.setdefault(build, set()).add(pid)
-            return old is None
+        if self.streams is not None:
+            try:
+                self.streams.hold(pid)
+            except Exception:  # noqa: BLE001 - it works here; other replicas miss it
+                log.exception("could not record that this replica holds %s", pid)
+        return old is None
 
     def remove(self, session: AgentSession) -> bool:
         """Forget ``session`` if it is still the provider's current one; returns whether
-        it was (a replaced session's stream closing changes nothing)."""
+        it was (a replaced session's stream closing changes nothing). Call it without
+        holding :attr:`lock`, as :meth:`add`."""
+        pid = session.provider_id
         with self.lock:
-            if self._sessions.get(session.provider_id) is not session:
+            if self._sessions.get(pid) is not session:
                 return False
-            del self._sessions[session.provider_id]
+            del self._sessions[pid]
             self._unserve(session)
-            return True
+        if self.streams is not None and self.get(pid) is None:  # not back meanwhile
+            self.streams.release(pid)
+        return True
 
     def _unserve(self, session: AgentSession) -> None:
         """(the caller holds the lock)"""
@@ -134,6 +164,10 @@ class ProviderPresence:
         with self.lock:
             ids = self._serving.get(f"{job.plugin}@{job.plugin_version}", ())
             return {pid: self._sessions[pid] for pid in ids if pid in self._sessions}
+
+    def held_elsewhere(self) -> dict[str, str]:
+        """provider id -> replica id of the streams other live replicas hold now."""
+        return self.streams.held_elsewhere() if self.streams is not None else {}
 
     def any_free(self) -> bool:
         with self.lock:
