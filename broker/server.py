@@ -182,7 +182,7 @@ class BrokerServer:
             lease_timeout_s=settings.lease_timeout_s, market=svc.market,
             canaries=svc.canaries, warm=svc.registry.warm, executor=self.agent_pool,
             max_streams=settings.max_agent_streams, outbox_max=settings.agent_outbox_max,
-            stats=self.gateway_stats, links=svc.links, replicas=svc.replicas,
+            stats=self.gateway_stats, links=svc.links,
             telemetry=svc.telemetry)
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, self.grpc_server)
         # The standard health service (grpc.health.v1): NOT_SERVING until started, while

@@ -26,6 +26,7 @@ from broker.storage.sealed import open_at_rest
 from broker.storage.sealed import attach as attach_at_rest
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
+from broker.jobs.presence import ProviderPresence
 from broker.fault_tolerance import attach_checkpoints, stall_watch
 from broker.jobs.hub import EventHub
 from broker.jobs.model import SettledCopyCodec
@@ -215,11 +216,15 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                                      reputation_floor=settings.market_reputation_floor,
                                      default_cold_start_s=settings.market_cold_start_s)
     figures = SqlFigureStore(sessions)  # θ, reliability, canaries: outlive the process
+    # The agents whose streams this replica holds: kept once, read by all (issue #21).
+    # Which replica holds each stream is recorded in the replica registry as they come and
+    # go; the streams the others hold are read back through it alone.
+    held = ProviderPresence(streams=replicas)
     # Admission counts the providers other replicas hold (read from the database).
     elsewhere = MarketElsewhere(
         lambda: MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
                               manifest_of=manifests_of(catalog), linked_to=links.linked_to),
-        replicas.held_elsewhere, providers.repo.many, figures) if bus.shared else None
+        held.held_elsewhere, providers.repo.many, figures) if bus.shared else None
     market = MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
                            manifest_of=manifests_of(catalog), linked_to=links.linked_to,
                            bus=bus, figures=figures, elsewhere=elsewhere,
@@ -228,6 +233,11 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                            # no report from count as warm)
                            warm=registry.warm.is_warm,
                            on_rule_changed=audit_market_rules(audit))
+    # Whether anybody could run a build: the agents held here, and those any replica saw
+    # within the window (no provider for a build: refuse, then expire; 0: never asked).
+    presence = (Presence(providers.repo, held.serving, held.ids,
+                         window_s=settings.unserved_expiry_s)
+                if settings.unserved_expiry_s > 0 else None)
     jobs = JobService(job_repo, blobs(job_blobs, "jobs"), catalog, signer,
                       EventHub(bus, SettledCopyCodec()),
                       JobSettings(max_attempts=settings.max_attempts,
@@ -236,13 +246,14 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                       # the image size (and any input default_from = "weights") as the
                       # connected providers' weights give it; the gateway keeps it current
                       input_defaults=WeightsDefaults(
-                          catalog, _held_plugins(replicas, providers) if bus.shared else None),
+                          catalog, _held_plugins(held, providers) if bus.shared else None),
                       metrics=counting, retention=retention, result_cache=result_cache,
                       check_inputs=registry.check_job_adapters,  # another plugin's adapter: 422
                       # admission of a job's terms before any row or hold (CannotMeetTerms)
                       check_terms=terms_check(market),
                       on_failure=market.failed,  # the failures counted as the provider's
-                      stalls=stall_watch(sessions, catalog, settings, market))
+                      stalls=stall_watch(sessions, catalog, settings, market),
+                      presence=presence)
     attach_checkpoints(jobs, sessions, settings)
     from broker.admin.session import load_or_create_secret
 
@@ -258,8 +269,10 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                              envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints,
                              linked_to=links.linked_to)
     # Lost disputes cut a provider's concurrency quota (verification's records hold it).
-    dispatcher = Dispatcher(jobs, bus=bus, market=market, canary_sender=canaries.send_due,
+    dispatcher = Dispatcher(jobs, bus=bus, presence=held, market=market,
+                            canary_sender=canaries.send_due,
                             needs_download=registry.warm.needs_download,
+                            on_left=presence.left if presence is not None else None,
                             quota=verifications.quota_factor if settings.verification else None)
     attach_market(market, canaries, jobs)
     admin = build_admin(settings, sessions, secret=console_secret, audit=audit, pricing=pricing,
@@ -268,11 +281,7 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
     maintenance.tasks.append(market.flush_figures)
     maintenance.tasks.append(retention.due)  # outputs, checkpoints and orphans expire
-    if settings.unserved_expiry_s > 0:  # no provider for a build: refuse, then expire
-        presence = Presence(providers.repo, dispatcher.serving, dispatcher.connected_ids,
-                            window_s=settings.unserved_expiry_s)
-        jobs.presence = presence
-        dispatcher.on_left = presence.left
+    if presence is not None:
         maintenance.tasks += [presence.refresh, jobs.expire_unserved]
     verification = None
     if settings.verification:
@@ -327,10 +336,10 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     return verification
 
 
-def _held_plugins(replicas: ReplicaRegistry, providers: ProviderService):
+def _held_plugins(presence: ProviderPresence, providers: ProviderService):
     """provider id -> its stored plugins, for the streams other replicas hold."""
     def held() -> dict[str, list]:
-        ids = list(replicas.held_elsewhere())
+        ids = list(presence.held_elsewhere())
         return {p.id: list(p.plugins or []) for p in providers.repo.many(ids)} if ids else {}
     return held
 

@@ -36,11 +36,11 @@ from sdk.protocol.signing import KeyPair, SignatureError, verify
 from broker.auth import scopes
 from broker.auth.service import KEY_CACHE_S, ApiKeyService
 from broker.errors import BrokerError
-from broker.jobs.dispatch import AgentSession, Dispatcher
+from broker.jobs.dispatch import Dispatcher
+from broker.jobs.presence import AgentSession
 from broker.jobs.service import JobService
 from broker.observability.telemetry import TelemetryStore
 from broker.providers.service import ProviderService
-from broker.replicas.service import ReplicaRegistry
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -204,7 +204,6 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  lease_timeout_s: float, executor: Executor, market=None, canaries=None,
                  warm=None, max_streams: int = 20_000, outbox_max: int = 256,
                  stats: GatewayStats | None = None, links=None,
-                 replicas: ReplicaRegistry | None = None,
                  telemetry: TelemetryStore | None = None):
         self.links = links          # broker.links.LinkService: address and hardware link accounts
         self.market = market        # broker.market.MarketService: standing asks, θ
@@ -221,8 +220,6 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         self.max_streams = max_streams
         self.outbox_max = outbox_max
         self.stats = stats or GatewayStats()
-        # Records which replica holds each stream (other replicas read it: issue #21).
-        self.replicas = replicas
         self.telemetry = telemetry  # heartbeats' telemetry, per provider (None: dropped)
         # The live streams by the credential they connected with: checked again every
         # KEY_RECHECK_S, so a revoked or expired key's agents are let go within seconds.
@@ -437,15 +434,11 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  "input_defaults": p.input_defaults} for p in caps.plugins], session=session)
         # Whatever the dispatcher sends from now on queues behind the greeting: the outbox
         # is written only once the greeting is.
-        self.dispatcher.register(session)
-        if self.replicas is not None:
-            self.replicas.hold(provider.id)
+        self.dispatcher.register(session)  # and the replicas see it held here
         return session, greeting
 
     def _leave(self, session: GatewaySession, name: str) -> None:
-        self.dispatcher.unregister(session)
-        if self.replicas is not None and self.dispatcher.session(session.provider_id) is None:
-            self.replicas.release(session.provider_id)
+        self.dispatcher.unregister(session)  # the replicas no longer see it held here
         if self.telemetry is not None:
             self.telemetry.forget(session.provider_id)
         if self.warm is not None:

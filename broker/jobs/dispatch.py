@@ -16,12 +16,12 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from broker.auction.errors import NoMatch
 
 from .model import Job, JobState, job_from_wire, job_to_wire
+from .presence import AgentSession, ProviderPresence
 from .service import JobService
 
 if TYPE_CHECKING:
@@ -39,84 +39,41 @@ WIRE_JOB_MAX = 6_000  # characters of JSON: a larger queued job travels as its i
 TEND_PERIOD_S = 10.0
 
 
-@dataclass(eq=False)
-class AgentSession:
-    """A connected agent as the dispatcher sees it. The gateway subclasses it to send."""
-
-    provider_id: str
-    public_key: str
-    account_id: str
-    plugins: dict[str, str]          # "name@version" -> weights digest
-    slots: int = 1
-    active: set[str] = field(default_factory=set)
-    draining: bool = False
-    paused: bool = False
-    # The agent said it takes no work now (its owner's terms: idle-only, schedule,
-    # limits, issue #26): the state it gave, "" while it takes work. Like a drain it gets
-    # no new jobs; unlike a drain it comes back.
-    unavailable: str = ""
-    # How many times it said so on this session: a canary it gives back for its owner must
-    # come after one (broker.market.canary.CanaryService.withdrawn)
-    unavailable_reports: int = 0
-    quota_factor: float = 1.0        # cut by lost verification disputes (DESIGN §6)
-    # "name@version" -> the reproducibility class it declared at connect for the build
-    # ({"hardware_class", "dtype"}): recorded in each envelope it gets (broker.jobs.repro)
-    classes: dict[str, dict[str, str]] = field(default_factory=dict)
-    resumed: dict[str, Job] = field(default_factory=dict)  # jobs it held when it connected
-
-    def serves(self, job: Job) -> bool:
-        """It serves the job's plugin version, on the pinned weights if the job pins any."""
-        key = f"{job.plugin}@{job.plugin_version}"
-        if key not in self.plugins:
-            return False
-        return not job.weights_digest or self.plugins[key] == job.weights_digest
-
-    @property
-    def free(self) -> int:
-        if self.draining or self.paused or self.unavailable:
-            return 0
-        return max(1, int(self.slots * self.quota_factor)) - len(self.active)
-
-    def send_assignment(self, envelope_bytes: bytes, signature: str) -> None:
-        raise NotImplementedError
-
-    def send_cancel(self, job_id: str, attempt: int, reason: str) -> None:
-        raise NotImplementedError
-
-
 class Dispatcher:
     def __init__(self, jobs: JobService, *, reap_interval_s: float = 0.5,
                  rng: random.Random | None = None, bus: ReplicaBus | None = None,
+                 presence: ProviderPresence | None = None,
                  market: MarketService | None = None,
                  canary_sender: Callable[[AgentSession], None] | None = None,
                  quota: Callable[[str], float] | None = None,
-                 needs_download: Callable[[str, Job], bool] | None = None):
-        """``bus``: the other broker replicas (docs/architecture.md, *Replicas*): jobs
-        queued here that no agent here took wake their dispatchers, and a command for an
-        agent whose stream another replica holds (cancel, a freed slot, pause, quota)
-        travels there; None: this process is the whole broker. ``market``
-        (broker.market.MarketService): each job clears in its auction; None: least-loaded
-        matching. ``canary_sender(session)`` sends the canaries due to an agent with a free
-        slot. ``quota(provider_id)``: the concurrency quota factor lost disputes left a
-        provider (DESIGN §6; None: 1). ``needs_download(provider_id, job)``: whether the
-        provider would first have to download something the job names (an adapter it has
-        not installed, issue #3); such providers are avoided while one that holds
-        everything can take the job."""
+                 needs_download: Callable[[str, Job], bool] | None = None,
+                 on_left: Callable[[str], None] | None = None):
+        """``presence``: the agents whose streams this replica holds (shared with whoever else
+        reads them; None: a fresh one of its own). ``bus``: the other broker replicas
+        (docs/architecture.md, *Replicas*): jobs queued here that no agent here took wake
+        their dispatchers, and a command for an agent whose stream another replica holds
+        (cancel, a freed slot, pause, quota) travels there; None: this process is the whole
+        broker. ``market`` (broker.market.MarketService): each job clears in its auction;
+        None: least-loaded matching. ``canary_sender(session)`` sends the canaries due to an
+        agent with a free slot. ``quota(provider_id)``: the concurrency quota factor lost
+        disputes left a provider (DESIGN §6; None: 1). ``needs_download(provider_id, job)``:
+        whether the provider would first have to download something the job names (an
+        adapter it has not installed, issue #3); such providers are avoided while one that
+        holds everything can take the job. ``on_left(provider_id)``: an agent's stream ended
+        (broker.providers.presence: it was seen until now)."""
         self.jobs = jobs
         self.bus = bus
         self.reap_interval_s = reap_interval_s
         self.rng = rng or random.Random()
-        self._sessions: dict[str, AgentSession] = {}
-        # Who serves what ("name@version" -> provider ids), so that placing a job looks
-        # only at the agents that could run it, however many others are connected.
-        self._serving: dict[str, set[str]] = {}
+        self.presence = presence or ProviderPresence()
         self._due: set[str] = set()    # sessions to tend on the next pass (they changed)
         self._busy: set[str] = set()   # sessions holding jobs (their queue estimate moves)
         self._ring: list[str] = []     # every session, in the order the slices visit them
         self._ring_at = 0
         self._owed = 0.0
         self._tended_at = self._busy_tended_at = time.monotonic()
-        self._cond = threading.Condition()
+        # On the presence's lock: a slot taken or freed changes with its session.
+        self._cond = threading.Condition(self.presence.lock)
         self._kicked = True
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -142,8 +99,7 @@ class Dispatcher:
         # Verification (DESIGN §6): whether a provider may take a plugin's jobs (it holds
         # the plugin's minimum stake; set by the wiring, as verification is built later).
         self.eligible = lambda provider_id, plugin: True
-        # An agent's stream ended (broker.providers.presence: it was seen until now).
-        self.on_left = lambda provider_id: None
+        self.on_left = on_left or (lambda provider_id: None)
         jobs.on_queued = self._queued
         jobs.on_released = self._released
         jobs.second_opinion = self.second_opinion
@@ -164,17 +120,12 @@ class Dispatcher:
             log.exception("could not read the quota of %s", session.provider_id)
         pid = session.provider_id
         with self._cond:
-            if not self._sessions:  # it kept no queue in memory meanwhile: read it now
+            if not self.presence.count():  # it kept no queue in memory meanwhile: read it now
                 self._scanned_at = float("-inf")
-            old = self._sessions.get(pid)
-            self._sessions[pid] = session
-            if old is not None:
-                session.active |= old.active
-                self._unserve(old)
-            else:
+        new = self.presence.add(session)
+        with self._cond:
+            if new:
                 self._ring.append(pid)
-            for build in session.plugins:
-                self._serving.setdefault(build, set()).add(pid)
             self._due.add(pid)
         if self.market is not None:
             self.market.mark_online(session.provider_id)
@@ -198,15 +149,6 @@ class Dispatcher:
                 self.market.lease(session.provider_id, job.id, job.plugin, job.work_units,
                                   since=job.started_at or job.matched_at)
 
-    def _unserve(self, session: AgentSession) -> None:
-        """Forget what ``session`` serves (the caller holds the lock)."""
-        for build in session.plugins:
-            ids = self._serving.get(build)
-            if ids is not None:
-                ids.discard(session.provider_id)
-                if not ids:
-                    del self._serving[build]
-
     def changed(self, session: AgentSession) -> None:
         """Something about ``session`` that the market sees changed (e.g. it drains): it
         is tended on the next pass."""
@@ -215,40 +157,24 @@ class Dispatcher:
         self.kick()
 
     def unregister(self, session: AgentSession) -> None:
-        with self._cond:
-            if self._sessions.get(session.provider_id) is session:
-                del self._sessions[session.provider_id]
-                self._unserve(session)
+        gone = self.presence.remove(session)
+        if gone:
+            with self._cond:
                 self._busy.discard(session.provider_id)
-                gone = True
-            else:
-                gone = False
         if gone and self.market is not None:
             self.market.disconnect(session.provider_id)
         if gone:
             self.on_left(session.provider_id)
 
     def session(self, provider_id: str) -> AgentSession | None:
-        with self._cond:
-            return self._sessions.get(provider_id)
+        return self.presence.get(provider_id)
 
     def sessions(self) -> list[AgentSession]:
-        with self._cond:
-            return list(self._sessions.values())
-
-    def serving(self, plugin: str, version: str) -> bool:
-        """Whether an agent connected here serves ``plugin@version`` (broker.providers.
-        presence: asked on every submit, so one look-up in the per-build index)."""
-        with self._cond:
-            return bool(self._serving.get(f"{plugin}@{version}"))
-
-    def connected_ids(self) -> list[str]:
-        with self._cond:
-            return list(self._sessions)
+        return self.presence.sessions()
 
     def session_count(self) -> int:
         """How many agents are connected (without copying the sessions)."""
-        return len(self._sessions)
+        return self.presence.count()
 
     def set_paused(self, provider_id: str, paused: bool) -> bool:
         """Pause (no new jobs; running ones finish) or resume a connected provider; False
@@ -261,7 +187,7 @@ class Dispatcher:
 
     def _paused_here(self, provider_id, paused: bool) -> bool:
         with self._cond:
-            s = self._sessions.get(provider_id)
+            s = self.presence.get(provider_id)
             if s is not None:
                 s.paused = paused
                 self._due.add(provider_id)
@@ -278,7 +204,7 @@ class Dispatcher:
         if not isinstance(factor, (int, float)):
             return False
         with self._cond:
-            s = self._sessions.get(provider_id)
+            s = self.presence.get(provider_id)
             if s is not None:
                 s.quota_factor = float(factor)
         if s is not None:
@@ -289,8 +215,8 @@ class Dispatcher:
         """``provider_id``'s operator when a provider of another operator (not excluded
         from ``job``) is connected and serves it; else None (JobService._input_refused)."""
         with self._cond:
-            own = self._sessions.get(provider_id)
-            sessions = list(self._sessions.values())
+            own = self.presence.get(provider_id)
+            sessions = self.presence.sessions()
         if own is None or not any(s.account_id != own.account_id and s.serves(job)
                                   and not s.draining and not _checked_operator(job, s)
                                   for s in sessions):
@@ -304,7 +230,7 @@ class Dispatcher:
     def _released_here(self, provider_id, job_id) -> bool:
         """The provider's slot for ``job_id`` is free; False: its stream is not here."""
         with self._cond:
-            s = self._sessions.get(provider_id) if provider_id else None
+            s = self.presence.get(provider_id)
             if s is not None:
                 s.active.discard(job_id)
                 self._due.add(provider_id)  # a freed slot may take a canary due
@@ -339,7 +265,7 @@ class Dispatcher:
         """Another replica queued jobs no agent there took: read them on the next pass
         (if any agent is connected here to take them)."""
         ids = [i for i in data.get("j") or () if isinstance(i, str)]
-        if not ids or not self._sessions:
+        if not ids or not self.presence.count():
             return
         job = None
         if data.get("c") is not None:
@@ -377,7 +303,7 @@ class Dispatcher:
         if not self._backlog and not job.batch_id:
             if self._place(job):
                 return
-        if self.bus is not None and self.bus.shared and not self._sessions:
+        if self.bus is not None and self.bus.shared and not self.presence.count():
             # No agent here to take it: the replicas holding agents are told; this one
             # reads the queue from the database once an agent connects.
             self._tell_queued(siblings or [job])
@@ -521,7 +447,7 @@ class Dispatcher:
         first = jobs[0]
         excluded = frozenset().union(*(j.excluded_providers for j in jobs))
         caps = [j.max_price_micro for j in jobs]
-        sessions = self._serving_sessions(first)
+        sessions = self.presence.serving_sessions(first)
         # Providers short of the plugin's minimum stake never bid; a check never runs on
         # the operator it checks (hard), other exclusions are soft (failed it before).
         barred = frozenset(p for p, s in sessions.items()
@@ -599,22 +525,12 @@ class Dispatcher:
                 log.exception("dispatcher iteration failed; retrying")
                 time.sleep(0.2)
 
-    def _serving_sessions(self, job: Job) -> dict[str, AgentSession]:
-        """The connected sessions that serve ``job``'s plugin build (any weights)."""
-        with self._cond:
-            ids = self._serving.get(f"{job.plugin}@{job.plugin_version}", ())
-            return {pid: self._sessions[pid] for pid in ids if pid in self._sessions}
-
-    def _any_free(self) -> bool:
-        with self._cond:
-            return any(s.free > 0 for s in self._sessions.values())
-
     def _tend(self) -> None:
         """Sync the market with the sessions that changed, those holding jobs and a slice
         of the rest (all of them while there are few), and send the canaries due."""
         now = time.monotonic()
         with self._cond:
-            sessions = self._sessions
+            sessions = self.presence.view()
             if len(sessions) <= TEND_ALL_UP_TO:
                 batch = list(sessions.values())
             else:
@@ -646,13 +562,14 @@ class Dispatcher:
 
     def _slice(self, k: int) -> list[AgentSession]:
         """The next ``k`` sessions of the ring (the caller holds the lock)."""
-        if len(self._ring) > 2 * len(self._sessions) + 64:  # drop those that left
-            self._ring = list(dict.fromkeys(p for p in self._ring if p in self._sessions))
+        sessions = self.presence.view()
+        if len(self._ring) > 2 * len(sessions) + 64:  # drop those that left
+            self._ring = list(dict.fromkeys(p for p in self._ring if p in sessions))
             self._ring_at = 0
         out, ring = [], self._ring
         for _ in range(min(k, len(ring))):
             self._ring_at %= len(ring)
-            s = self._sessions.get(ring[self._ring_at])
+            s = sessions.get(ring[self._ring_at])
             self._ring_at += 1
             if s is not None:
                 out.append(s)
@@ -662,7 +579,7 @@ class Dispatcher:
         """Assign as many queued jobs as there are free slots; returns how many."""
         if self.market is not None:
             self._tend()
-        if not self._any_free():
+        if not self.presence.any_free():
             self._backlog = True
             return 0
         self._backlog = True
@@ -690,14 +607,14 @@ class Dispatcher:
                     cleared |= siblings
                 assigned += len(placed)
                 progress = True
-                if not self._any_free():
+                if not self.presence.any_free():
                     return assigned
             if not progress or len(batch) < 256:
                 self._backlog = left > 0
                 return assigned
 
     def _choose(self, job: Job, allow=None) -> AgentSession | None:
-        able = [s for s in self._serving_sessions(job).values()
+        able = [s for s in self.presence.serving_sessions(job).values()
                 if s.free > 0 and s.serves(job)]
         able = [s for s in able if self.eligible(s.provider_id, job.plugin)
                 and not _checked_operator(job, s)]

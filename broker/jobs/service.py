@@ -84,7 +84,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                  check_inputs: Callable[[str, dict], None] | None = None,
                  check_terms: Callable[[Job, int], None] | None = None,
                  on_failure: Callable[[str, str], None] | None = None,
-                 stalls: StallWatch | None = None):
+                 stalls: StallWatch | None = None, presence: Presence | None = None):
         self.repo = repo
         self.metrics = metrics or NoMetrics()  # broker.observability.metrics
         # Draws the seed of every job whose client gave none (see draw_seed)
@@ -108,10 +108,11 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         # The market: admission of a job's terms before any row or hold (raises
         # CannotMeetTerms; None: every job's terms are admitted).
         self.check_terms = check_terms
-        # Whether anybody could run a build (set by the wiring): a job for a build no
-        # provider known to the broker serves is refused at submit (409 no_provider), and
-        # expire_unserved() gives up queued jobs whose build has had none for the window.
-        self.presence: Presence | None = None
+        # Whether anybody could run a build (broker.providers.presence; None: never asked):
+        # a job for a build no provider known to the broker serves is refused at submit
+        # (409 no_provider), and expire_unserved() gives up queued jobs whose build has
+        # had none for the window.
+        self.presence = presence
         # Input checks that need more than the manifest: the registry refuses adapters
         # published for another plugin (raises InvalidInput).
         self.check_inputs = check_inputs or (lambda plugin, inputs: None)

@@ -41,7 +41,8 @@ def served_builds(provider: Provider) -> set[tuple[str, str]]:
 class Presence:
     """``repo``: the providers' storage (``seen_since(t) -> [Provider]``, ``touch(ids, t)``).
     ``serving(plugin, version)``: whether an agent connected to this process serves the
-    build now; ``connected()``: their provider ids (both the dispatcher's sessions)."""
+    build now; ``connected()``: their provider ids (both read the replica's
+    :class:`broker.jobs.presence.ProviderPresence`)."""
 
     def __init__(self, repo, serving: Callable[[str, str], bool],
                  connected: Callable[[], Iterable[str]], *, window_s: float,

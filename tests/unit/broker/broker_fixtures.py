@@ -8,7 +8,7 @@ from sqlalchemy.orm import sessionmaker
 from broker.auth.service import ApiKeyService
 from broker.blobs.local import LocalBlobStore
 from broker.catalog.registry import PluginCatalog
-from broker.jobs.dispatch import AgentSession
+from broker.jobs.presence import AgentSession
 from broker.jobs.service import JobService, JobSettings
 from broker.settings import BUILTIN_PLUGINS
 from broker.storage.accounts_sql import SqlAccountRepository

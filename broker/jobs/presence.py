@@ -1,0 +1,178 @@
+"""ProviderPresence: the agents whose streams this broker replica holds, kept once.
+
+One object per replica, built in the wiring (``broker.services.build_services``) and given to
+the dispatcher (docs/architecture.md, *Replicas*). Per provider it holds the connected
+:class:`AgentSession`: its slots, the jobs it holds (``active``), drain, pause, owner's
+unavailability and quota factor; and an index of who serves which build, so that placing a
+job looks only at the agents that could run it, however many others are connected. A
+provider not held here may be held by another replica: commands for it travel on the bus.
+
+``lock`` guards the sessions and the index; the dispatcher's condition is built on the same
+lock, so that a slot taken or freed and the session it belongs to change together.
+
+Which replica holds each stream is written through to ``streams`` (the replica registry,
+:class:`broker.replicas.service.ReplicaRegistry`) as a session comes and goes, and
+:meth:`ProviderPresence.held_elsewhere` is the one read of the streams other live replicas
+hold (admission's market of the others, the weights defaults).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .model import Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class AgentSession:
+    """A connected agent as the dispatcher sees it. The gateway subclasses it to send."""
+
+    provider_id: str
+    public_key: str
+    account_id: str
+    plugins: dict[str, str]          # "name@version" -> weights digest
+    slots: int = 1
+    active: set[str] = field(default_factory=set)
+    draining: bool = False
+    paused: bool = False
+    # The agent said it takes no work now (its owner's terms: idle-only, schedule,
+    # limits, issue #26): the state it gave, "" while it takes work. Like a drain it gets
+    # no new jobs; unlike a drain it comes back.
+    unavailable: str = ""
+    # How many times it said so on this session: a canary it gives back for its owner must
+    # come after one (broker.market.canary.CanaryService.withdrawn)
+    unavailable_reports: int = 0
+    quota_factor: float = 1.0        # cut by lost verification disputes (DESIGN §6)
+    # "name@version" -> the reproducibility class it declared at connect for the build
+    # ({"hardware_class", "dtype"}): recorded in each envelope it gets (broker.jobs.repro)
+    classes: dict[str, dict[str, str]] = field(default_factory=dict)
+    resumed: dict[str, Job] = field(default_factory=dict)  # jobs it held when it connected
+
+    def serves(self, job: Job) -> bool:
+        """It serves the job's plugin version, on the pinned weights if the job pins any."""
+        key = f"{job.plugin}@{job.plugin_version}"
+        if key not in self.plugins:
+            return False
+        return not job.weights_digest or self.plugins[key] == job.weights_digest
+
+    @property
+    def free(self) -> int:
+        if self.draining or self.paused or self.unavailable:
+            return 0
+        return max(1, int(self.slots * self.quota_factor)) - len(self.active)
+
+    def send_assignment(self, envelope_bytes: bytes, signature: str) -> None:
+        raise NotImplementedError
+
+    def send_cancel(self, job_id: str, attempt: int, reason: str) -> None:
+        raise NotImplementedError
+
+
+class Streams(Protocol):
+    """Where the broker records which replica holds each agent's stream."""
+
+    def hold(self, provider_id: str) -> None: ...
+    def release(self, provider_id: str) -> None: ...
+    def held_elsewhere(self) -> dict[str, str]: ...
+
+
+class ProviderPresence:
+    """The sessions held here (provider id -> :class:`AgentSession`) and who serves what.
+    ``streams``: where the streams held are recorded for the other replicas (None: this
+    process is the whole broker, nobody else holds any)."""
+
+    def __init__(self, streams: Streams | None = None) -> None:
+        self.streams = streams
+        self.lock = threading.RLock()
+        self._sessions: dict[str, AgentSession] = {}
+        self._serving: dict[str, set[str]] = {}  # "name@version" -> provider ids
+
+    def add(self, session: AgentSession) -> bool:
+        """Hold ``session``, replacing the provider's previous one (whose jobs it keeps);
+        returns whether the provider was not held here before. Call it without holding
+        :attr:`lock`: the stream is recorded in the database after the memory changed."""
+        pid = session.provider_id
+        with self.lock:
+            old = self._sessions.get(pid)
+            self._sessions[pid] = session
+            if old is not None:
+                session.active |= old.active
+                self._unserve(old)
+            for build in session.plugins:
+                self._serving.setdefault(build, set()).add(pid)
+        if self.streams is not None:
+            try:
+                self.streams.hold(pid)
+            except Exception:  # noqa: BLE001 - it works here; other replicas miss it
+                log.exception("could not record that this replica holds %s", pid)
+        return old is None
+
+    def remove(self, session: AgentSession) -> bool:
+        """Forget ``session`` if it is still the provider's current one; returns whether
+        it was (a replaced session's stream closing changes nothing). Call it without
+        holding :attr:`lock`, as :meth:`add`."""
+        pid = session.provider_id
+        with self.lock:
+            if self._sessions.get(pid) is not session:
+                return False
+            del self._sessions[pid]
+            self._unserve(session)
+        if self.streams is not None and self.get(pid) is None:  # not back meanwhile
+            self.streams.release(pid)
+        return True
+
+    def _unserve(self, session: AgentSession) -> None:
+        """(the caller holds the lock)"""
+        for build in session.plugins:
+            ids = self._serving.get(build)
+            if ids is not None:
+                ids.discard(session.provider_id)
+                if not ids:
+                    del self._serving[build]
+
+    def get(self, provider_id: str | None) -> AgentSession | None:
+        """The provider's session if its stream is held here, else None."""
+        if not provider_id:
+            return None
+        with self.lock:
+            return self._sessions.get(provider_id)
+
+    def sessions(self) -> list[AgentSession]:
+        with self.lock:
+            return list(self._sessions.values())
+
+    def ids(self) -> list[str]:
+        with self.lock:
+            return list(self._sessions)
+
+    def count(self) -> int:
+        """How many agents are held here (without copying the sessions)."""
+        return len(self._sessions)
+
+    def serving(self, plugin: str, version: str) -> bool:
+        """Whether an agent held here serves ``plugin@version`` (one look-up in the index:
+        asked on every submit)."""
+        with self.lock:
+            return bool(self._serving.get(f"{plugin}@{version}"))
+
+    def serving_sessions(self, job: Job) -> dict[str, AgentSession]:
+        """The sessions held here that serve ``job``'s plugin build (any weights)."""
+        with self.lock:
+            ids = self._serving.get(f"{job.plugin}@{job.plugin_version}", ())
+            return {pid: self._sessions[pid] for pid in ids if pid in self._sessions}
+
+    def held_elsewhere(self) -> dict[str, str]:
+        """provider id -> replica id of the streams other live replicas hold now."""
+        return self.streams.held_elsewhere() if self.streams is not None else {}
+
+    def any_free(self) -> bool:
+        with self.lock:
+            return any(s.free > 0 for s in self._sessions.values())
+
+    def view(self) -> dict[str, AgentSession]:
+        """The live mapping itself, for a caller that holds :attr:`lock` and only reads."""
+        return self._sessions
