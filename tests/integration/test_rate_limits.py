@@ -30,7 +30,9 @@ def _app(tmp_path, name="a", **settings):
 
 
 def test_past_its_budget_a_key_gets_429_with_retry_after(tmp_path):
-    client, svc = _app(tmp_path, rate_limits="jobs:read=3/second,default=50/second")
+    # a 5 s window: on a loaded machine three requests can take longer than one second,
+    # and the fourth would then fall in a fresh window
+    client, svc = _app(tmp_path, rate_limits="jobs:read=3/5second,default=50/second")
     try:
         key, _ = svc.auth.create_account_with_key("client")
         other, _ = svc.auth.create_account_with_key("client")
@@ -39,7 +41,7 @@ def test_past_its_budget_a_key_gets_429_with_retry_after(tmp_path):
         refused = client.get("/v1/jobs", headers=_auth(key))
         assert refused.status_code == 429
         assert refused.json["code"] == "rate_limited" and refused.json["group"] == "jobs:read"
-        assert 1 <= int(refused.headers["Retry-After"]) <= 2
+        assert 1 <= int(refused.headers["Retry-After"]) <= 6
         assert refused.json["retry_after_s"] == int(refused.headers["Retry-After"])
         # Another key, and another route group of the same key, keep their own budgets.
         assert client.get("/v1/jobs", headers=_auth(other)).status_code == 200
@@ -91,7 +93,7 @@ def test_replicas_share_the_budget_through_redis(tmp_path):
 
 
 def test_the_budget_is_the_accounts_so_minting_keys_does_not_multiply_it(tmp_path):
-    client, svc = _app(tmp_path, rate_limits="jobs:read=3/second,default=50/second")
+    client, svc = _app(tmp_path, rate_limits="jobs:read=3/10second,default=50/second")
     try:
         key, who = svc.auth.create_account_with_key("client")
         more = [svc.auth.add_key(who.account_id, "client")[0] for _ in range(3)]

