@@ -22,70 +22,19 @@ venv: $(STAMP)
 # runs the broker image on a base debootstrap makes (no registry is reachable). Installed when
 # missing and we are root with apt (CI, fresh dev machines); otherwise say what to do.
 system-deps:
-	@if ! command -v bwrap >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "==> installing bubblewrap and libseccomp2 (apt)"; \
-	    (apt-get install -y -q bubblewrap libseccomp2 >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap libseccomp2 >/dev/null)); \
-	  else \
-	    echo "!! bubblewrap is missing: install it (e.g. apt-get install bubblewrap); sandbox tests will be skipped"; \
-	  fi; \
-	fi
-	@if ! command -v chromium >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "==> installing chromium for the admin console's browser tests (apt)"; \
-	    (apt-get install -y -q chromium >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)); \
-	  else \
-	    echo "!! chromium is missing: install it (apt-get install chromium); browser tests will be skipped"; \
-	  fi; \
-	fi
-	@if ! command -v tmux >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "==> installing tmux for the terminal tests of the CLI and the agent status view (apt)"; \
-	    (apt-get install -y -q tmux >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q tmux >/dev/null)); \
-	  else \
-	    echo "!! tmux is missing: install it (apt-get install tmux); the terminal tests will be skipped"; \
-	  fi; \
-	fi
-	@if ! command -v prometheus >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "==> installing prometheus for the metrics tests (apt; its service is not started)"; \
-	    (apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null)); \
-	  else \
-	    echo "!! prometheus is missing: install it (apt-get install prometheus); the Prometheus test will be skipped"; \
-	  fi; \
-	fi
-
-	@if ! command -v systemd-analyze >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "==> installing systemd for systemd-analyze verify of infra/systemd (apt; nothing is started)"; \
-	    (apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends systemd >/dev/null)); \
-	  else \
-	    echo "!! systemd-analyze is missing: install systemd; the unit verification test will be skipped"; \
-	  fi; \
-	fi
-	@if ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "==> installing podman, runc and debootstrap to build and run the broker image (apt)"; \
-	    (apt-get install -y -q --no-install-recommends podman runc crun netavark debootstrap >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends podman runc crun netavark debootstrap >/dev/null)); \
-	  else \
-	    echo "!! podman, runc or debootstrap is missing: install them; the broker image test will be skipped"; \
-	  fi; \
-	fi
-	@if ! command -v docker-compose >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "==> installing docker-compose to check infra/compose*.yaml against the Compose Specification (apt; no daemon)"; \
-	    (apt-get install -y -q --no-install-recommends docker-compose >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends docker-compose >/dev/null)); \
-	  else \
-	    echo "!! docker-compose is missing: install it; the compose file check will be skipped"; \
-	  fi; \
-	fi
+	@sh scripts/apt-need.sh bwrap "bubblewrap libseccomp2" "for the plugin sandbox" "the sandbox tests"
+	@sh scripts/apt-need.sh chromium chromium "for the admin console's browser tests" "the browser tests"
+	@sh scripts/apt-need.sh tmux tmux "for the terminal tests of the CLI and the agent status view" \
+	  "the terminal tests"
+	@sh scripts/apt-need.sh prometheus prometheus "for the metrics tests (its service is not started)" \
+	  "the Prometheus test" --no-install-recommends
+	@sh scripts/apt-need.sh systemd-analyze systemd "for systemd-analyze verify of infra/systemd (nothing is started)" \
+	  "the unit verification test" --no-install-recommends
+	@sh scripts/apt-need.sh "podman runc debootstrap" "podman runc crun netavark debootstrap" \
+	  "to build and run the broker image" "the broker image test" --no-install-recommends
+	@sh scripts/apt-need.sh docker-compose docker-compose \
+	  "to check infra/compose*.yaml against the Compose Specification (no daemon)" \
+	  "the compose file check" --no-install-recommends
 
 demo: $(STAMP) system-deps
 	$(BIN)/sparecycles demo
