@@ -19,16 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.infra_paths import infra_files
+
 from sdk.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
 
-
-def infra_files() -> list[Path]:
-    """The files infra/ ships (as tests/unit/test_infra_files.py reads them): not the
-    bytecode a test that imports one of its scripts leaves in ``__pycache__``."""
-    return sorted(p for p in INFRA.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 ENTRYPOINT_SH = INFRA / "docker" / "agent-entrypoint.sh"
 
 

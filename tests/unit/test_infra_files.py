@@ -15,14 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.infra_paths import infra_files
+
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
 
-
-def infra_files() -> list[Path]:
-    """The files infra/ ships: not the bytecode a test that imports one of its scripts
-    leaves in ``__pycache__``."""
-    return sorted(p for p in INFRA.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 CHART_TEMPLATES = INFRA / "helm" / "sparecycles" / "templates"
 DOCKERFILES = sorted((INFRA / "docker").glob("*.Dockerfile"))
 
