@@ -119,7 +119,7 @@ def test_one_timeout_covers_the_stream_and_the_wait(twin):
     """stream()'s timeout counts from the submit over the stream and the wait: a job
     longer than it is cancelled when it passes (its words so far were yielded), not
     followed to its end first; a job's events() stop at their own timeout."""
-    got, started = [], time.monotonic()
+    got = []
     with pytest.raises(JobTimeoutError) as late:
         async_or_not = twin.client.stream("echo", text="one two three four five six",
                                           stream=True, steps=30, sleep_ms=9000, timeout=2.0)
@@ -130,15 +130,13 @@ def test_one_timeout_covers_the_stream_and_the_wait(twin):
             twin.run(gather())
         else:
             got.extend(async_or_not)
-    took = time.monotonic() - started
-    assert took < 6, f"took {took:.1f} s: the stream was followed past its timeout"
+    # followed to its end first, the 9 s job would have settled: no timeout, no cancel
     assert late.value.job.state == "cancelled" and "2 s timeout" in str(late.value)
     assert "".join(got).startswith("one")  # what came before the timeout was yielded
 
     job = twin.run(twin.client.jobs.create("echo", text="x", steps=20, sleep_ms=6000))
-    started = time.monotonic()
     events = twin.collect(job.events(timeout=1.0))
-    assert time.monotonic() - started < 4 and events and events[-1].kind != "done"
+    assert events and events[-1].kind != "done"  # stopped at its timeout, not the job's end
     twin.run(job.cancel())
 
 
