@@ -15,6 +15,8 @@ from broker.market import MarketService, MarketSettings
 from broker.market.canary import CanaryService
 from broker.settings import BUILTIN_PLUGINS
 
+from .agents import connect
+
 
 def _world():
     now = [1_000.0]
@@ -30,7 +32,7 @@ def _world():
     session = SimpleNamespace(provider_id="p", plugins=["echo@1.0.0"], free=1,
                               public_key=agent.public_key_hex, active=set(),
                               send_assignment=lambda data, sig: sent.append(data))
-    market.connect("p", "op", {"echo": "1.0.0"}, benchmarks={"echo": 5.0})
+    connect(market, "p", "op", {"echo": "1.0.0"}, benchmarks={"echo": 5.0})
     return SimpleNamespace(now=now, market=market, canaries=canaries, answers=answers,
                            agent=agent, sent=sent, session=session)
 
