@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Tending a session (telling the market its free slots, sending the canaries due to it):
+# Tending a session (the market re-reads its free slots from the presence and lets its queue
+# follow the clock; the canaries due to it are sent):
 # up to TEND_ALL_UP_TO sessions, every matching pass tends each; beyond, a pass tends the
 # sessions that changed or hold jobs and a slice of the others, so that each is tended at
 # least every TEND_PERIOD_S and a pass costs the same with 10,000 idle agents as with 10.
@@ -525,8 +526,8 @@ class Dispatcher:
                 time.sleep(0.2)
 
     def _tend(self) -> None:
-        """Sync the market with the sessions that changed, those holding jobs and a slice
-        of the rest (all of them while there are few), and send the canaries due."""
+        """Let the market re-read the sessions that changed, those holding jobs and a
+        slice of the rest (all of them while there are few), and send the canaries due."""
         now = time.monotonic()
         with self._cond:
             sessions = self.presence.view()

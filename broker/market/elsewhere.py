@@ -23,9 +23,10 @@ from .figures import FigureStore
 
 
 class MarketElsewhere:
-    """``new_market()`` builds an empty :class:`MarketService` on a presence of its own (the
-    asks store and rules loaded, no bus, no figures of its own); ``held()`` gives provider id -> replica id of
-    the streams other live replicas hold; ``providers(ids)`` their stored records."""
+    """``new_market()`` builds an empty :class:`MarketService` on a presence of its own
+    (the asks store and rules loaded, no bus, no figures of its own); ``held()`` gives
+    provider id -> replica id of the streams other live replicas hold; ``providers(ids)``
+    their stored records."""
 
     def __init__(self, new_market: Callable[[], object], held: Callable[[], dict[str, str]],
                  providers: Callable[[list[str]], list], figures: FigureStore, *,

@@ -139,15 +139,17 @@ class Canary:
 class MarketService(MarketStanding, MarketRules):
     """``presence``: the agents this replica holds, the one record of who is online, its
     slots and leases (None: a fresh one of the market's own, as in a test or the market of
-    the other replicas' providers, :mod:`.elsewhere`). ``manifest_of(plugin, version)`` gives the catalog's manifest of a build (None when
-    unknown): the source of weight pins and cold-start estimates. ``store`` keeps asks and
-    admin-set rules across restarts (None: memory only). ``warm`` is a hook,
-    ``warm(provider_id, plugin) -> bool``; call :meth:`refresh` when its answer changes.
+    the other replicas' providers, :mod:`.elsewhere`). ``manifest_of(plugin, version)``
+    gives the catalog's manifest of a build (None when unknown): the source of weight pins
+    and cold-start estimates. ``store`` keeps asks and admin-set rules across restarts
+    (None: memory only). ``warm`` is a hook, ``warm(provider_id, plugin) -> bool``; call
+    :meth:`refresh` when its answer changes.
     ``on_rule_changed(rule, before, after, by)`` is called after an admin changed a rule
     (the audit log hooks in here)."""
 
     def __init__(self, reserve_of: Callable[[str], int], settings: MarketSettings | None = None,
-                 *, presence: ProviderPresence | None = None, rng: random.Random | None = None, clock=time.time,
+                 *, presence: ProviderPresence | None = None,
+                 rng: random.Random | None = None, clock=time.time,
                  store: AskStore | None = None,
                  manifest_of: Callable[[str, str], Manifest | None] | None = None,
                  linked_to: Callable[[str], frozenset[str]] | None = None,
@@ -369,7 +371,8 @@ class MarketService(MarketStanding, MarketRules):
         auction). Capacity and exclusions are the dispatcher's to check."""
         with self._locks():
             serving = [pid for pid, s in self._providers.items()
-                       if self._session(pid) is not None and s.plugins.get(spec.plugin) == spec.plugin_version
+                       if self._session(pid) is not None
+                       and s.plugins.get(spec.plugin) == spec.plugin_version
                        and s.vram_gb >= spec.min_vram_gb
                        and (spec.weights_digest == ANY_WEIGHTS
                             or s.digests.get(spec.plugin) == spec.weights_digest)]
