@@ -232,6 +232,7 @@ class MarketService(MarketStanding, MarketRules):
         replies: list[OfferReply] = []
         posted: list[str] = []
         self._reload_figures(provider_id)  # another replica may have measured it since
+        self._links_ahead(provider_id, session.account_id)
         with self._locks():
             old = self._providers.get(provider_id)
             previous = self._stored_asks.get(provider_id, {})
@@ -303,6 +304,7 @@ class MarketService(MarketStanding, MarketRules):
     def refresh(self, provider_id: str) -> None:
         """Re-read the provider's facts that come from hooks (``warm``) and re-post its
         asks: call it when a provider loads or evicts a model."""
+        self._links_ahead(provider_id)
         with self._locks():
             state = self._providers.get(provider_id)
             if state is not None and self._session(provider_id) is not None:
@@ -312,6 +314,7 @@ class MarketService(MarketStanding, MarketRules):
         """Post or replace a standing ask; stored, so it outlives the connection and the
         broker. Raises :class:`InvalidAsk` or :class:`PluginNotServed`; the previous valid
         ask then stands."""
+        self._links_ahead(provider_id)
         with self._locks():
             self._post_ask(provider_id, plugin, price_micro_per_unit)
         self._save_ask(provider_id, plugin)  # the store is written outside the clearing lock
@@ -353,6 +356,7 @@ class MarketService(MarketStanding, MarketRules):
             raise InvalidBenchmark(
                 f"benchmark for {plugin!r} refused: cold_start_s must be a finite number of "
                 f"seconds from 0 to {cold_limit:g} (0: not measured); got {cold_start_s!r}")
+        self._links_ahead(provider_id)
         with self._locks():
             state = self._providers.get(provider_id)
             if state is None or plugin not in state.plugins:
@@ -611,6 +615,14 @@ class MarketService(MarketStanding, MarketRules):
                    vram_gb=min(state.vram_gb, self.rules.max_vram_gb),
                    online=self._session(state.provider_id) is not None,
                    linked_accounts=self._linked(state.operator_id))
+
+    def _links_ahead(self, provider_id: str, operator: str | None = None) -> None:
+        """Read the links of the provider's operator before taking the locks: the read may
+        go to the database (a cache miss), and under the locks it would hold up the
+        presence; the asks re-posted under them then find the links cached."""
+        operator = operator or self.operator_of(provider_id)
+        if operator:
+            self._linked(operator)
 
     def _linked(self, operator: str) -> frozenset[str]:
         try:

@@ -20,6 +20,7 @@ class MarketStanding:
     # ---- measurements ----------------------------------------------------------------
     def observe(self, provider_id: str, plugin: str, work_units: float, run_ms: float) -> None:
         """A timed run (a real job's receipt or a canary) on this provider."""
+        self._links_ahead(provider_id)
         with self._locks():
             if self.tracker.observe(provider_id, plugin, work_units, run_ms) is None:
                 return
@@ -32,6 +33,7 @@ class MarketStanding:
             self.flush_figures(provider_id)
 
     def failed(self, provider_id: str, plugin: str) -> None:
+        self._links_ahead(provider_id)
         with self._locks():
             self.tracker.failed(provider_id, plugin)
             self._dirty.add((provider_id, plugin))
