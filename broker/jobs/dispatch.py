@@ -480,10 +480,8 @@ class Dispatcher:
             admitted = self.market.admitted(spec)
             plan = []
             for j in jobs:
-                # (a session that never joined the market — registered in-process — is
-                # judged by the spine's rule alone)
-                session = self._choose(j, allow=lambda s: s.provider_id in admitted
-                                       or not self.market.knows(s.provider_id))
+                # (every session held joined the market: it heard of it from the presence)
+                session = self._choose(j, allow=lambda s: s.provider_id in admitted)
                 if session is not None:
                     plan.append((j, session, None))
             return plan

@@ -385,11 +385,6 @@ class MarketService(MarketStanding, MarketRules):
                     if self.tracker.record_of(pid, spec.plugin).reliability >= floor}
             return good or set(serving)
 
-    def knows(self, provider_id: str) -> bool:
-        """Whether the provider joined the market (the gateway joins every agent)."""
-        with self._lock:
-            return provider_id in self._providers
-
     def operator_of(self, provider_id: str) -> str | None:
         """The operator (account) of a provider the market knows, else None."""
         with self._lock:
