@@ -34,7 +34,8 @@ eligible while any provider at or above the floor could take the job, free or bu
 job waits for that one. When nobody at or above the floor could take it, the floor gives
 way (see :func:`broker.auction.clearing.floor_gives_way`). Canary jobs keep measuring
 providers under the floor, and their successes lift them back.
-Thread-safe: one lock serialises posts, capacity changes and clearing.
+Thread-safe: one lock serialises posts, capacity changes and clearing; what reads the
+presence takes its lock first (``_locks``).
 """
 from __future__ import annotations
 
@@ -53,11 +54,10 @@ from sdk.protocol.canonical import is_sha256_hex
 from broker.auction import (Ask, AuctionRules, CannotMeetTerms, ClearingResult, InvalidAsk,
                             InvalidJob, JobSpec, NoEligibleProvider, OrderBook, Priority, clear,
                             validate_ask)
+from broker.jobs.presence import AgentSession, Lease, OfferReply, ProviderPresence
 from sdk.protocol.manifest import Manifest
 
 from . import builds
-from broker.jobs.presence import AgentSession, Lease, OfferReply, ProviderPresence
-
 from .builds import ANY_WEIGHTS, NO_WEIGHTS
 from .errors import InvalidBenchmark, PluginNotServed
 from .figures import FigureStore
