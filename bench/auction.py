@@ -103,8 +103,9 @@ def through_storage(n_asks: int, seconds: float) -> float:
     MarketService (n_asks providers, each with a broker-measured θ), queued jobs read in
     batches from a migrated SQLite database, and each match leased through JobService.assign
     (a signed envelope plus a conditional UPDATE and its event in one transaction), then
-    booked in and out of the winner's queue as the dispatcher does (``market.lease`` at
-    assignment, ``market.release`` when the job ends; here at once, so queues stay short)."""
+    booked in and out of the winner's queue as the dispatcher does (a lease taken in the
+    presence the market reads at assignment, given back when the job ends; here at once, so
+    queues stay short)."""
     import tempfile
     import uuid
     from pathlib import Path
@@ -114,6 +115,7 @@ def through_storage(n_asks: int, seconds: float) -> float:
     from broker.blobs.local import LocalBlobStore
     from broker.catalog.registry import PluginCatalog
     from broker.jobs.model import Job, JobState
+    from broker.jobs.presence import AgentSession, Lease
     from broker.jobs.service import JobService
     from broker.market.service import MarketService
     from broker.settings import BUILTIN_PLUGINS
@@ -123,19 +125,18 @@ def through_storage(n_asks: int, seconds: float) -> float:
     from broker.storage.migrate import upgrade
     from sdk.protocol.signing import KeyPair
 
-    class Target:  # stands in for an agent's stream: the envelope is built and signed
-        def __init__(self, provider_id):
-            self.provider_id, self.public_key = provider_id, "ab" * 32
-
+    class Target(AgentSession):  # an agent's stream: the envelope is built and signed
         def send_assignment(self, envelope_bytes, signature):
             pass
 
     rng = random.Random(n_asks)
     market = MarketService(lambda plugin: 1_000_000, rng=rng)
+    agent_key = KeyPair.generate().public_key_hex  # inputs are sealed to a real key
     for i in range(n_asks):
         pid = f"p{i}"
-        market.connect(pid, f"op{i}", {"echo": "1.0.0"}, free=4, slots=4,
-                       digests={"echo": f"{i:064x}"})
+        market.presence.add(Target(provider_id=pid, public_key=agent_key,
+                                   account_id=f"op{i}", plugins={"echo@1.0.0": f"{i:064x}"},
+                                   slots=4))
         market.report_benchmark(pid, "echo", rng.uniform(1, 50))
         market.observe(pid, "echo", 10.0, rng.uniform(200, 10_000))
         market.post_ask(pid, "echo", rng.randint(100, 900_000))
@@ -171,9 +172,11 @@ def through_storage(n_asks: int, seconds: float) -> float:
                                                   work_units=job.work_units,
                                                   client_id="client", job_id=job.id))
                 award = result.awards[0]
-                jobs.assign(job, Target(award.provider_id), award.price_micro_per_unit)
-                market.lease(award.provider_id, job.id, job.plugin, job.work_units)
-                market.release(award.provider_id, job.id)
+                target = market.presence.get(award.provider_id)
+                jobs.assign(job, target, award.price_micro_per_unit)
+                market.presence.take(target, job.id,
+                                     Lease(job.plugin, job.work_units, market.clock()))
+                market.presence.give_back(target, job.id)
                 done += 1
             busy += time.perf_counter() - t0
         rate_ = done / busy

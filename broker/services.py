@@ -225,7 +225,10 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
         lambda: MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
                               manifest_of=manifests_of(catalog), linked_to=links.linked_to),
         held.held_elsewhere, providers.repo.many, figures) if bus.shared else None
-    market = MarketService(reserve_of, market_settings, store=SqlAskStore(sessions),
+    # The market reads who is online, free slots and leases from the presence, and hears
+    # of sessions joining and leaving from it (it keeps no copy of them).
+    market = MarketService(reserve_of, market_settings, presence=held,
+                           store=SqlAskStore(sessions),
                            manifest_of=manifests_of(catalog), linked_to=links.linked_to,
                            bus=bus, figures=figures, elsewhere=elsewhere,
                            # the cold-start term asks the registry's warm index whether the

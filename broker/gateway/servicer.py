@@ -37,7 +37,7 @@ from broker.auth import scopes
 from broker.auth.service import KEY_CACHE_S, ApiKeyService
 from broker.errors import BrokerError
 from broker.jobs.dispatch import Dispatcher
-from broker.jobs.presence import AgentSession
+from broker.jobs.presence import AgentSession, Offer
 from broker.jobs.service import JobService
 from broker.observability.telemetry import TelemetryStore
 from broker.providers.service import ProviderService
@@ -377,8 +377,9 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         return msg
 
     def _admit(self, principal, hello, caps, loop, peer: str = "") -> tuple[GatewaySession, list]:
-        """In the pool: the provider's record, its session in the market and with the
-        dispatcher; returns the session and the messages that greet the agent."""
+        """In the pool: the provider's record and its session, held by the dispatcher (the
+        market hears of it there, with what it offers the market); returns the session and
+        the messages that greet the agent."""
         plugins = [{"name": p.name, "version": p.version, "weights_digest": p.weights_digest,
                     "warm": p.warm,
                     # the reproducibility class it declares (verification judges its runs
@@ -410,7 +411,15 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             classes={f"{p['name']}@{p['version']}": {"hardware_class": p["hardware_class"],
                                                       "dtype": p["dtype"]} for p in plugins},
             slots=caps.slots, paused=provider.status != "active", loop=loop,
-            outbox_max=self.outbox_max, stats=self.stats, name=hello.name[:200])
+            outbox_max=self.outbox_max, stats=self.stats, name=hello.name[:200],
+            # The memory a model runs in: the GPU's on a GPU, the host's on a CPU-only
+            # machine (what the manifest's min_vram_gb is checked against).
+            vram_gb=(caps.hardware.vram_gb if caps.hardware.device == "cuda"
+                     else caps.hardware.memory_gb or caps.hardware.vram_gb),
+            offer=Offer(benchmarks=tuple((b.plugin, b.units_per_s, b.cold_start_s or None)
+                                         for b in caps.benchmarks),
+                        asks=tuple((a.plugin, a.price_micro_per_unit) for a in caps.asks))
+            if self.market is not None else None)
         session.resumed = {j.id: j for j in self.jobs.repo.leased_to(provider.id)}
         resumed = list(session.resumed)
         session.active.update(resumed)
@@ -424,8 +433,6 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             provider_id=provider.id, heartbeat_interval_s=self.heartbeat_interval_s,
             lease_timeout_s=self.lease_timeout_s, resume_job_ids=resumed,
             direct_uploads=bool(getattr(self.jobs.blobs, "presigns", False))))]
-        if self.market is not None:
-            greeting += self._join_market(session, caps)
         # What its weights give inputs declared default_from = "weights" (image sizes);
         # _leave forgets it.
         if self.jobs.input_defaults is not None:
@@ -434,7 +441,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                  "input_defaults": p.input_defaults} for p in caps.plugins], session=session)
         # Whatever the dispatcher sends from now on queues behind the greeting: the outbox
         # is written only once the greeting is.
-        self.dispatcher.register(session)  # and the replicas see it held here
+        self.dispatcher.register(session)  # the market and the replicas see it held here
+        greeting += self._offer_replies(session)
         return session, greeting
 
     def _leave(self, session: GatewaySession, name: str) -> None:
@@ -512,23 +520,27 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                           session.provider_id)
 
     # ---- the market ----------------------------------------------------------------------
-    def _join_market(self, session: GatewaySession, caps) -> list[pb.BrokerMessage]:
-        """Enter the provider in the order book with its benchmarks and asks; one AskStatus
-        per posted ask and a Refusal per impossible benchmark."""
+    def _offer_replies(self, session: GatewaySession) -> list[pb.BrokerMessage]:
+        """The market's answers to what the agent offered with its connection: a Refusal
+        per impossible benchmark, an AskStatus per posted ask."""
         out: list[pb.BrokerMessage] = []
-        plugins = {key.split("@", 1)[0]: key.split("@", 1)[1] for key in session.plugins}
-        digests = {key.split("@", 1)[0]: digest for key, digest in session.plugins.items()}
-        # The memory a model runs in: the GPU's on a GPU, the host's on a CPU-only machine
-        # (what the manifest's min_vram_gb is checked against).
-        memory = (caps.hardware.vram_gb if caps.hardware.device == "cuda"
-                  else caps.hardware.memory_gb or caps.hardware.vram_gb)
-        self.market.connect(session.provider_id, session.account_id, plugins,
-                            vram_gb=memory, free=session.free,
-                            slots=session.slots, digests=digests)
-        for b in caps.benchmarks:
-            out += self._benchmark(session, b)
-        for ask in caps.asks:
-            out.append(self._post_ask(session, ask))
+        for reply in session.offer_replies:
+            if reply.kind == "benchmark":
+                if reply.error is not None:
+                    log.warning("refused a benchmark from %s: %s", session.provider_id,
+                                reply.error)
+                    out.append(pb.BrokerMessage(refusal=pb.Refusal(
+                        code=reply.error.code, message=reply.error.message)))
+            elif reply.error is None:
+                out.append(pb.BrokerMessage(ask_status=pb.AskStatus(
+                    plugin=reply.plugin, accepted=True,
+                    standing_price_micro_per_unit=reply.price)))
+            else:
+                log.warning("refused an ask from %s: %s", session.provider_id, reply.error)
+                out.append(pb.BrokerMessage(ask_status=pb.AskStatus(
+                    plugin=reply.plugin, accepted=False, code=reply.error.code,
+                    message=reply.error.message, standing_price_micro_per_unit=reply.price)))
+        session.offer_replies = []
         return out
 
     def _benchmark(self, session: GatewaySession, b) -> list[pb.BrokerMessage]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from broker.auction.errors import NoMatch
 
 from .model import Job, JobState, job_from_wire, job_to_wire
-from .presence import AgentSession, ProviderPresence
+from .presence import AgentSession, Lease, ProviderPresence
 from .service import JobService
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Tending a session (telling the market its free slots, sending the canaries due to it):
+# Tending a session (the market re-reads its free slots from the presence and lets its queue
+# follow the clock; the canaries due to it are sent):
 # up to TEND_ALL_UP_TO sessions, every matching pass tends each; beyond, a pass tends the
 # sessions that changed or hold jobs and a slice of the others, so that each is tended at
 # least every TEND_PERIOD_S and a pass costs the same with 10,000 idle agents as with 10.
@@ -49,7 +50,8 @@ class Dispatcher:
                  needs_download: Callable[[str, Job], bool] | None = None,
                  on_left: Callable[[str], None] | None = None):
         """``presence``: the agents whose streams this replica holds (shared with whoever else
-        reads them; None: a fresh one of its own). ``bus``: the other broker replicas
+        reads them: a ``market`` must be built on the same one; None: the market's, else a
+        fresh one). ``bus``: the other broker replicas
         (docs/architecture.md, *Replicas*): jobs queued here that no agent here took wake
         their dispatchers, and a command for an agent whose stream another replica holds
         (cancel, a freed slot, pause, quota) travels there; None: this process is the whole
@@ -65,7 +67,12 @@ class Dispatcher:
         self.bus = bus
         self.reap_interval_s = reap_interval_s
         self.rng = rng or random.Random()
-        self.presence = presence or ProviderPresence()
+        if market is not None and presence is not None and market.presence is not presence:
+            raise ValueError("the dispatcher and its market must share one ProviderPresence "
+                             "(build the market with presence=..., the dispatcher's)")
+        # (with a market and no presence given: the market's, the one record of both)
+        self.presence = presence or (market.presence if market is not None
+                                     else ProviderPresence())
         self._due: set[str] = set()    # sessions to tend on the next pass (they changed)
         self._busy: set[str] = set()   # sessions holding jobs (their queue estimate moves)
         self._ring: list[str] = []     # every session, in the order the slices visit them
@@ -122,23 +129,26 @@ class Dispatcher:
         with self._cond:
             if not self.presence.count():  # it kept no queue in memory meanwhile: read it now
                 self._scanned_at = float("-inf")
+        if self.market is not None:
+            self._lease_resumed(session)
+        session.resumed = {}  # read once, here: not kept for the whole connection
+        # Held from now on; the market hears of it from the presence (it joins the book).
         new = self.presence.add(session)
         with self._cond:
             if new:
                 self._ring.append(pid)
             self._due.add(pid)
-        if self.market is not None:
-            self.market.mark_online(session.provider_id)
-            self._lease_resumed(session)
-        session.resumed = {}  # read once, here: not kept for the whole connection
         self._sync(session)
         self.kick()
 
     def _lease_resumed(self, session: AgentSession) -> None:
-        """Jobs an agent still holds when it (re)connects, e.g. after a broker restart,
-        count in its queue as the market estimates it."""
+        """Jobs an agent still holds when it (re)connects, e.g. after a broker restart, are
+        leases of its session (before it is held), so that they count in its queue as the
+        market estimates it. A lease its previous session held here is kept as it was."""
+        before = self.presence.get(session.provider_id)
+        known = before.leases if before is not None else {}
         for job_id in list(session.active):
-            if self.market.holds(session.provider_id, job_id):
+            if job_id in known or job_id in session.leases:
                 continue
             try:
                 job = session.resumed.get(job_id) or self.jobs.repo.get(job_id)
@@ -146,8 +156,10 @@ class Dispatcher:
                 log.exception("could not read resumed job %s", job_id)
                 continue
             if job is not None and job.provider_id == session.provider_id:
-                self.market.lease(session.provider_id, job.id, job.plugin, job.work_units,
-                                  since=job.started_at or job.matched_at)
+                since = job.started_at or job.matched_at
+                self.presence.lease(session, job.id, Lease(
+                    job.plugin, float(job.work_units),
+                    self.market.clock() if since is None else since))
 
     def changed(self, session: AgentSession) -> None:
         """Something about ``session`` that the market sees changed (e.g. it drains): it
@@ -157,12 +169,10 @@ class Dispatcher:
         self.kick()
 
     def unregister(self, session: AgentSession) -> None:
-        gone = self.presence.remove(session)
+        gone = self.presence.remove(session)  # the market hears of it (out of the book)
         if gone:
             with self._cond:
                 self._busy.discard(session.provider_id)
-        if gone and self.market is not None:
-            self.market.disconnect(session.provider_id)
         if gone:
             self.on_left(session.provider_id)
 
@@ -187,9 +197,8 @@ class Dispatcher:
 
     def _paused_here(self, provider_id, paused: bool) -> bool:
         with self._cond:
-            s = self.presence.get(provider_id)
+            s = self.presence.set_paused(provider_id, paused)
             if s is not None:
-                s.paused = paused
                 self._due.add(provider_id)
         if s is not None and not paused:
             self.kick()
@@ -203,13 +212,7 @@ class Dispatcher:
     def _quota_here(self, provider_id, factor) -> bool:
         if not isinstance(factor, (int, float)):
             return False
-        with self._cond:
-            s = self.presence.get(provider_id)
-            if s is not None:
-                s.quota_factor = float(factor)
-        if s is not None:
-            self._sync(s)
-        return s is not None
+        return self.presence.set_quota(provider_id, factor) is not None
 
     def second_opinion(self, job: Job, provider_id: str) -> str | None:
         """``provider_id``'s operator when a provider of another operator (not excluded
@@ -230,13 +233,10 @@ class Dispatcher:
     def _released_here(self, provider_id, job_id) -> bool:
         """The provider's slot for ``job_id`` is free; False: its stream is not here."""
         with self._cond:
-            s = self.presence.get(provider_id)
+            # (the market hears of the slot it freed and the queue it left from the presence)
+            s = self.presence.release(provider_id, job_id)
             if s is not None:
-                s.active.discard(job_id)
                 self._due.add(provider_id)  # a freed slot may take a canary due
-        if self.market is not None and provider_id:
-            # The slot it freed and the queue it left, in one update of the book.
-            self.market.release(provider_id, job_id, free=None if s is None else s.free)
         self.kick()
         return s is not None
 
@@ -397,19 +397,21 @@ class Dispatcher:
                 self._added.pop(job_id, None)
 
     def _sync(self, session: AgentSession) -> None:
-        """Tell the market how many slots the agent has free (paused, draining: none)."""
+        """Let the market re-read the agent's free slots from the presence (draining, its
+        owner's terms and canaries change them without a word to it) and its queue
+        estimate follow the clock."""
         if self.market is not None:
-            self.market.set_free(session.provider_id, session.free)
+            self.market.tend(session.provider_id)
 
     def _assign(self, job: Job, session: AgentSession, price: int | None = None) -> bool:
+        # The lease is taken before the envelope goes (a fast job may end at once); the
+        # market hears of it from the presence, in the same update of its book.
+        lease = Lease(job.plugin, float(job.work_units),
+                      self.market.clock() if self.market is not None else time.time())
         with self._cond:
-            if session.free <= 0:
+            if not self.presence.take(session, job.id, lease):
                 return False
-            session.active.add(job.id)
             self._busy.add(session.provider_id)
-        if self.market is not None:  # before the envelope goes: a fast job may end at once
-            self.market.lease(session.provider_id, job.id, job.plugin, job.work_units,
-                              free=session.free)
         try:
             moved = self.jobs.assign(job, session, price_micro_per_unit=price)
         except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
@@ -417,12 +419,10 @@ class Dispatcher:
             moved = None
         if moved is None:
             with self._cond:
-                session.active.discard(job.id)
+                self.presence.give_back(session, job.id)
                 # Assigned elsewhere, cancelled, or an attempt moved on: not queued as seen.
                 self._pending.pop(job.id, None)
                 self._added.pop(job.id, None)
-            if self.market is not None:
-                self.market.release(session.provider_id, job.id, free=session.free)
             return False
         return True
 
@@ -480,10 +480,8 @@ class Dispatcher:
             admitted = self.market.admitted(spec)
             plan = []
             for j in jobs:
-                # (a session that never joined the market — registered in-process — is
-                # judged by the spine's rule alone)
-                session = self._choose(j, allow=lambda s: s.provider_id in admitted
-                                       or not self.market.knows(s.provider_id))
+                # (every session held joined the market: it heard of it from the presence)
+                session = self._choose(j, allow=lambda s: s.provider_id in admitted)
                 if session is not None:
                     plan.append((j, session, None))
             return plan
@@ -526,8 +524,8 @@ class Dispatcher:
                 time.sleep(0.2)
 
     def _tend(self) -> None:
-        """Sync the market with the sessions that changed, those holding jobs and a slice
-        of the rest (all of them while there are few), and send the canaries due."""
+        """Let the market re-read the sessions that changed, those holding jobs and a
+        slice of the rest (all of them while there are few), and send the canaries due."""
         now = time.monotonic()
         with self._cond:
             sessions = self.presence.view()

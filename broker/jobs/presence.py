@@ -7,8 +7,15 @@ unavailability and quota factor; and an index of who serves which build, so that
 job looks only at the agents that could run it, however many others are connected. A
 provider not held here may be held by another replica: commands for it travel on the bus.
 
-``lock`` guards the sessions and the index; the dispatcher's condition is built on the same
-lock, so that a slot taken or freed and the session it belongs to change together.
+``lock`` guards the sessions, their slots and leases, and the index; the dispatcher's
+condition is built on the same lock, so that a slot taken or freed and the session it belongs
+to change together.
+
+The market (:class:`broker.market.MarketService`) keeps no copy of any of this: it is given
+the presence at construction, listens to it (:class:`PresenceListener`) and reads who is
+connected, free slots and leases from here. Lock order: ``presence.lock`` first, then the
+market's lock, never the other way (the listener is called with ``presence.lock`` held, or
+takes it before its own).
 
 Which replica holds each stream is written through to ``streams`` (the replica registry,
 :class:`broker.replicas.service.ReplicaRegistry`) as a session comes and goes, and
@@ -25,6 +32,34 @@ from typing import Protocol
 from .model import Job
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A job a provider holds (matched or running): what the market's queue estimate needs
+    of it (its part of the provider's backlog)."""
+    plugin: str
+    work_units: float
+    since: float
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What an agent offers the market with its connection, read once when the market hears
+    it joined: its benchmarks (plugin, units/s, cold start s or None) and standing asks
+    (plugin, micro-credits per unit)."""
+    benchmarks: tuple[tuple[str, float, float | None], ...] = ()
+    asks: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class OfferReply:
+    """The market's answer to one part of an :class:`Offer`: ``kind`` "benchmark" or
+    "ask"; ``error`` the refusal (None: accepted); ``price`` the price standing after it."""
+    kind: str
+    plugin: str
+    error: Exception | None = None
+    price: int = 0
 
 
 @dataclass(eq=False)
@@ -51,6 +86,11 @@ class AgentSession:
     # ({"hardware_class", "dtype"}): recorded in each envelope it gets (broker.jobs.repro)
     classes: dict[str, dict[str, str]] = field(default_factory=dict)
     resumed: dict[str, Job] = field(default_factory=dict)  # jobs it held when it connected
+    # The jobs (not canaries) among ``active``, with what the market's queue estimate needs
+    leases: dict[str, Lease] = field(default_factory=dict)
+    vram_gb: float = 0.0  # the memory a model runs in (the GPU's; the host's on a CPU)
+    offer: Offer | None = None  # read once by the market when it hears the session joined
+    offer_replies: list[OfferReply] = field(default_factory=list)  # and its answers
 
     def serves(self, job: Job) -> bool:
         """It serves the job's plugin version, on the pinned weights if the job pins any."""
@@ -80,6 +120,18 @@ class Streams(Protocol):
     def held_elsewhere(self) -> dict[str, str]: ...
 
 
+class PresenceListener(Protocol):
+    """Who hears of sessions coming, changing and going (the market). ``joining`` is called
+    before the session is held (without :attr:`ProviderPresence.lock`: it may read the
+    database), ``joined`` and ``changed`` with the lock held, ``left`` after the session was
+    forgotten, without the lock."""
+
+    def joining(self, session: AgentSession) -> None: ...
+    def joined(self, session: AgentSession) -> None: ...
+    def changed(self, session: AgentSession, moved: bool) -> None: ...
+    def left(self, session: AgentSession) -> None: ...
+
+
 class ProviderPresence:
     """The sessions held here (provider id -> :class:`AgentSession`) and who serves what.
     ``streams``: where the streams held are recorded for the other replicas (None: this
@@ -90,20 +142,33 @@ class ProviderPresence:
         self.lock = threading.RLock()
         self._sessions: dict[str, AgentSession] = {}
         self._serving: dict[str, set[str]] = {}  # "name@version" -> provider ids
+        self._listeners: list[PresenceListener] = []
+
+    def listen(self, listener: PresenceListener) -> None:
+        """Tell ``listener`` of every session from now on (the market calls it when it is
+        built on this presence)."""
+        with self.lock:
+            self._listeners.append(listener)
 
     def add(self, session: AgentSession) -> bool:
         """Hold ``session``, replacing the provider's previous one (whose jobs it keeps);
         returns whether the provider was not held here before. Call it without holding
-        :attr:`lock`: the stream is recorded in the database after the memory changed."""
+        :attr:`lock`: the listeners prepare for it and the stream is recorded in the
+        database outside it."""
         pid = session.provider_id
+        for listener in list(self._listeners):
+            listener.joining(session)
         with self.lock:
             old = self._sessions.get(pid)
             self._sessions[pid] = session
             if old is not None:
                 session.active |= old.active
+                session.leases = {**session.leases, **old.leases}
                 self._unserve(old)
             for build in session.plugins:
                 self._serving.setdefault(build, set()).add(pid)
+            for listener in self._listeners:
+                listener.joined(session)
         if self.streams is not None:
             try:
                 self.streams.hold(pid)
@@ -121,9 +186,82 @@ class ProviderPresence:
                 return False
             del self._sessions[pid]
             self._unserve(session)
+        for listener in list(self._listeners):
+            listener.left(session)
         if self.streams is not None and self.get(pid) is None:  # not back meanwhile
             self.streams.release(pid)
         return True
+
+    # ---- slots and leases (the one record of them) ------------------------------------
+    def take(self, session: AgentSession, job_id: str, lease: Lease | None = None) -> bool:
+        """Take one of ``session``'s free slots for ``job_id`` (``lease``: a job's, for the
+        queue estimate; None: a canary's, which the market times itself); False when it has
+        none free."""
+        with self.lock:
+            if session.free <= 0:
+                return False
+            session.active.add(job_id)
+            if lease is not None:
+                session.leases[job_id] = lease
+            self._changed(session, moved=lease is not None)
+            return True
+
+    def lease(self, session: AgentSession, job_id: str, lease: Lease) -> None:
+        """Record what a job ``session`` already holds is (found held when it connects)."""
+        with self.lock:
+            if job_id in session.leases:
+                return
+            session.active.add(job_id)
+            session.leases[job_id] = lease
+            self._changed(session, moved=True)
+
+    def give_back(self, session: AgentSession, job_id: str) -> None:
+        """``session``'s slot for ``job_id`` is free again."""
+        with self.lock:
+            session.active.discard(job_id)
+            moved = session.leases.pop(job_id, None) is not None
+            self._changed(session, moved=moved)
+
+    def release(self, provider_id: str | None, job_id: str) -> AgentSession | None:
+        """The provider's slot for ``job_id`` is free; returns its session, None when its
+        stream is not held here."""
+        with self.lock:
+            session = self.get(provider_id)
+            if session is not None:
+                self.give_back(session, job_id)
+            return session
+
+    def set_paused(self, provider_id: str | None, paused: bool) -> AgentSession | None:
+        """Pause (no new jobs) or resume the provider held here; None when it is not."""
+        with self.lock:
+            session = self.get(provider_id)
+            if session is not None:
+                session.paused = paused
+                self._changed(session, moved=False)
+            return session
+
+    def set_quota(self, provider_id: str | None, factor: float) -> AgentSession | None:
+        """Set the concurrency quota factor of the provider held here; None when it is not."""
+        with self.lock:
+            session = self.get(provider_id)
+            if session is not None:
+                session.quota_factor = float(factor)
+                self._changed(session, moved=False)
+            return session
+
+    def changed(self, session: AgentSession) -> None:
+        """Something about ``session`` its capacity depends on changed (it drains, its owner
+        made it unavailable, a canary took or freed a slot): the listeners re-read it."""
+        with self.lock:
+            if self._sessions.get(session.provider_id) is session:
+                self._changed(session, moved=False)
+
+    def _changed(self, session: AgentSession, moved: bool) -> None:
+        """(the caller holds the lock) ``moved``: a job came or went."""
+        if self._sessions.get(session.provider_id) is not session:
+            return  # not held (yet, or any more): nobody reads it
+        for listener in self._listeners:
+            listener.changed(session, moved)
 
     def _unserve(self, session: AgentSession) -> None:
         """(the caller holds the lock)"""

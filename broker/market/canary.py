@@ -75,7 +75,7 @@ class CanaryService:
         dispatcher); returns how many went out."""
         for c in self.market.expired_canaries():
             if c.provider_id == session.provider_id:
-                session.active.discard(c.job_id)
+                self.market.presence.give_back(session, c.job_id)
         sent = 0
         for plugin in self.market.canaries_due(session.provider_id):
             if session.free <= 0:
@@ -100,6 +100,9 @@ class CanaryService:
                                      lease_timeout_s=self.lease_timeout_s,
                                      ttl_s=self.envelope_ttl_s, now=now, extra=extra,
                                      sealed=True)
+            # its slot, in the presence (the one record of slots), before the envelope goes
+            if not self.market.presence.take(session, job_id):
+                break
             self.market.canary_sent(Canary(job_id, session.provider_id, plugin,
                                            manifest.work_units_for(inputs), now,
                                            version=manifest.version, inputs=inputs,
@@ -108,7 +111,6 @@ class CanaryService:
                                                   "weights_digest": extra["weights_digest"]},
                                            unavailable_reports=getattr(
                                                session, "unavailable_reports", 0)))
-            session.active.add(job_id)
             data, signature = sign_envelope(self.signer, envelope)
             session.send_assignment(data, signature)
             sent += 1
@@ -178,7 +180,7 @@ class CanaryService:
         canary = self.market.canary_done(canary.job_id)
         if canary is None:  # a duplicate receipt handled meanwhile
             return str(rec.get("job_id"))
-        session.active.discard(canary.job_id)
+        self.market.presence.give_back(session, canary.job_id)
         if canary.version:
             try:
                 self.on_answer(session.provider_id, canary.plugin, canary.version,
@@ -214,11 +216,11 @@ class CanaryService:
             self.failed(session, job_id)
             return False
         if self.market.canary_done(job_id) is not None:
-            session.active.discard(job_id)
+            self.market.presence.give_back(session, job_id)
         return True
 
     def failed(self, session, job_id: str) -> None:
         canary = self.market.canary_done(job_id)
         if canary is not None:
-            session.active.discard(job_id)
+            self.market.presence.give_back(session, job_id)
             self.market.failed(session.provider_id, canary.plugin)

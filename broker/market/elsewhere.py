@@ -6,7 +6,9 @@ Admission must answer alike on every replica, so :meth:`MarketService.check_term
 asks this view: a market rebuilt from the database (the streams live replicas hold, each
 provider's advertised builds and memory, its stored asks, the figures θ and reliability)
 at most every ``ttl_s``. Each such provider counts as one free slot, warm, with an empty
-queue: admission asks whether the terms could be met, not when.
+queue: admission asks whether the terms could be met, not when. They enter that market as
+any provider enters this replica's: as a session held by the market's own
+:class:`~broker.jobs.presence.ProviderPresence` (one that records no stream).
 """
 from __future__ import annotations
 
@@ -15,14 +17,16 @@ import time
 from collections.abc import Callable
 
 from broker.auction import ClearingResult, JobSpec
+from broker.jobs.presence import AgentSession
 
 from .figures import FigureStore
 
 
 class MarketElsewhere:
-    """``new_market()`` builds an empty :class:`MarketService` (the asks store and rules
-    loaded, no bus, no figures of its own); ``held()`` gives provider id -> replica id of
-    the streams other live replicas hold; ``providers(ids)`` their stored records."""
+    """``new_market()`` builds an empty :class:`MarketService` on a presence of its own
+    (the asks store and rules loaded, no bus, no figures of its own); ``held()`` gives
+    provider id -> replica id of the streams other live replicas hold; ``providers(ids)``
+    their stored records."""
 
     def __init__(self, new_market: Callable[[], object], held: Callable[[], dict[str, str]],
                  providers: Callable[[list[str]], list], figures: FigureStore, *,
@@ -55,17 +59,19 @@ class MarketElsewhere:
         for p in self.providers(ids):
             if p.status != "active":
                 continue  # paused or banned: takes no job, so meets no terms
-            plugins, digests = {}, {}
+            builds: dict[str, tuple[str, str]] = {}  # name -> (version, digest): one each
             for entry in p.plugins or []:
                 if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-                    plugins[entry["name"]] = str(entry.get("version", ""))
-                    if entry.get("weights_digest"):
-                        digests[entry["name"]] = entry["weights_digest"]
+                    builds[entry["name"]] = (str(entry.get("version", "")),
+                                             str(entry.get("weights_digest") or ""))
             hw = p.hardware or {}
             memory = (hw.get("vram_gb") if hw.get("device") == "cuda"
                       else hw.get("memory_gb") or hw.get("vram_gb")) or 0.0
-            market.connect(p.id, p.account_id, plugins, vram_gb=float(memory), free=1,
-                           slots=1, digests=digests)
+            market.presence.add(AgentSession(
+                provider_id=p.id, public_key="", account_id=p.account_id,
+                plugins={f"{name}@{version}": digest
+                         for name, (version, digest) in builds.items()},
+                slots=1, vram_gb=float(memory)))
         market.load_figures(self.figures.load_figures(ids))
         for pid in ids:
             market.refresh(pid)  # re-post with the loaded figures

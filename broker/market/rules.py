@@ -53,7 +53,7 @@ class MarketRules:
     def asks(self, provider_ids: set[str] | None = None) -> list[dict]:
         """Every provider's asks with the facts the score uses. Stored asks of providers
         not connected since the broker started are listed too (``online`` false)."""
-        with self._lock:
+        with self._locks():
             rows = []
             floor = self.rules.reputation_floor
             for pid, state in self._providers.items():
@@ -66,7 +66,7 @@ class MarketRules:
                         "provider_id": pid, "plugin": plugin, "version": version,
                         "price_micro_per_unit": posted if posted is not None
                         else self.reserve_of(plugin),
-                        "at_reserve": posted is None, "online": state.online,
+                        "at_reserve": posted is None, "online": self._session(pid) is not None,
                         "weights_digest": state.digests.get(plugin, ""),
                         "claimed_units_per_s": rec.claimed_units_per_s,
                         "measured_units_per_s": rec.measured_units_per_s,

@@ -19,13 +19,23 @@ start is 0 when ``warm(provider_id, plugin)`` says the model is loaded (the defa
 says yes for every plugin served), else the agent's reported load time, else an estimate
 from the manifest's weight sizes, else ``default_cold_start_s``.
 
+Presence: the market keeps no record of who is connected, of free slots or of the jobs a
+provider holds. It is built on the replica's :class:`~broker.jobs.presence.ProviderPresence`,
+listens to it (a session joining enters the provider with the :class:`Offer` it carries;
+one leaving withdraws it) and reads online, slots, free slots and leases from it. What it
+keeps per provider is its own: the builds and weights it prices, memory, asks, cold starts,
+and the queue and free slots as last posted to the book. Lock order: the presence's lock,
+then the market's (``_locks``); the market never takes the presence's lock while holding its
+own.
+
 Reputation floor: each ask's reputation is the provider's reliability for the plugin
 (successes over attempts, with one success of prior). Under ``reputation_floor`` it is not
 eligible while any provider at or above the floor could take the job, free or busy: the
 job waits for that one. When nobody at or above the floor could take it, the floor gives
 way (see :func:`broker.auction.clearing.floor_gives_way`). Canary jobs keep measuring
 providers under the floor, and their successes lift them back.
-Thread-safe: one lock serialises posts, capacity changes and clearing.
+Thread-safe: one lock serialises posts, capacity changes and clearing; what reads the
+presence takes its lock first (``_locks``).
 """
 from __future__ import annotations
 
@@ -34,7 +44,8 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +54,7 @@ from sdk.protocol.canonical import is_sha256_hex
 from broker.auction import (Ask, AuctionRules, CannotMeetTerms, ClearingResult, InvalidAsk,
                             InvalidJob, JobSpec, NoEligibleProvider, OrderBook, Priority, clear,
                             validate_ask)
+from broker.jobs.presence import AgentSession, Lease, OfferReply, ProviderPresence
 from sdk.protocol.manifest import Manifest
 
 from . import builds
@@ -87,26 +99,19 @@ class MarketSettings:
 
 @dataclass
 class ProviderState:
+    """What the market itself keeps of a provider it priced: its builds, weights, memory,
+    asks and cold starts. Whether it is online, its slots and its leases are the presence's
+    (:class:`~broker.jobs.presence.ProviderPresence`); ``posted_free`` and ``queue_s`` are
+    what the book was last given (the book is re-posted when they change)."""
     provider_id: str
     operator_id: str
     plugins: dict[str, str]                      # plugin -> version
     vram_gb: float = 0.0
-    free: int = 1
     asks: dict[str, int] = field(default_factory=dict)   # posted asks; absent: the reserve
-    online: bool = True
     digests: dict[str, str] = field(default_factory=dict)     # plugin -> advertised weights
-    slots: int = 1
     cold_start_s: dict[str, float] = field(default_factory=dict)  # plugin -> reported load s
-    leases: dict[str, "Lease"] = field(default_factory=dict)      # job id -> lease
     queue_s: float = 0.0                                          # as last posted
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A job the provider holds (matched or running): its part of the provider's queue."""
-    plugin: str
-    work_units: float
-    since: float
+    posted_free: int = 0                                          # as last posted
 
 
 @dataclass
@@ -132,15 +137,19 @@ class Canary:
 
 
 class MarketService(MarketStanding, MarketRules):
-    """``manifest_of(plugin, version)`` gives the catalog's manifest of a build (None when
-    unknown): the source of weight pins and cold-start estimates. ``store`` keeps asks and
-    admin-set rules across restarts (None: memory only). ``warm`` is a hook,
-    ``warm(provider_id, plugin) -> bool``; call :meth:`refresh` when its answer changes.
+    """``presence``: the agents this replica holds, the one record of who is online, its
+    slots and leases (None: a fresh one of the market's own, as in a test or the market of
+    the other replicas' providers, :mod:`.elsewhere`). ``manifest_of(plugin, version)``
+    gives the catalog's manifest of a build (None when unknown): the source of weight pins
+    and cold-start estimates. ``store`` keeps asks and admin-set rules across restarts
+    (None: memory only). ``warm`` is a hook, ``warm(provider_id, plugin) -> bool``; call
+    :meth:`refresh` when its answer changes.
     ``on_rule_changed(rule, before, after, by)`` is called after an admin changed a rule
     (the audit log hooks in here)."""
 
     def __init__(self, reserve_of: Callable[[str], int], settings: MarketSettings | None = None,
-                 *, rng: random.Random | None = None, clock=time.time,
+                 *, presence: ProviderPresence | None = None,
+                 rng: random.Random | None = None, clock=time.time,
                  store: AskStore | None = None,
                  manifest_of: Callable[[str, str], Manifest | None] | None = None,
                  linked_to: Callable[[str], frozenset[str]] | None = None,
@@ -184,136 +193,129 @@ class MarketService(MarketStanding, MarketRules):
         self._canaries: dict[str, Canary] = {}
         self._last_canary: dict[tuple[str, str], float] = {}
         self._pins: dict[tuple[str, str], str] = {}
+        self.presence = presence if presence is not None else ProviderPresence()
+        self.presence.listen(self)
         if bus is not None and store is not None:
             bus.subscribe("market_rule", lambda _d: self.reload_rules())
         if figures is not None:
             self.load_figures(figures.load_figures())
 
-    # ---- providers -----------------------------------------------------------------
-    def connect(self, provider_id: str, operator_id: str, plugins: dict[str, str], *,
-                vram_gb: float = 0.0, free: int = 1, slots: int | None = None,
-                digests: dict[str, str] | None = None,
-                benchmarks: dict[str, float] | None = None,
-                asks: dict[str, int] | None = None) -> dict[str, Exception | None]:
-        """A provider came online with ``plugins`` (name -> version) and, per plugin, the
-        weights digest it advertises (``digests``; "" or absent: none). Its stored asks
-        (posted on an earlier connection, or loaded from the store at start) stand until it
-        posts new ones, also for a plugin it dropped and serves again. Returns, per ask
-        posted with the connection, None when accepted or the error that refused it (its
-        previous valid ask then stands)."""
-        results: dict[str, Exception | None] = {}
+    # ---- providers: what the presence tells ------------------------------------------
+    @contextmanager
+    def _locks(self) -> Iterator[None]:
+        """The presence's lock, then the market's: held by whatever reads both (the order
+        is always this one, so that the dispatcher, which changes the presence under its
+        lock and is heard here, and the market never wait on each other)."""
+        with self.presence.lock, self._lock:
+            yield
+
+    def _session(self, provider_id: str) -> AgentSession | None:
+        """The provider's session when it is online (the caller holds :meth:`_locks`)."""
+        return self.presence.view().get(provider_id)
+
+    def joining(self, session: AgentSession) -> None:
+        """(:class:`~broker.jobs.presence.PresenceListener`) A session is about to be held:
+        enter the provider with its builds (name -> version), advertised weights, memory,
+        and the benchmarks and asks of its :class:`Offer`. Its stored asks (posted on an
+        earlier connection, or loaded from the store at start) stand until it posts new
+        ones, also for a plugin it dropped and serves again. The answers to the offer go to
+        ``session.offer_replies`` (an ask refused: its previous valid ask stands)."""
+        provider_id = session.provider_id
+        plugins, digests = {}, {}
+        for key, digest in session.plugins.items():
+            name, _, version = key.partition("@")
+            plugins[name] = version
+            if digest:
+                digests[name] = digest
+        offer = session.offer
+        session.offer = None  # read once, here
+        replies: list[OfferReply] = []
+        posted: list[str] = []
         self._reload_figures(provider_id)  # another replica may have measured it since
-        with self._lock:
+        self._links_ahead(provider_id, session.account_id)
+        with self._locks():
             old = self._providers.get(provider_id)
             previous = self._stored_asks.get(provider_id, {})
-            state = ProviderState(provider_id, operator_id, dict(plugins), vram_gb, free,
+            state = ProviderState(provider_id, session.account_id, plugins,
+                                  float(session.vram_gb or 0.0),
                                   asks={p: a for p, a in previous.items() if p in plugins},
-                                  digests={p: d for p, d in (digests or {}).items()
-                                           if p in plugins and d},
-                                  slots=max(1, slots if slots is not None else free),
-                                  leases=dict(old.leases) if old else {})
+                                  digests=digests)
             if old is not None:
                 state.cold_start_s = {p: s for p, s in old.cold_start_s.items() if p in plugins}
-            state.queue_s = self._queue_s(state)
             self._providers[provider_id] = state
             self.book.withdraw(provider_id)
-            for plugin, units in (benchmarks or {}).items():
-                self.report_benchmark(provider_id, plugin, units)
-            self._repost(state)
-            for plugin, price in (asks or {}).items():
+            current = self._session(provider_id)  # the session it replaces, if any
+            if current is not None:
+                state.queue_s = self._queue_s(state, current)
+                state.posted_free = max(0, current.free)
+            for plugin, units, cold in (offer.benchmarks if offer else ()):
+                try:
+                    self.report_benchmark(provider_id, plugin, units, cold_start_s=cold)
+                    replies.append(OfferReply("benchmark", plugin))
+                except (InvalidBenchmark, PluginNotServed) as exc:
+                    replies.append(OfferReply("benchmark", plugin, exc))
+            if current is not None:
+                self._repost(state)
+            for plugin, price in (offer.asks if offer else ()):
                 try:
                     self._post_ask(provider_id, plugin, price)
-                    results[plugin] = None
+                    replies.append(OfferReply("ask", plugin, price=price))
+                    posted.append(plugin)
                 except (InvalidAsk, PluginNotServed) as exc:
-                    results[plugin] = exc
-        for plugin, error in results.items():
-            if error is None:
-                self._save_ask(provider_id, plugin)
-        return results
+                    replies.append(OfferReply("ask", plugin, exc,
+                                              price=state.asks.get(plugin, 0)))
+        session.offer_replies = replies
+        for plugin in posted:
+            self._save_ask(provider_id, plugin)
 
-    def disconnect(self, provider_id: str) -> None:
+    def joined(self, session: AgentSession) -> None:
+        """(PresenceListener; the presence's lock is held) The session is held: its
+        provider's asks enter the book with its free slots and queue."""
         with self._lock:
-            state = self._providers.get(provider_id)
+            state = self._providers.get(session.provider_id)
             if state is not None:
-                state.online = False
-                self.book.withdraw(provider_id)
-        self.flush_figures(provider_id)  # the replica it reconnects to reads them
+                state.queue_s = self._queue_s(state, session)
+                state.posted_free = max(0, session.free)
+                self._repost(state)
 
-    def mark_online(self, provider_id: str) -> None:
-        """The provider's current session is registered: make sure it is in the book. (An
-        agent that reconnects joins the market before its new session replaces the old
-        one; the old stream closing in between marks the provider offline.)"""
+    def changed(self, session: AgentSession, moved: bool) -> None:
+        """(PresenceListener; the presence's lock is held) The session's free slots or
+        leases changed; ``moved``: a job came or went (its queue is re-posted at once)."""
         with self._lock:
-            state = self._providers.get(provider_id)
-            if state is None or state.online:
-                return
-            state.online = True
-            self._repost(state)
-
-    def set_free(self, provider_id: str, free: int) -> None:
-        """The provider's free slots (the dispatcher calls it often: it also lets the
-        queue estimate follow the clock)."""
-        with self._lock:
-            state = self._providers.get(provider_id)
+            state = self._providers.get(session.provider_id)
             if state is not None:
-                self._refresh_queue(state, force=False,
-                                    changes=self._free_changes(state, free))
+                self._refresh_queue(state, session, force=moved)
 
-    def _free_changes(self, state: ProviderState, free: int | None) -> dict[str, int | float]:
-        """The change to the provider's asks when it has ``free`` slots (None: unknown)."""
-        changes: dict[str, int | float] = {}
-        if free is not None:
-            free = max(0, free)
-            if state.free != free:
-                state.free = free
-                changes["slots_free"] = min(free, self.rules.max_slots)
-        return changes
-
-    def lease(self, provider_id: str, job_id: str, plugin: str, work_units: float,
-              since: float | None = None, free: int | None = None) -> None:
-        """The provider holds a job now (assigned, or found leased when it reconnects):
-        its expected run time joins the provider's queue. ``free``: its free slots now
-        (as :meth:`set_free`, in the same update of the book)."""
+    def left(self, session: AgentSession) -> None:
+        """(PresenceListener) The provider's stream is no longer held here: out of the book."""
         with self._lock:
-            state = self._providers.get(provider_id)
-            if state is None:
-                return
-            changes = self._free_changes(state, free)
-            leased = job_id not in state.leases
-            if leased:
-                state.leases[job_id] = Lease(plugin, float(work_units),
-                                             self.clock() if since is None else since)
-            self._refresh_queue(state, force=leased, changes=changes)
+            self.book.withdraw(session.provider_id)
+        self.flush_figures(session.provider_id)  # the replica it reconnects to reads them
 
-    def release(self, provider_id: str, job_id: str, free: int | None = None) -> None:
-        """The job left the provider (settled, failed, requeued, cancelled). ``free``: its
-        free slots now (as :meth:`set_free`, in the same update of the book)."""
-        with self._lock:
+    def tend(self, provider_id: str) -> None:
+        """Re-read the provider's free slots from the presence and let its queue estimate
+        follow the clock (the dispatcher calls it often for the sessions it tends)."""
+        with self._locks():
             state = self._providers.get(provider_id)
-            if state is None:
-                return
-            changes = self._free_changes(state, free)
-            released = state.leases.pop(job_id, None) is not None
-            self._refresh_queue(state, force=released, changes=changes)
-
-    def holds(self, provider_id: str, job_id: str) -> bool:
-        with self._lock:
-            state = self._providers.get(provider_id)
-            return state is not None and job_id in state.leases
+            session = self._session(provider_id)
+            if state is not None and session is not None:
+                self._refresh_queue(state, session, force=False)
 
     def refresh(self, provider_id: str) -> None:
         """Re-read the provider's facts that come from hooks (``warm``) and re-post its
         asks: call it when a provider loads or evicts a model."""
-        with self._lock:
+        self._links_ahead(provider_id)
+        with self._locks():
             state = self._providers.get(provider_id)
-            if state is not None and state.online:
+            if state is not None and self._session(provider_id) is not None:
                 self._repost(state)
 
     def post_ask(self, provider_id: str, plugin: str, price_micro_per_unit: int) -> int:
         """Post or replace a standing ask; stored, so it outlives the connection and the
         broker. Raises :class:`InvalidAsk` or :class:`PluginNotServed`; the previous valid
         ask then stands."""
-        with self._lock:
+        self._links_ahead(provider_id)
+        with self._locks():
             self._post_ask(provider_id, plugin, price_micro_per_unit)
         self._save_ask(provider_id, plugin)  # the store is written outside the clearing lock
         return price_micro_per_unit
@@ -354,7 +356,8 @@ class MarketService(MarketStanding, MarketRules):
             raise InvalidBenchmark(
                 f"benchmark for {plugin!r} refused: cold_start_s must be a finite number of "
                 f"seconds from 0 to {cold_limit:g} (0: not measured); got {cold_start_s!r}")
-        with self._lock:
+        self._links_ahead(provider_id)
+        with self._locks():
             state = self._providers.get(provider_id)
             if state is None or plugin not in state.plugins:
                 raise PluginNotServed(f"benchmark for {plugin!r} refused: this agent does not "
@@ -370,9 +373,10 @@ class MarketService(MarketStanding, MarketRules):
         online ones serving the build with the pinned weights and at or above the
         reputation floor, or all of those when none is (the floor gives way, as in the
         auction). Capacity and exclusions are the dispatcher's to check."""
-        with self._lock:
+        with self._locks():
             serving = [pid for pid, s in self._providers.items()
-                       if s.online and s.plugins.get(spec.plugin) == spec.plugin_version
+                       if self._session(pid) is not None
+                       and s.plugins.get(spec.plugin) == spec.plugin_version
                        and s.vram_gb >= spec.min_vram_gb
                        and (spec.weights_digest == ANY_WEIGHTS
                             or s.digests.get(spec.plugin) == spec.weights_digest)]
@@ -380,11 +384,6 @@ class MarketService(MarketStanding, MarketRules):
             good = {pid for pid in serving
                     if self.tracker.record_of(pid, spec.plugin).reliability >= floor}
             return good or set(serving)
-
-    def knows(self, provider_id: str) -> bool:
-        """Whether the provider joined the market (the gateway joins every agent)."""
-        with self._lock:
-            return provider_id in self._providers
 
     def operator_of(self, provider_id: str) -> str | None:
         """The operator (account) of a provider the market knows, else None."""
@@ -397,9 +396,9 @@ class MarketService(MarketStanding, MarketRules):
         """Plugins of this provider that need a canary now: never measured, or the last
         canary is older than ``canary_interval_s``; none while one is out."""
         now = self.clock()
-        with self._lock:
+        with self._locks():
             state = self._providers.get(provider_id)
-            if state is None or not state.online:
+            if state is None or self._session(provider_id) is None:
                 return []
             out = {c.plugin for c in self._canaries.values() if c.provider_id == provider_id}
             due = []
@@ -416,7 +415,7 @@ class MarketService(MarketStanding, MarketRules):
             return due
 
     def canary_sent(self, canary: Canary) -> None:
-        with self._lock:
+        with self._locks():
             self._canaries[canary.job_id] = canary
             self._last_canary[(canary.provider_id, canary.plugin)] = canary.sent_at
             self._dirty.add((canary.provider_id, canary.plugin))
@@ -432,7 +431,7 @@ class MarketService(MarketStanding, MarketRules):
             return any(c.provider_id == provider_id for c in self._canaries.values())
 
     def canary_done(self, job_id: str) -> Canary | None:
-        with self._lock:
+        with self._locks():
             canary = self._canaries.pop(job_id, None)
             if canary is not None:
                 self._refresh_queue_of(canary.provider_id)
@@ -440,7 +439,7 @@ class MarketService(MarketStanding, MarketRules):
 
     def expired_canaries(self) -> list[Canary]:
         now = self.clock()
-        with self._lock:
+        with self._locks():
             gone = [c for c in self._canaries.values()
                     if now - c.sent_at > self.settings.canary_timeout_s]
             for c in gone:
@@ -548,13 +547,14 @@ class MarketService(MarketStanding, MarketRules):
             seconds = self.settings.default_cold_start_s
         return min(max(0.0, seconds), self.rules.max_cold_start_s)
 
-    def _queue_s(self, state: ProviderState) -> float:
+    def _queue_s(self, state: ProviderState, session: AgentSession | None) -> float:
         """Expected seconds before the provider gets to a new job: the remaining expected
-        time (W/θ less the time since it started) of each job and canary it holds, over
-        its slots (the slots work at once). A plugin without any θ counts nothing."""
+        time (W/θ less the time since it started) of each job (its session's leases) and
+        canary it holds, over its slots (the slots work at once). A plugin without any θ
+        counts nothing. (The caller holds :meth:`_locks`.)"""
         now = self.clock()
         pid = state.provider_id
-        held: list[Lease | Canary] = list(state.leases.values())
+        held: list[Lease | Canary] = list(session.leases.values()) if session else []
         held += [c for c in self._canaries.values() if c.provider_id == pid]
         thetas: dict[str, float] = {}  # one look-up per plugin, not per job held
         backlog = 0.0
@@ -566,28 +566,37 @@ class MarketService(MarketStanding, MarketRules):
                 left = h.work_units / theta - max(0.0, now - h.since)
                 if left > 0.0:  # (adding 0.0 would change nothing)
                     backlog += left
-        return min(backlog / max(1, state.slots), self.rules.max_queue_s)
+        slots = session.slots if session is not None else 1
+        return min(backlog / max(1, slots), self.rules.max_queue_s)
 
-    def _refresh_queue(self, state: ProviderState, force: bool = True,
-                       changes: dict[str, int | float] | None = None) -> None:
-        """Re-post the provider's queue when it changed (a job or canary came or went:
-        ``force``) or drifted with the clock by ``QUEUE_RESOLUTION_S`` or more, together
-        with ``changes`` to its asks (one update of the book for all of them)."""
-        changes = {} if changes is None else changes
-        queue = self._queue_s(state)
+    def _refresh_queue(self, state: ProviderState, session: AgentSession | None,
+                       force: bool = True) -> None:
+        """Re-post the provider's free slots when they changed, and its queue when it
+        changed (a job or canary came or went: ``force``) or drifted with the clock by
+        ``QUEUE_RESOLUTION_S`` or more (one update of the book for both). (The caller
+        holds :meth:`_locks`.)"""
+        changes: dict[str, int | float] = {}
+        if session is not None:
+            free = max(0, session.free)
+            if state.posted_free != free:
+                state.posted_free = free
+                changes["slots_free"] = min(free, self.rules.max_slots)
+        queue = self._queue_s(state, session)
         if queue != state.queue_s and (force or queue == 0
                                        or abs(queue - state.queue_s) >= QUEUE_RESOLUTION_S):
             state.queue_s = queue
             changes["queue_s"] = queue
-        if changes and state.online:
+        if changes and session is not None:
             self.book.update_provider(state.provider_id, **changes)
 
     def _refresh_queue_of(self, provider_id: str) -> None:
+        """(the caller holds :meth:`_locks`)"""
         state = self._providers.get(provider_id)
         if state is not None:
-            self._refresh_queue(state)
+            self._refresh_queue(state, self._session(provider_id))
 
     def _ask(self, state: ProviderState, plugin: str, price: int, digest: str) -> Ask:
+        """(the caller holds :meth:`_locks`)"""
         theta, measured = self.tracker.theta(state.provider_id, plugin)
         theta = min(theta, self.rules.max_throughput_units_per_s)
         rec = self.tracker.record_of(state.provider_id, plugin)
@@ -597,9 +606,18 @@ class MarketService(MarketStanding, MarketRules):
                    throughput_measured=measured, reliability=rec.reliability,
                    reputation=rec.reliability, queue_s=state.queue_s,
                    cold_start_s=self._cold_start_s(state, plugin),
-                   slots_free=min(state.free, self.rules.max_slots),
-                   vram_gb=min(state.vram_gb, self.rules.max_vram_gb), online=state.online,
+                   slots_free=min(state.posted_free, self.rules.max_slots),
+                   vram_gb=min(state.vram_gb, self.rules.max_vram_gb),
+                   online=self._session(state.provider_id) is not None,
                    linked_accounts=self._linked(state.operator_id))
+
+    def _links_ahead(self, provider_id: str, operator: str | None = None) -> None:
+        """Read the links of the provider's operator before taking the locks: the read may
+        go to the database (a cache miss), and under the locks it would hold up the
+        presence; the asks re-posted under them then find the links cached."""
+        operator = operator or self.operator_of(provider_id)
+        if operator:
+            self._linked(operator)
 
     def _linked(self, operator: str) -> frozenset[str]:
         try:
@@ -610,7 +628,11 @@ class MarketService(MarketStanding, MarketRules):
 
     def _repost(self, state: ProviderState) -> None:
         """Re-file every ask of the provider with its current facts (the buckets may
-        change too: a newly published manifest can pin weights)."""
+        change too: a newly published manifest can pin weights). (The caller holds
+        :meth:`_locks`.)"""
+        session = self._session(state.provider_id)
+        if session is not None:
+            state.posted_free = max(0, session.free)
         asks = []
         for plugin in state.plugins:
             price = state.asks.get(plugin)

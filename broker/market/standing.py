@@ -20,23 +20,25 @@ class MarketStanding:
     # ---- measurements ----------------------------------------------------------------
     def observe(self, provider_id: str, plugin: str, work_units: float, run_ms: float) -> None:
         """A timed run (a real job's receipt or a canary) on this provider."""
-        with self._lock:
+        self._links_ahead(provider_id)
+        with self._locks():
             if self.tracker.observe(provider_id, plugin, work_units, run_ms) is None:
                 return
             self._dirty.add((provider_id, plugin))
             first = self.tracker.record_of(provider_id, plugin).samples == 1
             state = self._providers.get(provider_id)
-            if state is not None and state.online:
+            if state is not None and self._session(provider_id) is not None:
                 self._repost(state)
         if first:  # measured at last: other replicas now count it eligible, at once
             self.flush_figures(provider_id)
 
     def failed(self, provider_id: str, plugin: str) -> None:
-        with self._lock:
+        self._links_ahead(provider_id)
+        with self._locks():
             self.tracker.failed(provider_id, plugin)
             self._dirty.add((provider_id, plugin))
             state = self._providers.get(provider_id)
-            if state is not None and state.online:
+            if state is not None and self._session(provider_id) is not None:
                 self._repost(state)
 
     def theta(self, provider_id: str, plugin: str) -> tuple[float, bool]:
@@ -48,8 +50,8 @@ class MarketStanding:
         Until it has (a cold market), the dispatcher hands jobs out by the spine's rule at
         the reserve, to the providers :meth:`admitted`, and those jobs' receipts are the first
         measurements."""
-        with self._lock:
-            return any(s.online and plugin in s.plugins
+        with self._locks():
+            return any(self._session(pid) is not None and plugin in s.plugins
                        and (weights_digest == ANY_WEIGHTS
                             or s.digests.get(plugin) == weights_digest)
                        and self.tracker.theta(pid, plugin)[1]

@@ -149,3 +149,40 @@ def test_admins_set_the_reputation_floor_and_providers_see_only_their_asks(live_
     [entry] = live_broker.services.audit.search(subject="market:reputation_floor",
                                                 action="market.set")
     assert entry.data == {"before": 0.5, "after": 0.7} and entry.actor.startswith("admin:")
+
+
+def test_the_greeting_answers_what_the_agent_offered_with_its_connection(live_broker):
+    """One call on connect (the dispatcher holds the session; the market hears of it with
+    the agent's benchmarks and asks): an impossible benchmark is refused, each ask answered."""
+    from sdk.protocol import agent_pb2 as pb
+    from sdk.protocol.envelope import challenge_document
+
+    from tests.integration.test_gateway_and_sdk import RawAgent
+
+    raw, key = RawAgent(live_broker.grpc, live_broker.key("provider")), KeyPair.generate()
+    try:
+        raw.send(hello=pb.Hello(public_key=key.public_key_hex, name="raw"))
+        ch = raw.recv().challenge
+        raw.send(challenge_response=pb.ChallengeResponse(signature=key.sign(
+            "challenge", challenge_document(ch.nonce, key.public_key_hex,
+                                            ch.broker_public_key))))
+        raw.send(capabilities=pb.Capabilities(
+            plugins=[pb.PluginCapability(name="echo", version="1.0.0")], slots=2,
+            sandboxed=True, benchmarks=[pb.PluginBenchmark(plugin="echo", units_per_s=-1.0)],
+            asks=[pb.StandingAsk(plugin="echo", price_micro_per_unit=500),
+                  pb.StandingAsk(plugin="sd15", price_micro_per_unit=500)]))
+        pid = raw.recv().welcome.provider_id
+        assert pid
+        refusal = raw.recv().refusal
+        assert refusal.code == "invalid_benchmark"
+        accepted, refused = raw.recv().ask_status, raw.recv().ask_status
+        assert (accepted.plugin, accepted.accepted, accepted.standing_price_micro_per_unit) \
+            == ("echo", True, 500)
+        assert (refused.plugin, refused.accepted, refused.code) == \
+            ("sd15", False, "plugin_not_served")
+        market = live_broker.services.market
+        [row] = market.asks({pid})
+        assert row["online"] and row["price_micro_per_unit"] == 500
+        assert market.presence.get(pid).free == 2  # slots: the presence's
+    finally:
+        raw.close()

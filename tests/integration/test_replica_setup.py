@@ -126,7 +126,15 @@ def test_theta_reliability_and_the_last_canary_survive_a_restart(tmp_path):
     try:
         market = second.services.market
         assert market.theta(pid, "echo") == pytest.approx(theta)  # not cold again
-        market.connect(pid, "op", {"echo": "1.0.0"})
-        assert market.canaries_due(pid) == []  # its canary ran moments ago: none again
+        from broker.jobs.presence import AgentSession
+        sent = []
+
+        class Agent(AgentSession):
+            def send_assignment(self, envelope_bytes, signature):
+                sent.append(envelope_bytes)
+
+        market.presence.add(Agent(provider_id=pid, public_key="", account_id="op",
+                                  plugins={"echo@1.0.0": ""}))  # it connects again
+        assert market.canaries_due(pid) == [] and sent == []  # its canary ran moments ago
     finally:
         second.stop()

@@ -145,8 +145,11 @@ def test_figures_outlive_the_broker_and_follow_the_agent_to_another_replica(repl
     theta_a = a.services.market.theta(agent.provider_id, "echo")
     assert theta_a[1]  # measured
     a.services.market.flush_figures()  # (the maintenance pass does it every interval)
-    # B never held the agent: it reads the same figures when the agent connects there
-    b.services.market.connect(agent.provider_id, "op", {"echo": "1.0.0"})
+    # B never held the agent: it reads the same figures when the agent connects there (the
+    # market hears of a session about to be held)
+    from broker.jobs.presence import AgentSession
+    b.services.market.joining(AgentSession(provider_id=agent.provider_id, public_key="",
+                                           account_id="op", plugins={"echo@1.0.0": ""}))
     assert b.services.market.theta(agent.provider_id, "echo") == pytest.approx(theta_a)
     rec = b.services.market.tracker.record_of(agent.provider_id, "echo")
     assert rec.successes >= 3

@@ -13,6 +13,8 @@ from broker.storage.base import make_engine
 from broker.storage.market_sql import SqlAskStore
 from broker.storage.migrate import upgrade
 
+from .agents import connect
+
 
 @pytest.fixture
 def sql_store(db_url):
@@ -60,8 +62,8 @@ def market_on(store, clock=lambda: 1_000.0):
 def _restart(store):
     """A restarted broker keeps asks and the admin's floor."""
     before = market_on(store)
-    before.connect("p1", "op-1", {"echo": "1.0.0"}, asks={"echo": 300})
-    before.connect("p2", "op-2", {"echo": "1.0.0"})
+    connect(before, "p1", "op-1", {"echo": "1.0.0"}, asks={"echo": 300})
+    connect(before, "p2", "op-2", {"echo": "1.0.0"})
     before.post_ask("p2", "echo", 400)
     before.set_reputation_floor(0.8, by="admin-1")
 
@@ -71,7 +73,7 @@ def _restart(store):
     assert rows["p1"]["price_micro_per_unit"] == 300 and rows["p1"]["online"] is False
     assert set(after.asks({"p2"})[0]) == set(rows["p1"])  # same shape as a live row
     # The agent reconnects without re-posting: its ask stands, it is not at the reserve.
-    after.connect("p1", "op-1", {"echo": "1.0.0"})
+    connect(after, "p1", "op-1", {"echo": "1.0.0"})
     after.observe("p1", "echo", 10, 1000.0)
     [row] = after.asks({"p1"})
     assert row["price_micro_per_unit"] == 300 and not row["at_reserve"] and row["online"]

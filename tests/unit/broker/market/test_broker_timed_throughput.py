@@ -14,6 +14,7 @@ from sdk.protocol.signing import KeyPair
 
 from broker_fixtures import RecordingSession
 from broker.api.job_request import job_request
+from broker.jobs.presence import Offer
 
 
 @pytest.fixture
@@ -30,10 +31,9 @@ def _provider(services, name):
     p = services.providers.connect(acct, key.public_key_hex, name, sandboxed=True,
                                    hardware={}, plugins=[])
     session = RecordingSession(provider_id=p.id, public_key=key.public_key_hex,
-                               account_id=acct.account_id, plugins={"echo@1.0.0": ""})
-    services.dispatcher.register(session)
-    services.market.connect(p.id, acct.account_id, {"echo": "1.0.0"}, free=1,
-                            asks={"echo": 500})
+                               account_id=acct.account_id, plugins={"echo@1.0.0": ""},
+                               offer=Offer(asks=(("echo", 500),)))
+    services.dispatcher.register(session)  # the market hears of it, with its ask
     return session, key
 
 

@@ -11,9 +11,12 @@ from sdk.protocol.sealing import open_inputs
 from sdk.protocol.signing import KeyPair
 
 from broker.catalog.registry import PluginCatalog
+from broker.jobs.presence import AgentSession
 from broker.market import MarketService, MarketSettings
 from broker.market.canary import CanaryService
 from broker.settings import BUILTIN_PLUGINS
+
+from .agents import connect
 
 
 def _world():
@@ -27,10 +30,13 @@ def _world():
     canaries.on_answer = lambda *args: answers.append(args)
     agent = KeyPair.generate()
     sent = []
-    session = SimpleNamespace(provider_id="p", plugins=["echo@1.0.0"], free=1,
-                              public_key=agent.public_key_hex, active=set(),
-                              send_assignment=lambda data, sig: sent.append(data))
-    market.connect("p", "op", {"echo": "1.0.0"}, benchmarks={"echo": 5.0})
+
+    class Agent(AgentSession):
+        def send_assignment(self, envelope_bytes, signature):
+            sent.append(envelope_bytes)
+
+    session = connect(market, "p", "op", {"echo": "1.0.0"}, benchmarks={"echo": 5.0},
+                      kind=Agent, public_key=agent.public_key_hex)
     return SimpleNamespace(now=now, market=market, canaries=canaries, answers=answers,
                            agent=agent, sent=sent, session=session)
 

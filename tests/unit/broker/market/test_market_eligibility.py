@@ -7,12 +7,15 @@ import random
 import pytest
 
 from broker.auction import InvalidJob, NoEligibleProvider
+from broker.jobs.presence import Lease
 from broker.market import InvalidBenchmark, InvalidMarketRule, MarketService, MarketSettings
 from broker.market.builds import ANY_WEIGHTS, manifest_cold_start_s, pinned_digest
 from broker.market.store import InMemoryAskStore
 from plugins import builtin_plugin_dir
 from sdk.protocol.digest import files_digest
 from sdk.protocol.manifest import WeightFile, load_manifest
+
+from .agents import connect, occupy
 
 RESERVE = 1_000
 ECHO = load_manifest(builtin_plugin_dir("echo"))
@@ -38,8 +41,8 @@ def market(manifest=None, clock=None, **settings):
 
 
 def join(m, pid, *, ask=None, theta=10.0, digest="", slots=1, op=None):
-    m.connect(pid, op or f"op-{pid}", {"echo": "1.0.0"}, free=slots, slots=slots,
-              digests={"echo": digest}, asks={"echo": ask} if ask else None)
+    connect(m, pid, op or f"op-{pid}", {"echo": "1.0.0"}, slots=slots,
+            digests={"echo": digest}, asks={"echo": ask} if ask else None)
     if theta:
         m.observe(pid, "echo", theta, 1000.0)  # θ units in one second
 
@@ -74,7 +77,7 @@ def test_an_agent_with_other_weights_never_wins_a_pinned_job():
             res = m.clear(spec(m, priority=priority, n_slots=3))
             assert [a.provider_id for a in res.awards] == ["right"]
             assert res.unfilled_slots == 2
-    m.set_free("right", 0)
+    occupy(m, "right")
     with pytest.raises(NoEligibleProvider) as exc:
         m.clear(spec(m))
     assert exc.value.reasons["serve another version or weights"] == 2
@@ -118,7 +121,7 @@ def test_below_the_floor_waits_for_reliable_providers_and_canaries_lift_it_back(
     join(m, "steady", ask=900)
     assert m.clear(spec(m)).winner.provider_id == "steady"
     assert m.admitted(spec(m)) == {"steady"}
-    m.set_free("steady", 0)                       # busy: the job waits for it
+    occupy(m, "steady")                           # busy: the job waits for it
     with pytest.raises(NoEligibleProvider) as exc:
         m.clear(spec(m))
     assert exc.value.reasons == {"busy": 1, "reputation below the floor": 1}
@@ -133,7 +136,7 @@ def test_admins_move_the_floor_at_run_time_and_it_is_stored():
                       rng=random.Random(1), clock=Clock(), store=store)
     join(m, "flaky", ask=100)
     join(m, "steady", ask=900, slots=1)
-    m.set_free("steady", 0)
+    occupy(m, "steady")
     for _ in range(3):
         m.failed("flaky", "echo")
     with pytest.raises(NoEligibleProvider):
@@ -155,18 +158,18 @@ def test_the_queue_is_the_backlog_of_held_jobs_and_follows_the_clock():
     join(m, "busy", ask=100, theta=1.0, slots=2)
     join(m, "idle", ask=100, theta=1.0, slots=2)
     m.rng = random.Random(0)
-    m.lease("busy", "j1", "echo", 40.0)           # 40 s of work on 2 slots: 20 s queue
-    m.set_free("busy", 1)
+    busy = m.presence.get("busy")                 # 40 s of work on 2 slots: 20 s queue
+    assert m.presence.take(busy, "j1", Lease("echo", 40.0, clock()))
     res = m.clear(spec(m, work_units=10))
     assert res.winner.provider_id == "idle" and res.winner.expected_completion_s == 10.0
     assert m.asks({"busy"})[0]["queue_s"] == 20.0
-    m.set_free("idle", 0)
+    occupy(m, "idle")
     res = m.clear(spec(m, work_units=10))
     assert res.winner.provider_id == "busy" and res.winner.expected_completion_s == 30.0
     clock.t += 30.0                                # 30 of its 40 s done: 5 s queue
-    m.set_free("busy", 1)
+    m.tend("busy")
     assert m.clear(spec(m, work_units=10)).winner.expected_completion_s == 15.0
-    m.release("busy", "j1")
+    m.presence.give_back(busy, "j1")
     assert m.asks({"busy"})[0]["queue_s"] == 0.0
     assert m.clear(spec(m, work_units=10)).winner.expected_completion_s == 10.0
 
@@ -224,14 +227,14 @@ def test_impossible_cold_starts_are_refused_and_record_nothing():
 def test_a_provider_with_less_memory_than_the_manifest_needs_never_wins():
     big = dataclasses.replace(ECHO, min_vram_gb=16.0)
     m = market(big)
-    m.connect("small", "op-small", {"echo": "1.0.0"}, vram_gb=8.0, free=1, slots=1,
-              digests={"echo": ""}, asks={"echo": 10})
+    connect(m, "small", "op-small", {"echo": "1.0.0"}, vram_gb=8.0, slots=1,
+            digests={"echo": ""}, asks={"echo": 10})
     m.observe("small", "echo", 10.0, 1000.0)
     assert spec(m).min_vram_gb == 16.0
     with pytest.raises(NoEligibleProvider):
         m.clear(spec(m))
     assert m.admitted(spec(m)) == set()  # nor in the cold market
-    m.connect("large", "op-large", {"echo": "1.0.0"}, vram_gb=24.0, free=1, slots=1,
-              digests={"echo": ""}, asks={"echo": 500})
+    connect(m, "large", "op-large", {"echo": "1.0.0"}, vram_gb=24.0, slots=1,
+            digests={"echo": ""}, asks={"echo": 500})
     m.observe("large", "echo", 10.0, 1000.0)
     assert m.clear(spec(m)).awards[0].provider_id == "large"

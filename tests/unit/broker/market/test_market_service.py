@@ -6,6 +6,8 @@ import pytest
 from broker.auction import CannotMeetTerms, InvalidAsk
 from broker.market import InvalidBenchmark, MarketService, MarketSettings, PluginNotServed
 
+from .agents import connect
+
 RESERVE = 1_000
 
 
@@ -15,9 +17,9 @@ def market(**settings):
 
 
 def join(m, pid, *, ask=None, measured=None, claim=None, op=None):
-    m.connect(pid, op or f"op-{pid}", {"echo": "1.0.0"}, free=1,
-              benchmarks={"echo": claim} if claim else None,
-              asks={"echo": ask} if ask else None)
+    connect(m, pid, op or f"op-{pid}", {"echo": "1.0.0"},
+            benchmarks={"echo": claim} if claim else None,
+            asks={"echo": ask} if ask else None)
     if measured:
         m.observe(pid, "echo", measured, 1000.0)  # `measured` units in one second
 
@@ -106,11 +108,11 @@ def test_an_ask_outlives_a_plugin_dropped_and_served_again():
     store = InMemoryAskStore()
     m = MarketService(lambda plugin: RESERVE, MarketSettings(), rng=random.Random(1),
                       clock=lambda: 1_000.0, store=store)
-    m.connect("p1", "op", {"echo": "1.0.0", "sd15": "1.0.0"}, asks={"echo": 300, "sd15": 700})
+    connect(m, "p1", "op", {"echo": "1.0.0", "sd15": "1.0.0"}, asks={"echo": 300, "sd15": 700})
     assert store.load_asks() == {"p1": {"echo": 300, "sd15": 700}}
-    m.connect("p1", "op", {"echo": "1.0.0"})                    # sd15 dropped
+    connect(m, "p1", "op", {"echo": "1.0.0"})                    # sd15 dropped
     assert {r["plugin"] for r in m.asks({"p1"})} == {"echo"}
-    m.connect("p1", "op", {"echo": "1.0.0", "sd15": "1.0.0"})   # and served again
+    connect(m, "p1", "op", {"echo": "1.0.0", "sd15": "1.0.0"})   # and served again
     rows = {r["plugin"]: r for r in m.asks({"p1"})}
     assert rows["sd15"]["price_micro_per_unit"] == 700 and not rows["sd15"]["at_reserve"]
     m.post_ask("p1", "echo", 250)
@@ -130,7 +132,7 @@ def test_the_ask_store_is_written_outside_the_clearing_lock():
         return real(*args, **kwargs)
 
     m.store.save_ask = save_ask
-    m.connect("p1", "op", {"echo": "1.0.0"}, asks={"echo": 300})
+    connect(m, "p1", "op", {"echo": "1.0.0"}, asks={"echo": 300})
     m.post_ask("p1", "echo", 400)
     assert held == [False, False]
 
