@@ -85,10 +85,13 @@ def test_three_replicas_serve_as_one_broker(tmp_path, pg_url):
         clients = [Client(u, client_key) for u in urls]
         start_balance = clients[0].account()["available_micro"]
 
+        # One job in ten runs for seconds, so that the cancels below find jobs still
+        # running however fast a loaded or an idle machine gets through the short ones.
+        sleeps = [3000 if i % 10 == 0 else rng.choice((100, 200, 400)) for i in range(JOBS)]
+
         def submit(i):
             client = clients[rng.randrange(3)]
-            return client.jobs.create("echo", text=f"job {i}",
-                                      sleep_ms=rng.choice((100, 200, 400)), steps=4,
+            return client.jobs.create("echo", text=f"job {i}", sleep_ms=sleeps[i], steps=4,
                                       idempotency_key=f"e2e-{i}").id
         with ThreadPoolExecutor(8) as pool:
             ids = list(pool.map(submit, range(JOBS)))
@@ -104,7 +107,9 @@ def test_three_replicas_serve_as_one_broker(tmp_path, pg_url):
             paused_at = _action(urls[1], console.cookies, paused_pid, "pause")[1]
             banned_at = _action(urls[2], console.cookies, banned_pid, "ban")[1]
             cancelled = set()
-            for job_id in rng.sample(ids, 20):  # cancels through random replicas
+            long_ones = [j for i, j in enumerate(ids) if sleeps[i] >= 3000]
+            # cancels through random replicas: ten of the long jobs, ten of any
+            for job_id in rng.sample(long_ones, 10) + rng.sample(ids, 10):
                 try:
                     clients[rng.randrange(2)].jobs.get(job_id).cancel()
                     cancelled.add(job_id)
