@@ -4,7 +4,7 @@ sits beside services.py, not in broker/admin, so that the console imports no sto
 (broker/storage imports the console's records: the loop is gone)."""
 from __future__ import annotations
 
-from broker.admin.disputes import DisputeService
+from broker.admin.disputes import DisputeService, Resolutions
 from broker.admin.service import PRICE_FIELDS, AdminService
 from broker.admin.session import AdminSessions
 from broker.pricing.policy import PolicyService
@@ -30,8 +30,11 @@ def audit_market_rules(audit):
 
 
 def build_admin(settings, sessions, *, secret: str, audit, pricing, providers, dispatcher,
-                ledger, payments, jobs, catalog, auth) -> dict:
-    disputes = DisputeService(SqlDisputeRepository(sessions), audit)
+                ledger, payments, jobs, catalog, auth, resolutions: Resolutions | None = None
+                ) -> dict:
+    """``resolutions``: who carries out an admin's override of a dispute (verification,
+    through the relay built before it; None: the override is recorded, nothing more)."""
+    disputes = DisputeService(SqlDisputeRepository(sessions), audit, resolutions=resolutions)
     admin = AdminService(pricing=pricing, policies=PolicyService(SqlPolicyRepository(sessions)),
                          providers=providers, dispatcher=dispatcher, audit=audit,
                          queries=SqlAdminQueries(sessions), ledger=ledger, payments=payments,

@@ -2,16 +2,21 @@
 from __future__ import annotations
 
 from broker.jobs.checkpoints import CheckpointPolicy, CheckpointService
-from broker.jobs.service import JobService
+from broker.jobs.hub import EventHub
+from broker.jobs.ports import BlobStore, JobRepository
 from broker.jobs.stalls import StallSettings, StallWatch
 from broker.storage.checkpoints_sql import SqlCheckpointRepository, leased_jobs
 
 
-def attach_checkpoints(jobs: JobService, sessions, settings) -> None:
-    jobs.checkpoints = CheckpointService(
-        jobs, SqlCheckpointRepository(sessions),
+def checkpoint_service(sessions, settings, *, jobs: JobRepository, blobs: BlobStore,
+                       hub: EventHub) -> CheckpointService:
+    """The job service's checkpoints (built before it and passed to it): kept in the
+    database, their bytes in the jobs' blob store, each one an event on its job."""
+    return CheckpointService(
+        SqlCheckpointRepository(sessions),
         CheckpointPolicy(min_steps=settings.checkpoint_min_steps,
-                         every_steps=settings.checkpoint_every_steps))
+                         every_steps=settings.checkpoint_every_steps),
+        jobs=jobs, blobs=blobs, hub=hub)
 
 
 def stall_watch(sessions, catalog, settings, market=None) -> StallWatch:

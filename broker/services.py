@@ -27,7 +27,8 @@ from broker.storage.sealed import attach as attach_at_rest
 from broker.catalog.registry import PluginCatalog
 from broker.jobs.dispatch import Dispatcher
 from broker.jobs.presence import ProviderPresence
-from broker.fault_tolerance import attach_checkpoints, stall_watch
+from broker.fault_tolerance import checkpoint_service, stall_watch
+from broker.jobs.events import JobEventRelay
 from broker.jobs.hub import EventHub
 from broker.jobs.model import SettledCopyCodec
 from broker.jobs.service import JobService, JobSettings
@@ -38,10 +39,10 @@ from broker.market import MarketService, MarketSettings
 from broker.providers.defaults import WeightsDefaults
 from broker.market.canary import CanaryService
 from broker.market.elsewhere import MarketElsewhere
-from broker.market.wiring import attach_market, manifests_of, terms_check
+from broker.market.wiring import MarketReceipts, manifests_of, terms_check
 from broker.payments.service import PaymentService
 from broker.pricing.service import PricingService
-from broker.providers.presence import Presence
+from broker.providers.presence import BuildsServed
 from broker.providers.service import ProviderService
 from broker.registry.service import RegistryService
 from broker.replicas import LocalBus, ReplicaBus
@@ -67,6 +68,7 @@ from broker.storage.metrics_sql import SqlMetricsReader
 from broker.storage.retention_sql import SqlBlobReferences
 from broker.storage.verification_sql import SqlVerificationRepository
 from broker.verification.records import CheckStatus
+from broker.verification.relay import VerificationRelay
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +170,15 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
     # Operator links (issue #20): what the broker sees that ties two accounts to one person
     links = LinkService(SqlLinkRepository(sessions),
                         LinkSettings(link_loopback=settings.link_loopback), audit=audit)
-    providers = ProviderService(SqlProviderRepository(sessions), links=links)
-    telemetry = TelemetryStore(providers.repo, registry=metrics.registry)
-    metrics.add_collector(telemetry.collect)
     ledger = LedgerService(SqlLedgerRepository(engine))
     ledger.open_platform_accounts()
     ledger = AuditedLedger(ledger, audit)  # every money movement lands in the audit log
     if counting:
         ledger = MeteredLedger(ledger, counting)  # postings and earnings in /metrics
+    # each agent that connects has its provider account's ledger accounts opened
+    providers = ProviderService(SqlProviderRepository(sessions), links=links, ledger=ledger)
+    telemetry = TelemetryStore(providers.repo, registry=metrics.registry)
+    metrics.add_collector(telemetry.collect)
     pricing = PricingService(SqlPriceRepository(sessions), bus=bus,
                              on_changed=audit_price_changes(audit))
     gateway = None
@@ -238,11 +241,22 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                            on_rule_changed=audit_market_rules(audit))
     # Whether anybody could run a build: the agents held here, and those any replica saw
     # within the window (no provider for a build: refuse, then expire; 0: never asked).
-    presence = (Presence(providers.repo, held.serving, held.ids,
-                         window_s=settings.unserved_expiry_s)
-                if settings.unserved_expiry_s > 0 else None)
-    jobs = JobService(job_repo, blobs(job_blobs, "jobs"), catalog, signer,
-                      EventHub(bus, SettledCopyCodec()),
+    builds_served = (BuildsServed(providers.repo, held.serving, held.ids,
+                                  window_s=settings.unserved_expiry_s)
+                     if settings.unserved_expiry_s > 0 else None)
+    hub = EventHub(bus, SettledCopyCodec())
+    jobs_blobs = blobs(job_blobs, "jobs")
+    # Checkpoints read and write what the job service does (rows, blobs, wake-ups): built
+    # before it from the same parts, and passed to it.
+    checkpoints = checkpoint_service(sessions, settings, jobs=job_repo, blobs=jobs_blobs,
+                                     hub=hub)
+    # What the job service tells the rest (broker.jobs.events): its listeners, all built
+    # after it, are joined to the relay below: the dispatcher, the market, verification.
+    job_events = JobEventRelay()
+    # Verification as the dispatcher, the canaries and the disputes see it (they are built
+    # before it): the verification service is joined to it once built (None: off).
+    verifying = VerificationRelay() if settings.verification else None
+    jobs = JobService(job_repo, jobs_blobs, catalog, signer, hub,
                       JobSettings(max_attempts=settings.max_attempts,
                                   lease_timeout_s=settings.lease_timeout_s,
                                   envelope_ttl_s=settings.envelope_ttl_s), billing=billing,
@@ -256,8 +270,8 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                       check_terms=terms_check(market),
                       on_failure=market.failed,  # the failures counted as the provider's
                       stalls=stall_watch(sessions, catalog, settings, market),
-                      presence=presence)
-    attach_checkpoints(jobs, sessions, settings)
+                      builds_served=builds_served, job_events=job_events,
+                      checkpoints=checkpoints)
     from broker.admin.session import load_or_create_secret
 
     # Exchanged API tokens are signed with a key derived from the console's secret, which
@@ -267,29 +281,35 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
     auth = ApiKeyService(accounts, token_secret=console_secret,
                          on_account_created=lambda account_id, role: _open_ledger_accounts(
                              ledger, account_id, role))
-    providers.on_connected = lambda p: ledger.open_provider(p.account_id)
+    # canaries answer known inputs: each is a check too (verification compares them)
     canaries = CanaryService(market, catalog, signer, lease_timeout_s=settings.lease_timeout_s,
-                             envelope_ttl_s=settings.envelope_ttl_s, extra=jobs.checkpoints,
-                             linked_to=links.linked_to)
+                             envelope_ttl_s=settings.envelope_ttl_s, extra=checkpoints,
+                             linked_to=links.linked_to, answers=verifying)
     # Lost disputes cut a provider's concurrency quota (verification's records hold it).
     dispatcher = Dispatcher(jobs, bus=bus, presence=held, market=market,
                             canary_sender=canaries.send_due,
                             needs_download=registry.warm.needs_download,
-                            on_left=presence.left if presence is not None else None,
-                            quota=verifications.quota_factor if settings.verification else None)
-    attach_market(market, canaries, jobs)
+                            on_left=builds_served.left if builds_served is not None else None,
+                            quota=verifications.quota_factor if settings.verification else None,
+                            stakes=verifying)  # a plugin's minimum stake (DESIGN §6)
+    job_events.join_placement(dispatcher)
+    # θ from the receipts goes to the market, each client job's inputs to the canaries
+    job_events.join_receipts(MarketReceipts(market, canaries))
     admin = build_admin(settings, sessions, secret=console_secret, audit=audit, pricing=pricing,
                         providers=providers, dispatcher=dispatcher, ledger=ledger,
-                        payments=payments, jobs=jobs, catalog=catalog, auth=auth)
+                        payments=payments, jobs=jobs, catalog=catalog, auth=auth,
+                        resolutions=verifying)  # an admin's override of a dispute
     maintenance = Maintenance(ledger, providers, interval_s=settings.maintenance_interval_s)
     maintenance.tasks.append(market.flush_figures)
     maintenance.tasks.append(retention.due)  # outputs, checkpoints and orphans expire
-    if presence is not None:
-        maintenance.tasks += [presence.refresh, jobs.expire_unserved]
+    if builds_served is not None:
+        maintenance.tasks += [builds_served.refresh, jobs.expire_unserved]
     verification = None
-    if settings.verification:
-        verification = _attach_verification(settings, sessions, accounts, jobs, catalog, ledger,
-                                            providers, admin, dispatcher, canaries, links)
+    if verifying is not None:
+        verification = _verification(settings, sessions, accounts, jobs, catalog, ledger,
+                                     providers, admin, dispatcher, links)
+        verifying.join(verification)  # stakes, canaries' answers, admins' overrides
+        job_events.join_ends(verification)  # every settled job, every other end
         maintenance.tasks.append(verification.sweep)
     from broker.ratelimit import RateLimiter, parse_limits
 
@@ -304,10 +324,10 @@ def build_services(settings: Settings, *, migrate: bool | str = True,
                     metrics=metrics, telemetry=telemetry, retention=retention)
 
 
-def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,
-                         dispatcher, canaries=None, links=None):
+def _verification(settings, sessions, accounts, jobs, catalog, ledger, providers, admin,
+                  dispatcher, links=None):
     """Spot redundancy (DESIGN §6): sample settled jobs for checks, judge them, and gate
-    dispatch on minimum stake and the quota lost disputes cut."""
+    dispatch on minimum stake and the quota lost disputes cut (the dispatcher's slots)."""
     import time as _time
 
     from broker.jobs.verification_port import JobsForVerification
@@ -326,16 +346,9 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     repo = SqlVerificationRepository(sessions)
     verification = VerificationService(
         repo, JobsForVerification(jobs), catalog, ledger, providers, admin["admin"].policies,
-        disputes=admin["disputes"], audit=admin["audit"], links=links,
+        disputes=admin["disputes"], audit=admin["audit"], links=links, quotas=dispatcher,
         settings=VerificationSettings(check_delay_s=(0.0, max(0.0, settings.check_delay_max_s))))
     verification.judge_in_background()  # not on the agent stream that settled the check
-    jobs.on_settled = verification.settled
-    admin["disputes"].on_resolved = verification.admin_resolved
-    if canaries is not None:  # canaries answer known inputs: each is a check too
-        canaries.on_answer = verification.canary_answer
-    jobs.on_ended = verification.ended
-    dispatcher.eligible = verification.stake_ok
-    verification.on_quota = dispatcher.set_quota
     return verification
 
 

@@ -3,15 +3,16 @@ them.
 
 Verification (``broker/verification``) opens a dispute with :meth:`DisputeService.open`
 once a 2-of-3 outcome exists, giving every side's output and the comparison figures.
-An admin may override the outcome with a required reason; :attr:`DisputeService.on_resolved`
-lets verification apply the money consequences (forfeit, slash, refund) of the final word.
+An admin may override the outcome with a required reason; the service's ``resolutions``
+(verification, passed at construction) apply the money consequences (forfeit, slash,
+refund) of the final word.
 """
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from broker.errors import BrokerError, NotFound
 
@@ -53,12 +54,20 @@ class DisputeRepository(Protocol):
         """Set the resolution of an *open* dispute; False if it was not open."""
 
 
+class Resolutions(Protocol):
+    """Who carries out an admin's override of a dispute (verification, DESIGN §6:
+    ``VerificationService.admin_resolved``): the chosen run's output, slashes, refunds."""
+
+    def admin_resolved(self, dispute: Dispute) -> None: ...
+
+
 class DisputeService:
-    def __init__(self, repo: DisputeRepository, audit=None, clock=time.time):
+    def __init__(self, repo: DisputeRepository, audit=None, clock=time.time,
+                 resolutions: Resolutions | None = None):
         self.repo = repo
         self.audit = audit
         self.clock = clock
-        self.on_resolved: Callable[[Dispute], None] = lambda dispute: None
+        self.resolutions = resolutions  # None: an override is recorded, nothing more
 
     def open(self, job_id: str, plugin: str, sides: list[dict], comparisons: dict,
              outcome: str, *, by: str = "verification") -> Dispute:
@@ -99,5 +108,6 @@ class DisputeService:
                               {"dispute": d.id, "before": d.outcome,
                                "after": f"{winner_provider_id} stands", "reason": reason})
         d = self.get(d.id)
-        self.on_resolved(d)
+        if self.resolutions is not None:
+            self.resolutions.admin_resolved(d)
         return d

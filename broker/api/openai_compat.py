@@ -186,13 +186,13 @@ def _model(name: Any, kind: str | None = None, param: str = "model"):
 
 
 def _model_json(manifest) -> dict:
-    presence = services().jobs.presence
+    served = services().jobs.builds_served
     return {"id": manifest.name, "object": "model", "created": 0,
             "owned_by": manifest.publisher,
             "sparecycles": {"version": manifest.version, "output": manifest.output,
                             "endpoints": _kinds(manifest), "description": manifest.description,
-                            "online": (presence.serves(manifest.name, manifest.version)
-                                       if presence is not None else None)}}
+                            "online": (served.serves(manifest.name, manifest.version)
+                                       if served is not None else None)}}
 
 
 @bp.get("/v1/models")

@@ -26,7 +26,10 @@ from typing import Protocol
 from sdk.protocol.canonical import sha256_hex
 
 from .errors import ReceiptRefused
+from .hub import EventHub
+from .lease_check import leased_job
 from .model import Job
+from .ports import BlobStore, JobRepository
 
 MAX_CHECKPOINT_BYTES = 64 * 1024 * 1024  # one gRPC message
 
@@ -117,9 +120,15 @@ class Part:
 
 
 class CheckpointService:
-    def __init__(self, jobs, repo: CheckpointRepository, policy: CheckpointPolicy | None = None,
-                 clock=time.time):
-        self.jobs = jobs            # JobService
+    """Built before the job service and passed to it (``JobService(checkpoints=...)``): it
+    reads and writes what the job service does, the jobs' rows and events (``jobs``), their
+    blob store (``blobs``) and the hub that wakes a job's followers (``hub``)."""
+
+    def __init__(self, repo: CheckpointRepository, policy: CheckpointPolicy | None = None, *,
+                 jobs: JobRepository, blobs: BlobStore, hub: EventHub, clock=time.time):
+        self.job_repo = jobs
+        self.blobs = blobs
+        self.hub = hub
         self.repo = repo
         self.policy = policy or CheckpointPolicy()
         self.clock = clock
@@ -151,17 +160,17 @@ class CheckpointService:
         an older checkpoint again changes nothing). ``stored``: the agent PUT the bytes
         into the blob store itself (a presigned URL); the stored object's checksum is
         checked instead."""
-        job = self.jobs._leased(provider_id, job_id, attempt)
+        job = leased_job(self.job_repo, provider_id, job_id, attempt)
         base = self._admissible(job, step, total)
         if stored:
-            state = self.jobs.blobs.check(sha256) if sha256 else "missing"
+            state = self.blobs.check(sha256) if sha256 else "missing"
             if state != "ok":
                 raise ReceiptRefused(
                     "checkpoint_missing" if state == "missing" else "checkpoint_hash_mismatch",
                     f"checkpoint {sha256[:12]}… of job {job_id} is "
                     f"{'not in the blob store' if state == 'missing' else 'stored as other bytes'}"
                     "; PUT it with the URL from an UploadRequest first")
-            actual, size = sha256, self.jobs.blobs.size(sha256)
+            actual, size = sha256, self.blobs.size(sha256)
         else:
             if len(data) > MAX_CHECKPOINT_BYTES:
                 raise ReceiptRefused("checkpoint_too_large", f"checkpoint of {len(data)} bytes; "
@@ -170,7 +179,7 @@ class CheckpointService:
             if sha256 and actual != sha256:
                 raise ReceiptRefused("checkpoint_hash_mismatch",
                                      f"checkpoint of job {job_id} hashes to {actual}, not {sha256}")
-            self.jobs.blobs.put(data)
+            self.blobs.put(data)
             size = len(data)
         rec = CheckpointRecord(job_id=job.id, attempt=attempt, provider_id=provider_id,
                                base_step=base, step=step, total=total, sha256=actual,
@@ -178,9 +187,9 @@ class CheckpointService:
                                rate_micro_per_unit=getattr(job, "price_micro_per_unit", None),
                                created_at=self.clock())
         if self.repo.save(rec):
-            self.jobs.repo.add_event(job.id, "checkpoint", {"attempt": attempt, "step": step,
-                                                            "total": total, "sha256": actual})
-            self.jobs.hub.notify(job.id)
+            self.job_repo.add_event(job.id, "checkpoint", {"attempt": attempt, "step": step,
+                                                          "total": total, "sha256": actual})
+            self.hub.notify(job.id)
             return rec
         return None
 
@@ -219,18 +228,18 @@ class CheckpointService:
     def fetch(self, provider_id: str, job_id: str, attempt: int, sha256: str) -> bytes:
         """The checkpoint the envelope of the attempt ``provider_id`` holds names."""
         self._resumes_from(provider_id, job_id, attempt, sha256)
-        return self.jobs.blobs.get(sha256)
+        return self.blobs.get(sha256)
 
     def fetch_url(self, provider_id: str, job_id: str, attempt: int, sha256: str) -> str:
         """As :meth:`fetch`, a presigned GET URL of the checkpoint (stores that presign)."""
         self._resumes_from(provider_id, job_id, attempt, sha256)
-        if not self.jobs.blobs.exists(sha256):
+        if not self.blobs.exists(sha256):
             raise ReceiptRefused("checkpoint_missing", f"checkpoint {sha256[:12]}… is no "
                                  "longer in the blob store")
-        return self.jobs.blobs.presign_get(sha256)[0]
+        return self.blobs.presign_get(sha256)[0]
 
     def _resumes_from(self, provider_id: str, job_id: str, attempt: int, sha256: str) -> None:
-        job = self.jobs._leased(provider_id, job_id, attempt)
+        job = leased_job(self.job_repo, provider_id, job_id, attempt)
         resume = (job.envelope or {}).get("resume") or {}
         if not sha256 or resume.get("sha256") != sha256:
             raise ReceiptRefused("unknown_checkpoint",

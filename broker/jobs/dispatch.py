@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from broker.auction.errors import NoMatch
 
 from .model import Job, JobState, job_from_wire, job_to_wire
+from .ports import StakeCheck
 from .presence import AgentSession, Lease, ProviderPresence
 from .service import JobService
 
@@ -48,7 +49,8 @@ class Dispatcher:
                  canary_sender: Callable[[AgentSession], None] | None = None,
                  quota: Callable[[str], float] | None = None,
                  needs_download: Callable[[str, Job], bool] | None = None,
-                 on_left: Callable[[str], None] | None = None):
+                 on_left: Callable[[str], None] | None = None,
+                 stakes: StakeCheck | None = None):
         """``presence``: the agents whose streams this replica holds (shared with whoever else
         reads them: a ``market`` must be built on the same one; None: the market's, else a
         fresh one). ``bus``: the other broker replicas
@@ -62,7 +64,11 @@ class Dispatcher:
         whether the provider would first have to download something the job names (an
         adapter it has not installed, issue #3); such providers are avoided while one that
         holds everything can take the job. ``on_left(provider_id)``: an agent's stream ended
-        (broker.providers.presence: it was seen until now)."""
+        (broker.providers.presence: it was seen until now). ``stakes``: whether a provider
+        holds a plugin's minimum stake (verification, DESIGN §6; None: every provider does).
+        The job service tells the dispatcher what it places (:meth:`queued`,
+        :meth:`released`, :meth:`cancel`, :meth:`second_opinion`) once the wiring joins it
+        to the job service's events (``JobEventRelay.join_placement``)."""
         self.jobs = jobs
         self.bus = bus
         self.reap_interval_s = reap_interval_s
@@ -104,13 +110,10 @@ class Dispatcher:
         self.quota = quota or (lambda provider_id: 1.0)
         self.needs_download = needs_download or (lambda provider_id, job: False)
         # Verification (DESIGN §6): whether a provider may take a plugin's jobs (it holds
-        # the plugin's minimum stake; set by the wiring, as verification is built later).
-        self.eligible = lambda provider_id, plugin: True
+        # the plugin's minimum stake).
+        self.eligible = (stakes.stake_ok if stakes is not None
+                         else (lambda provider_id, plugin: True))
         self.on_left = on_left or (lambda provider_id: None)
-        jobs.on_queued = self._queued
-        jobs.on_released = self._released
-        jobs.second_opinion = self.second_opinion
-        jobs.cancel_hook = self._cancel
         if bus is not None:
             bus.subscribe("queued", self._queued_elsewhere)
             bus.subscribe("released", lambda d: self._released_here(d.get("p"), d.get("j")))
@@ -226,7 +229,7 @@ class Dispatcher:
             return None
         return own.account_id
 
-    def _released(self, provider_id: str | None, job_id: str) -> None:
+    def released(self, provider_id: str | None, job_id: str) -> None:
         if not self._released_here(provider_id, job_id) and provider_id and self.bus:
             self.bus.publish("released", {"p": provider_id, "j": job_id})
 
@@ -240,7 +243,7 @@ class Dispatcher:
         self.kick()
         return s is not None
 
-    def _cancel(self, job: Job) -> None:
+    def cancel(self, job: Job) -> None:
         reason = job.error_message or "cancelled"
         if not self._send_cancel(job.provider_id, job.id, job.attempt, reason) \
                 and job.provider_id and self.bus is not None:
@@ -294,7 +297,7 @@ class Dispatcher:
         self._scanned_at = float("-inf")
         self.kick()
 
-    def _queued(self, job: Job, siblings: list[Job] | None = None) -> None:
+    def queued(self, job: Job, siblings: list[Job] | None = None) -> None:
         """A job was queued: hand it out at once from the caller's thread when nothing is
         waiting ahead of it (saves a thread hop and a queue scan); else wake the loop.
         ``siblings``: a split request's jobs, queued together (they clear together)."""

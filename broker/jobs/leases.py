@@ -19,7 +19,7 @@ from broker.auth.service import Principal
 from broker.errors import InvalidRequest
 from .errors import JobNotCancellable, ReceiptRefused
 from .model import LEASED, Job, JobState
-from .queries import _is_uuid
+from .lease_check import check_lease, is_uuid, leased_job
 from .repro import ENVELOPE_FIELD as REPRO_FIELD, declared_class
 
 log = logging.getLogger(__name__)
@@ -86,11 +86,7 @@ class JobLeases:
     # ---- agents ----------------------------------------------------------------------
     def _leased(self, provider_id: str, job_id: str, attempt: int, job: Job | None = None) -> Job:
         """The job if ``attempt`` of it is leased to ``provider_id`` (``job``: as just read)."""
-        if job is None:
-            job = self.repo.get(job_id) if _is_uuid(job_id) else None
-        _check_lease(job_id, provider_id, attempt,
-                     None if job is None else (job.state, job.provider_id, job.attempt))
-        return job
+        return leased_job(self.repo, provider_id, job_id, attempt, job)
 
     def accepted(self, provider_id: str, job_id: str, attempt: int) -> None:
         now = self.clock()
@@ -138,8 +134,8 @@ class JobLeases:
                      sha256: str) -> str:
         """An output sent ahead of its receipt (a large one)."""
         # Only the lease is needed, not the whole row.
-        _check_lease(job_id, provider_id, attempt,
-                     self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
+        check_lease(job_id, provider_id, attempt,
+                    self.repo.lease_of(job_id) if is_uuid(job_id) else None)
         return self._put_output(job_id, data, sha256)
 
     def grant_uploads(self, provider_id: str, job_id: str, attempt: int,
@@ -152,8 +148,8 @@ class JobLeases:
         if copy is None or copy[0].provider_id != provider_id or copy[0].attempt != attempt:
             # Not this process's fresh lease: read it. (A copy out of date only hands out
             # URLs; the receipt's conditional settlement still decides.)
-            _check_lease(job_id, provider_id, attempt,
-                         self.repo.lease_of(job_id) if _is_uuid(job_id) else None)
+            check_lease(job_id, provider_id, attempt,
+                        self.repo.lease_of(job_id) if is_uuid(job_id) else None)
         return self.presign_uploads(blobs)
 
     def presign_uploads(self, blobs: list[tuple[str, int]]) -> list:
@@ -194,7 +190,7 @@ class JobLeases:
         return self.blobs.put(data)
 
     def heartbeat(self, provider_id: str, running_job_ids: list[str]) -> None:
-        ids = [j for j in running_job_ids if _is_uuid(j)]
+        ids = [j for j in running_job_ids if is_uuid(j)]
         self.repo.extend_leases(provider_id, ids, self.clock() + self.settings.lease_timeout_s)
 
     def give_back(self, provider_id: str, job_id: str, attempt: int, reason: str) -> Job | None:
@@ -202,7 +198,7 @@ class JobLeases:
             job = self._leased(provider_id, job_id, attempt)
         except ReceiptRefused:
             return None
-        self.on_released(provider_id, job_id)
+        self.job_events.released(provider_id, job_id)
         return self._requeue(job, "given_back", reason, count_attempt=False)
 
     def reap_expired(self) -> list[Job]:
@@ -251,10 +247,10 @@ class JobLeases:
             return None
         log.info("job %s failed: its deadline of %gs passed", job.id, job.deadline_s)
         if job.state in LEASED and job.provider_id:
-            self.cancel_hook(moved)
-            self.on_released(job.provider_id, job.id)
+            self.job_events.cancel(moved)
+            self.job_events.released(job.provider_id, job.id)
         self.hub.notify(job.id, ended=True)
-        self.on_ended(moved)
+        self.job_events.ended(moved)
         return moved
 
     def take_back(self, job: Job, kind: str, reason: str) -> Job | None:
@@ -263,8 +259,8 @@ class JobLeases:
         stop (a job that settled in the meantime keeps both)."""
         moved = self._requeue(job, kind, reason)
         if moved is not None:
-            self.on_released(job.provider_id, job.id)
-            self.cancel_hook(job)
+            self.job_events.released(job.provider_id, job.id)
+            self.job_events.cancel(job)
         return moved
 
     def _requeue(self, job: Job, kind: str, reason: str, count_attempt: bool = True,
@@ -290,7 +286,7 @@ class JobLeases:
             log.info("job %s requeued (%s): %s", job.id, kind,
                      reason if logged is None else logged)
             self.hub.notify(job.id)
-            self.on_queued(moved)
+            self.job_events.queued(moved)
         return moved
 
     def expire_unserved(self, limit: int = 500) -> list[Job]:
@@ -298,23 +294,23 @@ class JobLeases:
         presence window: no provider connected now serves it and none that does was seen
         within the window. Each fails ``no_provider`` with its hold voided (a full refund)
         and a ``failed`` event; the maintenance thread calls it every pass."""
-        if self.presence is None:
+        if self.builds_served is None:
             return []
         served: dict[tuple[str, str], bool] = {}
         gone = []
         for job in self.repo.queued(limit):
             build = (job.plugin, job.plugin_version)
             if build not in served:
-                served[build] = self.presence.serves(*build)
+                served[build] = self.builds_served.serves(*build)
             if served[build]:
                 continue
             moved = self._fail(job, NO_PROVIDER,
                                f"no provider has served {job.plugin}@{job.plugin_version} for "
-                               f"{self.presence.window_s:g} s (none connected, none seen), so "
-                               "the job was given up and its hold released in full")
+                               f"{self.builds_served.window_s:g} s (none connected, none "
+                               "seen), so the job was given up and its hold released in full")
             if moved is not None:
                 log.info("job %s failed: no provider served %s@%s for %gs", job.id,
-                         job.plugin, job.plugin_version, self.presence.window_s)
+                         job.plugin, job.plugin_version, self.builds_served.window_s)
                 gone.append(moved)
         return gone
 
@@ -338,11 +334,11 @@ class JobLeases:
                                     lambda: self.billing.cancelled(job, reason, shown))
             if moved is not None:
                 if job.state in LEASED and job.provider_id:
-                    self.cancel_hook(job)
-                    self.on_released(job.provider_id, job.id)
+                    self.job_events.cancel(job)
+                    self.job_events.released(job.provider_id, job.id)
                 self.hub.notify(job.id, ended=True)
                 self._ended(moved)
-                self.on_ended(moved)
+                self.job_events.ended(moved)
                 return moved
             job = self.get(who, job_id)
         if job.state == JobState.CANCELLED:
@@ -366,16 +362,3 @@ def _check_output(job_id: str, data: bytes, sha256: str) -> None:
     if sha256 and actual != sha256:
         raise ReceiptRefused("output_hash_mismatch",
                              f"output of job {job_id} hashes to {actual}, not {sha256}")
-
-
-def _check_lease(job_id: str, provider_id: str, attempt: int,
-                 lease: tuple[JobState, str | None, int] | None) -> None:
-    """Refuse unless ``lease`` (state, holder, attempt) says ``attempt`` of the job is
-    leased to ``provider_id``."""
-    if lease is None:
-        raise ReceiptRefused("unknown_job", f"no job {job_id!r}")
-    state, holder, current = lease
-    if holder != provider_id or current != attempt or state not in LEASED:
-        raise ReceiptRefused("not_your_job",
-                             f"job {job_id} attempt {attempt} is not leased to you (it is "
-                             f"{state.value}, attempt {current})")

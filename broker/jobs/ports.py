@@ -68,13 +68,20 @@ class JobRepository(Protocol):
         """Settled jobs, not cache answers themselves, with this result-cache key."""
 
 
-class Presence(Protocol):
+class BuildsServed(Protocol):
     """Whether some provider known to the broker serves a plugin build (connected now, or
-    seen within ``window_s``): broker.providers.presence.Presence."""
+    seen within ``window_s``): broker.providers.presence.BuildsServed."""
 
     window_s: float
 
     def serves(self, plugin: str, version: str) -> bool: ...
+
+
+class StakeCheck(Protocol):
+    """Whether a provider may take a plugin's jobs: it holds the plugin's minimum stake
+    (DESIGN §6; broker.verification, through the relay the wiring builds before it)."""
+
+    def stake_ok(self, provider_id: str, plugin: str) -> bool: ...
 
 
 class BlobStore(Protocol):

@@ -7,12 +7,12 @@ A part of :class:`broker.jobs.service.JobService` (which holds the state read he
 from __future__ import annotations
 
 import time
-import uuid
 from fractions import Fraction
 
 from broker.auth.service import Principal
 from .errors import JobNotFound, OutputExpired, OutputNotFound
 from .checkpoints import steps_of
+from .lease_check import is_uuid
 from .hub import HubWait, Waiting, drive, quiet_slice_s
 from .model import LEASED, Job, JobEvent, JobOutput
 
@@ -22,13 +22,13 @@ class JobQueries:
 
     def batch(self, who: Principal, batch_id: str) -> list[Job]:
         """The siblings of a split request, in order (404 unless they are the caller's)."""
-        jobs = self.repo.batch(batch_id) if _is_uuid(batch_id) else []
+        jobs = self.repo.batch(batch_id) if is_uuid(batch_id) else []
         if not jobs or (jobs[0].account_id != who.account_id and who.role != "admin"):
             raise JobNotFound(f"no batch {batch_id!r} in your account")
         return jobs
 
     def get(self, who: Principal, job_id: str) -> Job:
-        job = self.repo.get(job_id) if _is_uuid(job_id) else None
+        job = self.repo.get(job_id) if is_uuid(job_id) else None
         if job is None or (job.account_id != who.account_id and who.role != "admin"):
             raise JobNotFound(f"no job {job_id!r} in your account")
         return job
@@ -174,10 +174,3 @@ class JobQueries:
     def queued(self, limit: int = 200) -> list[Job]:
         return self.repo.queued(limit)
 
-
-def _is_uuid(value: str) -> bool:
-    try:
-        uuid.UUID(str(value))
-        return True
-    except ValueError:
-        return False

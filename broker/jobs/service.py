@@ -27,7 +27,9 @@ from .errors import NoProvider
 from .hub import EventHub
 from .model import Job, JobOutput, JobRequest, JobState
 from .cache import result_cache_key
-from .ports import BlobStore, JobMetrics, JobRepository, NoMetrics, Presence
+from .checkpoints import CheckpointService
+from .events import JobEventRelay, JobEvents
+from .ports import BlobStore, BuildsServed, JobMetrics, JobRepository, NoMetrics
 from .stalls import StallWatch
 from .leases import JobLeases
 from .queries import JobQueries
@@ -84,7 +86,10 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                  check_inputs: Callable[[str, dict], None] | None = None,
                  check_terms: Callable[[Job, int], None] | None = None,
                  on_failure: Callable[[str, str], None] | None = None,
-                 stalls: StallWatch | None = None, presence: Presence | None = None):
+                 stalls: StallWatch | None = None,
+                 builds_served: BuildsServed | None = None,
+                 job_events: JobEvents | None = None,
+                 checkpoints: CheckpointService | None = None):
         self.repo = repo
         self.metrics = metrics or NoMetrics()  # broker.observability.metrics
         # Draws the seed of every job whose client gave none (see draw_seed)
@@ -99,35 +104,27 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         self.hub = hub or EventHub()
         self.settings = settings or JobSettings()
         self.clock = clock
-        # set by the dispatcher; ``siblings``: a split's jobs, all just queued
-        self.on_queued = lambda job, siblings=None: None
-        self.on_released = lambda provider_id, job_id: None
-        self.cancel_hook = lambda job: None      # pushes Cancel to the agent holding a job
-        self.checkpoints = None   # broker.jobs.checkpoints.CheckpointService (resume, shares)
+        # What this service tells the rest: the dispatcher (queued, released, cancel, a
+        # second opinion), the market (receipts) and verification (settled, ended), joined
+        # to the relay by the wiring (broker.jobs.events; None: a relay nobody joined).
+        self.job_events: JobEvents = (job_events if job_events is not None
+                                      else JobEventRelay())
+        # Resuming from checkpoints and the shares of earlier attempts (None: none kept)
+        self.checkpoints = checkpoints
         self.stalls = stalls      # runs far past their bound are taken back (None: never)
         # The market: admission of a job's terms before any row or hold (raises
         # CannotMeetTerms; None: every job's terms are admitted).
         self.check_terms = check_terms
-        # Whether anybody could run a build (broker.providers.presence; None: never asked):
-        # a job for a build no provider known to the broker serves is refused at submit
-        # (409 no_provider), and expire_unserved() gives up queued jobs whose build has
-        # had none for the window.
-        self.presence = presence
+        # Whether some provider known to the broker serves a build (broker.providers.
+        # presence.BuildsServed; None: never asked): a job for a build no provider known to
+        # the broker serves is refused at submit (409 no_provider), and expire_unserved()
+        # gives up queued jobs whose build has had none for the window.
+        self.builds_served = builds_served
         # Input checks that need more than the manifest: the registry refuses adapters
         # published for another plugin (raises InvalidInput).
         self.check_inputs = check_inputs or (lambda plugin, inputs: None)
-        # Every settled receipt, with when it reached the broker (epoch seconds): the market
-        # times the run from the assignment (``matched_at``) to then (θ, DESIGN §4).
-        self.on_receipt = lambda job, receipt, received_at: None
         # A run that failed in a way that counts against the provider's reliability.
         self.on_failure = on_failure or (lambda provider_id, plugin: None)
-        # (job, provider id) -> that provider's operator (account id) when a provider of
-        # another operator is connected that could run the job, else None (see failed()).
-        self.second_opinion = lambda job, provider_id: None
-        # Verification (DESIGN §6, broker.verification.service): every settled job, after
-        # its money moved, and every job that ended without settling (failed, cancelled).
-        self.on_settled = lambda job, receipt: None
-        self.on_ended = lambda job: None
         # Each lease as assign() wrote it (newest ASSIGNED_COPIES), with the sha256 of its
         # envelope as signed, so a receipt neither reads back what this process just wrote
         # nor encodes the envelope again (see receipt()).
@@ -208,7 +205,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
             self.hub.notify(job.id, ended=True)
         elif not job.batch_id:
             self.hub.notify(job.id, relay=False)  # nobody elsewhere knows its id yet
-            self.on_queued(job)
+            self.job_events.queued(job)
         return job, True
 
     def resolve_inputs(self, manifest, raw: Any, weights_digest: str | None = None) -> dict:
@@ -268,11 +265,11 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                 return self._answer_from_cache(who, manifest, inputs, source, job_id,
                                                idempotency_key, request_hash, now, terms,
                                                weights, output_format, cache_key)
-        if self.presence is not None and not self.presence.serves(manifest.name,
-                                                                   manifest.version):
+        served = self.builds_served
+        if served is not None and not served.serves(manifest.name, manifest.version):
             raise NoProvider(
                 f"no provider serves {manifest.ref}: none is connected, and none that "
-                f"serves it was seen in the last {self.presence.window_s:g} s, so nobody "
+                f"serves it was seen in the last {served.window_s:g} s, so nobody "
                 "could run this job; nothing was queued or held. Submit it once a provider "
                 "serving it is online (GET /readyz counts providers online)",
                 field="plugin", plugin=manifest.name, version=manifest.version)
@@ -420,7 +417,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         for job in created:
             self.hub.notify(job.id, relay=False)
         # One wake-up once every sibling exists, so that they clear together.
-        self.on_queued(created[0], siblings=created)
+        self.job_events.queued(created[0], siblings=created)
         return created[0]
 
     def submit_check(self, primary: Job, check_id: str, account_id: str, inputs: dict,
@@ -458,7 +455,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
             # caller's block, when there is one (verification records the check with it).
             # Waking it is a hint only (it re-reads the queue every 0.5 s); ``atomic`` logs
             # a failure, which never reads as a failed submit.
-            tx.after_commit(lambda: (self.hub.notify(job.id), self.on_queued(job),
+            tx.after_commit(lambda: (self.hub.notify(job.id), self.job_events.queued(job),
                                      self.metrics.submitted(job.plugin)))
         return job
 

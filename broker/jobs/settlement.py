@@ -14,7 +14,7 @@ from sdk.protocol.envelope import EnvelopeError, open_receipt
 from .errors import ReceiptRefused
 from .model import LEASED, Job, JobOutput, JobState
 from .leases import _check_output
-from .queries import _is_uuid
+from .lease_check import is_uuid
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class JobSettlement:
                                     received_at=received_at)
             except _Moved:
                 pass
-        job = self.repo.get(job_id) if _is_uuid(job_id) else None
+        job = self.repo.get(job_id) if is_uuid(job_id) else None
         if job is None:
             raise ReceiptRefused("unknown_job", f"receipt names unknown job {job_id!r}")
         if (job.receipt == rec and job.provider_id == provider_id
@@ -120,17 +120,18 @@ class JobSettlement:
                 self.blobs.put(blob)
             self._charge(settled, rec)
         try:
-            self.on_receipt(settled, rec, self.clock() if received_at is None else received_at)
+            self.job_events.receipt(settled, rec,
+                                self.clock() if received_at is None else received_at)
             if _input_disputed(settled):  # whoever called this input bad was wrong
                 for refuser in self._input_refusers(job.id):
                     self.on_failure(refuser, job.plugin)
         except Exception:  # noqa: BLE001 - a measurement must never undo a settlement
             log.exception("job %s: telling the market of the receipt (timings, refusals of "
                           "its input) failed", job.id)
-        self.on_released(provider_id, job.id)
+        self.job_events.released(provider_id, job.id)
         # Verification draws whether to check the job once its receipt is signed and
         # settled, before the client is woken, so it never sees a status that changes back.
-        self.on_settled(settled, rec)
+        self.job_events.settled(settled, rec)
         self.hub.notify(job.id, ended=True, copy=(settled, tuple(outputs)))
         self._ended(settled)
         if received_at:  # the wall clock the gateway stamped the receipt with
@@ -143,7 +144,7 @@ class JobSettlement:
             job = self._leased(provider_id, job_id, attempt)
         except ReceiptRefused:
             return None  # already moved (cancelled, requeued): nothing to do
-        self.on_released(provider_id, job_id)
+        self.job_events.released(provider_id, job_id)
         if code == BAD_INPUT and not retryable and not job.check_of:
             return self._input_refused(job, provider_id, message)
         self.on_failure(provider_id, job.plugin)
@@ -165,7 +166,7 @@ class JobSettlement:
         if _input_disputed(job):  # refused by a provider of another operator already
             return self._fail(job, BAD_INPUT, f"{message} (providers of two operators "
                                               "refused this input)")
-        operator = self.second_opinion(job, provider_id)
+        operator = self.job_events.second_opinion(job, provider_id)
         if operator is None:
             self.on_failure(provider_id, job.plugin)
             return self._fail(job, BAD_INPUT, message)
@@ -181,7 +182,7 @@ class JobSettlement:
 
     def give_up(self, job: Job, code: str, message: str) -> Job | None:
         """Fail a queued job the broker will not run after all (a check no provider of
-        another operator took in time): its hold is released, ``on_ended`` runs."""
+        another operator took in time): its hold is released, ``job_events.ended`` runs."""
         return self._fail(job, code, message)
 
     def _fail(self, job: Job, code: str, message: str) -> Job | None:
@@ -197,7 +198,7 @@ class JobSettlement:
         if moved is not None:
             self.hub.notify(job.id, ended=True)
             self._ended(moved)
-            self.on_ended(moved)
+            self.job_events.ended(moved)
         return moved
 
     def _ended(self, job: Job) -> None:

@@ -32,6 +32,18 @@ from .throughput import timed_sample
 log = logging.getLogger(__name__)
 
 
+class CanaryAnswers(Protocol):
+    """Who compares each canary's outputs with the answer known for its inputs
+    (verification, DESIGN §6: ``VerificationService.canary_answer``). ``source``: the
+    client job whose inputs the canary reused ("" for the benchmark payload);
+    ``recorded``: the class its envelope recorded (``Canary.repro``). Returns what the
+    comparison found ("learning", "valid", "invalid", "ambiguous"; None: nobody did)."""
+
+    def canary_answer(self, provider_id: str, plugin: str, version: str, inputs: dict,
+                      receipt: dict, source: str = "",
+                      recorded: dict | None = None) -> str | None: ...
+
+
 class EnvelopeExtra(Protocol):
     """What a job's envelope says beyond its inputs (``CheckpointService.envelope_extra``:
     ``checkpoint_every``), so a canary's envelope carries exactly what a job's would."""
@@ -47,7 +59,8 @@ class CanaryService:
     def __init__(self, market: MarketService, catalog: PluginCatalog, signer: KeyPair, *,
                  lease_timeout_s: float = 30.0, envelope_ttl_s: float = 60.0,
                  extra: EnvelopeExtra | None = None, rng: random.Random | None = None,
-                 linked_to: Callable[[str], frozenset[str]] | None = None):
+                 linked_to: Callable[[str], frozenset[str]] | None = None,
+                 answers: CanaryAnswers | None = None):
         self.market = market
         # the operator accounts the broker sees tied to one (broker.links): their jobs'
         # inputs are no canary's for it, as its own are not
@@ -62,12 +75,9 @@ class CanaryService:
         # look like
         self._recent: dict[tuple[str, str], deque] = {}
         self._recent_lock = threading.Lock()
-        # Verification (DESIGN §6) compares each canary's outputs with the answer known
-        # for its inputs: on_answer(provider_id, plugin, version, inputs, receipt, source,
-        # repro), ``source`` the client job whose inputs it reused ("" for the benchmark
-        # payload), ``repro`` the class its envelope recorded (``Canary.repro``).
-        self.on_answer = (lambda provider_id, plugin, version, inputs, receipt, source,
-                          repro: None)
+        # Verification compares each canary's outputs with the answer known for its
+        # inputs (None: nobody compares them; canaries still measure θ).
+        self.answers = answers
         self.seeds = 4  # canaries draw their seed from this many, each with a known answer
 
     def send_due(self, session) -> int:
@@ -181,10 +191,10 @@ class CanaryService:
         if canary is None:  # a duplicate receipt handled meanwhile
             return str(rec.get("job_id"))
         self.market.presence.give_back(session, canary.job_id)
-        if canary.version:
+        if canary.version and self.answers is not None:
             try:
-                self.on_answer(session.provider_id, canary.plugin, canary.version,
-                               canary.inputs, rec, canary.source, canary.repro)
+                self.answers.canary_answer(session.provider_id, canary.plugin, canary.version,
+                                           canary.inputs, rec, canary.source, canary.repro)
             except Exception:  # noqa: BLE001 - a check must never lose the measurement
                 log.exception("canary %s: comparing with the known answer failed", canary.job_id)
         sample = timed_sample(rec, canary.work_units, canary.sent_at, received_at)

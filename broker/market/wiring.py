@@ -7,7 +7,6 @@ from collections.abc import Callable
 from broker.catalog.registry import PluginCatalog
 from broker.errors import UnknownPlugin
 from broker.jobs.model import Job
-from broker.jobs.service import JobService
 from sdk.protocol.manifest import Manifest
 
 from .canary import CanaryService
@@ -43,18 +42,22 @@ def terms_check(market: MarketService) -> Callable[[Job, int], None]:
     return check_terms
 
 
-def attach_market(market: MarketService, canaries: CanaryService | None,
-                  jobs: JobService) -> None:
-    """θ from the job service's receipts goes to the market, and each client job's inputs to
-    the canaries (which are built after the job service: they sign with its checkpoints)."""
-    def on_receipt(job: Job, receipt: dict, received_at: float) -> None:
+class MarketReceipts:
+    """The market's side of the job service's receipts (a ``JobEvents`` receipt watcher,
+    joined by the wiring): θ goes to the market, and each client job's inputs to the
+    canaries (None: no canaries), which reuse them."""
+
+    def __init__(self, market: MarketService, canaries: CanaryService | None = None):
+        self.market = market
+        self.canaries = canaries
+
+    def receipt(self, job: Job, receipt: dict, received_at: float) -> None:
         # θ as the broker saw it: from sending the assignment to the receipt's arrival,
         # the units the broker computed for the inputs (throughput.timed_sample).
+        market, canaries = self.market, self.canaries
         sample = timed_sample(receipt, job.work_units, job.matched_at, received_at)
         if sample is not None and job.provider_id is not None:
             market.observe(job.provider_id, job.plugin, *sample)
         if canaries is not None and not job.check_of and job.provider_id is not None:
             canaries.remember(job.plugin, job.plugin_version,
                               market.operator_of(job.provider_id) or "", job.inputs, job.id)
-
-    jobs.on_receipt = on_receipt

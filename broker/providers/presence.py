@@ -1,8 +1,8 @@
-"""Presence: whether some provider known to the broker serves a plugin build.
+"""BuildsServed: whether some provider known to the broker serves a plugin build.
 
 "Known" is: connected to this broker process now, or seen by any replica within
 ``window_s`` (the providers table's ``last_seen_at``: written when an agent connects,
-refreshed by :meth:`Presence.refresh` while it stays connected, and when it disconnects).
+refreshed by :meth:`BuildsServed.refresh` while it stays connected, and when it disconnects).
 The window is what lets an agent that is a moment away count: a replica restarting, an
 agent reconnecting after a network blip, or one connected to another replica. A job for a
 build nobody is known to serve is refused at submit (nothing could run it, and its hold
@@ -38,7 +38,7 @@ def served_builds(provider: Provider) -> set[tuple[str, str]]:
     return out
 
 
-class Presence:
+class BuildsServed:
     """``repo``: the providers' storage (``seen_since(t) -> [Provider]``, ``touch(ids, t)``).
     ``serving(plugin, version)``: whether an agent connected to this process serves the
     build now; ``connected()``: their provider ids (both read the replica's

@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Protocol
 
 from broker.auth.service import Principal
 from broker.cache import TtlCache
 from broker.errors import Forbidden
 from .model import Provider
+
+
+class ProviderAccounts(Protocol):
+    """Opens a provider account's ledger accounts, idempotently (broker.ledger)."""
+
+    def open_provider(self, provider: str) -> None: ...
 
 
 class ProviderService:
@@ -16,11 +23,14 @@ class ProviderService:
     # so a short cache saves a query per lookup. Other replicas' changes show within CACHE_S.
     CACHE_S = 5.0
 
-    def __init__(self, repo, clock=time.time, links=None):
+    def __init__(self, repo, clock=time.time, links=None,
+                 ledger: ProviderAccounts | None = None):
         self.repo = repo
         self.clock = clock
         self.links = links  # broker.links.LinkService: a key presented by two accounts links them
-        self.on_connected = lambda provider: None  # opens the provider's ledger accounts
+        # Each agent that connects has its provider account's ledger accounts opened
+        # (None: no ledger, as in tests of this service alone).
+        self.ledger = ledger
         # id -> (account, sandboxed); an unknown id is asked again next time
         self._facts: TtlCache[str, tuple[str, bool] | None] = TtlCache(self.CACHE_S,
                                                                        cache_none=False)
@@ -45,7 +55,7 @@ class ProviderService:
                          name=name, sandboxed=sandboxed, hardware=hardware, plugins=plugins,
                          created_at=now, last_seen_at=now)
             self.repo.add(p)
-            self.on_connected(p)
+            self._connected(p)
             return p
         if p.account_id != who.account_id:
             if self.links is not None:  # one key, two accounts: one person's, most likely
@@ -63,8 +73,12 @@ class ProviderService:
                                                                       plugins, now)
         p.availability = {}
         self._facts.invalidate(p.id)
-        self.on_connected(p)
+        self._connected(p)
         return p
+
+    def _connected(self, p: Provider) -> None:
+        if self.ledger is not None:
+            self.ledger.open_provider(p.account_id)
 
     def owner_of(self, provider_id: str) -> str | None:
         """The provider account that owns machine ``provider_id`` (it earns the credits)."""

@@ -69,7 +69,7 @@ class VerificationEffects:
             standing = count(provider_id, f"penalty:{provider_id}", valid=False,
                              quota_factor=entry.get("quota_factor",
                                                     self.settings.penalty.quota_factor))
-            self.on_quota(provider_id, self.repo.quota_factor(provider_id))
+            self.quotas.set_quota(provider_id, self.repo.quota_factor(provider_id))
             if f"refund:{job.id}" not in done:
                 self._refund(job, f"verification: outvoted on job {v.job_id}", strict=True)
                 done.add(f"refund:{job.id}")

@@ -94,11 +94,12 @@ class VerificationRecovery:
 
     # ---- admins ---------------------------------------------------------------------
     def admin_resolved(self, dispute) -> None:
-        """An admin overrode a dispute (``DisputeService.on_resolved``): the chosen run's
-        output stands. The client's job gets that run's outputs; a slash of that run's
-        provider is reversed; a stalled dispute (no majority) also refunds the client when
-        its job's run lost. Refunds already made stay made (the ledger corrects only by
-        reversal, and a refund is final): the audit log says so."""
+        """An admin overrode a dispute (``DisputeService.override``, through its
+        ``resolutions``): the chosen run's output stands. The client's job gets that run's
+        outputs; a slash of that run's provider is reversed; a stalled dispute (no
+        majority) also refunds the client when its job's run lost. Refunds already made
+        stay made (the ledger corrects only by reversal, and a refund is final): the audit
+        log says so."""
         with self._lock:  # not while a judgement's effects are being applied to the record
             self._admin_resolved(dispute)
 

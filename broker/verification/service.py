@@ -94,6 +94,20 @@ class Links(Protocol):
     def why(self, a: str, b: str) -> list[str]: ...
 
 
+class Quotas(Protocol):
+    """Who scales a provider's concurrency by the quota its lost checks left it
+    (broker.jobs.dispatch.Dispatcher)."""
+
+    def set_quota(self, provider_id: str, factor: float) -> None: ...
+
+
+class _NoQuotas:
+    """Nobody scales slots (no dispatcher): the quota stays in verification's records."""
+
+    def set_quota(self, provider_id: str, factor: float) -> None:
+        return None
+
+
 class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEffects,
                           VerificationRecovery):
     """Checks of settled jobs from the draw to the outcome. This file holds the hooks from
@@ -104,7 +118,8 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
     def __init__(self, repo: VerificationRepository, jobs: CheckedJobs, catalog, ledger,
                  providers, policies, *, disputes=None, audit=None,
                  rng: random.Random | None = None, clock: Callable[[], float] = time.time,
-                 settings: VerificationSettings | None = None, links: Links | None = None):
+                 settings: VerificationSettings | None = None, links: Links | None = None,
+                 quotas: Quotas | None = None):
         self.repo = repo
         self.links = links  # operators tied to one another: never each other's checkers
         self.jobs = jobs  # the job service, through the port (broker.verification.ports)
@@ -117,7 +132,7 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
         self.rng = rng or random.SystemRandom()
         self.clock = clock
         self.settings = settings or VerificationSettings()
-        self.on_quota = lambda provider_id, factor: None  # the dispatcher scales slots
+        self.quotas = quotas or _NoQuotas()  # the dispatcher scales slots
         self._lock = threading.Lock()
         self._fund_lock = threading.Lock()
         self._stakes: TtlCache[str, int] = TtlCache(5.0)  # owner -> stake held
@@ -304,7 +319,7 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
         if valid:
             self.repo.add_answer(key, answer, owner)
         else:
-            self.on_quota(provider_id, self.repo.quota_factor(provider_id))
+            self.quotas.set_quota(provider_id, self.repo.quota_factor(provider_id))
         if self.audit is not None:
             self.audit.record("verification", "verification.canary", f"provider:{provider_id}",
                               {"plugin": plugin, "valid": valid, "answer": answer,

@@ -197,10 +197,14 @@ def test_the_maintenance_sweep_samples_a_job_settled_while_verification_was_down
                                                                                   agents):
     svc = vbroker.services
     agents("a")
-    hook, svc.jobs.on_settled = svc.jobs.on_settled, lambda job, receipt: None
-    client = Client(vbroker.url, vbroker.key("client"))
-    result = client.generate("echo", text="missed", timeout=30)
-    svc.jobs.on_settled = hook  # as after a restart: the draw never happened
+    # verification hears of no settlement while this job settles (it is joined to the job
+    # service's events: broker/services.py)
+    svc.verification.settled = lambda job, receipt: None
+    try:
+        client = Client(vbroker.url, vbroker.key("client"))
+        result = client.generate("echo", text="missed", timeout=30)
+    finally:
+        del svc.verification.settled  # as after a restart: the draw never happened
     assert svc.verification.status(result.job.id) is None
     assert svc.verification.sweep(settle_grace_s=0.0) == 1
     assert svc.verification.status(result.job.id).status == CheckStatus.CHECKING

@@ -8,6 +8,7 @@ from sqlalchemy.orm import sessionmaker
 from broker.auth.service import ApiKeyService
 from broker.blobs.local import LocalBlobStore
 from broker.catalog.registry import PluginCatalog
+from broker.jobs.dispatch import Dispatcher
 from broker.jobs.presence import AgentSession
 from broker.jobs.service import JobService, JobSettings
 from broker.settings import BUILTIN_PLUGINS
@@ -53,3 +54,11 @@ def make_world(db_url: str, tmp_path, clock: FakeClock | None = None, max_attemp
                       settings=JobSettings(max_attempts=max_attempts, lease_timeout_s=10),
                       clock=clock)
     return engine, auth, jobs, clock
+
+
+def dispatcher_for(jobs: JobService, **options) -> Dispatcher:
+    """A dispatcher placing ``jobs``' jobs: joined to the job service's events, as the
+    wiring (broker/services.py) joins it."""
+    d = Dispatcher(jobs, **options)
+    jobs.job_events.join_placement(d)
+    return d

@@ -1,10 +1,9 @@
 """The dispatcher's in-memory queue: the database stays the truth."""
 import pytest
 
-from broker.jobs.dispatch import Dispatcher
 from sdk.protocol.signing import KeyPair
 
-from broker_fixtures import RecordingSession, make_world
+from broker_fixtures import RecordingSession, dispatcher_for, make_world
 from broker.api.job_request import job_request
 
 
@@ -23,7 +22,7 @@ def _session(plugins, pid="prov-1"):
 
 def test_a_job_cancelled_while_queued_leaves_the_memory_queue(world):
     jobs, client = world
-    d = Dispatcher(jobs, reap_interval_s=0.0)  # re-read the database on every pass
+    d = dispatcher_for(jobs, reap_interval_s=0.0)  # re-read the database on every pass
     d.register(_session({"other@1.0.0": ""}))   # connected, but serves no echo
     job, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, jobs.catalog))
     assert d.match_once() == 0 and job.id in d._pending and d._backlog
@@ -36,7 +35,7 @@ def test_a_job_cancelled_while_queued_leaves_the_memory_queue(world):
 
 def test_a_job_queued_during_the_database_read_is_kept(world):
     jobs, client = world
-    d = Dispatcher(jobs, reap_interval_s=0.0)
+    d = dispatcher_for(jobs, reap_interval_s=0.0)
     d.register(_session({"other@1.0.0": ""}))
     late = []
     read = jobs.queued
@@ -54,7 +53,7 @@ def test_a_job_queued_during_the_database_read_is_kept(world):
 
 def test_siblings_of_a_split_that_did_not_fit_stay_queued(world):
     jobs, client = world
-    d = Dispatcher(jobs, reap_interval_s=60.0)  # memory only, after the first read
+    d = dispatcher_for(jobs, reap_interval_s=60.0)  # memory only, after the first read
     s = _session({"echo@1.0.0": ""})
     s.slots = 2
     d.register(s)

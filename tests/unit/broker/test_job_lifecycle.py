@@ -2,14 +2,13 @@
 import pytest
 
 from broker.errors import IdempotencyConflict, InvalidInput, InvalidRequest, UnknownPlugin
-from broker.jobs.dispatch import Dispatcher
 from broker.jobs.errors import JobNotCancellable, JobNotFound, ReceiptRefused
 from broker.jobs.model import JobState
 from sdk.protocol.canonical import canonical_bytes, loads, sha256_hex
 from sdk.protocol.envelope import make_receipt
 from sdk.protocol.signing import KeyPair
 
-from broker_fixtures import RecordingSession, make_world
+from broker_fixtures import RecordingSession, dispatcher_for, make_world
 from broker.api.job_request import job_request
 
 
@@ -31,7 +30,7 @@ def _provider(jobs, pid="prov-1"):
     """A dispatcher with one provider session (serving echo) registered: (session, key, d)."""
     key = KeyPair.generate()
     s = _session(key, pid)
-    d = Dispatcher(jobs)
+    d = dispatcher_for(jobs)
     d.register(s)
     return s, key, d
 
@@ -265,7 +264,7 @@ def test_a_provider_that_needs_no_download_is_preferred_then_any_other(world):
     has it installed; when none is free, to one that must download it first."""
     jobs, _, client, _ = world
     cold, warm = _session(KeyPair.generate(), "cold"), _session(KeyPair.generate(), "warm")
-    d = Dispatcher(jobs)
+    d = dispatcher_for(jobs)
     d.needs_download = lambda pid, job: pid == "cold" and job.inputs.get("text") == "ink"
     d.register(cold)
     d.register(warm)
@@ -376,7 +375,7 @@ def _refused_once(world, counted: list):
     Returns (job, the refusing session, the requeued job, {pid: (session, key)}, d)."""
     jobs, _, client, _ = world
     jobs.on_failure = lambda provider_id, plugin: counted.append(provider_id)
-    d = Dispatcher(jobs)
+    d = dispatcher_for(jobs)
     machines = {pid: _machine(d, pid, op) for pid, op in (("a1", "op-a"), ("b1", "op-b"))}
     job, _ = jobs.submit(client, job_request({"plugin": "echo", "inputs": {}}, jobs.catalog))
     assert d.match_once() == 1

@@ -2,7 +2,7 @@
 a provider known to the broker serves — connected to this process now, or seen by any
 replica within the window — and the last-seen times it keeps fresh."""
 from broker.providers.model import Provider
-from broker.providers.presence import Presence
+from broker.providers.presence import BuildsServed
 from broker.storage.accounts_sql import SqlAccountRepository, SqlProviderRepository
 from broker.storage.base import make_engine
 from broker.storage.migrate import upgrade
@@ -29,7 +29,7 @@ def test_a_build_is_served_while_a_provider_is_connected_or_seen_within_the_wind
     engine, repo = _repo(db_url)
     clock = FakeClock(1000.0)
     connected: dict = {}
-    presence = Presence(repo, lambda p, v: any((p, v) in b for b in connected.values()),
+    presence = BuildsServed(repo, lambda p, v: any((p, v) in b for b in connected.values()),
                         lambda: connected, window_s=60, clock=clock)
     assert not presence.serves("echo", "1.0.0")
     repo.add(_provider("p1", seen=990.0))
@@ -49,8 +49,8 @@ def test_refresh_keeps_connected_providers_present_for_other_replicas(db_url):
     clock = FakeClock(1000.0)
     repo.add(_provider("p1", seen=1000.0))
     connected = {"p1": {("echo", "1.0.0")}}
-    here = Presence(repo, lambda p, v: False, lambda: connected, window_s=60, clock=clock)
-    elsewhere = Presence(repo, lambda p, v: False, lambda: [], window_s=60,
+    here = BuildsServed(repo, lambda p, v: False, lambda: connected, window_s=60, clock=clock)
+    elsewhere = BuildsServed(repo, lambda p, v: False, lambda: [], window_s=60,
                          clock=clock)  # another replica
     assert here.refresh() == 1
     for _ in range(10):  # connected for ten minutes: refreshed every quarter window

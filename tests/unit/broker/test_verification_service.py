@@ -356,9 +356,9 @@ def test_only_a_short_client_balance_moves_a_check_to_the_platform(world, monkey
 def test_a_check_whose_dispatcher_wake_up_fails_is_still_submitted(world, monkeypatch):
     job = world.primary("a")
 
-    def broken(job):
+    def broken(job, siblings=None):
         raise RuntimeError("dispatcher down")
-    monkeypatch.setattr(world.jobs, "on_queued", broken)
+    monkeypatch.setattr(world.services.dispatcher, "queued", broken)
     check = world.jobs.submit_check(job, str(uuid.uuid4()), CHECK_ACCOUNT, job.inputs,
                                     [f"operator:{world.operators['a']}"],
                                     not_before=time.time())

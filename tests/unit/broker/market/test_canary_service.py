@@ -24,10 +24,11 @@ def _world():
     market = MarketService(lambda plugin: 1_000, MarketSettings(canary_timeout_s=60.0,
                                                                 canary_interval_s=0),
                            rng=random.Random(1), clock=lambda: now[0])
-    canaries = CanaryService(market, PluginCatalog.from_folders([BUILTIN_PLUGINS]),
-                             KeyPair.generate())
     answers = []
-    canaries.on_answer = lambda *args: answers.append(args)
+    canaries = CanaryService(market, PluginCatalog.from_folders([BUILTIN_PLUGINS]),
+                             KeyPair.generate(),
+                             answers=SimpleNamespace(
+                                 canary_answer=lambda *args: answers.append(args)))
     agent = KeyPair.generate()
     sent = []
 
@@ -82,8 +83,10 @@ def test_a_canary_looks_like_a_recent_client_job_of_another_operator():
     from broker.jobs.checkpoints import CheckpointPolicy, CheckpointService, InMemoryCheckpointRepository
 
     w = _world()
-    w.canaries.extra = CheckpointService(None, InMemoryCheckpointRepository(),
-                                         CheckpointPolicy(min_steps=8))
+    # what an envelope says of checkpoints only: no job rows, blobs or wake-ups are read
+    w.canaries.extra = CheckpointService(InMemoryCheckpointRepository(),
+                                         CheckpointPolicy(min_steps=8),
+                                         jobs=None, blobs=None, hub=None)
     w.session.plugins = {"echo@1.0.0": "ab" * 32}
     w.session.account_id = "op"
     w.canaries.remember("echo", "1.0.0", "op", {"text": "my own job", "steps": 1})
