@@ -330,6 +330,7 @@ def _attach_verification(settings, sessions, accounts, jobs, catalog, ledger, pr
     admin["disputes"].on_resolved = verification.admin_resolved
     if canaries is not None:  # canaries answer known inputs: each is a check too
         canaries.on_answer = verification.canary_answer
+        canaries.on_unanswered = verification.canary_unanswered
     jobs.on_ended = verification.ended
     dispatcher.eligible = verification.stake_ok
     verification.on_quota = dispatcher.set_quota

@@ -68,6 +68,11 @@ class CanaryService:
         # payload), ``repro`` the class its envelope recorded (``Canary.repro``).
         self.on_answer = (lambda provider_id, plugin, version, inputs, receipt, source,
                           repro: None)
+        # A canary not answered (no receipt within ``canary_timeout_s``, a failure, a
+        # give-back not for the owner): on_unanswered(provider_id, plugin, version, repro,
+        # why); verification counts it against the provider (canary_unanswered), so that
+        # not answering is no way to dodge the known answer.
+        self.on_unanswered = (lambda provider_id, plugin, version, repro, why: None)
         self.seeds = 4  # canaries draw their seed from this many, each with a known answer
 
     def send_due(self, session) -> int:
@@ -76,6 +81,7 @@ class CanaryService:
         for c in self.market.expired_canaries():
             if c.provider_id == session.provider_id:
                 session.active.discard(c.job_id)
+            self._unanswered(c, f"no receipt within {self.market.settings.canary_timeout_s:g} s")
         sent = 0
         for plugin in self.market.canaries_due(session.provider_id):
             if session.free <= 0:
@@ -211,14 +217,26 @@ class CanaryService:
             log.warning("canary %s on %s given back for the owner by an agent that has not "
                         "said it takes no work: counted as failed", canary.plugin,
                         session.provider_id)
-            self.failed(session, job_id)
+            self.failed(session, job_id, "given back for its owner, who was never said to "
+                                         "have come back")
             return False
         if self.market.canary_done(job_id) is not None:
             session.active.discard(job_id)
         return True
 
-    def failed(self, session, job_id: str) -> None:
+    def failed(self, session, job_id: str, why: str = "failed or given back") -> None:
         canary = self.market.canary_done(job_id)
         if canary is not None:
             session.active.discard(job_id)
             self.market.failed(session.provider_id, canary.plugin)
+            self._unanswered(canary, why)
+
+    def _unanswered(self, canary: Canary, why: str) -> None:
+        if not canary.version:
+            return
+        try:
+            self.on_unanswered(canary.provider_id, canary.plugin, canary.version,
+                               canary.repro or None, why)
+        except Exception:  # noqa: BLE001 - counting it must never break the dispatcher
+            log.exception("canary %s on %s: counting it unanswered failed", canary.plugin,
+                          canary.provider_id)
