@@ -395,7 +395,9 @@ class TextThresholds:
     with exactly that probability, so an honest run is flagged at most that often.)
     ``max_grey_fraction``: more grey tokens than this fraction is a mismatch.
     ``sampling``: the bounds of the test that sampled tokens are a sample of the job's
-    distribution (``sampled_text``; their α are its false-alarm rates). ``implausible_end``:
+    distribution (``sampled_text``; their α are its false-alarm rates: ``reject`` per check,
+    and per provider and plugin for the evidence compounded over its checks,
+    ``SamplingState``; ``doubt`` per check). ``implausible_end``:
     a sampled claim that ends at an end-of-sequence token the checker gives probability p
     there is a mismatch when p · max_new_tokens is below this (an honest sampler ends on
     such a token anywhere in its run with at most that probability).
