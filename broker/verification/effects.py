@@ -17,6 +17,7 @@ from broker.verification.records import OPEN_STATUSES, CheckStatus, Verification
 
 log = logging.getLogger(__name__)
 
+
 def claim_log_e(comparisons: dict[str, Any]) -> float | None:
     """The least sampled-text log e-value the primary's claim got from its runs'
     comparisons (``primary~checker``, ``primary~tiebreaker``), None when none tested it.
@@ -177,7 +178,10 @@ class VerificationEffects:
         step = f"sampling:{primary.provider_id}"
         if step in done or not primary.provider_id:
             return
-        clear = any(e["provider_id"] == primary.provider_id and e.get("clear", True)
+        clear = any(e["provider_id"] == primary.provider_id
+                    # a record judged before "clear" was stored: a clear loss cut the quota
+                    and e.get("clear", bool(e.get("claw_back"))
+                              or float(e.get("quota_factor", 1.0)) < 1.0)
                     for e in record.get("penalties") or [])
         log_e = claim_log_e(v.comparisons)
         if log_e is None and (not clear or self.repo.sampling_state(

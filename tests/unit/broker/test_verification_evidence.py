@@ -57,9 +57,9 @@ def test_a_step_marked_done_on_its_record_is_not_compounded_twice(world):
     """Re-applying a judged record's effects (the sweep after a crash) adds its claim's
     e-value once."""
     repo, a = world.v.repo, world.machines["a"]
-    record, _ = repo.add(Verification(job_id="job-1", plugin="llama", provider_id=a,
-                                      hardware_class=HW, status=CheckStatus.CHECKING, p=1.0,
-                                      reason="new", draw=0.0, outcome={"applied": False}))
+    repo.add(Verification(job_id="job-1", plugin="llama", provider_id=a, hardware_class=HW,
+                          status=CheckStatus.CHECKING, p=1.0, reason="new", draw=0.0,
+                          outcome={"applied": False}))
     first = repo.add_sampling_evidence(a, "llama", 5.0, once=("job-1", "sampling:x"))
     again = repo.add_sampling_evidence(a, "llama", 5.0, once=("job-1", "sampling:x"))
     assert first == again and first.checks == 1
