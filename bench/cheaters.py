@@ -115,9 +115,10 @@ def bench_inputs(mode: str) -> tuple[str, dict]:
     return ("llama" if "text" in mode else "sd15"), {}
 
 
-BEHAVIOURS = {m: bench_inputs(m) for m in MODES if m not in SKIPPED}
-# scripted in this process, not a cheat mode of an agent (run_canary_dodger)
-BEHAVIOURS["canary-dodger"] = ("sd15", {})
+#: Behaviours scripted in this process, not cheat modes of an agent's plugin hosts: a
+#: canary-dodger must be told which jobs are canaries (a real agent cannot tell).
+SCRIPTED = {"canary-dodger": ("sd15", {})}
+BEHAVIOURS = {**{m: bench_inputs(m) for m in MODES if m not in SKIPPED}, **SCRIPTED}
 FINAL = {CheckStatus.VERIFIED, CheckStatus.OVERTURNED, CheckStatus.NONDETERMINISTIC,
          CheckStatus.UNCHECKED}
 
