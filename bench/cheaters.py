@@ -17,8 +17,10 @@ The behaviours are the cheat modes of ``bench/cheating_host.py`` (``MODES``), so
 appended there is run here; a few run their own scenario (issue #20): ``inflated-units``
 against an honest rival of the same speed in the auction, ``fake-progress`` with the client
 cancelling mid-run, the account pairs ``collude`` (linked by a payout account the broker
-sees) and ``fail-checks`` (not linked), and ``detect-checks`` as a checker of another
-provider's jobs. Per behaviour it prints jobs, checks, caught, slashed, the credits the
+sees) and ``fail-checks`` (not linked), ``detect-checks`` as a checker of another
+provider's jobs, and ``canary-dodger`` (an agent told which jobs are canaries that never
+answers them, scripted against the broker's canary service and verification in this
+process, beside an honest machine that crashes on one canary). Per behaviour it prints jobs, checks, caught, slashed, the credits the
 cheater kept and the honest providers slashed, and the chance (simulated with the broker's
 sampling rule and the q measured) that a reputable provider cheating on every job is
 caught within 200 jobs.
@@ -113,7 +115,10 @@ def bench_inputs(mode: str) -> tuple[str, dict]:
     return ("llama" if "text" in mode else "sd15"), {}
 
 
-BEHAVIOURS = {m: bench_inputs(m) for m in MODES if m not in SKIPPED}
+#: Behaviours scripted in this process, not cheat modes of an agent's plugin hosts: a
+#: canary-dodger must be told which jobs are canaries (a real agent cannot tell).
+SCRIPTED = {"canary-dodger": ("sd15", {})}
+BEHAVIOURS = {**{m: bench_inputs(m) for m in MODES if m not in SKIPPED}, **SCRIPTED}
 FINAL = {CheckStatus.VERIFIED, CheckStatus.OVERTURNED, CheckStatus.NONDETERMINISTIC,
          CheckStatus.UNCHECKED}
 
@@ -482,8 +487,100 @@ def run_detector(net: Network, client: Client, honest: list[str], behaviour: str
 
 
 #: Behaviours that run a scenario of their own (the others: run_behaviour).
+def run_canary_dodger(net: Network, client: Client, honest: list[str], behaviour: str,
+                      jobs: int, stake: int) -> dict:
+    """Issue #20: a canary that timed out cost nothing, so an agent that could tell a
+    canary dodged its known answer by not answering. Scripted, in this process: an agent
+    *told* which jobs are canaries (a real one cannot tell: they look like client jobs),
+    that never answers them, against the broker's own CanaryService and verification
+    (its market here has a fake clock, so that canaries time out without waiting); beside
+    it, an honest machine that answers every canary but one, lost to a crash. ``jobs`` x 4
+    canaries each. Caught: the canaries counted failed (CV reset, quota cut); canaries
+    never touch stake."""
+    import random as _random
+    from types import SimpleNamespace
+
+    from broker.jobs.presence import AgentSession, Offer
+    from broker.market import MarketService, MarketSettings
+    from broker.market.canary import CanaryService
+    from sdk.protocol.canonical import canonical_bytes, loads
+    from sdk.protocol.envelope import make_receipt
+    from sdk.protocol.signing import KeyPair
+
+    svc, v = net.svc, net.svc.verification
+    now = [1_000.0]
+    market = MarketService(lambda plugin: 1_000, MarketSettings(canary_timeout_s=120.0,
+                                                                canary_interval_s=600.0),
+                           rng=_random.Random(1), clock=lambda: now[0])
+    canaries = CanaryService(market, svc.catalog, KeyPair.generate(), answers=v)
+    manifest = svc.catalog.get("sd15")
+    rows = {}
+    for name, dodge in (("canary-dodger", True), ("crashes-once", False)):
+        key = KeyPair.generate()
+        _, who = svc.auth.create_account_with_key("provider", name)
+        pid = svc.providers.connect(who, key.public_key_hex, name, sandboxed=True, hardware={},
+                                    plugins=[{"name": manifest.name, "version": manifest.version,
+                                              "weights_digest": "", "hardware_class": "bench",
+                                              "dtype": "float32"}]).id
+        net.give_stake(pid, stake)
+        sent: list[bytes] = []
+
+        class Agent(AgentSession):  # what the gateway's session does with an assignment
+            def send_assignment(self, envelope_bytes, signature, sent=sent):
+                sent.append(envelope_bytes)
+
+        session = Agent(provider_id=pid, public_key=key.public_key_hex,
+                        account_id=who.account_id, plugins={manifest.ref: ""}, slots=1,
+                        offer=Offer(benchmarks=((manifest.name, 5.0, None),)))
+        market.presence.add(session)  # joins the market, as the gateway's register does
+        rows[name] = SimpleNamespace(pid=pid, key=key, session=session, sent=sent, dodge=dodge,
+                                     owner=who.account_id)
+    total = max(8, jobs * 4)
+    for i in range(total):
+        for r in rows.values():
+            before = len(r.sent)
+            canaries.send_due(r.session)
+            if len(r.sent) == before:
+                continue
+            data = r.sent[-1]
+            if r.dodge or i == 2:  # the dodger never answers; the honest machine crashes once
+                continue
+            env = loads(data)
+            rec = make_receipt(envelope=env, envelope_bytes=data, provider_key=r.key.public_key_hex,
+                               outputs=[{"index": 0, "sha256": "ab" * 32, "meta": {}}],
+                               work_units=1.0, timings_ms={"run": 100})
+            canaries.receipt(r.session, canonical_bytes(rec), r.key.sign("receipt", rec))
+        now[0] += 601.0  # past the deadline and the interval: the next call expires, resends
+    for r in rows.values():
+        r.session.draining = True  # no free slot: the call below sends no other canary
+        market.presence.changed(r.session)
+        canaries.send_due(r.session)  # expire the last one, send no other
+    figures = {}
+    for name, r in rows.items():
+        entries = svc.audit.search(subject=f"provider:{r.pid}", limit=500)
+        counted = [e.data.get("counted") for e in entries
+                   if e.action == "verification.canary_unanswered"]
+        st = v.repo.standing(r.pid, manifest.name, "bench")
+        figures[name] = {"canaries": len(r.sent), "unanswered": len(counted),
+                         "failed": counted.count("failed"), "cv": st.consecutive_valid,
+                         "quota": v.repo.quota_factor(r.pid),
+                         "stake": svc.ledger.balances(r.owner).get(AccountKind.PROVIDER_STAKE, 0)}
+    d, h = figures["canary-dodger"], figures["crashes-once"]
+    return {"behaviour": behaviour, "plugin": manifest.name, "jobs": d["canaries"],
+            "cheated": d["canaries"], "checks": d["canaries"], "caught": d["failed"],
+            "overturned": 0, "slashed": 0, "kept_micro": 0,
+            "honest_slashed": int(h["stake"] < stake) + int(h["failed"] > 0),
+            "q": None, "slash_rate": None,
+            "note": (f"canaries are unpaid and never slash: the dodger left {d['unanswered']} of "
+                     f"{d['canaries']} unanswered, {d['failed']} counted failed (1 excused), CV "
+                     f"{d['cv']}, quota x{d['quota']:g}, stake kept {d['stake'] / 1e6:g} cr; the "
+                     f"machine that crashed once: {h['unanswered']} unanswered, {h['failed']} "
+                     f"failed, quota x{h['quota']:g}"), "figures": figures}
+
+
 RUNNERS = {"inflated-units": run_inflated_units, "fake-progress": run_fake_progress,
-           "collude": run_pair, "fail-checks": run_pair, "detect-checks": run_detector}
+           "collude": run_pair, "fail-checks": run_pair, "detect-checks": run_detector,
+           "canary-dodger": run_canary_dodger}
 
 
 class _Stub:

@@ -30,7 +30,11 @@ sampling test the script also prints, over the honest claims, how far the probab
 integral transform of the claimed tokens is from uniform (the KS distance of all of them
 pooled: the test's null hypothesis, across numeric paths), the largest e-value seen
 (Ville: at most 1/α of honest claims may reach 1/α), and how far outside the checker's
-nucleus an honest token came.
+nucleus an honest token came. Last, the evidence compounded across a provider's checks
+(``sampled_text.SamplingState``): each cheat's claims taken as one provider's successive
+checks, how many checks it takes to cross the reject bound (fresh, and after the honest
+claims came first), and the honest claims as providers' histories: how far their
+compounded evidence ever got.
 
     python bench/text_checks.py              # 60 jobs per model (a few minutes on two cores)
     python bench/text_checks.py --jobs 200 --models sharp
@@ -55,7 +59,8 @@ import torch  # noqa: E402
 from broker.verification.comparators import TextThresholds, Verdict  # noqa: E402
 from broker.verification.judging import (compare_text_runs, needs_scoring,  # noqa: E402
                                          rescore_from_rerun, scoring_inputs)
-from broker.verification.sampled_text import pit, uniform  # noqa: E402
+from broker.verification.sampled_text import (SamplingBounds, SamplingState, pit,  # noqa: E402
+                                              uniform)
 from plugins import builtin_plugin_dir  # noqa: E402
 from plugins.api import load_manifest  # noqa: E402
 from plugins.tiny import build_tiny_llama  # noqa: E402
@@ -213,6 +218,7 @@ def bench_model(label: str, weights: Path, other_w: Path, jobs: int, rng: random
     drift = {"overshoot": -1.0, "gap": 0.0, "greedy_tie": 0.0}
     low_power = defaultdict(int)
     disputes: list[str] = []
+    log_e_of: dict[str, list[float]] = defaultdict(list)  # group -> each sampled claim's
 
     def count(group: str, judged: Judged, max_new: int) -> None:
         g = groups.setdefault(group, defaultdict(int))
@@ -228,6 +234,8 @@ def bench_model(label: str, weights: Path, other_w: Path, jobs: int, rng: random
         sampling = judged.figures.get("sampling") or {}
         if sampling.get("power") == "low":
             low_power[group] += 1
+        if "log_e" in sampling:
+            log_e_of[group].append(float(sampling["log_e"]))
 
     names = list(runners)
     for j in range(jobs):
@@ -253,7 +261,72 @@ def bench_model(label: str, weights: Path, other_w: Path, jobs: int, rng: random
         for name, cheat in cheats(inputs, runners[primary], other).items():
             count(f"cheat: {name}", judge_both(cheat, runners[checker], inputs, salt),
                   inputs["max_new_tokens"])
-    return groups, honest_u, honest_log_e, drift, low_power, disputes
+    return groups, honest_u, honest_log_e, drift, low_power, disputes, log_e_of
+
+
+def checks_to_cross(log_es: list[float], prior: SamplingState = SamplingState(),
+                    bounds: SamplingBounds = SamplingBounds()) -> int | None:
+    """How many of these checks (in order) one provider's compounded evidence takes to
+    reach the reject bound from ``prior``; None when it never does."""
+    s = prior
+    for n, log_e in enumerate(log_es, 1):
+        s = s.after(log_e)
+        if s.crossed(bounds):
+            return n
+    return None
+
+
+def compounding(log_e_of: dict[str, list[float]], rng: random.Random,
+                orders: int = 2000) -> list[str]:
+    """Lines on the evidence compounded across one provider's checks (issue #20): each
+    cheat's sampled claims taken as one cheating provider's successive checks (in
+    ``orders`` random orders, each order a provider), checks until its evidence crosses the
+    reject bound, fresh and after the honest claims came first (a provider honest for a
+    while that then cheats); and the honest claims as providers' histories: the largest
+    compounded evidence, and how many orders reach doubt or reject."""
+    bounds = SamplingBounds()
+    honest = log_e_of.get("honest (other numeric path)", [])
+    lines = []
+    banked = SamplingState()
+    for log_e in honest:
+        banked = banked.after(log_e)
+    for group, log_es in log_e_of.items():
+        if not group.startswith("cheat: ") or not log_es:
+            continue
+        fresh, late = [], []
+        for _ in range(orders):
+            order = rng.sample(log_es, len(log_es))
+            fresh.append(checks_to_cross(order))
+            late.append(checks_to_cross(order, prior=banked))
+        one = sum(x >= -math.log(bounds.reject) for x in log_es)
+        lines.append(f"{group.removeprefix('cheat: '):<36} {len(log_es):>4} claims, "
+                     f"{one:>3} rejected alone; compounded: {_spread(fresh)}; after "
+                     f"{len(honest)} honest checks: {_spread(late)}")
+    if honest:
+        top, doubt, reject = -math.inf, 0, 0
+        for _ in range(orders):
+            s, peak = SamplingState(), -math.inf
+            for log_e in rng.sample(honest, len(honest)):
+                s = s.after(log_e)
+                peak = max(peak, s.log_m)
+            top = max(top, peak)
+            doubt += peak >= -math.log(bounds.doubt)
+            reject += peak >= -math.log(bounds.reject)
+        lines.append(f"honest claims as {orders} providers' histories of {len(honest)} "
+                     f"checks: largest compounded evidence e^{top:.1f}; {doubt} reach doubt "
+                     f"(e^{-math.log(bounds.doubt):.1f}), {reject} reject "
+                     f"(e^{-math.log(bounds.reject):.1f}); final evidence of one history "
+                     f"e^{banked.log_m:.1f}")
+    return lines
+
+
+def _spread(ns: list[int | None]) -> str:
+    hit = sorted(n for n in ns if n is not None)
+    if not hit:
+        return f"never crossed in {len(ns)} orders"
+    median = hit[len(hit) // 2]
+    return (f"crossed in {len(hit)}/{len(ns)} orders, checks to cross median {median}, "
+            f"max {hit[-1]}")
 
 
 def _honest_figures(judged: Judged, inputs: dict, claim: dict, salt: bytes,
@@ -306,8 +379,8 @@ def main() -> int:
     for label in [m for m in args.models.split(",") if m]:
         tm = time.monotonic()
         weights, other_w = models[label]
-        groups, us, log_es, drift, low, disputes = bench_model(label, weights, other_w, args.jobs,
-                                                         random.Random(args.seed))
+        groups, us, log_es, drift, low, disputes, log_e_of = bench_model(
+            label, weights, other_w, args.jobs, random.Random(args.seed))
         print(f"\n== {label} tiny llama: {args.jobs} jobs "
               f"({time.monotonic() - tm:.0f} s)")
         print(f"{'group':<38} {'claims':>6} {'pass read-off':>13} {'pass':>5} {'grey':>5} "
@@ -334,6 +407,10 @@ def main() -> int:
               f"{drift['greedy_tie']:.4f} nats (a tie up to {t.greedy_tie_nats}), mass above "
               f"a sampled token past top_p {drift['overshoot']:+.4f} (slack "
               f"{t.nucleus_slack})")
+        print("sampled-text evidence compounded across one provider's checks (reject at "
+              f"e^{-math.log(SamplingBounds().reject):.1f} per provider, Ville):")
+        for line in compounding(log_e_of, random.Random(args.seed)):
+            print(f"  {line}")
         for line in disputes:
             print(f"  false dispute: {line}")
     print(f"\nAn honest claim that does not pass is a false dispute; a cheat that passes is "

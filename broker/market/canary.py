@@ -43,6 +43,11 @@ class CanaryAnswers(Protocol):
                       receipt: dict, source: str = "",
                       recorded: dict | None = None) -> str | None: ...
 
+    def canary_unanswered(self, provider_id: str, plugin: str, version: str,
+                          recorded: dict | None, why: str) -> str:
+        """A canary not answered (``why``: no receipt in time, a failure, a give-back not
+        for the owner), counted against the provider (``VerificationService``)."""
+
 
 class EnvelopeExtra(Protocol):
     """What a job's envelope says beyond its inputs (``CheckpointService.envelope_extra``:
@@ -76,7 +81,10 @@ class CanaryService:
         self._recent: dict[tuple[str, str], deque] = {}
         self._recent_lock = threading.Lock()
         # Verification compares each canary's outputs with the answer known for its
-        # inputs (None: nobody compares them; canaries still measure θ).
+        # inputs, and counts a canary not answered (no receipt within
+        # ``canary_timeout_s``, a failure, a give-back not for the owner) against the
+        # provider, so that not answering is no way to dodge the known answer (None:
+        # nobody compares or counts them; canaries still measure θ).
         self.answers = answers
         self.seeds = 4  # canaries draw their seed from this many, each with a known answer
 
@@ -86,6 +94,7 @@ class CanaryService:
         for c in self.market.expired_canaries():
             if c.provider_id == session.provider_id:
                 self.market.presence.give_back(session, c.job_id)
+            self._unanswered(c, f"no receipt within {self.market.settings.canary_timeout_s:g} s")
         sent = 0
         for plugin in self.market.canaries_due(session.provider_id):
             if session.free <= 0:
@@ -223,14 +232,26 @@ class CanaryService:
             log.warning("canary %s on %s given back for the owner by an agent that has not "
                         "said it takes no work: counted as failed", canary.plugin,
                         session.provider_id)
-            self.failed(session, job_id)
+            self.failed(session, job_id, "given back for its owner, who was never said to "
+                                         "have come back")
             return False
         if self.market.canary_done(job_id) is not None:
             self.market.presence.give_back(session, job_id)
         return True
 
-    def failed(self, session, job_id: str) -> None:
+    def failed(self, session, job_id: str, why: str = "failed or given back") -> None:
         canary = self.market.canary_done(job_id)
         if canary is not None:
             self.market.presence.give_back(session, job_id)
             self.market.failed(session.provider_id, canary.plugin)
+            self._unanswered(canary, why)
+
+    def _unanswered(self, canary: Canary, why: str) -> None:
+        if not canary.version or self.answers is None:
+            return
+        try:
+            self.answers.canary_unanswered(canary.provider_id, canary.plugin, canary.version,
+                               canary.repro or None, why)
+        except Exception:  # noqa: BLE001 - counting it must never break the dispatcher
+            log.exception("canary %s on %s: counting it unanswered failed", canary.plugin,
+                          canary.provider_id)

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 from broker.jobs.model import TERMINAL, Job, JobState
 from broker.verification.records import (OPEN_STATUSES, CheckStatus, StandingRecord,
                                          Verification)
+from broker.verification.sampled_text import SamplingState
 from .base import Base, begin
 
 MIN_QUOTA_FACTOR = 0.125
@@ -55,6 +56,31 @@ class CanaryAnswerRow(Base):
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     answer: Mapped[str] = mapped_column(String(64), primary_key=True)
     operators: Mapped[list] = mapped_column(JSON)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class SamplingEvidenceRow(Base):
+    """A provider's sampled-text e-process per plugin (``sampled_text.SamplingState``);
+    ``closed``: how many were closed by a slash before this one."""
+
+    __tablename__ = "sampling_evidence"
+    provider_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    plugin: Mapped[str] = mapped_column(String(64), primary_key=True)
+    checks: Mapped[int] = mapped_column(Integer)
+    log_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    closed: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class CanaryMissRow(Base):
+    """A provider's last canaries per plugin, answered ("a") or not ("m"), oldest first;
+    ``missed``: all it left unanswered."""
+
+    __tablename__ = "canary_misses"
+    provider_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    plugin: Mapped[str] = mapped_column(String(64), primary_key=True)
+    recent: Mapped[str] = mapped_column(String(64))
+    missed: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[float] = mapped_column(Float)
 
 
@@ -150,16 +176,9 @@ class SqlVerificationRepository:
         for _ in range(5):
             try:
                 with self.sessions.begin() as s:
-                    if once is not None:  # counted at most once per (record, step)
-                        v = s.get(VerificationRow, once[0], with_for_update=True)
-                        outcome = dict((v.outcome if v is not None else None) or {})
-                        done = list(outcome.get("done") or [])
-                        if once[1] in done or outcome.get("applied") is True:
-                            row = s.get(StandingRow, key)
-                            return _to_s(row) if row else StandingRecord(*key)
-                        if v is not None:
-                            v.outcome = {**outcome, "done": [*done, once[1]]}
-                            v.updated_at = self.clock()
+                    if once is not None and not self._first_time(s, once):
+                        row = s.get(StandingRow, key)
+                        return _to_s(row) if row else StandingRecord(*key)
                     row = s.get(StandingRow, key, with_for_update=True)
                     if row is None:
                         row = StandingRow(provider_id=provider_id, plugin=plugin,
@@ -182,6 +201,74 @@ class SqlVerificationRepository:
             except IntegrityError:  # two first checks raced to insert: retry as an update
                 continue
         raise RuntimeError(f"could not record a check for {key}")
+
+    def _first_time(self, s: Session, once: tuple[str, str]) -> bool:
+        """Whether step ``once[1]`` of record ``once[0]`` is not done yet (nor the record's
+        effects all applied); if so it is marked done, in the caller's transaction."""
+        v = s.get(VerificationRow, once[0], with_for_update=True)
+        outcome = dict((v.outcome if v is not None else None) or {})
+        done = list(outcome.get("done") or [])
+        if once[1] in done or outcome.get("applied") is True:
+            return False
+        if v is not None:
+            v.outcome = {**outcome, "done": [*done, once[1]]}
+            v.updated_at = self.clock()
+        return True
+
+    def sampling_state(self, provider_id: str, plugin: str) -> SamplingState:
+        with self.sessions() as s:
+            row = s.get(SamplingEvidenceRow, (provider_id, plugin))
+            return SamplingState(row.checks, row.log_s) if row else SamplingState()
+
+    def add_sampling_evidence(self, provider_id: str, plugin: str, log_e: float, *,
+                              close: bool = False,
+                              once: tuple[str, str] | None = None) -> SamplingState:
+        key = (provider_id, plugin)
+        for _ in range(5):
+            try:
+                with self.sessions.begin() as s:
+                    row = s.get(SamplingEvidenceRow, key, with_for_update=True)
+                    if once is not None and not self._first_time(s, once):
+                        return SamplingState(row.checks, row.log_s) if row else SamplingState()
+                    if row is None:
+                        row = SamplingEvidenceRow(provider_id=provider_id, plugin=plugin,
+                                                  checks=0, log_s=None, closed=0,
+                                                  updated_at=self.clock())
+                        s.add(row)
+                    if close:
+                        state = SamplingState()
+                        row.closed += 1
+                    else:
+                        state = SamplingState(row.checks, row.log_s).after(log_e)
+                    row.checks, row.log_s = state.checks, state.log_s
+                    row.updated_at = self.clock()
+                    s.flush()
+                    return state
+            except IntegrityError:  # two first checks raced to insert: retry as an update
+                continue
+        raise RuntimeError(f"could not record sampled-text evidence for {key}")
+
+    def canary_outcome(self, provider_id: str, plugin: str, answered: bool,
+                       window: int) -> str:
+        if not 1 <= window <= 64:
+            raise ValueError(f"window must be within 1..64 canaries: {window}")
+        key = (provider_id, plugin)
+        for _ in range(5):
+            try:
+                with self.sessions.begin() as s:
+                    row = s.get(CanaryMissRow, key, with_for_update=True)
+                    if row is None:
+                        row = CanaryMissRow(provider_id=provider_id, plugin=plugin, recent="",
+                                            missed=0, updated_at=self.clock())
+                        s.add(row)
+                    row.recent = (row.recent + ("a" if answered else "m"))[-window:]
+                    row.missed += 0 if answered else 1
+                    row.updated_at = self.clock()
+                    s.flush()
+                    return row.recent
+            except IntegrityError:
+                continue
+        raise RuntimeError(f"could not record a canary outcome for {key}")
 
     def standings(self, provider_id: str) -> list[StandingRecord]:
         with self.sessions() as s:

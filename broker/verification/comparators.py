@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from broker.verification.sampled_text import (Position, SamplingBounds, SamplingEvidence,
-                                             sampling_evidence)
+                                             SamplingState, sampling_evidence)
 
 THRESHOLDS_PATH = Path(__file__).with_name("thresholds.json")
 PSNR_CAP_DB = 99.0  # identical images have infinite PSNR; the figure is capped for JSON
@@ -395,7 +395,9 @@ class TextThresholds:
     with exactly that probability, so an honest run is flagged at most that often.)
     ``max_grey_fraction``: more grey tokens than this fraction is a mismatch.
     ``sampling``: the bounds of the test that sampled tokens are a sample of the job's
-    distribution (``sampled_text``; their α are its false-alarm rates). ``implausible_end``:
+    distribution (``sampled_text``; their α are its false-alarm rates: ``reject`` per check,
+    and per provider and plugin for the evidence compounded over its checks,
+    ``SamplingState``; ``doubt`` per check). ``implausible_end``:
     a sampled claim that ends at an end-of-sequence token the checker gives probability p
     there is a mismatch when p · max_new_tokens is below this (an honest sampler ends on
     such a token anywhere in its run with at most that probability).
@@ -465,10 +467,11 @@ def derived_end(claim: TextClaim, rescore: Rescore) -> tuple[str, list[str]]:
 
 def compare_text(claim: TextClaim, rescore: Rescore,
                  thresholds: TextThresholds = TextThresholds(),
-                 salt: bytes = b"") -> TextComparison:
+                 salt: bytes = b"", prior: SamplingState | None = None) -> TextComparison:
     """Judge a claimed completion against the checker's teacher-forced re-scoring.
     ``salt``: what fixes the sampling test's random draws (the id of the run judged
-    against; see ``sampled_text``)."""
+    against; see ``sampled_text``); ``prior``: the claiming provider's sampled-text
+    evidence from its earlier checks, compounded with this one's (``SamplingState``)."""
     t = thresholds
     n = len(claim.token_ids)
     if len(rescore.tokens) != n:
@@ -564,7 +567,8 @@ def compare_text(claim: TextClaim, rescore: Rescore,
 
     sampling = None
     if claim.temperature > 0:
-        sampling = sampling_evidence([s.position for s in rescore.tokens], salt, t.sampling)
+        sampling = sampling_evidence([s.position for s in rescore.tokens], salt, t.sampling,
+                                     prior)
         if sampling.verdict == "reject":
             hard.append(sampling.reason)
         elif sampling.verdict == "doubt":

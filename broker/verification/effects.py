@@ -17,6 +17,21 @@ from broker.verification.records import OPEN_STATUSES, CheckStatus, Verification
 
 log = logging.getLogger(__name__)
 
+
+def claim_log_e(comparisons: dict[str, Any]) -> float | None:
+    """The least sampled-text log e-value the primary's claim got from its runs'
+    comparisons (``primary~checker``, ``primary~tiebreaker``), None when none tested it.
+    Figures keep three decimals: 0.0005 is taken off so that the stored value is never
+    above the e-value computed."""
+    found = []
+    for key in ("primary~checker", "primary~tiebreaker"):
+        for out in (comparisons.get(key) or {}).get("outputs") or []:
+            sampling = out.get("sampling") if isinstance(out, dict) else None
+            if isinstance(sampling, dict) and isinstance(sampling.get("log_e"), (int, float)):
+                found.append(float(sampling["log_e"]) - 0.0005)
+    return min(found) if found else None
+
+
 #: Keys of a judged record's ``outcome`` that only serve applying its effects (``_apply``).
 _PENDING = ("done", "sides", "slash_plan", "claw_plan")
 
@@ -112,6 +127,7 @@ class VerificationEffects:
                          "cv": standing.consecutive_valid, "quota_factor": standing.quota_factor})
             done.add(f"slash:{provider_id}")
             save()
+        self._compound_sampling(v, record, primary, done)
         status = CheckStatus(record["status"])
         if status is CheckStatus.NONDETERMINISTIC and f"refund:{primary.id}" not in done:
             self._refund(primary, "verification: no two runs agree (nondeterministic job)",
@@ -150,6 +166,37 @@ class VerificationEffects:
         if self.repo.update(v.job_id, set(OPEN_STATUSES), status=status,
                             outcome=record) is not None:
             self._event(primary.id, status, record.get("note", ""))
+
+    def _compound_sampling(self, v: Verification, record: dict, primary: Job,
+                           done: set[str]) -> None:
+        """Compound the judged claim's sampled-text e-value into its provider's evidence
+        across checks (``sampled_text.SamplingState``), once per claim: the least of the
+        e-values its runs' comparisons gave it (each is an e-value, so their least is
+        one too, and a checker that inflated it alone adds no more than the other run's
+        word). A claim outvoted on clear mismatches (grounds for a slash) closes the
+        provider's e-process instead, and a fresh one starts."""
+        step = f"sampling:{primary.provider_id}"
+        if step in done or not primary.provider_id:
+            return
+        clear = any(e["provider_id"] == primary.provider_id
+                    # a record judged before "clear" was stored: a clear loss cut the quota
+                    and e.get("clear", bool(e.get("claw_back"))
+                              or float(e.get("quota_factor", 1.0)) < 1.0)
+                    for e in record.get("penalties") or [])
+        log_e = claim_log_e(v.comparisons)
+        if log_e is None and (not clear or self.repo.sampling_state(
+                primary.provider_id, primary.plugin).checks == 0):
+            return  # no sampled text tested, and no evidence to close
+        state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin,
+                                                log_e or 0.0, close=clear,
+                                                once=(v.job_id, step))
+        done.add(step)
+        if clear:
+            self._audit("verification.sampling_closed", v.job_id,
+                        {"provider": primary.provider_id, "plugin": primary.plugin})
+        else:
+            record["sampling"] = {"log_e": round(log_e, 3), "checks": state.checks,
+                                  "log_m": round(state.log_m, 3)}
 
     def _claw_back(self, v: Verification, provider_id: str, owner: str | None,
                    record: dict, save: Callable[[], None]) -> None:

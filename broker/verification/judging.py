@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 from broker.verification.comparators import (ImageResult, ReproClass, Rescore, TextClaim,
                                              TextThresholds, TokenScore, Verdict,
                                              compare_images, compare_text)
-from broker.verification.sampled_text import Position
+from broker.verification.sampled_text import Position, SamplingState
 
 _ORDER = {Verdict.MATCH: 0, Verdict.TIEBREAK: 1, Verdict.MISMATCH: 2}
 #: Log-probability assumed for a claimed token the checker does not rank in its top-k at
@@ -49,6 +49,10 @@ class Run:
     # the random draws of a text check that judges a claim against this run).
     inputs: Mapping[str, Any] = field(default_factory=dict)
     job_id: str = ""
+    # The sampled-text evidence of this run's provider from its earlier checked claims
+    # (``sampled_text.SamplingState``, the broker's record): a text check of this run as
+    # the claim compounds with it. None: judged on this check alone.
+    prior: SamplingState | None = None
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,8 @@ def judge(output_kind: str, claimed: Run, check: Run) -> Judgement:
                                           for a, b in zip(claimed.outputs, check.outputs)])
         salt = check.job_id.encode()
         return _worst("text_rescore", [
-            compare_text_runs(a.meta, b.meta, claimed.inputs, salt=salt, texts=(a.data, b.data))
+            compare_text_runs(a.meta, b.meta, claimed.inputs, salt=salt, texts=(a.data, b.data),
+                              prior=claimed.prior)
             for a, b in zip(claimed.outputs, check.outputs)])
     same = [a.data == b.data for a, b in zip(claimed.outputs, check.outputs)]
     return Judgement(Verdict.MATCH if all(same) else Verdict.MISMATCH, "exact",
@@ -137,20 +142,22 @@ def _worst(method: str, comparisons: list) -> Judgement:
 def compare_text_runs(claimed: dict[str, Any], check: dict[str, Any],
                       job: Mapping[str, Any] | None = None,
                       thresholds: TextThresholds = TextThresholds(), *, salt: bytes = b"",
-                      texts: tuple[bytes, bytes] | None = None):
+                      texts: tuple[bytes, bytes] | None = None,
+                      prior: SamplingState | None = None):
     """Judge a claimed completion (the primary's meta) against a checker's run of the same
     seeded job (its meta: token ids, log-probabilities and per-token scores), by the job's
     own parameters ``job`` (its inputs as the broker holds them: temperature, top_p,
     max_new_tokens, ignore_eos, stop). ``texts``: the two runs' output bytes; where the
     checker's tokens are the claim's (or it scored them), the claimed text must be theirs
-    as the checker decoded it. ``salt`` fixes the sampling test's draws."""
+    as the checker decoded it. ``salt`` fixes the sampling test's draws; ``prior``: the
+    claiming provider's sampled-text evidence from its earlier checks."""
     params = text_parameters(job or {}, check)
     claim = TextClaim(token_ids=[int(t) for t in claimed.get("token_ids", [])],
                       logprobs=[float(x) for x in claimed.get("logprobs", [])],
                       finish_reason=str(claimed.get("finish_reason", "")), **params)
     rescore, checked = rescore_from_rerun(claim.token_ids, claim.logprobs, check,
                                           ignore_eos=claim.ignore_eos)
-    result = compare_text(claim, rescore, thresholds, salt=salt)
+    result = compare_text(claim, rescore, thresholds, salt=salt, prior=prior)
     same_tokens = [int(t) for t in check.get("token_ids", [])] == list(claim.token_ids)
     text_differs = texts is not None and same_tokens and texts[0] != texts[1]
     return _TextJudgement(result, checked, text_differs,

@@ -75,6 +75,8 @@ class Penalty:
     claw_back_micro: int    # unvested credits taken back
     reset_cv: bool = True
     quota_factor: float = 0.5
+    # outvoted on clear mismatches only (slashable); False: on a grey-zone comparison
+    clear: bool = True
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,8 @@ def resolve_three(primary: Party, checker: Party, tiebreaker: Party, *,
         # Outvoted, but at least one comparison was only grey: it loses the job's credits
         # and its run of valid checks, never stake, unvested credits or quota.
         penalty = Penalty(loser.provider_id, loser.role, forfeit_micro=loser.job_credits_micro,
-                          slash_micro=0, claw_back_micro=0, reset_cv=True, quota_factor=1.0)
+                          slash_micro=0, claw_back_micro=0, reset_cv=True, quota_factor=1.0,
+                          clear=False)
         how = "outvoted 2 to 1 on a grey-zone comparison (no slash)"
     winners = _confirm(parties[a], parties[b])
     if loser is primary:

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from broker.verification.sampled_text import SamplingState
+
 
 class CheckStatus(str, enum.Enum):
     """A client job's verification status, as the API and the SDK show it."""
@@ -95,6 +97,22 @@ class VerificationRepository(Protocol):
                    queued_before: float | None = None) -> list[Verification]:
         """Open records the sweep may act on (their current run is missing, ended, or
         queued since before ``queued_before``), oldest change first."""
+
+    def sampling_state(self, provider_id: str, plugin: str) -> SamplingState:
+        """The provider's sampled-text evidence across its checked claims of ``plugin``
+        (a fresh ``SamplingState`` when it has none)."""
+
+    def add_sampling_evidence(self, provider_id: str, plugin: str, log_e: float, *,
+                              close: bool = False,
+                              once: tuple[str, str] | None = None) -> SamplingState:
+        """Compound one more checked claim's e-value (``SamplingState.after``), atomically;
+        with ``close`` start a fresh e-process instead (after a slash). ``once`` as for
+        ``record_check``."""
+
+    def canary_outcome(self, provider_id: str, plugin: str, answered: bool,
+                       window: int) -> str:
+        """Record whether the provider answered a canary of ``plugin``; returns its last
+        ``window`` canaries after, oldest first ("a" answered, "m" not)."""
 
     def answers(self, key: str) -> dict[str, list[str]]: ...
 

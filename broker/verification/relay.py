@@ -46,6 +46,13 @@ class VerificationRelay:
             return None
         return v.canary_answer(provider_id, plugin, version, inputs, receipt, source, recorded)
 
+    def canary_unanswered(self, provider_id: str, plugin: str, version: str,
+                          recorded: dict | None, why: str) -> str | None:
+        v = self._verification
+        if v is None:
+            return None
+        return v.canary_unanswered(provider_id, plugin, version, recorded, why)
+
     def admin_resolved(self, dispute: Dispute) -> None:
         v = self._verification
         if v is not None:

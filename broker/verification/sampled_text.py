@@ -46,6 +46,28 @@ likeliest tokens hold all but ``1 − CERTAIN_SHARE`` of the mass are not tested
 sampler takes them there. Nor are positions the checker did not score by teacher forcing
 (a re-run's, from where it parts from the claim: the scoring run that follows tests them).
 
+**Across checks** (``SamplingState``): one check of a claim sampled from a narrower nucleus
+than asked reaches ``doubt`` (e^11–e^16 on the tiny llama) but not ``reject`` (e^20.7):
+a grey zone, never a slash. The successive checks of one provider's claims (per plugin)
+compound: given everything before, each check's e-value has expectation at most 1 under
+honest sampling (its claim is a fresh draw, which claims are checked is the broker's
+draw), so products of successive e-values are test supermartingales too. The broker keeps
+the mixture, over the check k at which a provider may have started cheating, of the
+product of the e-values from check k on, with weight w_k = 1/(k(k+1)) (Σ w_k = 1):
+
+    M_n = S_n + 1/(n+1),   S_n = e_n · (S_{n−1} + w_n),   S_0 = 0, M_0 = 1
+
+(a check k not reached yet stands at 1: their weights sum to 1/(n+1)). M is a test
+supermartingale under honest sampling, so by Ville's inequality an honest provider's M
+*ever* reaches ``1/α`` with probability at most ``α`` (``reject``: 1e-9 per provider and
+plugin; over 10^5 honest providers and a few plugins at most ~10^-3 that any is ever
+accused, and an accusation still needs a third run's own compounded evidence to agree).
+Unlike the plain product from the first check, M cannot be banked: a provider honest for
+its first k − 1 checks that then cheats pays only log(k(k+1)) nats for starting late, not
+the drift of its honest checks' e-values below 1. Nothing resets it (an e-process reset
+at will would lose Ville's bound); a slash closes it and a fresh one starts (an honest
+provider's first alarm is the only one that could be false, so its bound stays α).
+
 V comes from a hash of ``salt`` (the broker passes the id of the run it judges the claim
 against, which the claiming provider never sees) and the position, so a judgement can be
 recomputed.
@@ -128,11 +150,24 @@ class SamplingEvidence:
     power: str
     alternative: str      # the alternative that weighs most
     mean_u: float
+    # the claiming provider's evidence across its checks with this one (``SamplingState``);
+    # None when the judgement was given no prior (a checker's run, a pure test)
+    compounded: "SamplingState | None" = None
+
+    @property
+    def compounded_reject(self) -> bool:
+        """Whether the reject verdict comes from the checks compounded, not this one."""
+        return self.verdict == "reject" and self.compounded is not None and (
+            self.compounded.log_m > self.log_e)
 
     def figures(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "tested": self.tested, "log_e": round(self.log_e, 3),
-                "log_e_greedy": round(self.log_e_greedy, 3), "power": self.power,
-                "alternative": self.alternative, "mean_u": round(self.mean_u, 4)}
+        out = {"verdict": self.verdict, "tested": self.tested, "log_e": round(self.log_e, 3),
+               "log_e_greedy": round(self.log_e_greedy, 3), "power": self.power,
+               "alternative": self.alternative, "mean_u": round(self.mean_u, 4)}
+        if self.compounded is not None:
+            out["compounded"] = {"checks": self.compounded.checks,
+                                 "log_m": round(self.compounded.log_m, 3)}
+        return out
 
     @property
     def reason(self) -> str:
@@ -144,8 +179,11 @@ class SamplingEvidence:
                 "low": "likelier tokens than sampling at the job's temperature and top_p gives",
                 "high": "less likely tokens than sampling at the job's temperature and top_p "
                         "gives"}.get(kind, "")
+        across = (f"; compounded over its last {self.compounded.checks} checked claims "
+                  f"e^{self.compounded.log_m:.1f}" if self.compounded is not None
+                  and self.compounded.checks > 1 else "")
         return (f"the tokens do not look sampled as the job asked: {self.tested} tested "
-                f"tokens took {what} (evidence e^{self.log_e:.1f}; mean PIT "
+                f"tokens took {what} (evidence e^{self.log_e:.1f}{across}; mean PIT "
                 f"{self.mean_u:.2f}, 0.5 expected)")
 
 
@@ -175,10 +213,49 @@ def _pit_log_density(u: float) -> float:
     return math.log(k / -math.expm1(-k)) - k * u
 
 
+@dataclass(frozen=True)
+class SamplingState:
+    """A provider's sampled-text evidence across its checked claims of one plugin (see the
+    module docstring): ``checks`` e-values compounded, ``log_s`` = log S_n (None: S = 0)."""
+
+    checks: int = 0
+    log_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.checks < 0 or (self.log_s is not None and math.isnan(self.log_s)):
+            raise ValueError(f"need checks >= 0 and log_s a number or None: {self}")
+
+    @property
+    def log_m(self) -> float:
+        """log M_n: the evidence against honest sampling (0 before any check)."""
+        rest = -math.log(self.checks + 1)
+        return rest if self.log_s is None else _log_add(self.log_s, rest)
+
+    def after(self, log_e: float) -> "SamplingState":
+        """The state after one more check whose e-value is e^``log_e``."""
+        if math.isnan(log_e):
+            raise ValueError("log_e is NaN: an e-value must be a number")
+        n = self.checks + 1
+        log_w = -math.log(n) - math.log(n + 1)
+        base = log_w if self.log_s is None else _log_add(self.log_s, log_w)
+        return SamplingState(n, max(-1e300, min(1e300, base + log_e)))
+
+    def crossed(self, bounds: "SamplingBounds") -> bool:
+        return self.log_m >= -math.log(bounds.reject)
+
+
+def _log_add(a: float, b: float) -> float:
+    top = max(a, b)
+    return top + math.log1p(math.exp(min(a, b) - top))
+
+
 def sampling_evidence(positions: Sequence[Position | None], salt: bytes,
-                      bounds: SamplingBounds = SamplingBounds()) -> SamplingEvidence:
+                      bounds: SamplingBounds = SamplingBounds(),
+                      prior: SamplingState | None = None) -> SamplingEvidence:
     """Test the claimed tokens (the checker's view of each, in order; None where it has
-    none: not tested) against honest sampling; see the module docstring."""
+    none: not tested) against honest sampling; see the module docstring. ``prior``: the
+    claiming provider's evidence from its earlier checks; when given, the claim is also
+    rejected when the compounded evidence with this check reaches the reject bound."""
     logs: dict[str, float] = {"greedy": 0.0, "low": 0.0, "high": 0.0,
                               **{f"tilt{g:g}": 0.0 for g in TILTS}}
     best_greedy = 0.0
@@ -206,14 +283,16 @@ def sampling_evidence(positions: Sequence[Position | None], salt: bytes,
     log_e_greedy = best_greedy - math.log(len(logs))
     alternative = max(logs, key=logs.__getitem__)
     power = "enough" if log_e_greedy >= -math.log(bounds.reject) else "low"
-    if log_e >= -math.log(bounds.reject):
+    compounded = prior.after(log_e) if prior is not None else None
+    if log_e >= -math.log(bounds.reject) or (compounded is not None
+                                             and compounded.crossed(bounds)):
         verdict = "reject"
     elif log_e >= -math.log(bounds.doubt):
         verdict = "doubt"
     else:
         verdict = "pass"
     return SamplingEvidence(verdict, len(us), log_e, log_e_greedy, power, alternative,
-                            sum(us) / len(us) if us else 0.5)
+                            sum(us) / len(us) if us else 0.5, compounded)
 
 
 def _log_mean_exp(xs: list[float]) -> float:

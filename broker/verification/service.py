@@ -81,6 +81,20 @@ class VerificationSettings:
     penalty: PenaltyPolicy = field(default_factory=lambda: PenaltyPolicy(
         slash_fraction=0.5, claw_back_unvested=True))
     catch_probability: dict[str, float] = field(default_factory=load_catch_probabilities)
+    # Canaries not answered (past their deadline, failed, or given back for an owner the
+    # agent never said had come back): of a provider's last ``canary_window`` canaries of
+    # a plugin, the first ``canary_misses_excused`` misses cost nothing (a crash, a dropped
+    # link); each miss beyond them counts as a wrong answer does (a failed check: CV reset,
+    # quota cut; never money nor stake: canaries are unpaid).
+    canary_window: int = 8
+    canary_misses_excused: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.canary_window <= 64 or not 0 <= self.canary_misses_excused < \
+                self.canary_window:
+            raise ValueError(f"need 1 <= canary_window <= 64 and 0 <= canary_misses_excused "
+                             f"< canary_window: {self.canary_window}, "
+                             f"{self.canary_misses_excused}")
 
 
 class Links(Protocol):
@@ -301,6 +315,7 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
                                 str(recorded.get("weights_digest") or "")))
         key = self._canary_key(repro, plugin, version, inputs)
         answer = _answer_of(receipt)
+        self.repo.canary_outcome(provider_id, plugin, True, self.settings.canary_window)
         owner = self.providers.owner_of(provider_id) or provider_id
         if source:
             self._learn_from(source, plugin, version, inputs)
@@ -326,6 +341,37 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
                                "known": known[0], "cv": standing.consecutive_valid,
                                "receipt": receipt})
         return "valid" if valid else "invalid"
+
+    def canary_unanswered(self, provider_id: str, plugin: str, version: str,
+                          recorded: dict | None, why: str) -> str:
+        """A canary the provider did not answer: no receipt within its deadline, a failure
+        it reported, or a give-back for an owner it never said had come back
+        (``CanaryService``). Were that free, an agent that could tell a canary would dodge
+        every known-answer check by not answering. Of its last ``canary_window`` canaries
+        of the plugin, the first ``canary_misses_excused`` misses are excused (an honest
+        machine crashes now and then); each further miss is a failed check, as a wrong
+        answer is (CV reset, quota cut; no money, no stake). Returns "excused" or
+        "failed"."""
+        recent = self.repo.canary_outcome(provider_id, plugin, False, self.settings.canary_window)
+        misses = recent.count("m")
+        failed = misses > self.settings.canary_misses_excused
+        repro = (self._declared(provider_id, plugin, version) if recorded is None else
+                 declared_repro(provider_id, plugin, version, recorded,
+                                str(recorded.get("weights_digest") or "")))
+        cv = None
+        if failed:
+            standing = self.repo.record_check(provider_id, plugin, repro.hardware_class,
+                                              valid=False,
+                                              quota_factor=self.settings.penalty.quota_factor)
+            cv = standing.consecutive_valid
+            self.on_quota(provider_id, self.repo.quota_factor(provider_id))
+        if self.audit is not None:
+            self.audit.record("verification", "verification.canary_unanswered",
+                              f"provider:{provider_id}",
+                              {"plugin": plugin, "why": why, "recent": recent,
+                               "misses": misses, "counted": "failed" if failed else "excused",
+                               "cv": cv})
+        return "failed" if failed else "excused"
 
     # ---- reading ----------------------------------------------------------------------
     def status(self, job_id: str) -> Verification | None:

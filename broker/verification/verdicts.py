@@ -20,6 +20,7 @@ from broker.verification.judging import (SCORE_INPUT, Judgement, Run, RunOutput,
 from broker.verification.outcomes import (Outcome, Party, Role, Status, resolve_pair,
                                           resolve_three)
 from broker.verification.records import CheckStatus, Verification
+from broker.verification.sampled_text import SamplingState
 from broker.verification.runs import _is_scoring, _third_run_of, pinned_inputs
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class VerificationVerdicts:
                     self._check_ended(v, check, why=f"the checker is linked to the primary's "
                                                     f"operator ({', '.join(tie)})")
                     return
-                cmp = _judge(kind, self._load(primary), self._load(check))
+                cmp = _judge(kind, self._load(primary, prior=self._prior(kind, primary)),
+                             self._load(check))
                 scoring = self._scoring_inputs(kind, primary, check, cmp)
                 if scoring is not None:
                     self._score_instead(v, primary, check, cmp, scoring)
@@ -76,9 +78,8 @@ class VerificationVerdicts:
                              CheckStatus.CHECKING)
             elif check.id == v.tiebreak_job_id and v.status is CheckStatus.DISPUTED:
                 checker = self.jobs.get(v.checker_job_id)
-                runs = {role: self._load(job) for role, job in
-                        ((Role.PRIMARY, primary), (Role.CHECKER, checker),
-                         (Role.TIEBREAKER, check))}
+                runs = {Role.PRIMARY: self._load(primary, prior=self._prior(kind, primary)),
+                        Role.CHECKER: self._load(checker), Role.TIEBREAKER: self._load(check)}
                 parties = {Role.PRIMARY: self._party(primary, Role.PRIMARY),
                            Role.CHECKER: self._party(checker, Role.CHECKER),
                            Role.TIEBREAKER: self._party(check, Role.TIEBREAKER)}
@@ -254,6 +255,7 @@ class VerificationVerdicts:
                                  "forfeit_micro": p.forfeit_micro,
                                  "slash_micro": p.slash_micro,
                                  "claw_back": p.claw_back_micro > 0,
+                                 "clear": p.clear,
                                  "quota_factor": p.quota_factor} for p in outcome.penalties],
                   "runs": {role.value: j.id for role, j in jobs.items()},
                   "deliver_from": outcome.deliver_from,
@@ -279,10 +281,20 @@ class VerificationVerdicts:
         except Exception:  # noqa: BLE001 - a retired version: judge bytes
             return "exact"
 
-    def _load(self, job: Job) -> Callable[[], Run]:
+    def _prior(self, kind: str, primary: Job) -> SamplingState | None:
+        """The sampled-text evidence of the primary's provider from its earlier checked
+        claims of the plugin, which a text check of this claim compounds with (issue #20:
+        a claim sampled from a narrower nucleus than asked is caught over several checks);
+        None for other kinds of output."""
+        if kind != "text" or not primary.provider_id:
+            return None
+        return self.repo.sampling_state(primary.provider_id, primary.plugin)
+
+    def _load(self, job: Job, prior: SamplingState | None = None) -> Callable[[], Run]:
         """Read ``job``'s outputs now (a failed read raises: the broker's trouble, never a
         provider's answer); what is returned builds the run from them and from the
-        provider's receipt (its meta and reproducibility class), which ``_judge`` guards."""
+        provider's receipt (its meta and reproducibility class), which ``_judge`` guards.
+        ``prior``: the run's provider's sampled-text evidence (``_prior``), for a claim."""
         data = [(o, self.jobs.output_bytes(o.sha256)) for o in self.jobs.outputs(job.id)]
         repro = self._repro(job)
 
@@ -291,7 +303,8 @@ class VerificationVerdicts:
                      for i, o in enumerate((job.receipt or {}).get("outputs", []))}
             return Run(tuple(RunOutput(blob, o.media_type, metas.get(o.index, {}))
                              for o, blob in data), repro,
-                       scored=_is_scoring(job), inputs=dict(job.inputs or {}), job_id=job.id)
+                       scored=_is_scoring(job), inputs=dict(job.inputs or {}), job_id=job.id,
+                       prior=prior)
         return run
 
     def _repro(self, job: Job) -> ReproClass:

@@ -19,16 +19,17 @@ from broker.settings import BUILTIN_PLUGINS
 from .agents import connect
 
 
-def _world():
+def _world(interval_s: float = 0):
     now = [1_000.0]
     market = MarketService(lambda plugin: 1_000, MarketSettings(canary_timeout_s=60.0,
-                                                                canary_interval_s=0),
+                                                                canary_interval_s=interval_s),
                            rng=random.Random(1), clock=lambda: now[0])
-    answers = []
+    answers, unanswered = [], []
     canaries = CanaryService(market, PluginCatalog.from_folders([BUILTIN_PLUGINS]),
                              KeyPair.generate(),
                              answers=SimpleNamespace(
-                                 canary_answer=lambda *args: answers.append(args)))
+                                 canary_answer=lambda *args: answers.append(args),
+                                 canary_unanswered=lambda *args: unanswered.append(args)))
     agent = KeyPair.generate()
     sent = []
 
@@ -39,6 +40,7 @@ def _world():
     session = connect(market, "p", "op", {"echo": "1.0.0"}, benchmarks={"echo": 5.0},
                       kind=Agent, public_key=agent.public_key_hex)
     return SimpleNamespace(now=now, market=market, canaries=canaries, answers=answers,
+                           unanswered=unanswered,
                            agent=agent, sent=sent, session=session)
 
 
@@ -74,6 +76,29 @@ def test_an_expired_canary_leaves_nothing_and_its_late_receipt_is_not_checked():
     assert w.market.canary(job_id) is None and job_id not in w.session.active
     assert w.canaries.receipt(w.session, *_receipt(w, w.sent[0])) is None
     assert w.answers == []
+
+
+def test_a_canary_not_answered_is_reported_unanswered_and_an_answered_one_is_not():
+    """Issue #20: a canary that timed out cost nothing, so not answering dodged the known
+    answer. Now its expiry, and a failure the agent reports, go to verification
+    (``CanaryAnswers.canary_unanswered``), which counts them (``VerificationService.canary_unanswered``)."""
+    w = _world(interval_s=30.0)
+    w.canaries.send_due(w.session)
+    expired = loads(w.sent[-1])["job_id"]
+    w.now[0] += 61.0
+    w.canaries.send_due(w.session)  # expires it, and sends the next
+    [(pid, plugin, version, repro, why)] = w.unanswered
+    assert (pid, plugin, version) == ("p", "echo", "1.0.0") and "no receipt within 60" in why
+    assert repro == {"hardware_class": "", "dtype": "", "weights_digest": ""}
+    failed = loads(w.sent[-1])["job_id"]
+    assert failed != expired
+    w.canaries.failed(w.session, failed)
+    assert len(w.unanswered) == 2 and w.unanswered[1][4] == "failed or given back"
+    w.now[0] += 31.0
+    w.canaries.send_due(w.session)
+    answered = loads(w.sent[-1])["job_id"]
+    assert w.canaries.receipt(w.session, *_receipt(w, w.sent[-1])) == answered
+    assert len(w.unanswered) == 2 and len(w.answers) == 1
 
 
 def test_a_canary_looks_like_a_recent_client_job_of_another_operator():
@@ -138,6 +163,7 @@ def test_a_canary_is_given_back_for_the_owner_only_by_an_agent_that_said_it_take
     assert w.canaries.withdrawn(w.session, job_id) is (counted == 0)
     assert w.market.tracker.record_of("p", "echo").failures == counted
     assert w.market.canary(job_id) is None and job_id not in w.session.active
+    assert len(w.unanswered) == counted  # verification counts it unanswered (or not)
 
 
 def test_a_canary_never_reuses_the_inputs_of_a_linked_operators_job():

@@ -37,12 +37,13 @@ class World(VerificationWorld):
         self.v.settled(job, job.receipt)
         return job
 
-    def primary(self, machine: str, out, inputs: dict = JOB) -> Job:
+    def primary(self, machine: str, out, inputs: dict = JOB, verify: str = "sampled") -> Job:
         now = time.time()
         job, _ = self.jobs.repo.create(
             Job(id=str(uuid.uuid4()), account_id=self.client, plugin="llama",
                 plugin_version="1.1.0", inputs=dict(inputs), state=JobState.QUEUED,
-                work_units=float(inputs["max_new_tokens"]), created_at=now, updated_at=now),
+                work_units=float(inputs["max_new_tokens"]), created_at=now, updated_at=now,
+                verify=verify),
             ("queued", {}))
         job = self.settle(job, machine, out)
         assert self.v.status(job.id).status is CheckStatus.CHECKING  # new: always checked
@@ -234,3 +235,63 @@ def test_an_early_stop_claiming_the_stop_string_is_caught(world, honest):
     world.settle(third, "c", run(honest, third.inputs))
     rec = world.v.status(job.id)
     assert rec.status is CheckStatus.OVERTURNED, rec.outcome
+
+
+# -- evidence compounded across checks (issue #20) ------------------------------------------
+NARROW = {"prompt": PROMPT, "max_new_tokens": 64, "temperature": 0.7, "top_p": 0.95,
+          "ignore_eos": True}
+
+
+def _drive(world: World, job: Job, honest) -> None:
+    """Run every check, scoring and third run of ``job`` honestly, each on a machine whose
+    operator the run does not exclude, until its verification is decided."""
+    for _ in range(6):
+        rec = world.v.status(job.id)
+        if rec.status not in (CheckStatus.CHECKING, CheckStatus.DISPUTED):
+            return
+        run_id = (rec.tiebreak_job_id if rec.status is CheckStatus.DISPUTED
+                  else rec.checker_job_id)
+        current = world.jobs.repo.get(run_id)
+        machine = next(m for m in "abc"
+                       if f"operator:{world.operators[m]}" not in current.excluded_providers)
+        world.settle(current, machine, run(honest, current.inputs))
+    raise AssertionError(f"job {job.id} still open: {world.v.status(job.id)}")
+
+
+def test_a_narrow_nucleus_cheat_is_caught_over_several_checks_and_honest_runs_never(
+        world, honest):
+    """Sampled from half the job's top_p: one check reaches the grey zone at most; the
+    provider's checks compound (``SamplingState``), the evidence crosses the reject bound
+    within a few checks, a third run's own compounded evidence agrees and the cheater is
+    outvoted on clear mismatches, which closes its evidence. An honest provider's evidence
+    over as many checks never gets near."""
+    a, b = world.machines["a"], world.machines["b"]
+    caught_at = None
+    for i in range(8):
+        inputs = {**NARROW, "seed": 100 + i}
+        claim = run(honest, {**inputs, "top_p": inputs["top_p"] / 2})
+        claim.meta.update(top_p=inputs["top_p"])  # claims the job's
+        job = world.primary("a", claim, inputs, verify="always")
+        _drive(world, job, honest)
+        rec = world.v.status(job.id)
+        penalties = [p for p in rec.outcome.get("penalties", []) if p["provider_id"] == a]
+        if penalties and penalties[0]["clear"]:
+            caught_at = i + 1
+            sampling = rec.comparisons["primary~tiebreaker"]["outputs"][0]["sampling"]
+            assert sampling["verdict"] == "reject" and sampling["log_e"] < 20.7, sampling
+            assert sampling["compounded"]["log_m"] >= 20.7
+            assert rec.status is CheckStatus.OVERTURNED
+            assert world.v.repo.sampling_state(a, "llama").checks == 0  # closed
+            break
+        state = world.v.repo.sampling_state(a, "llama")
+        assert state.checks == i + 1 and rec.outcome["sampling"]["checks"] == i + 1
+    assert caught_at is not None and caught_at >= 2, "caught on one check, or never"
+
+    for i in range(caught_at):
+        inputs = {**NARROW, "seed": 200 + i}
+        job = world.primary("b", run(honest, inputs), inputs, verify="always")
+        _drive(world, job, honest)
+        rec = world.v.status(job.id)
+        assert rec.status is CheckStatus.VERIFIED and not rec.outcome.get("penalties")
+    state = world.v.repo.sampling_state(b, "llama")
+    assert state.checks == caught_at and state.log_m < 9.2  # not even the doubt bound
