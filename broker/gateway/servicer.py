@@ -49,6 +49,7 @@ ABORT_TIMEOUT_S = 5.0       # a cut-off agent that reads nothing gets no status:
 OUTBOX_MAX_BYTES = 64 << 20  # per stream (a larger message alone is still taken)
 KEY_RECHECK_S = KEY_CACHE_S  # how often connected agents' keys are checked again
 INBOX_MAX = 32  # messages read ahead of their handling, per stream (then reading stops)
+RECEIPTS_MAX = 64  # receipts settled in one transaction (a ReceiptBatch may hold more)
 
 
 class GatewayStats:
@@ -423,7 +424,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         greeting = [pb.BrokerMessage(welcome=pb.Welcome(
             provider_id=provider.id, heartbeat_interval_s=self.heartbeat_interval_s,
             lease_timeout_s=self.lease_timeout_s, resume_job_ids=resumed,
-            direct_uploads=bool(getattr(self.jobs.blobs, "presigns", False))))]
+            direct_uploads=bool(getattr(self.jobs.blobs, "presigns", False)),
+            receipt_batches=True))]
         if self.market is not None:
             greeting += self._join_market(session, caps)
         # What its weights give inputs declared default_from = "weights" (image sizes);
@@ -488,14 +490,32 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
 
     def _drain(self, session: GatewaySession, inbox: deque, lock: threading.Lock,
                state: dict) -> None:
-        """In the pool: handle the inbox's messages in order until it is empty."""
+        """In the pool: handle the inbox's messages in order until it is empty. Single
+        receipts that wait there one after another (an agent that sends no ReceiptBatch,
+        or several sent while the last was settling) are settled together, as a batch,
+        and acked one by one."""
         while True:
             with lock:
                 if not inbox:
                     state["draining"] = False
                     return
                 msg, arrived = inbox.popleft()
-            self._handle_safely(msg, session, arrived)
+                run = None
+                if msg.WhichOneof("body") == "receipt" and inbox and (
+                        inbox[0][0].WhichOneof("body") == "receipt"):
+                    run = [(msg.receipt, arrived)]
+                    while (inbox and len(run) < RECEIPTS_MAX
+                           and inbox[0][0].WhichOneof("body") == "receipt"):
+                        more, at = inbox.popleft()
+                        run.append((more.receipt, at))
+            if run is None:
+                self._handle_safely(msg, session, arrived)
+                continue
+            try:
+                self._receipts(session, run, False)
+            except Exception:  # noqa: BLE001 - one bad batch must not drop the agent
+                log.exception("error handling %d receipts from %s", len(run),
+                              session.provider_id)
 
     def _handle_safely(self, msg: pb.AgentMessage, session: GatewaySession,
                        arrived: float | None = None) -> None:
@@ -562,18 +582,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                                                  "failed", "give_back", "checkpoint"):
             return False
         if kind == "receipt":
-            # Opened (decoded, signature checked) once, by the service whose job it is; not
-            # even decoded here unless the agent has a canary out (nearly never).
-            if not (self.canaries.out_to(session.provider_id)
-                    and self.canaries.owns(receipt_job_id(msg.receipt.receipt) or "")):
-                return False
-            job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature,
-                                           received_at=arrived)
-            if job_id is None:
-                return False
-            session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what="receipt")))
-            self.dispatcher.kick()
-            return True
+            return self._canary_receipt(msg.receipt, session, arrived)
         job_id = getattr(msg, kind).job_id
         if not self.canaries.owns(job_id):
             return False
@@ -588,6 +597,62 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what=kind)))
             self.dispatcher.kick()
         return True
+
+    def _canary_receipt(self, r: pb.Receipt, session: GatewaySession,
+                        arrived: float | None) -> bool:
+        """A canary's receipt goes to the canary service (acked here); False: not one."""
+        if self.canaries is None:
+            return False
+        # Opened (decoded, signature checked) once, by the service whose job it is; not
+        # even decoded here unless the agent has a canary out (nearly never).
+        if not (self.canaries.out_to(session.provider_id)
+                and self.canaries.owns(receipt_job_id(r.receipt) or "")):
+            return False
+        job_id = self.canaries.receipt(session, r.receipt, r.signature, received_at=arrived)
+        if job_id is None:
+            return False
+        session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what="receipt")))
+        self.dispatcher.kick()
+        return True
+
+    def _receipts(self, session: GatewaySession, receipts: list[tuple[pb.Receipt, float | None]],
+                  batched: bool) -> None:
+        """Several receipts settled in one transaction (JobService.receipts), each judged
+        alone: a refused one gets its Refusal, the others their acks — one AckBatch when
+        they came as a ReceiptBatch (``batched``), else one Ack each, as an agent that
+        sends single receipts expects. Canaries' receipts go to the canary service."""
+        items = []
+        for r, arrived in receipts:
+            try:
+                if self._canary_receipt(r, session, arrived):
+                    continue
+            except BrokerError as exc:
+                self._refuse(session, "receipt", receipt_job_id(r.receipt) or "", exc)
+                continue
+            items.append((r, arrived))
+        results = []
+        for at in range(0, len(items), RECEIPTS_MAX):  # one transaction per RECEIPTS_MAX
+            results += self.jobs.receipts(
+                session.provider_id, session.public_key,
+                [(r.receipt, r.signature, [(o.data, o.sha256) for o in r.outputs], arrived)
+                 for r, arrived in items[at:at + RECEIPTS_MAX]])
+        acks = []
+        for (r, _), result in zip(items, results):
+            if isinstance(result, BrokerError):
+                self._refuse(session, "receipt", receipt_job_id(r.receipt) or "", result)
+            elif result is not None:
+                acks.append(pb.Ack(job_id=result.id, what="receipt"))
+        if batched and acks:
+            session.send(pb.BrokerMessage(acks=pb.AckBatch(acks=acks)))
+        else:
+            for ack in acks:
+                session.send(pb.BrokerMessage(ack=ack))
+
+    def _refuse(self, session: GatewaySession, kind: str, job_id: str,
+                exc: BrokerError) -> None:
+        log.warning("refused %s from %s: %s", kind, session.provider_id, exc)
+        session.send(pb.BrokerMessage(refusal=pb.Refusal(
+            job_id=job_id, code=exc.code, message=exc.message)))
 
     def _grant(self, req, session: GatewaySession) -> None:
         """Presigned PUT URLs for the blobs an agent is about to upload (or why not)."""
@@ -652,6 +717,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                                     uploads=[(o.data, o.sha256) for o in r.outputs],
                                     received_at=arrived)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job.id, what="receipt")))
+        elif kind == "receipts":
+            self._receipts(session, [(r, arrived) for r in msg.receipts.receipts], True)
         elif kind == "failed":
             f = msg.failed
             self.jobs.failed(pid, f.job_id, f.attempt, f.code, f.message, f.retryable)
