@@ -238,6 +238,25 @@ def fresh_database(url: str | None):
         admin.dispose()
 
 
+def db_counts(net) -> dict[str, float] | None:
+    """The broker's statement and COMMIT counts so far, from /metrics
+    (SPARECYCLES_COUNT_STATEMENTS, broker/storage/counting.py); None from a broker that
+    does not count them (older code) or serves no metrics."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"{net.url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except (OSError, urllib.error.URLError):
+        return None
+    got = {}
+    for line in text.splitlines():
+        for key in ("statements", "commits"):
+            if line.startswith(f"sparecycles_db_{key}_total "):
+                got[key] = float(line.split()[1])
+    return got if len(got) == 2 else None
+
+
 def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
              db_url: str | None = None, split: int = 1, tls: bool = False,
              metrics: bool = True) -> dict:
@@ -247,7 +266,8 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
     net = LocalNetwork(work, db_url=db_url, env={"SPARECYCLES_VERIFICATION": "off",
                                                   "SPARECYCLES_RATE_LIMITS": "off",
                                                   "SPARECYCLES_METRICS": "on" if metrics
-                                                  else "off"}, tls=tls)
+                                                  else "off",
+                                                  "SPARECYCLES_COUNT_STATEMENTS": "1"}, tls=tls)
     try:
         net.start_broker()
         pkey = net.create_key("provider")
@@ -289,6 +309,7 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
                     resp.read()
                 scrapes.append((time.perf_counter() - t) * 1000)
         scraper = threading.Thread(target=scrape, daemon=True) if metrics else None
+        db0 = db_counts(net) if metrics else None
         cpu0 = cpu_split(net, os.getpid())
         t0 = time.perf_counter()
         for t in threads:
@@ -301,8 +322,12 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
         scraped.set()
         cpu1 = cpu_split(net, os.getpid())
         cpu_ms = {k: (cpu1[k] - cpu0[k]) * 1000 / max(done, 1) for k in cpu0}
+        db1 = db_counts(net) if db0 is not None else None
+        per_job = ({k: (db1[k] - db0[k]) / max(done, 1) for k in db0}
+                   if db0 is not None and db1 is not None else None)
         return {"agents": n_agents, "tls": tls, "lat": lat, "jobs_per_s": done / elapsed,
-                "done": done, "cpu_ms": cpu_ms, "metrics": metrics, "scrapes_ms": scrapes}
+                "done": done, "cpu_ms": cpu_ms, "metrics": metrics, "scrapes_ms": scrapes,
+                "db_per_job": per_job}
     finally:
         net.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -622,6 +647,7 @@ def main() -> int:
     print(f"{'agents':>6} {'hops':>9} {'metrics':>7} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'added p50':>10} {'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
           "plugin hosts / clients" + (" / database server" if db == "PostgreSQL" else "")
+          + "   | statements / commits per job"
           + ("" if args.no_raw else "   | raw queue jobs/s, ours ÷ raw"))
     rows, pairs = [], []
     for n in [int(x) for x in args.agents.split(",")]:
@@ -646,7 +672,10 @@ def main() -> int:
                       f"{p50 - d50:>10.2f} {p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x   "
                       f"{c['broker']:6.2f} / "
                       f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}"
-                      + (f" / {c['database']:5.2f}" if "database" in c else "") + raw,
+                      + (f" / {c['database']:5.2f}" if "database" in c else "")
+                      + (f"   | {r['db_per_job']['statements']:5.1f} / "
+                         f"{r['db_per_job']['commits']:4.2f}" if r["db_per_job"]
+                         else "   |   n/a /  n/a") + raw,
                       flush=True)
         if args.tls:
             pairs.append((n, pair[False], pair[True]))

@@ -13,6 +13,8 @@ from sqlalchemy import MetaData, create_engine, event, exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase
 
+from . import counting
+
 log = logging.getLogger(__name__)
 
 # Stable constraint names, so Alembic migrations are identical on SQLite and PostgreSQL.
@@ -529,5 +531,10 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
             for own in list(engine._sc_owners):
                 own.close()
 
+        if counting.enabled():
+            counting.install(engine, sqlite=True)
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=20, pool_pre_ping=True)
+    engine = create_engine(url, pool_size=pool_size, max_overflow=20, pool_pre_ping=True)
+    if counting.enabled():
+        counting.install(engine, sqlite=False)
+    return engine
