@@ -251,10 +251,17 @@ def db_counts(net) -> dict[str, float] | None:
         return None
     got = {}
     for line in text.splitlines():
-        for key in ("statements", "commits"):
-            if line.startswith(f"sparecycles_db_{key}_total "):
+        for key, name in (("statements", "sparecycles_db_statements_total"),
+                          ("commits", "sparecycles_db_commits_total"),
+                          ("receipts", "sparecycles_agent_receipts_total"),
+                          ("receipt_tx", "sparecycles_agent_receipt_transactions_total")):
+            if line.startswith(name + " "):
                 got[key] = float(line.split()[1])
-    return got if len(got) == 2 else None
+    if "statements" not in got or "commits" not in got:
+        return None
+    got.setdefault("receipts", 0.0)  # a broker from before receipt batches (issue #28)
+    got.setdefault("receipt_tx", 0.0)
+    return got
 
 
 def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
@@ -325,6 +332,9 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
         db1 = db_counts(net) if db0 is not None else None
         per_job = ({k: (db1[k] - db0[k]) / max(done, 1) for k in db0}
                    if db0 is not None and db1 is not None else None)
+        if per_job is not None:  # receipts per settlement transaction (1: no batching)
+            per_job["batch"] = (per_job["receipts"] / per_job["receipt_tx"]
+                                if per_job["receipt_tx"] else 1.0)
         return {"agents": n_agents, "tls": tls, "lat": lat, "jobs_per_s": done / elapsed,
                 "done": done, "cpu_ms": cpu_ms, "metrics": metrics, "scrapes_ms": scrapes,
                 "db_per_job": per_job}
@@ -647,7 +657,7 @@ def main() -> int:
     print(f"{'agents':>6} {'hops':>9} {'metrics':>7} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'added p50':>10} {'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
           "plugin hosts / clients" + (" / database server" if db == "PostgreSQL" else "")
-          + "   | statements / commits per job"
+          + "   | statements / commits per job / receipts per settlement"
           + ("" if args.no_raw else "   | raw queue jobs/s, ours ÷ raw"))
     rows, pairs = [], []
     for n in [int(x) for x in args.agents.split(",")]:
@@ -674,8 +684,9 @@ def main() -> int:
                       f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}"
                       + (f" / {c['database']:5.2f}" if "database" in c else "")
                       + (f"   | {r['db_per_job']['statements']:5.1f} / "
-                         f"{r['db_per_job']['commits']:4.2f}" if r["db_per_job"]
-                         else "   |   n/a /  n/a") + raw,
+                         f"{r['db_per_job']['commits']:4.2f} / "
+                         f"{r['db_per_job']['batch']:4.2f}" if r["db_per_job"]
+                         else "   |   n/a /  n/a /  n/a") + raw,
                       flush=True)
         if args.tls:
             pairs.append((n, pair[False], pair[True]))

@@ -63,6 +63,16 @@ class GatewayStats:
         self.cut_off = 0      # streams cut off: the agent stopped reading
         self.outbox_peak = 0  # the most messages any outbox held
         self.cut_offs: deque[tuple[str, str]] = deque(maxlen=64)  # (provider id, why)
+        # Receipts settled through JobService.receipts, and the transactions they took
+        # (issue #28: receipts ÷ transactions is the batch size); changed in the pool.
+        self.receipts = 0
+        self.receipt_transactions = 0
+        self._receipts_lock = threading.Lock()
+
+    def settled_together(self, receipts: int, transactions: int) -> None:
+        with self._receipts_lock:
+            self.receipts += receipts
+            self.receipt_transactions += transactions
 
     def collect(self):
         """These counters as Prometheus metric families (at scrape time)."""
@@ -80,7 +90,13 @@ class GatewayStats:
                 ("sparecycles_agent_streams_refused", "Agent streams refused: the replica "
                  "held max_agent_streams.", self.refused, CounterMetricFamily),
                 ("sparecycles_agent_streams_cut_off", "Agent streams cut off: the agent "
-                 "stopped reading.", self.cut_off, CounterMetricFamily)):
+                 "stopped reading.", self.cut_off, CounterMetricFamily),
+                ("sparecycles_agent_receipts", "Agents' job receipts handed to the job "
+                 "service (canaries' aside), alone or in batches.", self.receipts,
+                 CounterMetricFamily),
+                ("sparecycles_agent_receipt_transactions", "The settlement transactions "
+                 "those receipts took: receipts ÷ transactions is the mean batch.",
+                 self.receipt_transactions, CounterMetricFamily)):
             f = family(name, doc)
             f.add_metric([], value)
             yield f
@@ -636,6 +652,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                 session.provider_id, session.public_key,
                 [(r.receipt, r.signature, [(o.data, o.sha256) for o in r.outputs], arrived)
                  for r, arrived in items[at:at + RECEIPTS_MAX]])
+        self.stats.settled_together(len(items), -(-len(items) // RECEIPTS_MAX))
         acks = []
         for (r, _), result in zip(items, results):
             if isinstance(result, BrokerError):
@@ -713,6 +730,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.jobs.store_output(pid, o.job_id, o.attempt, o.data, o.sha256)
         elif kind == "receipt":
             r = msg.receipt
+            self.stats.settled_together(1, 1)
             job = self.jobs.receipt(pid, session.public_key, r.receipt, r.signature,
                                     uploads=[(o.data, o.sha256) for o in r.outputs],
                                     received_at=arrived)
