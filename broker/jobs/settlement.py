@@ -7,6 +7,7 @@ A part of :class:`broker.jobs.service.JobService`.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
 from sdk.protocol.envelope import EnvelopeError, open_receipt
@@ -89,7 +90,8 @@ class JobSettlement:
             try:
                 with self.repo.atomic():
                     for i, job, rec, signature, uploads, outputs in ready:
-                        done = self._settle_write(job, rec, signature, uploads, outputs, now)
+                        done = self._settle_write(job, rec, signature, uploads, outputs, now,
+                                                  flat=True)
                         if done is None:
                             alone.append(i)  # moved since assign(): judged on its row
                         else:
@@ -176,20 +178,15 @@ class JobSettlement:
         return outputs
 
     def _settle_write(self, job: Job, rec: dict, signature: str, uploads,
-                      outputs: list[JobOutput], now: float) -> Job | None:
+                      outputs: list[JobOutput], now: float, flat: bool = False) -> Job | None:
         """Inside the caller's ``atomic`` block: the job LEASED → SETTLED with its outputs,
         events, stored blobs and ledger post; None when it is no longer the sender's lease
-        (nothing written)."""
+        (nothing written). ``flat``: the transition runs without a savepoint of its own (a
+        batch: any failure rolls the whole batch back, which then settles one at a time);
+        the ledger post keeps its own either way, as a failed post must roll back alone."""
         attempt = int(rec["attempt"])
-        settled = self.repo.transition(
-            job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
-            expect_provider=job.provider_id, outputs=outputs,
-            events=[("submitted", {"attempt": attempt}),
-                    ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
-                                           "media_type": o.media_type, "size": o.size}
-                                          for o in outputs]})],
-            receipt=rec, receipt_signature=signature, lease_expires_at=None,
-            finished_at=now)
+        with (self.repo.flat() if flat else nullcontext()):
+            settled = self._transition_settled(job, rec, signature, outputs, attempt, now)
         if settled is None:
             return None
         # Stored once the job is the sender's to settle; if storing fails, the
@@ -198,6 +195,18 @@ class JobSettlement:
             self.blobs.put(blob)
         self._charge(settled, rec)
         return settled
+
+    def _transition_settled(self, job: Job, rec: dict, signature: str,
+                            outputs: list[JobOutput], attempt: int, now: float) -> Job | None:
+        return self.repo.transition(
+            job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
+            expect_provider=job.provider_id, outputs=outputs,
+            events=[("submitted", {"attempt": attempt}),
+                    ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
+                                           "media_type": o.media_type, "size": o.size}
+                                          for o in outputs]})],
+            receipt=rec, receipt_signature=signature, lease_expires_at=None,
+            finished_at=now)
 
     def _settled(self, job: Job, settled: Job, rec: dict, outputs: list[JobOutput],
                  received_at: float | None) -> None:
