@@ -8,7 +8,11 @@ real agents on loopback, then measures
 Prints a table and the ratio against the direct call. Beside each row it runs the raw
 durable queue of bench/raw_queue.py (insert, claim, mark done, tell the client; nothing
 else) with the same clients, workers and database, and prints our jobs/s over its jobs/s:
-the machine-independent yardstick (issue #28 targets >= 0.5x; --no-raw skips it).
+the machine-independent yardstick (issue #28 targets >= 0.5x; --no-raw skips it). It also
+prints the broker's statements and COMMITs per job during the throughput run (the broker
+counts them with SPARECYCLES_COUNT_STATEMENTS=1, broker/storage/counting.py; "n/a" from a
+broker that does not) and the receipts settled per settlement transaction (issue #28's
+receipt batches; 1 without them).
 Targets (issue #2, 2-core machine): >= 300 jobs/s and <= 15 ms p50 added latency.
 
 Measured here (2 cores, 1/2/4 agents, 600 jobs) on 2026-11-30, side by side with the code
