@@ -49,7 +49,8 @@ def test_flat_writes_in_an_atomic_block_open_no_savepoint_and_a_failure_undoes_t
                 for i in range(3):
                     with (flat(engine) if flat_writes else _nothing()):
                         with begin(engine) as c:
-                            c.execute(text("INSERT INTO t VALUES (:x)"), {"x": i + 10 * flat_writes})
+                            c.execute(text("INSERT INTO t VALUES (:x)"),
+                                      {"x": i + 10 * flat_writes})
             return counting.COUNTS.statements - s0
         assert three(False) - three(True) == 3 * 2  # a SAVEPOINT and its RELEASE each
         with pytest.raises(Exception):
