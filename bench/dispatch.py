@@ -8,7 +8,11 @@ real agents on loopback, then measures
 Prints a table and the ratio against the direct call. Beside each row it runs the raw
 durable queue of bench/raw_queue.py (insert, claim, mark done, tell the client; nothing
 else) with the same clients, workers and database, and prints our jobs/s over its jobs/s:
-the machine-independent yardstick (issue #28 targets >= 0.5x; --no-raw skips it).
+the machine-independent yardstick (issue #28 targets >= 0.5x; --no-raw skips it). It also
+prints the broker's statements and COMMITs per job during the throughput run (the broker
+counts them with SPARECYCLES_COUNT_STATEMENTS=1, broker/storage/counting.py; "n/a" from a
+broker that does not) and the receipts settled per settlement transaction (issue #28's
+receipt batches; 1 without them).
 Targets (issue #2, 2-core machine): >= 300 jobs/s and <= 15 ms p50 added latency.
 
 Measured here (2 cores, 1/2/4 agents, 600 jobs) on 2026-11-30, side by side with the code
@@ -238,6 +242,32 @@ def fresh_database(url: str | None):
         admin.dispose()
 
 
+def db_counts(net) -> dict[str, float] | None:
+    """The broker's statement and COMMIT counts so far, from /metrics
+    (SPARECYCLES_COUNT_STATEMENTS, broker/storage/counting.py); None from a broker that
+    does not count them (older code) or serves no metrics."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"{net.url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except (OSError, urllib.error.URLError):
+        return None
+    got = {}
+    for line in text.splitlines():
+        for key, name in (("statements", "sparecycles_db_statements_total"),
+                          ("commits", "sparecycles_db_commits_total"),
+                          ("receipts", "sparecycles_agent_receipts_total"),
+                          ("receipt_tx", "sparecycles_agent_receipt_transactions_total")):
+            if line.startswith(name + " "):
+                got[key] = float(line.split()[1])
+    if "statements" not in got or "commits" not in got:
+        return None
+    got.setdefault("receipts", 0.0)  # a broker from before receipt batches (issue #28)
+    got.setdefault("receipt_tx", 0.0)
+    return got
+
+
 def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
              db_url: str | None = None, split: int = 1, tls: bool = False,
              metrics: bool = True) -> dict:
@@ -247,7 +277,8 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
     net = LocalNetwork(work, db_url=db_url, env={"SPARECYCLES_VERIFICATION": "off",
                                                   "SPARECYCLES_RATE_LIMITS": "off",
                                                   "SPARECYCLES_METRICS": "on" if metrics
-                                                  else "off"}, tls=tls)
+                                                  else "off",
+                                                  "SPARECYCLES_COUNT_STATEMENTS": "1"}, tls=tls)
     try:
         net.start_broker()
         pkey = net.create_key("provider")
@@ -289,6 +320,7 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
                     resp.read()
                 scrapes.append((time.perf_counter() - t) * 1000)
         scraper = threading.Thread(target=scrape, daemon=True) if metrics else None
+        db0 = db_counts(net) if metrics else None
         cpu0 = cpu_split(net, os.getpid())
         t0 = time.perf_counter()
         for t in threads:
@@ -301,8 +333,15 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
         scraped.set()
         cpu1 = cpu_split(net, os.getpid())
         cpu_ms = {k: (cpu1[k] - cpu0[k]) * 1000 / max(done, 1) for k in cpu0}
+        db1 = db_counts(net) if db0 is not None else None
+        per_job = ({k: (db1[k] - db0[k]) / max(done, 1) for k in db0}
+                   if db0 is not None and db1 is not None else None)
+        if per_job is not None:  # receipts per settlement transaction (1: no batching)
+            per_job["batch"] = (per_job["receipts"] / per_job["receipt_tx"]
+                                if per_job["receipt_tx"] else 1.0)
         return {"agents": n_agents, "tls": tls, "lat": lat, "jobs_per_s": done / elapsed,
-                "done": done, "cpu_ms": cpu_ms, "metrics": metrics, "scrapes_ms": scrapes}
+                "done": done, "cpu_ms": cpu_ms, "metrics": metrics, "scrapes_ms": scrapes,
+                "db_per_job": per_job}
     finally:
         net.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -622,6 +661,7 @@ def main() -> int:
     print(f"{'agents':>6} {'hops':>9} {'metrics':>7} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'added p50':>10} {'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
           "plugin hosts / clients" + (" / database server" if db == "PostgreSQL" else "")
+          + "   | statements / commits per job / receipts per settlement"
           + ("" if args.no_raw else "   | raw queue jobs/s, ours ÷ raw"))
     rows, pairs = [], []
     for n in [int(x) for x in args.agents.split(",")]:
@@ -646,7 +686,11 @@ def main() -> int:
                       f"{p50 - d50:>10.2f} {p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x   "
                       f"{c['broker']:6.2f} / "
                       f"{c['agents']:5.2f} / {c['hosts']:5.2f} / {c['clients']:5.2f}"
-                      + (f" / {c['database']:5.2f}" if "database" in c else "") + raw,
+                      + (f" / {c['database']:5.2f}" if "database" in c else "")
+                      + (f"   | {r['db_per_job']['statements']:5.1f} / "
+                         f"{r['db_per_job']['commits']:4.2f} / "
+                         f"{r['db_per_job']['batch']:4.2f}" if r["db_per_job"]
+                         else "   |   n/a /  n/a /  n/a") + raw,
                       flush=True)
         if args.tls:
             pairs.append((n, pair[False], pair[True]))

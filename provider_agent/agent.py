@@ -65,6 +65,8 @@ DEVICE_FAILURE_CODES = ("host_died", "host_start_failed", "start_timeout")
 # lease check at the broker, per job); larger ones go ahead of it one message each.
 INLINE_OUTPUTS_BYTES = 1 << 20
 MAX_UPLOADING = 256  # receipts whose ack is awaited for their upload time (telemetry)
+RECEIPTS_MAX = 64    # receipts sent in one ReceiptBatch
+_END = object()
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 20_000),
@@ -174,6 +176,7 @@ class Agent:
         # Outputs and checkpoints PUT straight to the broker's blob store (its Welcome says
         # so: S3) instead of travelling on the stream.
         self.direct_uploads = False
+        self.receipt_batches = False  # the broker takes ReceiptBatch (its Welcome says)
         self.uploads = DirectUploads(self._send)
         self.benchmarks: dict[str, float] = {}   # plugin -> work units/s (our claim)
         self.ask_status: dict[str, pb.AskStatus] = {}  # the broker's answer per plugin
@@ -458,13 +461,23 @@ class Agent:
         channel = broker_transport.open_channel(self.broker_address, self.transport,
                                                 GRPC_OPTIONS)
         outq: queue.SimpleQueue = queue.SimpleQueue()
+        self.receipt_batches = False  # until this broker's Welcome says otherwise
 
         def requests():
             while True:
                 msg = outq.get()
                 if msg is None:
                     return
-                yield msg
+                if not (self.receipt_batches and msg.WhichOneof("body") == "receipt"):
+                    yield msg
+                    continue
+                batch, after = batch_receipts(msg, outq)
+                yield batch
+                if after is None:
+                    continue
+                if after is _END:
+                    return
+                yield after
 
         stub = pb_grpc.AgentGatewayStub(channel)
         call = stub.Connect(requests(), metadata=[("authorization", f"Bearer {self.cfg.api_key}")])
@@ -493,6 +506,7 @@ class Agent:
             self.provider_id = welcome.provider_id
             self.last_error = ""
             self.direct_uploads = welcome.direct_uploads
+            self.receipt_batches = welcome.receipt_batches  # an older broker: single ones
             log.info("connected to %s as provider %s (%d plugin(s), %d slot(s); %s%s)",
                      self.broker_address, welcome.provider_id, len(self.plugins),
                      self.cfg.slots, self.transport.describe(),
@@ -596,14 +610,10 @@ class Agent:
         elif kind == "upload_grant":
             self.uploads.granted(msg.upload_grant)
         elif kind == "ack":
-            if msg.ack.what == "receipt":
-                with self._lock:
-                    self.undelivered.pop(msg.ack.job_id, None)
-                    uploading = self._uploading.pop(msg.ack.job_id, None)
-                if uploading is not None:
-                    sent_at, times = uploading
-                    times.upload_s = time.perf_counter() - sent_at
-                    self.telemetry.job_finished(times)
+            self._on_ack(msg.ack)
+        elif kind == "acks":  # the answer to a ReceiptBatch
+            for ack in msg.acks.acks:
+                self._on_ack(ack)
         elif kind == "ask_status":
             st = msg.ask_status
             self.ask_status[st.plugin] = st
@@ -619,6 +629,16 @@ class Agent:
             if msg.refusal.code in ("not_your_job", "unknown_job", "envelope_mismatch"):
                 with self._lock:
                     self.undelivered.pop(msg.refusal.job_id, None)
+
+    def _on_ack(self, ack: pb.Ack) -> None:
+        if ack.what == "receipt":
+            with self._lock:
+                self.undelivered.pop(ack.job_id, None)
+                uploading = self._uploading.pop(ack.job_id, None)
+            if uploading is not None:
+                sent_at, times = uploading
+                times.upload_s = time.perf_counter() - sent_at
+                self.telemetry.job_finished(times)
 
     def _on_assignment(self, a: pb.Assignment) -> None:
         try:
@@ -971,6 +991,32 @@ class Agent:
         finally:
             with self._lock:
                 self._checkpoint_waiters.pop(job_id, None)
+
+
+def batch_receipts(first: pb.AgentMessage, outq: queue.SimpleQueue
+                   ) -> tuple[pb.AgentMessage, object]:
+    """``first`` (a receipt) with the receipts queued right behind it, up to RECEIPTS_MAX,
+    as one message — a ReceiptBatch when there are several, else ``first`` itself — and
+    what was taken from the queue after them and must go next: another message, _END (the
+    queue's end mark) or None. Nothing waits for receipts to come: only those already
+    queued travel together, so a receipt is never held back."""
+    receipts = [first.receipt]
+    after = None
+    while len(receipts) < RECEIPTS_MAX:
+        try:
+            msg = outq.get_nowait()
+        except queue.Empty:
+            break
+        if msg is None:
+            after = _END
+            break
+        if msg.WhichOneof("body") != "receipt":
+            after = msg
+            break
+        receipts.append(msg.receipt)
+    if len(receipts) == 1:
+        return first, after
+    return pb.AgentMessage(receipts=pb.ReceiptBatch(receipts=receipts)), after
 
 
 class _DoneSummary:

@@ -49,6 +49,7 @@ ABORT_TIMEOUT_S = 5.0       # a cut-off agent that reads nothing gets no status:
 OUTBOX_MAX_BYTES = 64 << 20  # per stream (a larger message alone is still taken)
 KEY_RECHECK_S = KEY_CACHE_S  # how often connected agents' keys are checked again
 INBOX_MAX = 32  # messages read ahead of their handling, per stream (then reading stops)
+RECEIPTS_MAX = 64  # receipts settled in one transaction (a ReceiptBatch may hold more)
 
 
 class GatewayStats:
@@ -62,6 +63,16 @@ class GatewayStats:
         self.cut_off = 0      # streams cut off: the agent stopped reading
         self.outbox_peak = 0  # the most messages any outbox held
         self.cut_offs: deque[tuple[str, str]] = deque(maxlen=64)  # (provider id, why)
+        # Receipts settled through JobService.receipts, and the transactions they took
+        # (issue #28: receipts ÷ transactions is the batch size); changed in the pool.
+        self.receipts = 0
+        self.receipt_transactions = 0
+        self._receipts_lock = threading.Lock()
+
+    def settled_together(self, receipts: int, transactions: int) -> None:
+        with self._receipts_lock:
+            self.receipts += receipts
+            self.receipt_transactions += transactions
 
     def collect(self):
         """These counters as Prometheus metric families (at scrape time)."""
@@ -79,7 +90,13 @@ class GatewayStats:
                 ("sparecycles_agent_streams_refused", "Agent streams refused: the replica "
                  "held max_agent_streams.", self.refused, CounterMetricFamily),
                 ("sparecycles_agent_streams_cut_off", "Agent streams cut off: the agent "
-                 "stopped reading.", self.cut_off, CounterMetricFamily)):
+                 "stopped reading.", self.cut_off, CounterMetricFamily),
+                ("sparecycles_agent_receipts", "Agents' job receipts handed to the job "
+                 "service (canaries' aside), alone or in batches.", self.receipts,
+                 CounterMetricFamily),
+                ("sparecycles_agent_receipt_transactions", "The settlement transactions "
+                 "those receipts took: receipts ÷ transactions is the mean batch.",
+                 self.receipt_transactions, CounterMetricFamily)):
             f = family(name, doc)
             f.add_metric([], value)
             yield f
@@ -432,7 +449,8 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
         greeting = [pb.BrokerMessage(welcome=pb.Welcome(
             provider_id=provider.id, heartbeat_interval_s=self.heartbeat_interval_s,
             lease_timeout_s=self.lease_timeout_s, resume_job_ids=resumed,
-            direct_uploads=bool(getattr(self.jobs.blobs, "presigns", False))))]
+            direct_uploads=bool(getattr(self.jobs.blobs, "presigns", False)),
+            receipt_batches=True))]
         # What its weights give inputs declared default_from = "weights" (image sizes);
         # _leave forgets it.
         if self.jobs.input_defaults is not None:
@@ -496,14 +514,32 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
 
     def _drain(self, session: GatewaySession, inbox: deque, lock: threading.Lock,
                state: dict) -> None:
-        """In the pool: handle the inbox's messages in order until it is empty."""
+        """In the pool: handle the inbox's messages in order until it is empty. Single
+        receipts that wait there one after another (an agent that sends no ReceiptBatch,
+        or several sent while the last was settling) are settled together, as a batch,
+        and acked one by one."""
         while True:
             with lock:
                 if not inbox:
                     state["draining"] = False
                     return
                 msg, arrived = inbox.popleft()
-            self._handle_safely(msg, session, arrived)
+                run = None
+                if msg.WhichOneof("body") == "receipt" and inbox and (
+                        inbox[0][0].WhichOneof("body") == "receipt"):
+                    run = [(msg.receipt, arrived)]
+                    while (inbox and len(run) < RECEIPTS_MAX
+                           and inbox[0][0].WhichOneof("body") == "receipt"):
+                        more, at = inbox.popleft()
+                        run.append((more.receipt, at))
+            if run is None:
+                self._handle_safely(msg, session, arrived)
+                continue
+            try:
+                self._receipts(session, run, False)
+            except Exception:  # noqa: BLE001 - one bad batch must not drop the agent
+                log.exception("error handling %d receipts from %s", len(run),
+                              session.provider_id)
 
     def _handle_safely(self, msg: pb.AgentMessage, session: GatewaySession,
                        arrived: float | None = None) -> None:
@@ -574,18 +610,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                                                  "failed", "give_back", "checkpoint"):
             return False
         if kind == "receipt":
-            # Opened (decoded, signature checked) once, by the service whose job it is; not
-            # even decoded here unless the agent has a canary out (nearly never).
-            if not (self.canaries.out_to(session.provider_id)
-                    and self.canaries.owns(receipt_job_id(msg.receipt.receipt) or "")):
-                return False
-            job_id = self.canaries.receipt(session, msg.receipt.receipt, msg.receipt.signature,
-                                           received_at=arrived)
-            if job_id is None:
-                return False
-            session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what="receipt")))
-            self.dispatcher.kick()
-            return True
+            return self._canary_receipt(msg.receipt, session, arrived)
         job_id = getattr(msg, kind).job_id
         if not self.canaries.owns(job_id):
             return False
@@ -600,6 +625,63 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what=kind)))
             self.dispatcher.kick()
         return True
+
+    def _canary_receipt(self, r: pb.Receipt, session: GatewaySession,
+                        arrived: float | None) -> bool:
+        """A canary's receipt goes to the canary service (acked here); False: not one."""
+        if self.canaries is None:
+            return False
+        # Opened (decoded, signature checked) once, by the service whose job it is; not
+        # even decoded here unless the agent has a canary out (nearly never).
+        if not (self.canaries.out_to(session.provider_id)
+                and self.canaries.owns(receipt_job_id(r.receipt) or "")):
+            return False
+        job_id = self.canaries.receipt(session, r.receipt, r.signature, received_at=arrived)
+        if job_id is None:
+            return False
+        session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job_id, what="receipt")))
+        self.dispatcher.kick()
+        return True
+
+    def _receipts(self, session: GatewaySession, receipts: list[tuple[pb.Receipt, float | None]],
+                  batched: bool) -> None:
+        """Several receipts settled in one transaction (JobService.receipts), each judged
+        alone: a refused one gets its Refusal, the others their acks — one AckBatch when
+        they came as a ReceiptBatch (``batched``), else one Ack each, as an agent that
+        sends single receipts expects. Canaries' receipts go to the canary service."""
+        items = []
+        for r, arrived in receipts:
+            try:
+                if self._canary_receipt(r, session, arrived):
+                    continue
+            except BrokerError as exc:
+                self._refuse(session, "receipt", receipt_job_id(r.receipt) or "", exc)
+                continue
+            items.append((r, arrived))
+        results = []
+        for at in range(0, len(items), RECEIPTS_MAX):  # one transaction per RECEIPTS_MAX
+            results += self.jobs.receipts(
+                session.provider_id, session.public_key,
+                [(r.receipt, r.signature, [(o.data, o.sha256) for o in r.outputs], arrived)
+                 for r, arrived in items[at:at + RECEIPTS_MAX]])
+        self.stats.settled_together(len(items), -(-len(items) // RECEIPTS_MAX))
+        acks = []
+        for (r, _), result in zip(items, results):
+            if isinstance(result, BrokerError):
+                self._refuse(session, "receipt", receipt_job_id(r.receipt) or "", result)
+            elif result is not None:
+                acks.append(pb.Ack(job_id=result.id, what="receipt"))
+        if batched and acks:
+            session.send(pb.BrokerMessage(acks=pb.AckBatch(acks=acks)))
+        else:
+            for ack in acks:
+                session.send(pb.BrokerMessage(ack=ack))
+
+    def _refuse(self, session: GatewaySession, kind: str, job_id: str,
+                exc: BrokerError) -> None:
+        log.warning("refused %s from %s: %s", kind, session.provider_id, exc)
+        session.send(pb.BrokerMessage(refusal=pb.Refusal(
+            job_id=job_id, code=exc.code, message=exc.message)))
 
     def _grant(self, req, session: GatewaySession) -> None:
         """Presigned PUT URLs for the blobs an agent is about to upload (or why not)."""
@@ -660,10 +742,13 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
             self.jobs.store_output(pid, o.job_id, o.attempt, o.data, o.sha256)
         elif kind == "receipt":
             r = msg.receipt
+            self.stats.settled_together(1, 1)
             job = self.jobs.receipt(pid, session.public_key, r.receipt, r.signature,
                                     uploads=[(o.data, o.sha256) for o in r.outputs],
                                     received_at=arrived)
             session.send(pb.BrokerMessage(ack=pb.Ack(job_id=job.id, what="receipt")))
+        elif kind == "receipts":
+            self._receipts(session, [(r, arrived) for r in msg.receipts.receipts], True)
         elif kind == "failed":
             f = msg.failed
             self.jobs.failed(pid, f.job_id, f.attempt, f.code, f.message, f.retryable)

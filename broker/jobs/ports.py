@@ -12,6 +12,11 @@ class JobRepository(Protocol):
         """A block whose writes here, in the ledger and in the audit log commit as one
         transaction (a job with its hold, a settlement with its post)."""
 
+    def flat(self) -> AbstractContextManager:
+        """Inside an ``atomic`` block: the writes here run without a savepoint each, so a
+        failed one undoes the whole block (for a caller that then redoes its work another
+        way); outside one, no change."""
+
     def create(self, job: Job, first_event: tuple[str, dict]) -> tuple[Job, bool]:
         """Insert ``job`` with its first event. When (account, idempotency key) already
         exists, return the existing job and False instead."""

@@ -7,9 +7,12 @@ A part of :class:`broker.jobs.service.JobService`.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 from sdk.protocol.canonical import canonical_bytes, is_sha256_hex, sha256_hex
 from sdk.protocol.envelope import EnvelopeError, open_receipt
+
+from broker.errors import BrokerError
 
 from .errors import ReceiptRefused
 from .model import LEASED, Job, JobOutput, JobState
@@ -33,21 +36,9 @@ class JobSettlement:
         ``received_at``: when the receipt reached the broker (the gateway stamps it as it
         reads the message; now when not given) — the end of the run the market times."""
         received_at = self.clock() if received_at is None else received_at
-        try:
-            rec = open_receipt(data, signature, provider_key=provider_key)
-        except EnvelopeError as exc:
-            raise ReceiptRefused(exc.code, str(exc)) from None
+        rec = _open(data, signature, provider_key)
         job_id, attempt = str(rec["job_id"]), int(rec["attempt"])
-        # The lease as assign() wrote it, when it is this sender's and this attempt's: the
-        # settlement's conditional UPDATE still decides, and if the job has moved since,
-        # the receipt is judged again on the row as it is now.
-        with self._assigned_lock:
-            copy = self._assigned.get(job_id)
-            if copy is not None and (copy[0].provider_id == provider_id
-                                     and copy[0].attempt == attempt):
-                del self._assigned[job_id]
-            else:
-                copy = None
+        copy = self._take_copy(provider_id, rec)
         if copy is not None:
             try:
                 return self._settle(copy[0], rec, signature, uploads, envelope_sha=copy[1],
@@ -66,13 +57,104 @@ class JobSettlement:
         job = self._leased(provider_id, job_id, attempt, job)
         return self._settle(job, rec, signature, uploads, received_at=received_at)
 
+    def receipts(self, provider_id: str, provider_key: str,
+                 items: list[tuple[bytes, str, list[tuple[bytes, str]], float | None]]
+                 ) -> list[Job | BrokerError | None]:
+        """Several receipts of one provider (``items``: data, signature, uploads and
+        received_at of each, as :meth:`receipt` takes them), judged each alone and settled
+        together: the settlements of those whose job is still leased as assign() wrote it
+        (nearly all) commit as one transaction, with their outputs, events, ledger posts and
+        audit entries (issue #28: one COMMIT for the batch instead of one per job). Each
+        receipt's signature is checked on its own bytes. Any other receipt (a re-sent one,
+        a job that moved since it was assigned, one of a batch whose transaction failed) is
+        judged by :meth:`receipt` after that transaction, exactly as if it came alone.
+        Returns, per item and in order, the settled job, the BrokerError that refused it, or
+        None (it failed otherwise; logged)."""
+        results: list[Job | BrokerError | None] = [None] * len(items)
+        ready = []  # (index, job, rec, signature, uploads, outputs)
+        alone: list[int] = []  # judged by receipt() after the batch
+        for i, (data, signature, uploads, _) in enumerate(items):
+            try:
+                rec = _open(data, signature, provider_key)
+                copy = self._take_copy(provider_id, rec)
+                if copy is None:
+                    alone.append(i)
+                    continue
+                ready.append((i, copy[0], rec, signature, uploads,
+                              self._checked(copy[0], rec, uploads, copy[1])))
+            except BrokerError as exc:
+                results[i] = exc
+        settled = []
+        if ready:
+            now = self.clock()
+            try:
+                with self.repo.atomic():
+                    for i, job, rec, signature, uploads, outputs in ready:
+                        done = self._settle_write(job, rec, signature, uploads, outputs, now,
+                                                  flat=True)
+                        if done is None:
+                            alone.append(i)  # moved since assign(): judged on its row
+                        else:
+                            settled.append((i, job, done, rec, outputs))
+            except Exception:  # noqa: BLE001 - nothing of the batch committed: one by one
+                log.exception("settling a batch of %d receipts from %s in one transaction "
+                              "failed; settling them one at a time", len(ready), provider_id)
+                settled = []
+                alone = sorted(set(alone) | {r[0] for r in ready})
+        self._settled_batch([(job, done, rec, outputs, items[i][3])
+                             for i, job, done, rec, outputs in settled])
+        for i, _, done, _, _ in settled:
+            results[i] = done
+        for i in sorted(alone):
+            data, signature, uploads, received_at = items[i]
+            try:
+                results[i] = self.receipt(provider_id, provider_key, data, signature, uploads,
+                                          received_at=received_at)
+            except BrokerError as exc:
+                results[i] = exc
+            except Exception:  # noqa: BLE001 - one receipt must not stop the others
+                log.exception("receipt %d of a batch from %s failed", i, provider_id)
+        return results
+
+    def _take_copy(self, provider_id: str, rec: dict) -> tuple[Job, str] | None:
+        """The lease as assign() wrote it, when it is this sender's and this attempt's
+        (taken: a second receipt for the job is judged on the row). The settlement's
+        conditional UPDATE still decides, and if the job has moved since, the receipt is
+        judged again on the row as it is now."""
+        job_id, attempt = str(rec["job_id"]), int(rec["attempt"])
+        with self._assigned_lock:
+            copy = self._assigned.get(job_id)
+            if copy is not None and (copy[0].provider_id == provider_id
+                                     and copy[0].attempt == attempt):
+                del self._assigned[job_id]
+                return copy
+        return None
+
     def _settle(self, job: Job, rec: dict, signature: str, uploads,
                 envelope_sha: str | None = None, received_at: float | None = None) -> Job:
         """Settle ``job`` (leased to the receipt's sender) on its verified receipt ``rec``.
         ``envelope_sha``: ``job`` is assign()'s copy and this the hash of its envelope as
         signed; a job that has moved since then raises _Moved instead of being refused."""
-        provider_id, attempt = job.provider_id, int(rec["attempt"])
         from_copy = envelope_sha is not None
+        outputs = self._checked(job, rec, uploads, envelope_sha)
+        # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
+        # receipt settles at once, in one transaction with its outputs and both events.
+        # The settlement and its ledger post (with the post's audit entry) commit as one
+        # transaction; a post that fails rolls back alone (a savepoint), and the
+        # settlement stands with a ledger_error event (see _money).
+        with self.repo.atomic():
+            settled = self._settle_write(job, rec, signature, uploads, outputs, self.clock())
+            if settled is None:
+                if from_copy:
+                    raise _Moved()  # nothing was written: judged again on the row
+                raise ReceiptRefused("not_your_job",
+                                     f"job {job.id} moved before the receipt arrived")
+        self._settled(job, settled, rec, outputs, received_at)
+        return settled
+
+    def _checked(self, job: Job, rec: dict, uploads, envelope_sha: str | None) -> list[JobOutput]:
+        """The receipt's outputs, once it covers the job's envelope, has the shape the broker
+        reads and every output is sent with it or stored; else ReceiptRefused."""
         if envelope_sha is None:
             envelope_sha = sha256_hex(canonical_bytes(job.envelope))
         if rec["envelope_sha256"] != envelope_sha:
@@ -93,50 +175,89 @@ class JobSettlement:
             if sha not in sent:
                 self._check_stored(job.id, i, sha)
             outputs.append(JobOutput(job.id, out["index"], sha, out["media_type"], out["size"]))
-        now = self.clock()
-        # Verification (DESIGN §6) will stop at SUBMITTED/VERIFYING; until then a verified
-        # receipt settles at once, in one transaction with its outputs and both events.
-        # The settlement and its ledger post (with the post's audit entry) commit as one
-        # transaction; a post that fails rolls back alone (a savepoint), and the
-        # settlement stands with a ledger_error event (see _money).
-        with self.repo.atomic():
-            settled = self.repo.transition(
-                job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
-                expect_provider=provider_id, outputs=outputs,
-                events=[("submitted", {"attempt": attempt}),
-                        ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
-                                               "media_type": o.media_type, "size": o.size}
-                                              for o in outputs]})],
-                receipt=rec, receipt_signature=signature, lease_expires_at=None,
-                finished_at=now)
-            if settled is None:
-                if from_copy:
-                    raise _Moved()  # nothing was written: judged again on the row
-                raise ReceiptRefused("not_your_job",
-                                     f"job {job.id} moved before the receipt arrived")
-            # Stored once the job is the sender's to settle; if storing fails, the
-            # settlement rolls back with it.
-            for blob, _ in uploads:
-                self.blobs.put(blob)
-            self._charge(settled, rec)
+        return outputs
+
+    def _settle_write(self, job: Job, rec: dict, signature: str, uploads,
+                      outputs: list[JobOutput], now: float, flat: bool = False) -> Job | None:
+        """Inside the caller's ``atomic`` block: the job LEASED → SETTLED with its outputs,
+        events, stored blobs and ledger post; None when it is no longer the sender's lease
+        (nothing written). ``flat``: the transition runs without a savepoint of its own (a
+        batch: any failure rolls the whole batch back, which then settles one at a time);
+        the ledger post keeps its own either way, as a failed post must roll back alone."""
+        attempt = int(rec["attempt"])
+        with (self.repo.flat() if flat else nullcontext()):
+            settled = self._transition_settled(job, rec, signature, outputs, attempt, now)
+        if settled is None:
+            return None
+        # Stored once the job is the sender's to settle; if storing fails, the
+        # settlement rolls back with it.
+        for blob, _ in uploads:
+            self.blobs.put(blob)
+        self._charge(settled, rec)
+        return settled
+
+    def _transition_settled(self, job: Job, rec: dict, signature: str,
+                            outputs: list[JobOutput], attempt: int, now: float) -> Job | None:
+        return self.repo.transition(
+            job.id, LEASED, JobState.SETTLED, expect_attempt=attempt,
+            expect_provider=job.provider_id, outputs=outputs,
+            events=[("submitted", {"attempt": attempt}),
+                    ("done", {"outputs": [{"index": o.index, "sha256": o.sha256,
+                                           "media_type": o.media_type, "size": o.size}
+                                          for o in outputs]})],
+            receipt=rec, receipt_signature=signature, lease_expires_at=None,
+            finished_at=now)
+
+    def _settled(self, job: Job, settled: Job, rec: dict, outputs: list[JobOutput],
+                 received_at: float | None) -> None:
+        """After a settlement committed: the market's timing, the freed slot, verification's
+        draw, the waiting client, the metrics."""
+        self._released_after(job, settled, rec, received_at)
+        # Verification draws whether to check the job once its receipt is signed and
+        # settled, before the client is woken, so it never sees a status that changes back.
+        self.job_events.settled(settled, rec)
+        self._told_after(job, settled, outputs, received_at)
+
+    def _settled_batch(self, settled: list[tuple[Job, Job, dict, list[JobOutput],
+                                                 float | None]]) -> None:
+        """:meth:`_settled` for a batch: verification's draws for the batch's jobs (their
+        reads and writes) in one transaction, as their settlements were. A check's own
+        receipt is judged as when it comes alone (its judgement takes verification's lock,
+        which must not be taken inside a transaction another thread may wait for)."""
+        for job, done, rec, _, received_at in settled:
+            self._released_after(job, done, rec, received_at)
+        plain = [(done, rec) for _, done, rec, _, _ in settled if not done.check_of]
+        try:
+            with self.repo.atomic():
+                for done, rec in plain:
+                    self.job_events.settled(done, rec)
+        except Exception:  # noqa: BLE001 - the settlements stand whatever verification does
+            log.exception("verification's draws for a batch of %d settled jobs failed",
+                          len(plain))
+        for job, done, rec, outputs, received_at in settled:
+            if done.check_of:
+                self.job_events.settled(done, rec)
+            self._told_after(job, done, outputs, received_at)
+
+    def _released_after(self, job: Job, settled: Job, rec: dict,
+                        received_at: float | None) -> None:
         try:
             self.job_events.receipt(settled, rec,
-                                self.clock() if received_at is None else received_at)
+                                    self.clock() if received_at is None else received_at)
             if _input_disputed(settled):  # whoever called this input bad was wrong
                 for refuser in self._input_refusers(job.id):
                     self.on_failure(refuser, job.plugin)
         except Exception:  # noqa: BLE001 - a measurement must never undo a settlement
             log.exception("job %s: telling the market of the receipt (timings, refusals of "
                           "its input) failed", job.id)
-        self.job_events.released(provider_id, job.id)
-        # Verification draws whether to check the job once its receipt is signed and
-        # settled, before the client is woken, so it never sees a status that changes back.
-        self.job_events.settled(settled, rec)
+        self.job_events.released(job.provider_id, job.id)
+
+    def _told_after(self, job: Job, settled: Job, outputs: list[JobOutput],
+                    received_at: float | None) -> None:
         self.hub.notify(job.id, ended=True, copy=(settled, tuple(outputs)))
         self._ended(settled)
         if received_at:  # the wall clock the gateway stamped the receipt with
             self.metrics.settled(job.plugin, max(0.0, self.clock() - received_at))
-        return settled
 
     def failed(self, provider_id: str, job_id: str, attempt: int, code: str, message: str,
                retryable: bool) -> Job | None:
@@ -236,6 +357,14 @@ class JobSettlement:
                                     {"step": what, "error": f"{type(exc).__name__}: {exc}"})
             except Exception:  # noqa: BLE001 - the log line above still names the job
                 log.exception("job %s: could not record the ledger failure", job.id)
+
+
+def _open(data: bytes, signature: str, provider_key: str) -> dict:
+    """The receipt's document once its signature checks; else ReceiptRefused."""
+    try:
+        return open_receipt(data, signature, provider_key=provider_key)
+    except EnvelopeError as exc:
+        raise ReceiptRefused(exc.code, str(exc)) from None
 
 
 class _Moved(Exception):

@@ -119,6 +119,9 @@ class BrokerMetrics:
         self._db = _DatabaseCollector(db_reader, db_interval_s, clock) if db_reader else None
         if self._db is not None:
             r.register(self._db)
+        from broker.storage import counting  # the benchmark's statement counts (issue #28)
+        if counting.enabled():
+            self.add_collector(counting.COUNTS.collect)
 
     # ---- hot path ------------------------------------------------------------------
     def _child(self, metric, *labels):

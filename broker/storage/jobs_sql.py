@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker.jobs.model import Job, JobEvent, JobOutput, JobState, LEASED
-from .base import atomic, begin, read_only
+from .base import atomic, begin, flat, read_only
 from .fast import Prepared
 from .models import JobEventRow, JobOutputRow, JobRow
 
@@ -121,6 +121,10 @@ class SqlJobRepository:
         """One transaction for the block's writes here and in the ledger and audit log
         (same database): see ``broker.storage.base.atomic``."""
         return atomic(self.engine)
+
+    def flat(self):
+        """Inside ``atomic``: writes without a savepoint each (``broker.storage.base.flat``)."""
+        return flat(self.engine)
 
     def create(self, job: Job, first_event: tuple[str, dict]) -> tuple[Job, bool]:
         try:
