@@ -364,7 +364,7 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
                                               valid=False,
                                               quota_factor=self.settings.penalty.quota_factor)
             cv = standing.consecutive_valid
-            self.on_quota(provider_id, self.repo.quota_factor(provider_id))
+            self.quotas.set_quota(provider_id, self.repo.quota_factor(provider_id))
         if self.audit is not None:
             self.audit.record("verification", "verification.canary_unanswered",
                               f"provider:{provider_id}",
