@@ -220,24 +220,16 @@ class JobSettlement:
 
     def _settled_batch(self, settled: list[tuple[Job, Job, dict, list[JobOutput],
                                                  float | None]]) -> None:
-        """:meth:`_settled` for a batch: verification's draws for the batch's jobs (their
-        reads and writes) in one transaction, as their settlements were. A check's own
-        receipt is judged as when it comes alone (its judgement takes verification's lock,
-        which must not be taken inside a transaction another thread may wait for)."""
-        for job, done, rec, _, received_at in settled:
-            self._released_after(job, done, rec, received_at)
-        plain = [(done, rec) for _, done, rec, _, _ in settled if not done.check_of]
-        try:
-            with self.repo.atomic():
-                for done, rec in plain:
-                    self.job_events.settled(done, rec)
-        except Exception:  # noqa: BLE001 - the settlements stand whatever verification does
-            log.exception("verification's draws for a batch of %d settled jobs failed",
-                          len(plain))
+        """:meth:`_settled` for each job of a batch whose settlements committed together,
+        each on its own: verification's draw (its own reads and writes: never inside a
+        transaction of this thread, where SQLite lets no other connection write) and the
+        waiting client. One job's failure here is logged and does not stop the others'."""
         for job, done, rec, outputs, received_at in settled:
-            if done.check_of:
-                self.job_events.settled(done, rec)
-            self._told_after(job, done, outputs, received_at)
+            try:
+                self._settled(job, done, rec, outputs, received_at)
+            except Exception:  # noqa: BLE001 - the settlement stands; the others go on
+                log.exception("job %s settled in a batch, but what follows its settlement "
+                              "failed", job.id)
 
     def _released_after(self, job: Job, settled: Job, rec: dict,
                         received_at: float | None) -> None:
