@@ -60,12 +60,14 @@ class CanaryAnswerRow(Base):
 
 
 class SamplingEvidenceRow(Base):
-    """A provider's sampled-text e-process per plugin (``sampled_text.SamplingState``);
-    ``closed``: how many were closed by a slash before this one."""
+    """A provider's sampled-text e-process per plugin and witness (the operator whose runs
+    gave its e-values: ``sampled_text.SamplingState``); ``closed``: how many were closed by
+    a slash before this one."""
 
     __tablename__ = "sampling_evidence"
     provider_id: Mapped[str] = mapped_column(String(36), primary_key=True)
     plugin: Mapped[str] = mapped_column(String(64), primary_key=True)
+    witness: Mapped[str] = mapped_column(String(64), primary_key=True)
     checks: Mapped[int] = mapped_column(Integer)
     log_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     closed: Mapped[int] = mapped_column(Integer)
@@ -215,31 +217,30 @@ class SqlVerificationRepository:
             v.updated_at = self.clock()
         return True
 
-    def sampling_state(self, provider_id: str, plugin: str) -> SamplingState:
+    def sampling_state(self, provider_id: str, plugin: str, witness: str) -> SamplingState:
         with self.sessions() as s:
-            row = s.get(SamplingEvidenceRow, (provider_id, plugin))
+            row = s.get(SamplingEvidenceRow, (provider_id, plugin, witness))
             return SamplingState(row.checks, row.log_s) if row else SamplingState()
 
-    def add_sampling_evidence(self, provider_id: str, plugin: str, log_e: float, *,
-                              close: bool = False,
+    def add_sampling_evidence(self, provider_id: str, plugin: str, witness: str,
+                              log_e: float, *,
                               once: tuple[str, str] | None = None) -> SamplingState:
-        key = (provider_id, plugin)
+        key = (provider_id, plugin, witness)
         for _ in range(5):
             try:
                 with self.sessions.begin() as s:
-                    row = s.get(SamplingEvidenceRow, key, with_for_update=True)
+                    # the record's step first, then the evidence: the order record_check
+                    # takes its rows in
                     if once is not None and not self._first_time(s, once):
+                        row = s.get(SamplingEvidenceRow, key)
                         return SamplingState(row.checks, row.log_s) if row else SamplingState()
+                    row = s.get(SamplingEvidenceRow, key, with_for_update=True)
                     if row is None:
                         row = SamplingEvidenceRow(provider_id=provider_id, plugin=plugin,
-                                                  checks=0, log_s=None, closed=0,
-                                                  updated_at=self.clock())
+                                                  witness=witness, checks=0, log_s=None,
+                                                  closed=0, updated_at=self.clock())
                         s.add(row)
-                    if close:
-                        state = SamplingState()
-                        row.closed += 1
-                    else:
-                        state = SamplingState(row.checks, row.log_s).after(log_e)
+                    state = SamplingState(row.checks, row.log_s).after(log_e)
                     row.checks, row.log_s = state.checks, state.log_s
                     row.updated_at = self.clock()
                     s.flush()
@@ -247,6 +248,19 @@ class SqlVerificationRepository:
             except IntegrityError:  # two first checks raced to insert: retry as an update
                 continue
         raise RuntimeError(f"could not record sampled-text evidence for {key}")
+
+    def close_sampling_evidence(self, provider_id: str, plugin: str, *,
+                                once: tuple[str, str] | None = None) -> None:
+        with self.sessions.begin() as s:
+            if once is not None and not self._first_time(s, once):
+                return
+            rows = s.scalars(select(SamplingEvidenceRow).where(
+                SamplingEvidenceRow.provider_id == provider_id,
+                SamplingEvidenceRow.plugin == plugin).with_for_update()).all()
+            for row in rows:
+                row.checks, row.log_s = 0, None
+                row.closed += 1
+                row.updated_at = self.clock()
 
     def canary_outcome(self, provider_id: str, plugin: str, answered: bool,
                        window: int) -> str:

@@ -18,17 +18,16 @@ from broker.verification.records import OPEN_STATUSES, CheckStatus, Verification
 log = logging.getLogger(__name__)
 
 
-def claim_log_e(comparisons: dict[str, Any]) -> float | None:
-    """The least sampled-text log e-value the primary's claim got from its runs'
-    comparisons (``primary~checker``, ``primary~tiebreaker``), None when none tested it.
-    Figures keep three decimals: 0.0005 is taken off so that the stored value is never
-    above the e-value computed."""
+def claim_log_e(comparison: dict[str, Any] | None) -> float | None:
+    """The least sampled-text log e-value one comparison (``primary~checker`` or
+    ``primary~tiebreaker``) gave the primary's claim over its outputs, None when it tested
+    none. Figures keep three decimals: 0.0005 is taken off so that the stored value is
+    never above the e-value computed."""
     found = []
-    for key in ("primary~checker", "primary~tiebreaker"):
-        for out in (comparisons.get(key) or {}).get("outputs") or []:
-            sampling = out.get("sampling") if isinstance(out, dict) else None
-            if isinstance(sampling, dict) and isinstance(sampling.get("log_e"), (int, float)):
-                found.append(float(sampling["log_e"]) - 0.0005)
+    for out in (comparison or {}).get("outputs") or []:
+        sampling = out.get("sampling") if isinstance(out, dict) else None
+        if isinstance(sampling, dict) and isinstance(sampling.get("log_e"), (int, float)):
+            found.append(float(sampling["log_e"]) - 0.0005)
     return min(found) if found else None
 
 
@@ -169,34 +168,50 @@ class VerificationEffects:
 
     def _compound_sampling(self, v: Verification, record: dict, primary: Job,
                            done: set[str]) -> None:
-        """Compound the judged claim's sampled-text e-value into its provider's evidence
-        across checks (``sampled_text.SamplingState``), once per claim: the least of the
-        e-values its runs' comparisons gave it (each is an e-value, so their least is
-        one too, and a checker that inflated it alone adds no more than the other run's
-        word). A claim outvoted on clear mismatches (grounds for a slash) closes the
-        provider's e-process instead, and a fresh one starts."""
-        step = f"sampling:{primary.provider_id}"
-        if step in done or not primary.provider_id:
+        """Compound the judged claim's sampled-text e-values into its provider's evidence
+        across checks (``sampled_text.SamplingState``), once per claim and witness: each
+        run it was compared with (checker, third run) adds the e-value its comparison gave
+        to the e-process of that run's operator, the witness. Kept per witness because the
+        e-values come from the witness's own scores: one operator that inflated them can
+        raise only its own process, and a dispute's third run is judged on the third run's
+        operator's (``VerificationVerdicts._prior``), so compounding cannot frame an honest
+        provider without two unlinked operators lying together, as a single check could
+        not. A claim outvoted on clear mismatches (grounds for a slash) closes every
+        witness's process instead, and fresh ones start."""
+        if not primary.provider_id:
             return
         clear = any(e["provider_id"] == primary.provider_id
                     # a record judged before "clear" was stored: a clear loss cut the quota
                     and e.get("clear", bool(e.get("claw_back"))
                               or float(e.get("quota_factor", 1.0)) < 1.0)
                     for e in record.get("penalties") or [])
-        log_e = claim_log_e(v.comparisons)
-        if log_e is None and (not clear or self.repo.sampling_state(
-                primary.provider_id, primary.plugin).checks == 0):
-            return  # no sampled text tested, and no evidence to close
-        state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin,
-                                                log_e or 0.0, close=clear,
-                                                once=(v.job_id, step))
-        done.add(step)
         if clear:
-            self._audit("verification.sampling_closed", v.job_id,
-                        {"provider": primary.provider_id, "plugin": primary.plugin})
-        else:
-            record["sampling"] = {"log_e": round(log_e, 3), "checks": state.checks,
-                                  "log_m": round(state.log_m, 3)}
+            step = f"sampling:{primary.provider_id}"
+            if step not in done:
+                self.repo.close_sampling_evidence(primary.provider_id, primary.plugin,
+                                                  once=(v.job_id, step))
+                done.add(step)
+                self._audit("verification.sampling_closed", v.job_id,
+                            {"provider": primary.provider_id, "plugin": primary.plugin})
+            return
+        figures = {}
+        for key, run_id in (("primary~checker", v.checker_job_id),
+                            ("primary~tiebreaker", v.tiebreak_job_id)):
+            log_e = claim_log_e(v.comparisons.get(key))
+            run = self.jobs.get(run_id) if run_id and log_e is not None else None
+            if run is None:
+                continue  # this run tested no sampled text
+            witness = self._witness(run)
+            step = f"sampling:{primary.provider_id}:{witness}"
+            if step in done:
+                continue
+            state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin,
+                                                    witness, log_e, once=(v.job_id, step))
+            done.add(step)
+            figures[key] = {"log_e": round(log_e, 3), "checks": state.checks,
+                            "log_m": round(state.log_m, 3)}
+        if figures:
+            record["sampling"] = figures
 
     def _claw_back(self, v: Verification, provider_id: str, owner: str | None,
                    record: dict, save: Callable[[], None]) -> None:

@@ -98,16 +98,21 @@ class VerificationRepository(Protocol):
         """Open records the sweep may act on (their current run is missing, ended, or
         queued since before ``queued_before``), oldest change first."""
 
-    def sampling_state(self, provider_id: str, plugin: str) -> SamplingState:
-        """The provider's sampled-text evidence across its checked claims of ``plugin``
-        (a fresh ``SamplingState`` when it has none)."""
+    def sampling_state(self, provider_id: str, plugin: str, witness: str) -> SamplingState:
+        """The provider's sampled-text evidence across its checked claims of ``plugin`` as
+        ``witness`` (an operator) gave it (a fresh ``SamplingState`` when it has none)."""
 
-    def add_sampling_evidence(self, provider_id: str, plugin: str, log_e: float, *,
-                              close: bool = False,
+    def add_sampling_evidence(self, provider_id: str, plugin: str, witness: str,
+                              log_e: float, *,
                               once: tuple[str, str] | None = None) -> SamplingState:
-        """Compound one more checked claim's e-value (``SamplingState.after``), atomically;
-        with ``close`` start a fresh e-process instead (after a slash). ``once`` as for
+        """Compound one more checked claim's e-value, as ``witness``'s run gave it, into
+        that witness's e-process (``SamplingState.after``), atomically. ``once`` as for
         ``record_check``."""
+
+    def close_sampling_evidence(self, provider_id: str, plugin: str, *,
+                                once: tuple[str, str] | None = None) -> None:
+        """Close every witness's e-process of the provider's ``plugin`` (after a slash): each
+        starts afresh. ``once`` as for ``record_check``."""
 
     def canary_outcome(self, provider_id: str, plugin: str, answered: bool,
                        window: int) -> str:

@@ -50,7 +50,7 @@ class VerificationVerdicts:
                     self._check_ended(v, check, why=f"the checker is linked to the primary's "
                                                     f"operator ({', '.join(tie)})")
                     return
-                cmp = _judge(kind, self._load(primary, prior=self._prior(kind, primary)),
+                cmp = _judge(kind, self._load(primary, prior=self._prior(kind, primary, check)),
                              self._load(check))
                 scoring = self._scoring_inputs(kind, primary, check, cmp)
                 if scoring is not None:
@@ -78,7 +78,8 @@ class VerificationVerdicts:
                              CheckStatus.CHECKING)
             elif check.id == v.tiebreak_job_id and v.status is CheckStatus.DISPUTED:
                 checker = self.jobs.get(v.checker_job_id)
-                runs = {Role.PRIMARY: self._load(primary, prior=self._prior(kind, primary)),
+                runs = {Role.PRIMARY: self._load(primary,
+                                                 prior=self._prior(kind, primary, check)),
                         Role.CHECKER: self._load(checker), Role.TIEBREAKER: self._load(check)}
                 parties = {Role.PRIMARY: self._party(primary, Role.PRIMARY),
                            Role.CHECKER: self._party(checker, Role.CHECKER),
@@ -281,14 +282,23 @@ class VerificationVerdicts:
         except Exception:  # noqa: BLE001 - a retired version: judge bytes
             return "exact"
 
-    def _prior(self, kind: str, primary: Job) -> SamplingState | None:
+    def _prior(self, kind: str, primary: Job, witness: Job) -> SamplingState | None:
         """The sampled-text evidence of the primary's provider from its earlier checked
-        claims of the plugin, which a text check of this claim compounds with (issue #20:
-        a claim sampled from a narrower nucleus than asked is caught over several checks);
-        None for other kinds of output."""
+        claims of the plugin, as the operator of ``witness`` (the run this claim is judged
+        against) gave it, which a text check of this claim compounds with (issue #20: a
+        claim sampled from a narrower nucleus than asked is caught over several checks);
+        None for other kinds of output. Only that operator's own earlier word counts: the
+        e-values come from the witness's scores, which the broker cannot recompute, and an
+        operator that inflated them against an honest provider must not lend that to the
+        third run that judges the dispute (it would then cross by the prior alone)."""
         if kind != "text" or not primary.provider_id:
             return None
-        return self.repo.sampling_state(primary.provider_id, primary.plugin)
+        return self.repo.sampling_state(primary.provider_id, primary.plugin,
+                                        self._witness(witness))
+
+    def _witness(self, job: Job) -> str:
+        """The operator whose run ``job`` is: whose word its e-values are."""
+        return self.providers.owner_of(job.provider_id) or job.provider_id or ""
 
     def _load(self, job: Job, prior: SamplingState | None = None) -> Callable[[], Run]:
         """Read ``job``'s outputs now (a failed read raises: the broker's trouble, never a

@@ -35,22 +35,36 @@ def _restarted(world: VerificationWorld, tmp_path, db_url):
 def test_sampled_text_evidence_compounds_once_per_step_and_survives_a_restart(
         world, tmp_path, db_url):
     repo, a = world.v.repo, world.machines["a"]
-    assert repo.sampling_state(a, "llama") == SamplingState()
+    assert repo.sampling_state(a, "llama", "op-x") == SamplingState()
     want = SamplingState().after(12.0).after(11.0)
-    repo.add_sampling_evidence(a, "llama", 12.0)
-    got = repo.add_sampling_evidence(a, "llama", 11.0)
+    repo.add_sampling_evidence(a, "llama", "op-x", 12.0)
+    got = repo.add_sampling_evidence(a, "llama", "op-x", 11.0)
     assert got.checks == 2 and math.isclose(got.log_m, want.log_m)
     # per plugin: another plugin's evidence is its own
-    assert repo.sampling_state(a, "sd15") == SamplingState()
+    assert repo.sampling_state(a, "sd15", "op-x") == SamplingState()
+    repo.add_sampling_evidence(a, "llama", "op-z", 3.0)
     other = _restarted(world, tmp_path, db_url)
     try:
-        seen = other.verification.repo.sampling_state(a, "llama")
+        seen = other.verification.repo.sampling_state(a, "llama", "op-x")
         assert seen.checks == 2 and math.isclose(seen.log_m, want.log_m)
-        closed = other.verification.repo.add_sampling_evidence(a, "llama", 0.0, close=True)
-        assert closed == SamplingState()
+        other.verification.repo.close_sampling_evidence(a, "llama")
     finally:
         other.engine.dispose()
-    assert repo.sampling_state(a, "llama") == SamplingState()
+    # a slash closes every witness's process
+    assert repo.sampling_state(a, "llama", "op-x") == SamplingState()
+    assert repo.sampling_state(a, "llama", "op-z") == SamplingState()
+
+
+def test_one_operators_word_raises_only_its_own_evidence(world):
+    """A checker's scores give its e-values and the broker cannot recompute them: an operator
+    that inflated them against an honest provider, past the reject bound, must not lend that
+    to another operator's run (a dispute's third run is judged on its own operator's
+    evidence), or compounding would frame the honest provider on one liar's word."""
+    repo, a = world.v.repo, world.machines["a"]
+    for _ in range(3):
+        repo.add_sampling_evidence(a, "llama", "liar", 10.9)  # just under doubt, each time
+    assert repo.sampling_state(a, "llama", "liar").log_m > 20.7
+    assert repo.sampling_state(a, "llama", "honest-third") == SamplingState()
 
 
 def test_a_step_marked_done_on_its_record_is_not_compounded_twice(world):
@@ -60,8 +74,8 @@ def test_a_step_marked_done_on_its_record_is_not_compounded_twice(world):
     repo.add(Verification(job_id="job-1", plugin="llama", provider_id=a, hardware_class=HW,
                           status=CheckStatus.CHECKING, p=1.0, reason="new", draw=0.0,
                           outcome={"applied": False}))
-    first = repo.add_sampling_evidence(a, "llama", 5.0, once=("job-1", "sampling:x"))
-    again = repo.add_sampling_evidence(a, "llama", 5.0, once=("job-1", "sampling:x"))
+    first = repo.add_sampling_evidence(a, "llama", "op-x", 5.0, once=("job-1", "sampling:x"))
+    again = repo.add_sampling_evidence(a, "llama", "op-x", 5.0, once=("job-1", "sampling:x"))
     assert first == again and first.checks == 1
     assert "sampling:x" in repo.get("job-1").outcome["done"]
 
