@@ -84,6 +84,10 @@ class JobSettlement:
                               self._checked(copy[0], rec, uploads, copy[1])))
             except BrokerError as exc:
                 results[i] = exc
+            except Exception:  # noqa: BLE001 - the others' copies are taken: they go on
+                log.exception("receipt %d of a batch from %s could not join the batch; "
+                              "judging it alone", i, provider_id)
+                alone.append(i)
         settled = []
         if ready:
             now = self.clock()
@@ -224,8 +228,13 @@ class JobSettlement:
         reads and writes) in one transaction, as their settlements were. A check's own
         receipt is judged as when it comes alone (its judgement takes verification's lock,
         which must not be taken inside a transaction another thread may wait for)."""
+        # Each job's steps after the commit are its own: one that fails (the dispatcher, the
+        # hub, the metrics) is logged, and the others' slots, clients and acks still come.
         for job, done, rec, _, received_at in settled:
-            self._released_after(job, done, rec, received_at)
+            try:
+                self._released_after(job, done, rec, received_at)
+            except Exception:  # noqa: BLE001 - see above
+                log.exception("job %s: freeing its slot after the batch's commit failed", job.id)
         plain = [(done, rec) for _, done, rec, _, _ in settled if not done.check_of]
         try:
             with self.repo.atomic():
@@ -235,9 +244,13 @@ class JobSettlement:
             log.exception("verification's draws for a batch of %d settled jobs failed",
                           len(plain))
         for job, done, rec, outputs, received_at in settled:
-            if done.check_of:
-                self.job_events.settled(done, rec)
-            self._told_after(job, done, outputs, received_at)
+            try:
+                if done.check_of:
+                    self.job_events.settled(done, rec)
+                self._told_after(job, done, outputs, received_at)
+            except Exception:  # noqa: BLE001 - see above
+                log.exception("job %s: telling of its settlement after the batch's commit "
+                              "failed", job.id)
 
     def _released_after(self, job: Job, settled: Job, rec: dict,
                         received_at: float | None) -> None:
