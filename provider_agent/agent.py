@@ -66,6 +66,10 @@ DEVICE_FAILURE_CODES = ("host_died", "host_start_failed", "start_timeout")
 INLINE_OUTPUTS_BYTES = 1 << 20
 MAX_UPLOADING = 256  # receipts whose ack is awaited for their upload time (telemetry)
 RECEIPTS_MAX = 64    # receipts sent in one ReceiptBatch
+# ... and at most this many serialized bytes of them: each receipt may carry up to
+# INLINE_OUTPUTS_BYTES of outputs, and a batch past the gRPC message limit (GRPC_OPTIONS)
+# would kill the stream, again on every reconnect. A receipt larger than this goes alone.
+RECEIPTS_BATCH_BYTES_MAX = 16 * 1024 * 1024
 _END = object()
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -995,12 +999,14 @@ class Agent:
 
 def batch_receipts(first: pb.AgentMessage, outq: queue.SimpleQueue
                    ) -> tuple[pb.AgentMessage, object]:
-    """``first`` (a receipt) with the receipts queued right behind it, up to RECEIPTS_MAX,
-    as one message — a ReceiptBatch when there are several, else ``first`` itself — and
-    what was taken from the queue after them and must go next: another message, _END (the
-    queue's end mark) or None. Nothing waits for receipts to come: only those already
+    """``first`` (a receipt) with the receipts queued right behind it, up to RECEIPTS_MAX
+    of them and RECEIPTS_BATCH_BYTES_MAX serialized bytes, as one message — a ReceiptBatch
+    when there are several, else ``first`` itself — and what was taken from the queue after
+    them and must go next: another message (a receipt too, when the bytes ran out), _END
+    (the queue's end mark) or None. Nothing waits for receipts to come: only those already
     queued travel together, so a receipt is never held back."""
     receipts = [first.receipt]
+    size = first.receipt.ByteSize()
     after = None
     while len(receipts) < RECEIPTS_MAX:
         try:
@@ -1012,6 +1018,10 @@ def batch_receipts(first: pb.AgentMessage, outq: queue.SimpleQueue
             break
         if msg.WhichOneof("body") != "receipt":
             after = msg
+            break
+        size += msg.receipt.ByteSize()
+        if size > RECEIPTS_BATCH_BYTES_MAX:
+            after = msg  # it goes next, starting the following message
             break
         receipts.append(msg.receipt)
     if len(receipts) == 1:

@@ -84,6 +84,10 @@ class JobSettlement:
                               self._checked(copy[0], rec, uploads, copy[1])))
             except BrokerError as exc:
                 results[i] = exc
+            except Exception:  # noqa: BLE001 - the others' copies are taken: they go on
+                log.exception("receipt %d of a batch from %s could not join the batch; "
+                              "judging it alone", i, provider_id)
+                alone.append(i)
         settled = []
         if ready:
             now = self.clock()

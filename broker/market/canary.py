@@ -91,9 +91,13 @@ class CanaryService:
     def send_due(self, session) -> int:
         """Send the canaries due to a connected agent with a free slot (called by the
         dispatcher); returns how many went out."""
+        # every provider's expired canaries, not only this session's: each one's slot is
+        # given back where its stream is held, or that provider keeps a dead id in ``active``
         for c in self.market.expired_canaries():
             if c.provider_id == session.provider_id:
                 self.market.presence.give_back(session, c.job_id)
+            else:
+                self.market.presence.release(c.provider_id, c.job_id)
             self._unanswered(c, f"no receipt within {self.market.settings.canary_timeout_s:g} s")
         sent = 0
         for plugin in self.market.canaries_due(session.provider_id):

@@ -153,3 +153,50 @@ def test_a_batch_whose_transaction_fails_settles_one_at_a_time(world, monkeypatc
     # the batch (rolled back), then at least one per receipt
     assert count["n"] >= 1 + 3
     _all_settled_once(services, prov, [j for j, _ in assigned])
+
+
+def test_a_failure_after_the_commit_for_one_job_does_not_stop_the_others(world, monkeypatch):
+    services, client, prov, session, key = world
+    assigned = _assigned(services, client, session, 3)
+    first = assigned[0][0].id
+    real_released, real_notify = services.jobs.job_events.released, services.jobs.hub.notify
+    woken = []
+
+    def released(provider_id, job_id):  # the dispatcher's bus down for the first job
+        if job_id == first:
+            raise ConnectionError("bus down")
+        return real_released(provider_id, job_id)
+
+    def notify(job_id, *args, **kwargs):  # and the hub failing for it too
+        if job_id == first:
+            raise RuntimeError("hub failed")
+        woken.append(job_id)
+        return real_notify(job_id, *args, **kwargs)
+    monkeypatch.setattr(services.jobs.job_events, "released", released)
+    monkeypatch.setattr(services.jobs.hub, "notify", notify)
+    results = services.jobs.receipts(session.provider_id, key.public_key_hex,
+                                     [_item(key, env) for _, env in assigned])
+    # every receipt is answered (the batch's Ack comes), the settlements stand
+    assert [r.state.value for r in results] == ["settled"] * 3
+    _all_settled_once(services, prov, [j for j, _ in assigned])
+    assert set(woken) == {j.id for j, _ in assigned[1:]}  # the others' clients woken
+    assert session.free == session.slots - 1  # only the failed job's slot is still held
+
+
+def test_an_unexpected_error_judging_one_receipt_sends_it_alone_and_the_batch_settles(
+        world, monkeypatch):
+    services, client, prov, session, key = world
+    assigned = _assigned(services, client, session, 3)
+    real_checked, calls = services.jobs._checked, {"n": 0}
+
+    def checked_failing_once(*args, **kwargs):  # the second receipt's check, in the batch
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("blob store unreachable")
+        return real_checked(*args, **kwargs)
+    monkeypatch.setattr(services.jobs, "_checked", checked_failing_once)
+    results = services.jobs.receipts(session.provider_id, key.public_key_hex,
+                                     [_item(key, env) for _, env in assigned])
+    assert [r.state.value for r in results] == ["settled"] * 3
+    _all_settled_once(services, prov, [j for j, _ in assigned])
+    assert session.free == session.slots

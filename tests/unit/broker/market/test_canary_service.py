@@ -177,3 +177,23 @@ def test_a_canary_never_reuses_the_inputs_of_a_linked_operators_job():
     assert canaries.send_due(w.session) == 1
     inputs = open_inputs(loads(w.sent[0])["sealed_inputs"], w.agent)
     assert inputs["text"] == "benchmark"  # the payload: no job of an unlinked operator yet
+
+
+def test_an_expired_canary_of_another_provider_gives_its_slot_back_too():
+    w = _world()
+    other_sent = []
+
+    class Other(AgentSession):
+        def send_assignment(self, envelope_bytes, signature):
+            other_sent.append(envelope_bytes)
+
+    other = connect(w.market, "q", "op2", {"echo": "1.0.0"}, benchmarks={"echo": 5.0},
+                    kind=Other, public_key=KeyPair.generate().public_key_hex)
+    assert w.canaries.send_due(other) == 1
+    theirs = loads(other_sent[0])["job_id"]
+    assert other.free == 0
+    w.now[0] += 61.0
+    w.canaries.send_due(w.session)  # another agent's call expires q's canary
+    assert w.market.canary(theirs) is None
+    assert theirs not in other.active and other.free == other.slots  # q's slot is free again
+    assert [u[0] for u in w.unanswered] == ["q"]  # still counted against q
