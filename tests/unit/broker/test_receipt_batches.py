@@ -179,7 +179,8 @@ def test_a_failure_after_the_commit_for_one_job_does_not_stop_the_others(world, 
     # every receipt is answered (the batch's Ack comes), the settlements stand
     assert [r.state.value for r in results] == ["settled"] * 3
     _all_settled_once(services, prov, [j for j, _ in assigned])
-    assert set(woken) == {j.id for j, _ in assigned[1:]}  # the others' clients woken
+    ids = {j.id for j, _ in assigned}  # (checks the draws queued are woken too: not these)
+    assert set(woken) & ids == ids - {first}  # the others' clients woken
     assert session.free == session.slots - 1  # only the failed job's slot is still held
 
 
