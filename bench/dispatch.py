@@ -258,13 +258,13 @@ def db_counts(net) -> dict[str, float] | None:
         for key, name in (("statements", "sparecycles_db_statements_total"),
                           ("commits", "sparecycles_db_commits_total"),
                           ("receipts", "sparecycles_agent_receipts_total"),
-                          ("receipt_tx", "sparecycles_agent_receipt_transactions_total")):
+                          ("settlements", "sparecycles_agent_receipt_settlements_total")):
             if line.startswith(name + " "):
                 got[key] = float(line.split()[1])
     if "statements" not in got or "commits" not in got:
         return None
     got.setdefault("receipts", 0.0)  # a broker from before receipt batches (issue #28)
-    got.setdefault("receipt_tx", 0.0)
+    got.setdefault("settlements", 0.0)
     return got
 
 
@@ -336,9 +336,9 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
         db1 = db_counts(net) if db0 is not None else None
         per_job = ({k: (db1[k] - db0[k]) / max(done, 1) for k in db0}
                    if db0 is not None and db1 is not None else None)
-        if per_job is not None:  # receipts per settlement transaction (1: no batching)
-            per_job["batch"] = (per_job["receipts"] / per_job["receipt_tx"]
-                                if per_job["receipt_tx"] else 1.0)
+        if per_job is not None:  # receipts per settlement call (1: no batching)
+            per_job["batch"] = (per_job["receipts"] / per_job["settlements"]
+                                if per_job["settlements"] else 1.0)
         return {"agents": n_agents, "tls": tls, "lat": lat, "jobs_per_s": done / elapsed,
                 "done": done, "cpu_ms": cpu_ms, "metrics": metrics, "scrapes_ms": scrapes,
                 "db_per_job": per_job}

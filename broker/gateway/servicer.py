@@ -63,16 +63,17 @@ class GatewayStats:
         self.cut_off = 0      # streams cut off: the agent stopped reading
         self.outbox_peak = 0  # the most messages any outbox held
         self.cut_offs: deque[tuple[str, str]] = deque(maxlen=64)  # (provider id, why)
-        # Receipts settled through JobService.receipts, and the transactions they took
-        # (issue #28: receipts ÷ transactions is the batch size); changed in the pool.
+        # Receipts handed to the job service, and the calls that handed them over, a batch
+        # or one receipt each (issue #28: receipts ÷ settlements is the mean batch);
+        # changed in the pool.
         self.receipts = 0
-        self.receipt_transactions = 0
+        self.receipt_settlements = 0
         self._receipts_lock = threading.Lock()
 
-    def settled_together(self, receipts: int, transactions: int) -> None:
+    def settled_together(self, receipts: int, settlements: int) -> None:
         with self._receipts_lock:
             self.receipts += receipts
-            self.receipt_transactions += transactions
+            self.receipt_settlements += settlements
 
     def collect(self):
         """These counters as Prometheus metric families (at scrape time)."""
@@ -94,9 +95,11 @@ class GatewayStats:
                 ("sparecycles_agent_receipts", "Agents' job receipts handed to the job "
                  "service (canaries' aside), alone or in batches.", self.receipts,
                  CounterMetricFamily),
-                ("sparecycles_agent_receipt_transactions", "The settlement transactions "
-                 "those receipts took: receipts ÷ transactions is the mean batch.",
-                 self.receipt_transactions, CounterMetricFamily)):
+                ("sparecycles_agent_receipt_settlements", "The calls that handed those "
+                 "receipts to the job service, a batch or one receipt each (a batch is one "
+                 "transaction unless it failed and fell back to one receipt at a time): "
+                 "receipts ÷ settlements is the mean batch.",
+                 self.receipt_settlements, CounterMetricFamily)):
             f = family(name, doc)
             f.add_metric([], value)
             yield f

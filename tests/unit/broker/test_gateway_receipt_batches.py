@@ -72,7 +72,7 @@ def test_single_receipts_waiting_together_settle_together_and_get_an_ack_each():
     kinds = [(m.WhichOneof("body"), m.ack.job_id or m.refusal.job_id) for m in session.sent]
     assert kinds == [("refusal", "forged"), ("ack", "j1"), ("ack", "j2"), ("ack", "j3")]
     assert session.sent[0].refusal.code == "bad_signature"
-    assert (gw.stats.receipts, gw.stats.receipt_transactions) == (4, 2)
+    assert (gw.stats.receipts, gw.stats.receipt_settlements) == (4, 2)
 
 
 def test_a_receipt_batch_is_acked_in_one_message():
