@@ -62,3 +62,28 @@ def dispatcher_for(jobs: JobService, **options) -> Dispatcher:
     d = Dispatcher(jobs, **options)
     jobs.job_events.join_placement(d)
     return d
+
+
+def echo_world(tmp_path, slots: int = 1):
+    """The real wiring (SQLite) with one client, one provider whose agent (a
+    RecordingSession of ``slots``) serves echo, echo priced at 1 + sleep_ms/1000 work units
+    at 0.25 credit each with a 10 % fee and a 0.1 credit minimum: (services, client's
+    principal, provider's principal, session, the agent's key). Dispose of
+    ``services.engine`` when done."""
+    from broker.services import build_services
+    from broker.settings import Settings
+
+    services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0))
+    _, client = services.auth.create_account_with_key("client")
+    _, prov_acct = services.auth.create_account_with_key("provider")
+    key = KeyPair.generate()
+    provider = services.providers.connect(prov_acct, key.public_key_hex, "m1", sandboxed=True,
+                                          hardware={}, plugins=[])
+    session = RecordingSession(provider_id=provider.id, public_key=key.public_key_hex,
+                               account_id=prov_acct.account_id, plugins={"echo@1.0.0": ""},
+                               slots=slots)
+    services.dispatcher.register(session)
+    services.pricing.set_price("echo", {"reserve_micro_per_unit": 250_000, "fee_bps": 1_000,
+                                        "min_charge_micro": 100_000, "vesting_window_s": 3600},
+                               by="test")
+    return services, client, prov_acct, session, key

@@ -5,13 +5,10 @@ import pytest
 from broker.app import create_app
 from broker.errors import IdempotencyConflict
 from broker.ledger.model import AccountKind, HoldState
-from broker.services import build_services
-from broker.settings import Settings
 from sdk.protocol.canonical import canonical_bytes, loads, sha256_hex
 from sdk.protocol.envelope import make_receipt
-from sdk.protocol.signing import KeyPair
 
-from broker_fixtures import RecordingSession
+from broker_fixtures import echo_world
 from broker.api.job_request import job_request
 
 MICRO = 1_000_000
@@ -20,19 +17,8 @@ C, P, PLATFORM = AccountKind.CLIENT_AVAILABLE, AccountKind.PROVIDER_VESTING, "pl
 
 @pytest.fixture
 def world(tmp_path):
-    services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0))
-    _, client = services.auth.create_account_with_key("client")
-    _, prov_acct = services.auth.create_account_with_key("provider")
-    key = KeyPair.generate()
-    provider = services.providers.connect(prov_acct, key.public_key_hex, "m1", sandboxed=True,
-                                          hardware={}, plugins=[])
-    session = RecordingSession(provider_id=provider.id, public_key=key.public_key_hex,
-                               account_id=prov_acct.account_id, plugins={"echo@1.0.0": ""})
-    services.dispatcher.register(session)
     # echo: 1 + sleep_ms/1000 work units at 0.25 credit each, 10 % fee, 0.1 credit minimum
-    services.pricing.set_price("echo", {"reserve_micro_per_unit": 250_000, "fee_bps": 1_000,
-                                        "min_charge_micro": 100_000, "vesting_window_s": 3600},
-                               by="test")
+    services, client, prov_acct, session, key = echo_world(tmp_path)
     yield services, client, prov_acct, session, key
     services.engine.dispose()
 
