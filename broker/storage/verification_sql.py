@@ -3,6 +3,7 @@ standing (consecutive valid checks, concurrency quota) per plugin and hardware c
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 from sqlalchemy import (JSON, Float, Index, Integer, String, and_, case, func, or_, select,
                         update)
@@ -175,34 +176,50 @@ class SqlVerificationRepository:
                      quota_factor: float | None = None,
                      once: tuple[str, str] | None = None) -> StandingRecord:
         key = (provider_id, plugin, hardware_class)
+
+        def change(row: StandingRow) -> StandingRecord:
+            row.checks += 1
+            if valid:
+                row.consecutive_valid += 1
+            else:
+                row.consecutive_valid = 0
+                row.failures += 1
+                if quota_factor is not None:
+                    row.quota_factor = max(MIN_QUOTA_FACTOR, row.quota_factor * quota_factor)
+            return _to_s(row)
+        return self._upsert(
+            StandingRow, key,
+            lambda: StandingRow(provider_id=provider_id, plugin=plugin,
+                                hardware_class=hardware_class, consecutive_valid=0, checks=0,
+                                failures=0, quota_factor=1.0),
+            change, lambda row: _to_s(row) if row else StandingRecord(*key), "a check",
+            once=once)
+
+    def _upsert(self, model, key: tuple, fresh: Callable[[], Any],
+                change: Callable[[Any], Any], as_is: Callable[[Any], Any], what: str, *,
+                once: tuple[str, str] | None = None):
+        """In one transaction: the row of ``model`` at ``key`` (``fresh()`` when there is
+        none) locked and changed by ``change``, whose answer is returned. ``once``: step
+        ``once[1]`` of record ``once[0]`` (``_first_time``, taken first: the record's row
+        before this one, always in that order); when it is done already nothing changes and
+        ``as_is(row or None)`` is returned. Two first writers racing to insert: the loser
+        retries as an update."""
         for _ in range(5):
             try:
                 with self.sessions.begin() as s:
                     if once is not None and not self._first_time(s, once):
-                        row = s.get(StandingRow, key)
-                        return _to_s(row) if row else StandingRecord(*key)
-                    row = s.get(StandingRow, key, with_for_update=True)
+                        return as_is(s.get(model, key))
+                    row = s.get(model, key, with_for_update=True)
                     if row is None:
-                        row = StandingRow(provider_id=provider_id, plugin=plugin,
-                                          hardware_class=hardware_class, consecutive_valid=0,
-                                          checks=0, failures=0, quota_factor=1.0,
-                                          updated_at=self.clock())
+                        row = fresh()
                         s.add(row)
-                    row.checks += 1
-                    if valid:
-                        row.consecutive_valid += 1
-                    else:
-                        row.consecutive_valid = 0
-                        row.failures += 1
-                        if quota_factor is not None:
-                            row.quota_factor = max(MIN_QUOTA_FACTOR,
-                                                   row.quota_factor * quota_factor)
+                    answer = change(row)
                     row.updated_at = self.clock()
                     s.flush()
-                    return _to_s(row)
-            except IntegrityError:  # two first checks raced to insert: retry as an update
+                    return answer
+            except IntegrityError:
                 continue
-        raise RuntimeError(f"could not record a check for {key}")
+        raise RuntimeError(f"could not record {what} for {key}")
 
     def _first_time(self, s: Session, once: tuple[str, str]) -> bool:
         """Whether step ``once[1]`` of record ``once[0]`` is not done yet (nor the record's
@@ -225,29 +242,16 @@ class SqlVerificationRepository:
     def add_sampling_evidence(self, provider_id: str, plugin: str, witness: str,
                               log_e: float, *,
                               once: tuple[str, str] | None = None) -> SamplingState:
-        key = (provider_id, plugin, witness)
-        for _ in range(5):
-            try:
-                with self.sessions.begin() as s:
-                    # the record's step first, then the evidence: the order record_check
-                    # takes its rows in
-                    if once is not None and not self._first_time(s, once):
-                        row = s.get(SamplingEvidenceRow, key)
-                        return SamplingState(row.checks, row.log_s) if row else SamplingState()
-                    row = s.get(SamplingEvidenceRow, key, with_for_update=True)
-                    if row is None:
-                        row = SamplingEvidenceRow(provider_id=provider_id, plugin=plugin,
-                                                  witness=witness, checks=0, log_s=None,
-                                                  closed=0, updated_at=self.clock())
-                        s.add(row)
-                    state = SamplingState(row.checks, row.log_s).after(log_e)
-                    row.checks, row.log_s = state.checks, state.log_s
-                    row.updated_at = self.clock()
-                    s.flush()
-                    return state
-            except IntegrityError:  # two first checks raced to insert: retry as an update
-                continue
-        raise RuntimeError(f"could not record sampled-text evidence for {key}")
+        def change(row: SamplingEvidenceRow) -> SamplingState:
+            state = SamplingState(row.checks, row.log_s).after(log_e)
+            row.checks, row.log_s = state.checks, state.log_s
+            return state
+        return self._upsert(
+            SamplingEvidenceRow, (provider_id, plugin, witness),
+            lambda: SamplingEvidenceRow(provider_id=provider_id, plugin=plugin,
+                                        witness=witness, checks=0, log_s=None, closed=0),
+            change, lambda row: SamplingState(row.checks, row.log_s) if row else SamplingState(),
+            "sampled-text evidence", once=once)
 
     def close_sampling_evidence(self, provider_id: str, plugin: str, *,
                                 once: tuple[str, str] | None = None) -> None:
@@ -266,23 +270,15 @@ class SqlVerificationRepository:
                        window: int) -> str:
         if not 1 <= window <= 64:
             raise ValueError(f"window must be within 1..64 canaries: {window}")
-        key = (provider_id, plugin)
-        for _ in range(5):
-            try:
-                with self.sessions.begin() as s:
-                    row = s.get(CanaryMissRow, key, with_for_update=True)
-                    if row is None:
-                        row = CanaryMissRow(provider_id=provider_id, plugin=plugin, recent="",
-                                            missed=0, updated_at=self.clock())
-                        s.add(row)
-                    row.recent = (row.recent + ("a" if answered else "m"))[-window:]
-                    row.missed += 0 if answered else 1
-                    row.updated_at = self.clock()
-                    s.flush()
-                    return row.recent
-            except IntegrityError:
-                continue
-        raise RuntimeError(f"could not record a canary outcome for {key}")
+
+        def change(row: CanaryMissRow) -> str:
+            row.recent = (row.recent + ("a" if answered else "m"))[-window:]
+            row.missed += 0 if answered else 1
+            return row.recent
+        return self._upsert(
+            CanaryMissRow, (provider_id, plugin),
+            lambda: CanaryMissRow(provider_id=provider_id, plugin=plugin, recent="", missed=0),
+            change, lambda row: row.recent, "a canary outcome")
 
     def standings(self, provider_id: str) -> list[StandingRecord]:
         with self.sessions() as s:
