@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from sqlalchemy import (JSON, Float, Index, Integer, String, and_, case, func, or_, select,
-                        update)
+from sqlalchemy import (JSON, Float, Index, Integer, String, and_, case, delete, func, or_,
+                        select, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
@@ -62,8 +62,8 @@ class CanaryAnswerRow(Base):
 
 class SamplingEvidenceRow(Base):
     """A provider's sampled-text e-process per plugin and witness (the operator whose runs
-    gave its e-values: ``sampled_text.SamplingState``); ``closed``: how many were closed by
-    a slash before this one."""
+    gave its e-values: ``sampled_text.SamplingState``); a slash deletes the provider's
+    rows of the plugin (each ``verification.sampling_closed`` audit entry records one)."""
 
     __tablename__ = "sampling_evidence"
     provider_id: Mapped[str] = mapped_column(String(36), primary_key=True)
@@ -71,7 +71,6 @@ class SamplingEvidenceRow(Base):
     witness: Mapped[str] = mapped_column(String(64), primary_key=True)
     checks: Mapped[int] = mapped_column(Integer)
     log_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    closed: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[float] = mapped_column(Float)
 
 
@@ -249,7 +248,7 @@ class SqlVerificationRepository:
         return self._upsert(
             SamplingEvidenceRow, (provider_id, plugin, witness),
             lambda: SamplingEvidenceRow(provider_id=provider_id, plugin=plugin,
-                                        witness=witness, checks=0, log_s=None, closed=0),
+                                        witness=witness, checks=0, log_s=None),
             change, lambda row: SamplingState(row.checks, row.log_s) if row else SamplingState(),
             "sampled-text evidence", once=once)
 
@@ -258,13 +257,9 @@ class SqlVerificationRepository:
         with self.sessions.begin() as s:
             if once is not None and not self._first_time(s, once):
                 return
-            rows = s.scalars(select(SamplingEvidenceRow).where(
+            s.execute(delete(SamplingEvidenceRow).where(
                 SamplingEvidenceRow.provider_id == provider_id,
-                SamplingEvidenceRow.plugin == plugin).with_for_update()).all()
-            for row in rows:
-                row.checks, row.log_s = 0, None
-                row.closed += 1
-                row.updated_at = self.clock()
+                SamplingEvidenceRow.plugin == plugin))
 
     def canary_outcome(self, provider_id: str, plugin: str, answered: bool,
                        window: int) -> str:
