@@ -154,12 +154,6 @@ class SamplingEvidence:
     # None when the judgement was given no prior (a checker's run, a pure test)
     compounded: "SamplingState | None" = None
 
-    @property
-    def compounded_reject(self) -> bool:
-        """Whether the reject verdict comes from the checks compounded, not this one."""
-        return self.verdict == "reject" and self.compounded is not None and (
-            self.compounded.log_m > self.log_e)
-
     def figures(self) -> dict[str, Any]:
         out = {"verdict": self.verdict, "tested": self.tested, "log_e": round(self.log_e, 3),
                "log_e_greedy": round(self.log_e_greedy, 3), "power": self.power,
