@@ -190,15 +190,18 @@ class ProviderPresence:
             listener.left(session)
         if self.streams is not None and self.get(pid) is None:  # not back meanwhile
             self.streams.release(pid)
+            if self.get(pid) is not None:  # back between the look and the release: its
+                self.streams.hold(pid)     # hold may have landed first; record it again
         return True
 
     # ---- slots and leases (the one record of them) ------------------------------------
     def take(self, session: AgentSession, job_id: str, lease: Lease | None = None) -> bool:
         """Take one of ``session``'s free slots for ``job_id`` (``lease``: a job's, for the
         queue estimate; None: a canary's, which the market times itself); False when it has
-        none free."""
+        none free or is no longer the provider's session held here (its stream was
+        replaced or closed: what is sent on it goes nowhere)."""
         with self.lock:
-            if session.free <= 0:
+            if self._sessions.get(session.provider_id) is not session or session.free <= 0:
                 return False
             session.active.add(job_id)
             if lease is not None:
@@ -216,11 +219,15 @@ class ProviderPresence:
             self._changed(session, moved=True)
 
     def give_back(self, session: AgentSession, job_id: str) -> None:
-        """``session``'s slot for ``job_id`` is free again."""
+        """``session``'s slot for ``job_id`` is free again, and so is it in the session
+        held now for that provider: a session that replaced ``session`` took its jobs over
+        (:meth:`add`), and an answer read on the old stream frees the slot in both."""
         with self.lock:
-            session.active.discard(job_id)
-            moved = session.leases.pop(job_id, None) is not None
-            self._changed(session, moved=moved)
+            held = self._sessions.get(session.provider_id)
+            for s in {id(x): x for x in (session, held) if x is not None}.values():
+                s.active.discard(job_id)
+                moved = s.leases.pop(job_id, None) is not None
+                self._changed(s, moved=moved)
 
     def release(self, provider_id: str | None, job_id: str) -> AgentSession | None:
         """The provider's slot for ``job_id`` is free; returns its session, None when its

@@ -287,9 +287,11 @@ class MarketService(MarketStanding, MarketRules):
                 self._refresh_queue(state, session, force=moved)
 
     def left(self, session: AgentSession) -> None:
-        """(PresenceListener) The provider's stream is no longer held here: out of the book."""
-        with self._lock:
-            self.book.withdraw(session.provider_id)
+        """(PresenceListener) The provider's stream is no longer held here: out of the book
+        (unless it reconnected meanwhile: the new session's asks stand)."""
+        with self._locks():
+            if self._session(session.provider_id) is None:
+                self.book.withdraw(session.provider_id)
         self.flush_figures(session.provider_id)  # the replica it reconnects to reads them
 
     def tend(self, provider_id: str) -> None:

@@ -144,3 +144,52 @@ def test_the_presence_and_the_market_never_wait_on_each_other():
     assert not any(t.is_alive() for t in threads), "a lock-order deadlock"
     assert all(not s.active and not s.leases for s in sessions)
     assert {r["queue_s"] for r in m.asks()} == {0.0}
+
+
+def test_a_slot_is_taken_only_on_the_session_held_now():
+    """A session replaced by a reconnect (or closed) is not where a job or canary can go:
+    what is sent on its stream goes nowhere and would only wait out its deadline."""
+    presence = ProviderPresence()
+    m = market(presence=presence)
+    old = connect(m, "p", "op", {"echo": "1.0.0"})
+    new = connect(m, "p", "op", {"echo": "1.0.0"})
+    assert not presence.take(old, "job-1", Lease("echo", 1.0, 0.0))
+    assert presence.take(new, "job-1", Lease("echo", 1.0, 0.0))
+    leave(m, "p")
+    assert not presence.take(new, "job-2", Lease("echo", 1.0, 0.0))
+
+
+def test_a_slot_given_back_on_the_replaced_session_is_free_on_the_new_one():
+    """The new session took the old one's jobs over; an answer read on the old stream
+    (handled after the reconnect) frees the slot where it is counted now."""
+    m = market()
+    old = connect(m, "p", "op", {"echo": "1.0.0"})
+    assert m.presence.take(old, "job-1", Lease("echo", 1.0, 0.0))
+    new = connect(m, "p", "op", {"echo": "1.0.0"})
+    assert "job-1" in new.active and new.free == 0
+    m.presence.give_back(old, "job-1")
+    assert "job-1" not in new.active and "job-1" not in new.leases and new.free == 1
+
+
+def test_the_old_stream_leaving_after_a_reconnect_keeps_the_new_asks_in_the_book():
+    """remove() tells the listeners outside the presence's lock: when the agent's new
+    stream was held meanwhile, the market keeps its asks (they were posted by it)."""
+    presence = ProviderPresence()
+    held = {}
+
+    class Reconnect:  # heard before the market: the agent is back before the market hears
+        def joining(self, s): pass
+        def joined(self, s): pass
+        def changed(self, s, moved): pass
+
+        def left(self, s):
+            held.setdefault("new", None) or held.update(
+                new=connect(m, "p", "op", {"echo": "1.0.0"}))
+
+    presence.listen(Reconnect())
+    m = market(presence=presence)
+    old = connect(m, "p", "op", {"echo": "1.0.0"}, benchmarks={"echo": 5.0})
+    assert m.book._by_provider.get("p")
+    presence.remove(old)
+    assert presence.get("p") is held["new"]
+    assert m.book._by_provider.get("p")
