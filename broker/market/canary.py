@@ -44,9 +44,12 @@ class CanaryAnswers(Protocol):
                       recorded: dict | None = None) -> str | None: ...
 
     def canary_unanswered(self, provider_id: str, plugin: str, version: str,
-                          recorded: dict | None, why: str) -> str:
+                          recorded: dict | None, why: str,
+                          for_owner: bool = False) -> str | None:
         """A canary not answered (``why``: no receipt in time, a failure, a give-back not
-        for the owner), counted against the provider (``VerificationService``)."""
+        for the owner; ``for_owner``: given back for the owner the agent said had come
+        back), counted against the provider (``VerificationService``); None: nobody
+        counts."""
 
 
 class EnvelopeExtra(Protocol):
@@ -223,13 +226,15 @@ class CanaryService:
     def withdrawn(self, session, job_id: str) -> bool:
         """The agent gave the canary back "for its machine's owner" (idle-only mode). That
         is taken only from an agent that said it takes no work (``availability``: its owner
-        came back) while the canary was out, or says so now: then the canary is done with,
-        measured nothing and counts against nobody; another comes in time. Otherwise it is
-        given back as for any other reason, a failure: an agent that named its owner at
-        will would refuse every canary, and the known answer it is judged by, for free.
+        came back) while the canary was out, or says so now: then the canary is done with
+        and measured nothing; another comes in time. Otherwise it is given back as for any
+        other reason, a failure: an agent that named its owner at will would refuse every
+        canary, and the known answer it is judged by, for free. Even when taken it is
+        counted (``canary_unanswered(for_owner=True)``), with an allowance of its own: an
+        agent that says its owner came back around every canary dodges none of them.
         Returns whether it was taken as for the owner."""
         canary = self.market.canary(job_id)
-        if canary is None:
+        if canary is None or canary.provider_id != session.provider_id:
             return False
         if not (getattr(session, "unavailable", "")
                 or getattr(session, "unavailable_reports", 0) > canary.unavailable_reports):
@@ -241,21 +246,25 @@ class CanaryService:
             return False
         if self.market.canary_done(job_id) is not None:
             self.market.presence.give_back(session, job_id)
+            self._unanswered(canary, "given back for its owner", for_owner=True)
         return True
 
     def failed(self, session, job_id: str, why: str = "failed or given back") -> None:
+        canary = self.market.canary(job_id)
+        if canary is None or canary.provider_id != session.provider_id:
+            return  # not a canary of this agent's: nothing to count against anyone
         canary = self.market.canary_done(job_id)
         if canary is not None:
             self.market.presence.give_back(session, job_id)
             self.market.failed(session.provider_id, canary.plugin)
             self._unanswered(canary, why)
 
-    def _unanswered(self, canary: Canary, why: str) -> None:
+    def _unanswered(self, canary: Canary, why: str, for_owner: bool = False) -> None:
         if not canary.version or self.answers is None:
             return
         try:
             self.answers.canary_unanswered(canary.provider_id, canary.plugin, canary.version,
-                               canary.repro or None, why)
+                                           canary.repro or None, why, for_owner)
         except Exception:  # noqa: BLE001 - counting it must never break the dispatcher
             log.exception("canary %s on %s: counting it unanswered failed", canary.plugin,
                           canary.provider_id)

@@ -11,8 +11,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from broker.jobs.model import TERMINAL, Job, JobState
-from broker.verification.records import (OPEN_STATUSES, CheckStatus, StandingRecord,
-                                         Verification)
+from broker.verification.records import (CANARY_OUTCOMES, OPEN_STATUSES, CheckStatus,
+                                         StandingRecord, Verification)
 from broker.verification.sampled_text import SamplingState
 from .base import Base, begin
 
@@ -75,14 +75,13 @@ class SamplingEvidenceRow(Base):
 
 
 class CanaryMissRow(Base):
-    """A provider's last canaries per plugin, answered ("a") or not ("m"), oldest first;
-    ``missed``: all it left unanswered."""
+    """A provider's last canaries per plugin, oldest first: answered ("a"), not answered
+    ("m") or given back for its machine's owner ("o")."""
 
     __tablename__ = "canary_misses"
     provider_id: Mapped[str] = mapped_column(String(36), primary_key=True)
     plugin: Mapped[str] = mapped_column(String(64), primary_key=True)
     recent: Mapped[str] = mapped_column(String(64))
-    missed: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[float] = mapped_column(Float)
 
 
@@ -261,18 +260,20 @@ class SqlVerificationRepository:
                 SamplingEvidenceRow.provider_id == provider_id,
                 SamplingEvidenceRow.plugin == plugin))
 
-    def canary_outcome(self, provider_id: str, plugin: str, answered: bool,
+    def canary_outcome(self, provider_id: str, plugin: str, outcome: str,
                        window: int) -> str:
         if not 1 <= window <= 64:
             raise ValueError(f"window must be within 1..64 canaries: {window}")
+        if outcome not in CANARY_OUTCOMES:
+            raise ValueError(f"a canary's outcome is one of {sorted(CANARY_OUTCOMES)}: "
+                             f"{outcome!r}")
 
         def change(row: CanaryMissRow) -> str:
-            row.recent = (row.recent + ("a" if answered else "m"))[-window:]
-            row.missed += 0 if answered else 1
+            row.recent = (row.recent + outcome)[-window:]
             return row.recent
         return self._upsert(
             CanaryMissRow, (provider_id, plugin),
-            lambda: CanaryMissRow(provider_id=provider_id, plugin=plugin, recent="", missed=0),
+            lambda: CanaryMissRow(provider_id=provider_id, plugin=plugin, recent=""),
             change, lambda row: row.recent, "a canary outcome")
 
     def standings(self, provider_id: str) -> list[StandingRecord]:

@@ -168,16 +168,20 @@ class VerificationEffects:
 
     def _compound_sampling(self, v: Verification, record: dict, primary: Job,
                            done: set[str]) -> None:
-        """Compound the judged claim's sampled-text e-values into its provider's evidence
-        across checks (``sampled_text.SamplingState``), once per claim and witness: each
-        run it was compared with (checker, third run) adds the e-value its comparison gave
-        to the e-process of that run's operator, the witness. Kept per witness because the
-        e-values come from the witness's own scores: one operator that inflated them can
-        raise only its own process, and a dispute's third run is judged on the third run's
-        operator's (``VerificationVerdicts._prior``), so compounding cannot frame an honest
-        provider without two unlinked operators lying together, as a single check could
-        not. A claim outvoted on clear mismatches (grounds for a slash) closes every
-        witness's process instead, and fresh ones start."""
+        """Compound the judged claim's sampled-text e-value into its provider's evidence
+        across checks (``sampled_text.SamplingState``), once per claim: the checker's run
+        adds the e-value its comparison gave to the e-process of its operator, the witness.
+        Kept per witness because the e-values come from the witness's own scores: one
+        operator that inflated them can raise only its own process, and a dispute's third
+        run is judged on the third run's operator's (``VerificationVerdicts._prior``), so
+        compounding cannot frame an honest provider without two unlinked operators lying
+        together, as a single check could not. Only the checker's e-value enters: which
+        claims are checked is the broker's draw, so each e-value has expectation at most 1
+        given the past (Ville's bound holds), while a third run is drawn only for a claim
+        already disputed, often on the same tokens' sampling evidence, and its e-value on
+        them would be biased upwards (on honest text, a checker's e^3 makes a third run's
+        mean e-value about 90, not 1). A claim outvoted on clear mismatches (grounds for a
+        slash) closes every witness's process instead, and fresh ones start."""
         if not primary.provider_id:
             return
         clear = any(e["provider_id"] == primary.provider_id
@@ -194,24 +198,20 @@ class VerificationEffects:
                 self._audit("verification.sampling_closed", v.job_id,
                             {"provider": primary.provider_id, "plugin": primary.plugin})
             return
-        figures = {}
-        for key, run_id in (("primary~checker", v.checker_job_id),
-                            ("primary~tiebreaker", v.tiebreak_job_id)):
-            log_e = claim_log_e(v.comparisons.get(key))
-            run = self.jobs.get(run_id) if run_id and log_e is not None else None
-            if run is None:
-                continue  # this run tested no sampled text
-            witness = self._witness(run)
-            step = f"sampling:{primary.provider_id}:{witness}"
-            if step in done:
-                continue
-            state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin,
-                                                    witness, log_e, once=(v.job_id, step))
-            done.add(step)
-            figures[key] = {"log_e": round(log_e, 3), "checks": state.checks,
-                            "log_m": round(state.log_m, 3)}
-        if figures:
-            record["sampling"] = figures
+        log_e = claim_log_e(v.comparisons.get("primary~checker"))
+        run = self.jobs.get(v.checker_job_id) if v.checker_job_id and log_e is not None \
+            else None
+        if run is None:
+            return  # the check tested no sampled text
+        witness = self._witness(run)
+        step = f"sampling:{primary.provider_id}:{witness}"
+        if step in done:
+            return
+        state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin,
+                                                witness, log_e, once=(v.job_id, step))
+        done.add(step)
+        record["sampling"] = {"primary~checker": {
+            "log_e": round(log_e, 3), "checks": state.checks, "log_m": round(state.log_m, 3)}}
 
     def _claw_back(self, v: Verification, provider_id: str, owner: str | None,
                    record: dict, save: Callable[[], None]) -> None:

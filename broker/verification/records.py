@@ -23,6 +23,10 @@ class CheckStatus(str, enum.Enum):
 #: Statuses whose check is still running or awaiting its third run (or an admin).
 OPEN_STATUSES = (CheckStatus.CHECKING, CheckStatus.DISPUTED)
 
+#: How a provider met a canary: answered ("a"), not answered ("m": no receipt in time, a
+#: failure, a give-back for no owner), given back for its machine's owner ("o").
+CANARY_OUTCOMES = frozenset("amo")
+
 
 @dataclass
 class Verification:
@@ -114,10 +118,11 @@ class VerificationRepository(Protocol):
         """Close every witness's e-process of the provider's ``plugin`` (after a slash): each
         starts afresh. ``once`` as for ``record_check``."""
 
-    def canary_outcome(self, provider_id: str, plugin: str, answered: bool,
+    def canary_outcome(self, provider_id: str, plugin: str, outcome: str,
                        window: int) -> str:
-        """Record whether the provider answered a canary of ``plugin``; returns its last
-        ``window`` canaries after, oldest first ("a" answered, "m" not)."""
+        """Record how the provider met a canary of ``plugin`` (one of
+        :data:`CANARY_OUTCOMES`); returns its last ``window`` canaries after, oldest
+        first."""
 
     def answers(self, key: str) -> dict[str, list[str]]: ...
 

@@ -113,3 +113,18 @@ def test_canary_misses_beyond_one_in_eight_count_as_wrong_answers(world, tmp_pat
     assert v.canary_unanswered(a, "sd15", "1.1.0", None, "no receipt") == "excused"
     # another plugin keeps its own window
     assert v.canary_unanswered(a, "llama", "1.1.0", None, "no receipt") == "excused"
+
+
+def test_canaries_given_back_for_the_owner_have_an_allowance_of_their_own(world):
+    """An agent that could tell canaries would say its owner came back around each one
+    (idle-only mode) and give it back: counted apart, two of the last eight excused, the
+    third a failed check; the misses' allowance is untouched by them."""
+    v, a = world.v, world.machines["a"]
+    why = "given back for its owner"
+    assert [v.canary_unanswered(a, "sd15", "1.1.0", None, why, for_owner=True)
+            for _ in range(3)] == ["excused", "excused", "failed"]
+    assert v.repo.standing(a, "sd15", HW).failures == 1
+    assert v.canary_unanswered(a, "sd15", "1.1.0", None, "no receipt") == "excused"
+    entries = world.services.audit.search(subject=f"provider:{a}")
+    assert sorted(e.data["for_owner"] for e in entries
+                  if e.action == "verification.canary_unanswered") == [False] + [True] * 3

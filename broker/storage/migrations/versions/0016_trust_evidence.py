@@ -29,6 +29,7 @@ def upgrade() -> None:
         sa.Column("witness", sa.String(64), nullable=False),
         sa.Column("checks", sa.Integer(), nullable=False),
         sa.Column("log_s", sa.Float(), nullable=True),
+        sa.Column("closed", sa.Integer(), nullable=False),
         sa.Column("updated_at", sa.Float(), nullable=False),
         sa.PrimaryKeyConstraint("provider_id", "plugin", "witness",
                                 name="pk_sampling_evidence"),

@@ -87,8 +87,9 @@ def test_a_canary_not_answered_is_reported_unanswered_and_an_answered_one_is_not
     expired = loads(w.sent[-1])["job_id"]
     w.now[0] += 61.0
     w.canaries.send_due(w.session)  # expires it, and sends the next
-    [(pid, plugin, version, repro, why)] = w.unanswered
+    [(pid, plugin, version, repro, why, for_owner)] = w.unanswered
     assert (pid, plugin, version) == ("p", "echo", "1.0.0") and "no receipt within 60" in why
+    assert not for_owner
     assert repro == {"hardware_class": "", "dtype": "", "weights_digest": ""}
     failed = loads(w.sent[-1])["job_id"]
     assert failed != expired
@@ -154,7 +155,8 @@ def test_a_canary_is_given_back_for_the_owner_only_by_an_agent_that_said_it_take
         unavailable, reports, counted):
     """Issue #20: a give-back "for the owner" was taken at any time, so a provider could
     refuse every canary (and the known answer it is judged by) for free. It counts for
-    nothing only from an agent that said it takes no work while the canary was out."""
+    nothing as a miss only from an agent that said it takes no work while the canary was
+    out; even then verification counts it, apart (``for_owner``), with its own allowance."""
     w = _world()
     w.session.unavailable, w.session.unavailable_reports = "", 1
     w.canaries.send_due(w.session)
@@ -163,7 +165,8 @@ def test_a_canary_is_given_back_for_the_owner_only_by_an_agent_that_said_it_take
     assert w.canaries.withdrawn(w.session, job_id) is (counted == 0)
     assert w.market.tracker.record_of("p", "echo").failures == counted
     assert w.market.canary(job_id) is None and job_id not in w.session.active
-    assert len(w.unanswered) == counted  # verification counts it unanswered (or not)
+    [(*_, why, for_owner)] = w.unanswered  # verification counts it, as a miss or apart
+    assert for_owner is (counted == 0), why
 
 
 def test_a_canary_never_reuses_the_inputs_of_a_linked_operators_job():
@@ -197,3 +200,39 @@ def test_an_expired_canary_of_another_provider_gives_its_slot_back_too():
     assert w.market.canary(theirs) is None
     assert theirs not in other.active and other.free == other.slots  # q's slot is free again
     assert [u[0] for u in w.unanswered] == ["q"]  # still counted against q
+
+
+def test_a_canary_of_another_provider_is_neither_failed_nor_given_back_by_this_one():
+    """Only the agent a canary went to answers for it: another's failure or give-back (a
+    canary id it should not know) counts against nobody and frees nobody's slot."""
+    w = _world()
+    w.canaries.send_due(w.session)
+    job_id = loads(w.sent[-1])["job_id"]
+    other = connect(w.market, "q", "op2", {"echo": "1.0.0"}, kind=type(w.session))
+    w.canaries.failed(other, job_id)
+    assert not w.canaries.withdrawn(other, job_id)
+    assert w.market.canary(job_id) is not None and job_id in w.session.active
+    assert w.unanswered == []
+
+
+def test_no_canary_goes_to_a_session_a_reconnect_replaced():
+    """A canary sent on a replaced stream goes nowhere and would expire as a miss against
+    an honest provider: the presence refuses the slot, so nothing is sent."""
+    w = _world()
+    old = w.session
+    new = connect(w.market, "p", "op", {"echo": "1.0.0"}, kind=type(old),
+                  public_key=old.public_key)
+    assert w.canaries.send_due(old) == 0 and w.sent == []
+    assert w.canaries.send_due(new) == 1
+
+
+def test_a_canary_answered_on_the_replaced_stream_frees_the_new_sessions_slot():
+    w = _world()
+    old = w.session
+    w.canaries.send_due(old)
+    job_id = loads(w.sent[0])["job_id"]
+    new = connect(w.market, "p", "op", {"echo": "1.0.0"}, kind=type(old),
+                  public_key=old.public_key)
+    assert job_id in new.active
+    assert w.canaries.receipt(old, *_receipt(w, w.sent[0])) == job_id
+    assert job_id not in new.active and new.free == 1

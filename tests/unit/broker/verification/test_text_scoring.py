@@ -242,9 +242,10 @@ NARROW = {"prompt": PROMPT, "max_new_tokens": 64, "temperature": 0.7, "top_p": 0
           "ignore_eos": True}
 
 
-def _drive(world: World, job: Job, honest) -> None:
-    """Run every check, scoring and third run of ``job`` honestly, each on a machine whose
-    operator the run does not exclude, until its verification is decided."""
+def _drive(world: World, job: Job, honest, prefer: str = "abc") -> None:
+    """Run every check, scoring and third run of ``job`` honestly, each on the first
+    machine in ``prefer`` whose operator the run does not exclude, until its verification
+    is decided."""
     for _ in range(6):
         rec = world.v.status(job.id)
         if rec.status not in (CheckStatus.CHECKING, CheckStatus.DISPUTED):
@@ -252,7 +253,7 @@ def _drive(world: World, job: Job, honest) -> None:
         run_id = (rec.tiebreak_job_id if rec.status is CheckStatus.DISPUTED
                   else rec.checker_job_id)
         current = world.jobs.repo.get(run_id)
-        machine = next(m for m in "abc"
+        machine = next(m for m in prefer
                        if f"operator:{world.operators[m]}" not in current.excluded_providers)
         world.settle(current, machine, run(honest, current.inputs))
     raise AssertionError(f"job {job.id} still open: {world.v.status(job.id)}")
@@ -263,16 +264,18 @@ def test_a_narrow_nucleus_cheat_is_caught_over_several_checks_and_honest_runs_ne
     """Sampled from half the job's top_p: one check reaches the grey zone at most; the
     provider's checks compound (``SamplingState``), the evidence crosses the reject bound
     within a few checks, a third run's own compounded evidence agrees and the cheater is
-    outvoted on clear mismatches, which closes its evidence. An honest provider's evidence
-    over as many checks never gets near."""
+    outvoted on clear mismatches, which closes its evidence. Only a checker's e-value
+    compounds (a third run sees only claims already disputed), so the checks alternate
+    between the two other operators, as the broker's draw spreads them. An honest
+    provider's evidence over as many checks never gets near."""
     a, b = world.machines["a"], world.machines["b"]
     caught_at = None
-    for i in range(8):
+    for i in range(10):
         inputs = {**NARROW, "seed": 100 + i}
         claim = run(honest, {**inputs, "top_p": inputs["top_p"] / 2})
         claim.meta.update(top_p=inputs["top_p"])  # claims the job's
         job = world.primary("a", claim, inputs, verify="always")
-        _drive(world, job, honest)
+        _drive(world, job, honest, "abc" if i % 2 == 0 else "acb")
         rec = world.v.status(job.id)
         penalties = [p for p in rec.outcome.get("penalties", []) if p["provider_id"] == a]
         if penalties and penalties[0]["clear"]:
@@ -293,7 +296,7 @@ def test_a_narrow_nucleus_cheat_is_caught_over_several_checks_and_honest_runs_ne
     for i in range(caught_at):
         inputs = {**NARROW, "seed": 200 + i}
         job = world.primary("b", run(honest, inputs), inputs, verify="always")
-        _drive(world, job, honest)
+        _drive(world, job, honest, "abc" if i % 2 == 0 else "cba")
         rec = world.v.status(job.id)
         assert rec.status is CheckStatus.VERIFIED and not rec.outcome.get("penalties")
     states = [world.v.repo.sampling_state(b, "llama", op) for op in world.operators.values()]
