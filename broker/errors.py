@@ -33,6 +33,18 @@ class BrokerError(Exception):
         return body
 
 
+def in_item(exc: BrokerError, index: int, name: str = "jobs") -> BrokerError:
+    """``exc`` as the error of item ``index`` of the request's list ``name`` (a bulk
+    submit's ``jobs``): its message begins with the item (``jobs[3]: ...``), its field is
+    the item's (``jobs[3].inputs.text``), and the problem carries ``index``."""
+    where = f"{name}[{index}]"
+    exc.message = f"{where}: {exc.message}"
+    exc.args = (exc.message,)
+    exc.field = f"{where}.{exc.field}" if exc.field else where
+    exc.extra["index"] = index
+    return exc
+
+
 class InvalidRequest(BrokerError):
     code, http_status, grpc_status, title = ("invalid_request", 400, "INVALID_ARGUMENT",
                                              "Invalid request")

@@ -280,6 +280,35 @@ def submit(cfg: Config, plugin: str, version: str | None, idempotency_key: str |
     return resp.json()
 
 
+def submit_many(cfg: Config, jobs: list[Any], idempotency_key: str | None,
+                wait: float | None) -> Plan[list[dict]]:
+    """POST /v1/jobs/bulk: ``jobs`` (job requests as POST /v1/jobs takes them) in one
+    request, all created or none; each item's answer (a job, a batch for n > 1) in order.
+    ``wait`` as for :func:`submit`: the broker may hold the answer until every job ends."""
+    import uuid
+
+    headers = timeout = None
+    if wait is not None:
+        wait_s = min(MAX_PREFER_WAIT_S, max(1, int(wait)))
+        headers, timeout = {"Prefer": f"wait={wait_s}"}, held_timeout(wait_s)
+    resp = yield from request(cfg, "POST", "/v1/jobs/bulk", json_body={"jobs": jobs},
+                              idempotency_key=idempotency_key or str(uuid.uuid4()),
+                              headers=headers, timeout=timeout)
+    return resp.json()["data"]
+
+
+def cancel_quietly(cfg: Config, jobs: list[dict]) -> Plan[None]:
+    """Cancel each of ``jobs`` not known to have ended; a failure is ignored (the caller is
+    already raising what matters)."""
+    for job in jobs:
+        if job.get("state") in TERMINAL:
+            continue
+        try:
+            yield from request(cfg, "DELETE", f"/v1/jobs/{job['id']}")
+        except Exception:  # noqa: BLE001 - one that ended meanwhile answers 409
+            pass
+
+
 def refresh(cfg: Config, path: str, wait_s: float | None = None) -> Plan[dict]:
     """GET a job or batch (``wait_s``: the broker holds the answer until it ends)."""
     params = {"wait": f"{wait_s:.3f}"} if wait_s else None

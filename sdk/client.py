@@ -23,7 +23,7 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 import urllib3
 
@@ -32,7 +32,7 @@ from sdk._core import DEFAULT_URL, TERMINAL, Call, Failed, Sleep  # noqa: F401 (
 from sdk._http import Response, TransportError, describe, iter_lines
 from sdk import tls
 from sdk.errors import (APIConnectionError, ConfigurationError, InvalidInputError,
-                        JobFailedError, NotFoundError)
+                        JobFailedError, JobTimeoutError, NotFoundError)
 from sdk.models import Account, Event, Quote, Transaction
 from sdk.protocol.schema import InputError, InputSchema
 
@@ -208,6 +208,60 @@ class _ClientBase:
         data = yield from core.submit(self._cfg, plugin, version, None, terms, inputs, held)
         target = Batch(self, data) if terms.get("n", 1) > 1 else Job(self, data)
         return (yield from target._wait(budget))
+
+    def submit_many(self, jobs: Iterable[dict], *, idempotency_key: str | None = None,
+                    validate: bool = True,
+                    wait: float | None = None) -> "list[Job | Batch]":
+        """Submit independent jobs in one request (``POST /v1/jobs/bulk``; at most 256 jobs,
+        a split item counting its ``n``). Each of ``jobs`` is a job request as the broker
+        takes it: ``{"plugin": "echo", "inputs": {"text": "hi"}}``, with any of
+        ``version``, ``priority``, ``max_price_micro``, ``deadline_s``, ``n``, ``verify``,
+        ``output_format``, ``output_quality``, ``cache``. All are created, with their holds,
+        or none: an error names the item (``field`` ``jobs[i]...``; inputs are checked here
+        first, raising InvalidInputError), a balance short for all of them is an
+        InsufficientCreditsError. Returns a :class:`Job` per item (a :class:`Batch` for
+        ``n`` > 1), in order. ``idempotency_key`` names the whole list (a retry with it
+        answers the same jobs); ``wait`` as for :meth:`Jobs.create`."""
+        return self._run(self._submit_many(list(jobs), idempotency_key, validate, wait))
+
+    def _submit_many(self, jobs: list, idempotency_key, validate, wait):
+        if validate:
+            for i, item in enumerate(jobs):
+                if not isinstance(item, dict) or not isinstance(item.get("plugin"), str):
+                    continue  # the broker says what is wrong with it, naming the item
+                try:
+                    yield from self._validate(item["plugin"], item.get("inputs", {}))
+                except InvalidInputError as exc:
+                    raise InvalidInputError(exc.status, exc.code, f"jobs[{i}]: {exc.detail}",
+                                            field=f"jobs[{i}].{exc.field}") from None
+        data = yield from core.submit_many(self._cfg, jobs, idempotency_key, wait)
+        return [Batch(self, d) if d.get("object") == "batch" else Job(self, d) for d in data]
+
+    def generate_many(self, jobs: Iterable[dict], *,
+                      timeout: "float | core.Timeout | None" = 600.0) -> "list[Result]":
+        """Run independent jobs submitted in one request (see :meth:`submit_many`) and wait
+        until all are ready: a :class:`Result` per item, in order (a split item's holds all
+        its outputs). ``timeout`` spans all of them; when it runs out, what still runs is
+        cancelled and JobTimeoutError raised. The first item that did not settle raises
+        JobFailedError (the others go on: to handle each failure, ``submit_many`` and wait
+        on each)."""
+        return self._run(self._generate_many(list(jobs), timeout))
+
+    def _generate_many(self, jobs: list, timeout):
+        budget = core.Timeout.of(timeout)  # counted from the submit
+        left = budget.left()
+        held = 30.0 if left is None else max(0.0, min(left, 30.0))
+        targets = yield from self._submit_many(jobs, None, True, held)
+        results = []
+        for i, target in enumerate(targets):
+            try:
+                results.append((yield from target._wait(budget)))
+            except JobTimeoutError:
+                rest = [d for t in targets[i + 1:]
+                        for d in (t.data["jobs"] if isinstance(t, Batch) else [t.data])]
+                yield from core.cancel_quietly(self._cfg, rest)
+                raise
+        return results
 
     def quote(self, plugin: str, *, version: str | None = None, **inputs) -> Quote:
         """What a job would cost, without running it (:class:`~sdk.models.Quote`:

@@ -1,6 +1,7 @@
 """The request a client sends for a job, checked at the edge into a typed
-:class:`broker.jobs.model.JobRequest`: ``POST /v1/jobs``, ``POST /v1/quotes`` and the
-OpenAI-compatible routes all read it here, so the job service never sees a raw body."""
+:class:`broker.jobs.model.JobRequest`: ``POST /v1/jobs``, ``POST /v1/jobs/bulk`` (a list
+of them), ``POST /v1/quotes`` and the OpenAI-compatible routes all read it here, so the
+job service never sees a raw body."""
 from __future__ import annotations
 
 from typing import Any, Collection
@@ -8,7 +9,7 @@ from typing import Any, Collection
 from sdk.protocol.canonical import is_sha256_hex
 
 from broker.catalog.registry import PluginCatalog
-from broker.errors import InvalidRequest
+from broker.errors import BrokerError, InvalidRequest, in_item
 from broker.jobs.cache import parse_output_format
 from broker.jobs.model import JobRequest
 
@@ -18,6 +19,7 @@ JOB_FIELDS = ("plugin", "version", "inputs", "verify", "weights_digest") + MARKE
     + OUTPUT_FIELDS
 QUOTE_FIELDS = ("plugin", "version", "inputs")
 MAX_SPLIT = 64
+MAX_BULK = 256  # jobs one POST /v1/jobs/bulk may create (each item's n counted)
 
 
 def job_request(body: Any, catalog: PluginCatalog,
@@ -59,6 +61,37 @@ def job_request(body: Any, catalog: PluginCatalog,
     return JobRequest(manifest=manifest, inputs=body.get("inputs", {}), terms=terms,
                       verify=verify, weights_digest=weights, output_format=output_format,
                       cache=cache)
+
+
+def job_requests(body: Any, catalog: PluginCatalog) -> list[JobRequest]:
+    """A bulk submit's body, ``{"jobs": [<job request>, ...]}``, as its job requests, each
+    read by :func:`job_request`; an error names the item (``jobs[3]: ...``, field
+    ``jobs[3].inputs.text``). At most MAX_BULK jobs in all, a split item counting its n."""
+    if not isinstance(body, dict) or not isinstance(body.get("jobs"), list):
+        raise InvalidRequest('the request body must be a JSON object like {"jobs": '
+                             '[{"plugin": "echo", "inputs": {"text": "a"}}, {"plugin": '
+                             '"echo", "inputs": {"text": "b"}}]}', field="jobs")
+    unknown = set(body) - {"jobs"}
+    if unknown:
+        raise InvalidRequest(f"unknown field {sorted(unknown)[0]!r}; a bulk submit has only "
+                             '"jobs" (options go in each job request)',
+                             field=sorted(unknown)[0])
+    items = body["jobs"]
+    if not 1 <= len(items) <= MAX_BULK:
+        raise InvalidRequest(f"jobs has {len(items)} job requests; send 1 to {MAX_BULK} "
+                             "(more in several requests)", field="jobs")
+    requests = []
+    for i, item in enumerate(items):
+        try:
+            requests.append(job_request(item, catalog))
+        except BrokerError as exc:
+            raise in_item(exc, i) from None
+    total = sum(r.terms["n"] for r in requests)
+    if total > MAX_BULK:
+        raise InvalidRequest(f"these job requests make {total} jobs (each n counted); one "
+                             f"request makes at most {MAX_BULK}: send the rest in another",
+                             field="jobs")
+    return requests
 
 
 def plugin_manifest(body: dict, catalog: PluginCatalog):

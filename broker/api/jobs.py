@@ -10,7 +10,7 @@ from broker.errors import BrokerError
 from broker.jobs.hub import HubWait, quiet_slice_s
 from broker.jobs.model import Job, JobOutput
 from . import waiting
-from .job_request import job_request
+from .job_request import job_request, job_requests
 from .common import (idempotency_key, int_arg, internal_problem, json_body, output_response,
                      principal, request_id, seconds_arg, served_type, services)
 
@@ -139,6 +139,40 @@ def create_job():
         return _render(job), status
     return waiting.answer_after(svc.jobs.waiting(who, job.id, wait_s, job=job),
                                 lambda job: (_render(job), status, applied))
+
+
+@bp.post("/v1/jobs/bulk")
+def create_jobs():
+    """Submit independent jobs in one request, ``{"jobs": [<job request>, ...]}`` (at most
+    256 jobs, a split item counting its n): 202 with each one's answer of ``POST /v1/jobs``
+    (a job, a batch for n > 1) in item order, ``{"object": "list", "data": [...]}``; 200
+    when an Idempotency-Key replays an earlier one. Every item is checked first; an error
+    names the item (``field`` ``jobs[i]...``, ``index`` i) and nothing is created: all
+    the jobs with their holds commit in one transaction, or none (402 when the balance
+    cannot hold them all). ``Prefer: wait=N`` waits for every job as on ``POST /v1/jobs``.
+    """
+    key = idempotency_key()
+    wait_s = _preferred_wait(request.headers.get("Prefer"))  # checked before any row exists
+    if wait_s is not None and not waiting.may_wait():
+        wait_s = None
+    svc, who = services(), principal()
+    body = json_body()
+    svc.jobs.check_submitter(who)
+    jobs, created = svc.jobs.submit_many(who, job_requests(body, svc.catalog),
+                                         idempotency_key=key, request_id=request_id())
+    status = 202 if created else 200
+    groups = [svc.jobs.batch(who, j.batch_id) if j.batch_id else [j] for j in jobs]
+    if wait_s is None:
+        return _render_list(groups), status
+    applied = {"Preference-Applied": f"wait={wait_s:g}"}
+    return waiting.answer_after(svc.jobs.waiting_all(who, groups, wait_s),
+                                lambda groups: (_render_list(groups), status, applied))
+
+
+def _render_list(groups: list[list[Job]]) -> dict:
+    """A bulk submit's answer: each item as POST /v1/jobs answers it (a split: its batch)."""
+    return {"object": "list", "data": [_render_batch(g) if g[0].batch_id else _render(g[0])
+                                       for g in groups]}
 
 
 def _preferred_wait(prefer: str | None) -> float | None:

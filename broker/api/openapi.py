@@ -116,6 +116,31 @@ def document() -> dict:
                                               schemas.json_content("JobList")},
                                       **_errors(400, 401)}},
             },
+            "/v1/jobs/bulk": {
+                "post": {"summary": "Submit independent jobs in one request (all or none)",
+                         "operationId": "createJobs",
+                         "description": "Each item is a job request as for POST /v1/jobs. "
+                                        "Every item is checked first; an error names the "
+                                        "item (field jobs[i]..., index i) and creates "
+                                        "nothing. The jobs and their holds commit "
+                                        "together (402: the balance cannot hold them "
+                                        "all). The Idempotency-Key names the whole list.",
+                         "parameters": [_key(200),
+                                        {"name": "Prefer", "in": "header",
+                                         "description": "wait=N (RFC 7240): answer once "
+                                                        "every job ends or N seconds (at "
+                                                        "most 60) pass",
+                                         "schema": {"type": "string", "example": "wait=30"}}],
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": schemas.ref("BulkJobRequest")}}},
+                         "responses": {"202": {"description": "Queued: each item's job (n "
+                                               "> 1: its batch), in item order",
+                                               "content": schemas.json_content("BulkJobs")},
+                             "200": {"description": "Same Idempotency-Key: the first "
+                                     "request's jobs; with Prefer: wait, once they ended",
+                                     "content": schemas.json_content("BulkJobs")},
+                             **_errors(400, 401, 402, 403, 404, 409, 413, 422)}},
+            },
             "/v1/jobs/{job_id}": {
                 "get": {"summary": "A job (long-poll with ?wait=seconds)", "operationId": "getJob",
                         "parameters": [job_id, _WAIT],

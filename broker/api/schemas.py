@@ -75,6 +75,17 @@ class JobRequest(_Request):
                         "running; default false")
 
 
+class BulkJobRequest(_Request):
+    """POST /v1/jobs/bulk: independent jobs in one request, created together or not at all."""
+    model_config = ConfigDict(extra="forbid", json_schema_extra=lambda schema: (
+        _no_null_defaults(schema), schema.setdefault("examples", [
+            {"jobs": [{"plugin": "echo", "inputs": {"text": "a"}},
+                      {"plugin": "echo", "inputs": {"text": "b"}, "priority": "fast"}]}])))
+    jobs: list[JobRequest] = Field(min_length=1, max_length=256,
+                                   description="at most 256 jobs in all (a split item "
+                                               "counts its n)")
+
+
 class Output(_Open):
     index: int
     media_type: str
@@ -157,6 +168,12 @@ class Batch(_Open):
     state: Literal["settled", "failed", "running"]
     done: bool
     jobs: list[Job]
+
+
+class BulkJobs(_Open):
+    """POST /v1/jobs/bulk's answer: each item as POST /v1/jobs answers it, in item order."""
+    object: Literal["list"] = "list"
+    data: list[Job | Batch]
 
 
 class Plugin(_Open):
@@ -303,7 +320,8 @@ class ImagesResponse(_Open):
 
 
 MODELS: tuple[type[BaseModel], ...] = (
-    Problem, JobRequest, Output, Verification, Job, JobList, Batch, Plugin, PluginList,
+    Problem, JobRequest, BulkJobRequest, Output, Verification, Job, JobList, Batch,
+    BulkJobs, Plugin, PluginList,
     QuoteRequest, Quote, Account, Transaction, TransactionList, StakeMove, OpenAIError,
     Model, ModelList, ChatCompletion, Completion, ImagesResponse)
 

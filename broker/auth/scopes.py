@@ -37,6 +37,7 @@ ROLE_SCOPES: dict[str, tuple[str, ...]] = {
 
 ROUTE_SCOPES: dict[str, str] = {
     "jobs.create_job": "jobs:write",
+    "jobs.create_jobs": "jobs:write",
     "jobs.cancel_job": "jobs:write",
     "account.create_quote": "jobs:write",
     "jobs.list_jobs": "jobs:read",

@@ -108,13 +108,17 @@ class JobBilling:
         """Refuse (402, nothing written) unless the client can pay ``runs`` such jobs: a job
         with ``verify="always"`` is paid twice, once per run."""
         need = runs * self.max_price(plugin, work_units, cap_micro, inputs=inputs)
-        try:
-            have = self.ledger.balance(AccountId(AccountKind.CLIENT_AVAILABLE, client))
-        except lerr.UnknownAccount:
-            have = 0
+        have = self.available(client)
         if have < need:
             raise InsufficientCredits(needed_micro=need, available_micro=have,
                                       how_to_fund=self.how_to_fund)
+
+    def available(self, client: str) -> int:
+        """The client's available balance in micro-credits (0 before its first credit)."""
+        try:
+            return self.ledger.balance(AccountId(AccountKind.CLIENT_AVAILABLE, client))
+        except lerr.UnknownAccount:
+            return 0
 
     def release_hold(self, hold_id: str, job_id: str, reason: str) -> Transaction | None:
         """Void a hold; nothing when it is already resolved."""

@@ -300,10 +300,11 @@ class Dispatcher:
     def queued(self, job: Job, siblings: list[Job] | None = None) -> None:
         """A job was queued: hand it out at once from the caller's thread when nothing is
         waiting ahead of it (saves a thread hop and a queue scan); else wake the loop.
-        ``siblings``: a split request's jobs, queued together (they clear together)."""
+        ``siblings``: jobs queued together, ``job`` first: a split request's (they clear
+        together) or a bulk request's (``POST /v1/jobs/bulk``), one wake-up for all."""
         if job.not_before is not None and job.not_before > time.time():
             return  # a delayed check: the loop offers it once its time comes
-        if not self._backlog and not job.batch_id:
+        if not self._backlog and not job.batch_id and not siblings:
             if self._place(job):
                 return
         if self.bus is not None and self.bus.shared and not self.presence.count():

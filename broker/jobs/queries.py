@@ -82,6 +82,21 @@ class JobQueries:
                                                 job=job)))
         return out
 
+    def waiting_all(self, who: Principal, groups: list[list[Job]],
+                    timeout_s: float) -> Waiting[list[list[Job]]]:
+        """Every job of ``groups`` (a bulk request's items: a job, or a split's siblings)
+        once all are terminal, or as they are when ``timeout_s`` passes; a waiting
+        generator (see :meth:`waiting`)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        out = []
+        for group in groups:
+            ended = []
+            for job in group:
+                ended.append((yield from self.waiting(who, job.id,
+                                                      deadline - time.monotonic(), job=job)))
+            out.append(ended)
+        return out
+
     def _ended_copy(self, who: Principal, job_id: str) -> Job | None:
         """The job as its settlement wrote it, while nothing has happened to it since
         (saves reading back what this process just wrote); None: read it."""

@@ -22,7 +22,9 @@ from sdk.logs import request_digest
 
 from broker.auth.service import Principal
 from broker.catalog.registry import PluginCatalog
-from broker.errors import Forbidden, IdempotencyConflict, InvalidInput, InvalidRequest
+from broker.billing.errors import InsufficientCredits
+from broker.errors import (BrokerError, Forbidden, IdempotencyConflict, InvalidInput,
+                           InvalidRequest, in_item)
 from .errors import NoProvider
 from .hub import EventHub
 from .model import Job, JobOutput, JobRequest, JobState
@@ -149,6 +151,133 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         ``request_id``: the X-Request-Id of the request, kept with the job (and its split
         siblings) and carried, as its digest, in each envelope (sdk.logs)."""
         self.check_submitter(who)
+        _check_key(idempotency_key)
+        inputs, request_hash = self._prepare(request)
+        now = self.clock()
+        # With an idempotency key the job id is derived from it (a split's first sibling
+        # gets that same id): a resubmit's hold is the first one (the ledger's key derives
+        # from the job id) and its row conflicts with the first job's, so a replay writes
+        # nothing and needs no read before it, and any other request with the key, split
+        # or not, meets the first one's row and is refused on its request hash; one that
+        # is refused on the way (the terms, the balance or the hold are not what they
+        # were, say) is looked up.
+        job_id = (_derived_id(f"{who.account_id}:{idempotency_key}")
+                  if idempotency_key is not None else str(uuid.uuid4()))
+        try:
+            jobs = self._create(who, request, inputs, job_id, idempotency_key, request_hash,
+                                now, request_id)
+        except _Taken as taken:
+            return _replayed(taken.job, request_hash, idempotency_key), False
+        except Exception:
+            existing = self.repo.get(job_id) if idempotency_key is not None else None
+            if existing is None:
+                raise
+            return _replayed(existing, request_hash, idempotency_key), False
+        job = jobs[0]
+        self.metrics.submitted(job.plugin, request.terms["n"])
+        if request_id:
+            log.info("job %s%s created by request %s (agents log it as %s)", job.id,
+                     f" and {len(jobs) - 1} sibling(s)" if job.batch_id else "", request_id,
+                     request_digest(request_id))
+        self._announce(jobs)
+        return job, True
+
+    def submit_many(self, who: Principal, requests: list[JobRequest],
+                    idempotency_key: str | None = None,
+                    request_id: str | None = None) -> tuple[list[Job], bool]:
+        """Queue independent jobs in one request (``POST /v1/jobs/bulk``): each of
+        ``requests`` as :meth:`submit` would queue it, all with their holds in one
+        transaction or none. Every request's inputs are checked before anything is
+        written; an error (an input, no provider, the terms, the balance) names the item
+        (``jobs[i]``) and leaves nothing behind. Returns (the job of each request, its
+        first sibling for a split, in order; created).
+
+        ``idempotency_key`` names the whole request: the first item's job takes the id a
+        one-job request with the key gets and carries the key, the other items' ids derive
+        from it, and every row holds the hash of all the items, so a replay of the same
+        list answers the first jobs (writing nothing, charging nothing twice) and any
+        other request with the key (another list, a single job, a split) is a 409."""
+        self.check_submitter(who)
+        _check_key(idempotency_key)
+        prepared = []
+        for i, request in enumerate(requests):  # every item checked before any write
+            try:
+                prepared.append(self._prepare(request))
+            except BrokerError as exc:
+                raise in_item(exc, i) from None
+        request_hash = sha256_hex(canonical_bytes({"jobs": [h for _, h in prepared]}))
+        if idempotency_key is not None:
+            first = _derived_id(f"{who.account_id}:{idempotency_key}")
+            ids = [first] + [_derived_id(f"bulk:{first}:{i}") for i in range(1, len(requests))]
+        else:
+            ids = [str(uuid.uuid4()) for _ in requests]
+        now = self.clock()
+        created: list[list[Job]] = []
+        try:
+            with self.repo.atomic():  # every item's jobs and holds, or none
+                for i, (request, (inputs, _)) in enumerate(zip(requests, prepared)):
+                    try:
+                        # Item order is queue order: each item a microsecond after the last.
+                        created.append(self._create(
+                            who, request, inputs, ids[i], idempotency_key if i == 0 else None,
+                            request_hash, now + i * 1e-6, request_id))
+                    except BrokerError as exc:
+                        raise in_item(exc, i) from None
+        except Exception as exc:
+            # A replay (an item's row is the earlier request's: _Taken, or a conflict on
+            # an id without a key), or one refused on the way (the balance, the terms or
+            # the providers are not what they were): the earlier request's jobs.
+            taken = exc.job if isinstance(exc, _Taken) else None
+            earlier = (self._earlier(ids, taken) if idempotency_key is not None
+                       and not isinstance(exc, IdempotencyConflict) else None)
+            if earlier is None:
+                if isinstance(exc, InsufficientCredits):
+                    raise self._short_for_all(who, requests, prepared) from None
+                raise
+            return [_replayed(j, request_hash, idempotency_key) for j in earlier], False
+        for request, jobs in zip(requests, created):
+            self.metrics.submitted(jobs[0].plugin, request.terms["n"])
+        every = [j for jobs in created for j in jobs]
+        if request_id:
+            log.info("%d job(s) of %d request(s), from job %s, created by request %s (agents "
+                     "log it as %s)", len(every), len(created), every[0].id, request_id,
+                     request_digest(request_id))
+        self._announce(every)  # one wake-up for all of them
+        return [jobs[0] for jobs in created], True
+
+    def _earlier(self, ids: list[str], taken: Job | None) -> list[Job] | None:
+        """The jobs an earlier bulk request with the same key made (None: there are none,
+        or not all of them, so it was another request)."""
+        first = taken if taken is not None and taken.id == ids[0] else self.repo.get(ids[0])
+        if first is None:
+            return None
+        rest = [self.repo.get(job_id) for job_id in ids[1:]]
+        if any(j is None for j in rest):
+            raise IdempotencyConflict(
+                f"Idempotency-Key was used for another request (job {first.id}); a key "
+                "names exactly one request: send that request again to get its answer, or "
+                "use a new key")
+        return [first, *rest]
+
+    def _short_for_all(self, who: Principal, requests: list[JobRequest],
+                       prepared: list[tuple[dict, str]]) -> InsufficientCredits:
+        """The 402 of a bulk request the balance cannot hold: what all of its holds would
+        reserve against what is available (none of them was placed)."""
+        need = 0
+        for request, (inputs, _) in zip(requests, prepared):
+            n, cap = request.terms["n"], request.terms["max_price_micro"]
+            work_units = request.manifest.work_units_for(inputs)
+            need += n * self.billing.max_price(request.manifest.name, work_units,
+                                               cap_micro=None if cap is None else cap // n,
+                                               inputs=inputs)
+        return InsufficientCredits(needed_micro=need,
+                                   available_micro=self.billing.available(who.account_id),
+                                   how_to_fund=self.billing.how_to_fund,
+                                   jobs=sum(r.terms["n"] for r in requests))
+
+    def _prepare(self, request: JobRequest) -> tuple[dict, str]:
+        """(the inputs ``request``'s job runs with, its request hash): the inputs checked
+        against the manifest (InvalidInput) and the seed drawn."""
         manifest, terms, verify = request.manifest, request.terms, request.verify
         weights, output_format, cache = (request.weights_digest, request.output_format,
                                          request.cache)
@@ -157,9 +286,6 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         # The broker fixes the seed (after ``asked`` is taken: a retry of the same request
         # is the same request, and replays the first job, the seed it drew included).
         inputs = draw_seed(manifest, inputs, self.seed_rng)
-        if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
-            raise InvalidRequest("Idempotency-Key must be 1 to 200 characters",
-                                 field="Idempotency-Key")
         # The request as the client made it: a retry is the same request even when the
         # providers' weights (and so the defaults filled in) changed in between.
         hashed = {"plugin": manifest.name, "version": manifest.version, "inputs": asked}
@@ -174,39 +300,23 @@ class JobService(JobQueries, JobLeases, JobSettlement):
             hashed["output_format"] = output_format
         if cache:
             hashed["cache"] = True
-        request_hash = sha256_hex(canonical_bytes(hashed))
-        now = self.clock()
-        # With an idempotency key the job id is derived from it (a split's first sibling
-        # gets that same id): a resubmit's hold is the first one (the ledger's key derives
-        # from the job id) and its row conflicts with the first job's, so a replay writes
-        # nothing and needs no read before it, and any other request with the key, split
-        # or not, meets the first one's row and is refused on its request hash; one that
-        # is refused on the way (the terms, the balance or the hold are not what they
-        # were, say) is looked up.
-        job_id = (_derived_id(f"{who.account_id}:{idempotency_key}")
-                  if idempotency_key is not None else str(uuid.uuid4()))
-        try:
-            job = self._create(who, manifest, inputs, terms, job_id, idempotency_key,
-                               request_hash, now, verify, weights, request_id, output_format,
-                               cache)
-        except _Taken as taken:
-            return _replayed(taken.job, request_hash, idempotency_key), False
-        except Exception:
-            existing = self.repo.get(job_id) if idempotency_key is not None else None
-            if existing is None:
-                raise
-            return _replayed(existing, request_hash, idempotency_key), False
-        self.metrics.submitted(job.plugin, terms["n"])
-        if request_id:
-            log.info("job %s%s created by request %s (agents log it as %s)", job.id,
-                     f" and {terms['n'] - 1} sibling(s)" if job.batch_id else "", request_id,
-                     request_digest(request_id))
-        if job.cached_from:  # answered from the result cache: nothing to run
-            self.hub.notify(job.id, ended=True)
-        elif not job.batch_id:
-            self.hub.notify(job.id, relay=False)  # nobody elsewhere knows its id yet
-            self.job_events.queued(job)
-        return job, True
+        return inputs, sha256_hex(canonical_bytes(hashed))
+
+    def _announce(self, jobs: list[Job]) -> None:
+        """Tell the hub and the dispatcher of jobs just committed: a cache answer has ended,
+        the rest are queued, with one wake-up for all (a split's siblings and a bulk
+        request's jobs are offered together)."""
+        queued = []
+        for job in jobs:
+            if job.cached_from:  # answered from the result cache: nothing to run
+                self.hub.notify(job.id, ended=True)
+            else:
+                self.hub.notify(job.id, relay=False)  # nobody elsewhere knows its id yet
+                queued.append(job)
+        if len(queued) == 1 and not queued[0].batch_id:
+            self.job_events.queued(queued[0])
+        elif queued:
+            self.job_events.queued(queued[0], siblings=queued)
 
     def resolve_inputs(self, manifest, raw: Any, weights_digest: str | None = None) -> dict:
         """A job's inputs as it will run them: ``raw`` checked against the manifest, and
@@ -249,12 +359,14 @@ class JobService(JobQueries, JobLeases, JobSettlement):
             raise InvalidInput(str(exc), field=f"inputs.{exc.field}" if exc.field else "inputs",
                                plugin=manifest.ref) from None
 
-    def _create(self, who: Principal, manifest, inputs: dict, terms: dict, job_id: str,
-                idempotency_key: str | None, request_hash: str, now: float, verify: str,
-                weights: str | None, request_id: str | None = None,
-                output_format: dict | None = None, cache: bool = False) -> Job:
-        """The job (or a split's first sibling) with its hold. Raises _Taken, having
+    def _create(self, who: Principal, request: JobRequest, inputs: dict, job_id: str,
+                idempotency_key: str | None, request_hash: str, now: float,
+                request_id: str | None = None) -> list[Job]:
+        """The job (or a split's siblings, in order) with its hold. Raises _Taken, having
         written nothing, when an earlier request with the same idempotency key has it."""
+        manifest, terms, verify = request.manifest, request.terms, request.verify
+        weights, output_format, cache = (request.weights_digest, request.output_format,
+                                         request.cache)
         work_units = manifest.work_units_for(inputs)
         n = terms["n"]
         cache_key = (result_cache_key(manifest, inputs, output_format)
@@ -262,9 +374,9 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         if cache_key is not None:
             source = self.result_cache.find(cache_key, weights)
             if source is not None:  # answered from a verified job's outputs, not run
-                return self._answer_from_cache(who, manifest, inputs, source, job_id,
-                                               idempotency_key, request_hash, now, terms,
-                                               weights, output_format, cache_key)
+                return [self._answer_from_cache(who, manifest, inputs, source, job_id,
+                                                idempotency_key, request_hash, now, terms,
+                                                weights, output_format, cache_key)]
         served = self.builds_served
         if served is not None and not served.serves(manifest.name, manifest.version):
             raise NoProvider(
@@ -310,7 +422,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
             job, created = self.repo.create(job, ("queued", {"plugin": manifest.ref}))
             if not created:  # rolls back the block: the replayed hold's audit entry too
                 raise _Taken(job)
-            return job
+            return [job]
 
     def _answer_from_cache(self, who: Principal, manifest, inputs: dict, source, job_id: str,
                            idempotency_key: str | None, request_hash: str, now: float,
@@ -369,16 +481,16 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                       terms: dict, first_id: str, idempotency_key: str | None,
                       request_hash: str, now: float, verify: str = "sampled",
                       weights: str | None = None, request_id: str | None = None,
-                      output_format: dict | None = None) -> Job:
+                      output_format: dict | None = None) -> list[Job]:
         """A split request: ``n`` sibling jobs sharing one batch id, each with its own hold
         for its share of the client's max price. The first sibling's id is ``first_id``
         (with an idempotency key, the id a one-job request with that key would get, and the
         key itself: whichever request comes second conflicts with the first on that row
         and its hold, so one key never makes two requests); the batch id and the other
         siblings' ids derive from it. Sibling ``i`` gets ``seed + i`` when the inputs carry
-        an integer seed. Returns the first sibling (raises _Taken, having written nothing,
-        when an earlier request with the same key has its row); the dispatcher clears the
-        siblings together."""
+        an integer seed. Returns the siblings (raises _Taken, having written nothing,
+        when an earlier request with the same key has its row); the caller tells the
+        dispatcher of them together (:meth:`_announce`), which clears them together."""
         n = terms["n"]
         cap = terms["max_price_micro"]
         share = None if cap is None else cap // n
@@ -414,11 +526,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                 if not fresh:  # rolls back the block: every sibling and hold written so far
                     raise _Taken(job)
                 created.append(job)
-        for job in created:
-            self.hub.notify(job.id, relay=False)
-        # One wake-up once every sibling exists, so that they clear together.
-        self.job_events.queued(created[0], siblings=created)
-        return created[0]
+        return created
 
     def submit_check(self, primary: Job, check_id: str, account_id: str, inputs: dict,
                      excluded: list[str], *, not_before: float, fund=None) -> Job:
@@ -498,6 +606,12 @@ def draw_seed(manifest, inputs: dict, rng: random.Random) -> dict:
     low = int(spec.minimum if spec.minimum is not None else 0)
     high = int(spec.maximum if spec.maximum is not None else 2**32 - 1)
     return {**inputs, SEED_INPUT: rng.randint(low, low + max(0, high - low) // 2)}
+
+
+def _check_key(idempotency_key: str | None) -> None:
+    if idempotency_key is not None and (len(idempotency_key) > 200 or not idempotency_key):
+        raise InvalidRequest("Idempotency-Key must be 1 to 200 characters",
+                             field="Idempotency-Key")
 
 
 def _replayed(existing: Job, request_hash: str, idempotency_key: str | None) -> Job:

@@ -5,9 +5,10 @@
   its own, with a timeout).
 * Everything else goes to the Flask app through the :class:`~.bridge.WsgiBridge`. Requests
   that wait for a job (``GET /v1/jobs/<id>?wait=``, ``GET /v1/batches/<id>?wait=``,
-  ``GET /v1/jobs/<id>/events``, ``POST /v1/jobs`` with ``Prefer: wait``, the OpenAI-compatible
-  ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/images/generations``) hand their wait
-  over to the loop and hold no thread while they wait.
+  ``GET /v1/jobs/<id>/events``, ``POST /v1/jobs`` and ``POST /v1/jobs/bulk`` with ``Prefer:
+  wait``, the OpenAI-compatible ``POST /v1/chat/completions``, ``/v1/completions``,
+  ``/v1/images/generations``) hand their wait over to the loop and hold no thread while
+  they wait.
 * Limits: at most ``max_waiting_clients`` such requests at once and ``max_pool_requests``
   requests running in or queued for the pool (their first step: the app's view; the
   re-reads of waiting requests, bounded by the first limit, do not count); past them the
@@ -255,7 +256,7 @@ def _waits(method: str, path: str, scope) -> bool:
             scope["query_string"].decode("latin1"), keep_blank_values=True)
     if method == "POST" and path in _OPENAI_WAITS:
         return True  # over the limit, may_wait is False: the view refuses with a 503
-    if method == "POST" and path == "/v1/jobs":
+    if method == "POST" and path in ("/v1/jobs", "/v1/jobs/bulk"):
         return any(name == b"prefer" and _PREFER_WAIT.search(value)
                    for name, value in scope["headers"])
     return False

@@ -21,6 +21,9 @@ ROUTES = [  # (method, path, role, a plausible body whose values the fuzzer repl
                                     "priority": "fast", "verify": "sampled"}),
     ("POST", "/v1/jobs", "client", {"plugin": "sd15", "inputs": {"prompt": "a cube",
                                                                  "steps": 4, "seed": 1}}),
+    ("POST", "/v1/jobs/bulk", "client", {"jobs": [
+        {"plugin": "echo", "inputs": {"text": "a"}, "n": 2, "priority": "fast"},
+        {"plugin": "sd15", "inputs": {"prompt": "a cube", "steps": 4, "seed": 1}}]}),
     ("POST", "/v1/quotes", "client", {"plugin": "llama", "inputs": {"prompt": "hi"}}),
     ("POST", "/v1/account/stake", "provider", {"amount_micro": 1}),
     ("POST", "/v1/account/unstake", "provider", {"amount_micro": 1}),

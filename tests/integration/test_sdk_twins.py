@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from sdk import (Account, AsyncClient, Client, InsufficientCreditsError, JobTimeoutError,
-                 NotFoundError, Quote)
+from sdk import (Account, AsyncClient, Batch, Client, InsufficientCreditsError,
+                 InvalidInputError, Job, JobTimeoutError, NotFoundError, Quote)
 from tests.integration.conftest import LiveBroker, agent_starter
 
 
@@ -138,6 +138,61 @@ def test_one_timeout_covers_the_stream_and_the_wait(twin):
     events = twin.collect(job.events(timeout=1.0))
     assert events and events[-1].kind != "done"  # stopped at its timeout, not the job's end
     twin.run(job.cancel())
+
+
+def test_generate_many_runs_independent_jobs_from_one_request(twin):
+    results = twin.run(twin.client.generate_many([
+        {"plugin": "echo", "inputs": {"text": "a"}},
+        {"plugin": "echo", "inputs": {"text": "b"}, "priority": "fast"},
+        {"plugin": "echo", "inputs": {"text": "c"}, "n": 2}]))
+    assert [[o["text"] for o in r.json] for r in results] == [["a"], ["b"], ["c", "c"]]
+    assert all(r.job.state == "settled" for r in results)
+
+
+def test_submit_many_returns_jobs_and_batches_in_order_and_replays_by_key(twin):
+    items = [{"plugin": "echo", "inputs": {"text": "x"}},
+             {"plugin": "echo", "inputs": {"text": "y"}, "n": 2}]
+    made = twin.run(twin.client.submit_many(items, idempotency_key="sdk-bulk"))
+    assert isinstance(made[0], Job) and isinstance(made[1], Batch)
+    assert made[0].data["inputs"]["text"] == "x" and len(made[1].jobs) == 2
+    again = twin.run(twin.client.submit_many(items, idempotency_key="sdk-bulk"))
+    assert [again[0].id, again[1].id] == [made[0].id, made[1].id]
+    assert twin.run(made[0].wait(timeout=30)).json[0]["text"] == "x"
+    assert [o["text"] for o in twin.run(made[1].wait(timeout=30)).json] == ["y", "y"]
+
+
+def test_submit_many_names_the_item_at_fault_and_nothing_is_made(twin, broker):
+    before = len(twin.run(twin.client.jobs.list(limit=500)))
+    with pytest.raises(InvalidInputError) as checked:  # checked here, before sending
+        twin.run(twin.client.submit_many([{"plugin": "echo", "inputs": {"text": "a"}},
+                                          {"plugin": "echo", "inputs": {"sleep_ms": -1}}]))
+    assert checked.value.field == "jobs[1].inputs.sleep_ms"
+    assert str(checked.value).startswith("jobs[1]: ")
+    with pytest.raises(InvalidInputError) as refused:  # the broker's own check
+        twin.run(twin.client.submit_many([{"plugin": "echo", "inputs": {"sleep_ms": -1}}],
+                                         validate=False))
+    assert refused.value.field == "jobs[0].inputs.sleep_ms" and refused.value.request_id
+    with pytest.raises(NotFoundError) as unknown:
+        twin.run(twin.client.submit_many([{"plugin": "echo"}, {"plugin": "nope"}],
+                                         validate=False))
+    assert unknown.value.field == "jobs[1].plugin" and unknown.value.body["index"] == 1
+    poor = Twin(twin.kind, broker.url, broker.key("client", credits=0))
+    try:
+        with pytest.raises(InsufficientCreditsError) as broke:
+            poor.run(poor.client.submit_many([{"plugin": "echo", "inputs": {"text": "a"}}] * 2))
+        assert "these 2 jobs" in broke.value.detail
+    finally:
+        poor.close()
+    assert len(twin.run(twin.client.jobs.list(limit=500))) == before
+
+
+def test_generate_many_cancels_what_still_runs_when_the_timeout_passes(twin):
+    slow = {"plugin": "echo", "inputs": {"text": "x", "steps": 50, "sleep_ms": 5000}}
+    with pytest.raises(JobTimeoutError) as late:
+        twin.run(twin.client.generate_many([slow, slow], timeout=0.5))
+    assert late.value.job.state == "cancelled"
+    listed = {j.id: j.state for j in twin.run(twin.client.jobs.list(limit=5))}
+    assert list(listed.values())[:2] == ["cancelled", "cancelled"]
 
 
 def test_account_is_typed_and_reads_like_the_dict(twin):

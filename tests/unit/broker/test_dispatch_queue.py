@@ -63,3 +63,21 @@ def test_siblings_of_a_split_that_did_not_fit_stay_queued(world):
     assert len(s.sent) == 2
     left = [j for j in jobs.batch(client, first.batch_id) if j.state.value == "queued"]
     assert len(left) == 1 and left[0].id in d._pending
+
+
+def test_every_job_of_a_bulk_request_is_placed_from_its_one_wake_up(world):
+    """A bulk submit wakes the dispatcher once with all of its independent jobs: none is
+    dropped for the first one's quick placement, and every one is placed."""
+    jobs, client = world
+    d = dispatcher_for(jobs, reap_interval_s=60.0)  # memory only, after the first read
+    s = _session({"echo@1.0.0": ""})
+    d.register(s)
+    d.match_once()  # the first read of the (empty) queue
+    assert not d._backlog  # a single job would now be placed from the submitting thread
+    made, _ = jobs.submit_many(client, [job_request({"plugin": "echo", "inputs": {"text": t}},
+                                                    jobs.catalog) for t in "abc"])
+    assert all(j.id in d._pending for j in made)
+    for _ in range(3):
+        d.match_once()
+    assert len(s.sent) == 3
+    assert {jobs.repo.get(j.id).state.value for j in made} == {"matched"}
