@@ -199,6 +199,39 @@ class Prepared:
         return Rows(rows, plan.names, rowcount)
 
 
+    def run_each(self, conn: Connection, params: list[dict]) -> list[Rows]:
+        """Execute the statement once per parameter dict of ``params`` and return what each
+        execution returned (a statement with RETURNING): on psycopg one ``executemany`` with
+        ``returning=True`` (the executions go to the server as one pipeline); elsewhere one
+        :meth:`run` each."""
+        if not params:
+            return []
+        plan = self._plan(conn, tuple(sorted(params[0])))
+        if plan.fallback or plan.expanding or conn.dialect.driver != "psycopg":
+            return [self.run(conn, p) for p in params]
+        cursor = conn.connection.dbapi_connection.cursor()
+        sql, batch, out = plan.sql, [], []
+        try:
+            for p in params:
+                sql, args = self._args(plan, p)
+                batch.append(args)
+            cursor.executemany(sql, batch, returning=True)
+            while True:
+                description = cursor.description
+                rows = cursor.fetchall() if description is not None else []
+                if rows:
+                    procs = plan.result_processors(conn.dialect, description)
+                    if procs:
+                        rows = [_processed(r, procs) for r in rows]
+                out.append(Rows(rows, plan.names, cursor.rowcount))
+                if not cursor.nextset():
+                    break
+        except Exception as error:  # noqa: BLE001 - handled as Connection.execute does
+            conn._handle_dbapi_exception(error, sql, batch, cursor, None)
+        finally:
+            cursor.close()
+        return out
+
 def _processed(row: tuple, procs: list[tuple[int, Any]]) -> tuple:
     """``row`` with each processed column through its processor."""
     row = list(row)
