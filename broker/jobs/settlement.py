@@ -64,7 +64,9 @@ class JobSettlement:
         received_at of each, as :meth:`receipt` takes them), judged each alone and settled
         together: the settlements of those whose job is still leased as assign() wrote it
         (nearly all) commit as one transaction, with their outputs, events, ledger posts and
-        audit entries (issue #28: one COMMIT for the batch instead of one per job). Each
+        audit entries (issue #28: one COMMIT for the batch instead of one per job; their
+        events, outputs, posts and audit entries each written by one statement or a few
+        for the whole batch). Each
         receipt's signature is checked on its own bytes. Any other receipt (a re-sent one,
         a job that moved since it was assigned, one of a batch whose transaction failed) is
         judged by :meth:`receipt` after that transaction, exactly as if it came alone.
@@ -93,13 +95,15 @@ class JobSettlement:
             now = self.clock()
             try:
                 with self.repo.atomic():
-                    for i, job, rec, signature, uploads, outputs in ready:
-                        done = self._settle_write(job, rec, signature, uploads, outputs, now,
-                                                  flat=True, charge=False)
-                        if done is None:
-                            alone.append(i)  # moved since assign(): judged on its row
-                        else:
-                            settled.append((i, job, done, rec, outputs))
+                    # the batch's events and outputs: one INSERT each, before its posts
+                    with self.repo.deferred_rows():
+                        for i, job, rec, signature, uploads, outputs in ready:
+                            done = self._settle_write(job, rec, signature, uploads, outputs,
+                                                      now, flat=True, charge=False)
+                            if done is None:
+                                alone.append(i)  # moved since assign(): judged on its row
+                            else:
+                                settled.append((i, job, done, rec, outputs))
                     self._charge_batch([(done, rec) for _, _, done, rec, _ in settled])
             except Exception:  # noqa: BLE001 - nothing of the batch committed: one by one
                 log.exception("settling a batch of %d receipts from %s in one transaction "

@@ -36,7 +36,7 @@ from broker.ledger.model import (
 )
 from broker.ledger.ports import RetryableConflict
 from broker.storage.base import Base, begin
-from broker.storage.fast import Prepared
+from broker.storage.fast import Prepared, rows_insert, rows_params
 
 # BIGINT everywhere for money; SQLite only auto-numbers an INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -224,32 +224,6 @@ def _entries_insert(legs: int) -> Prepared:
     return stmt
 
 
-_ROWS_INSERTS: dict[tuple, Prepared] = {}
-
-
-def _rows_insert(table, columns: tuple[str, ...], rows: int, dialect: str | None = None
-                 ) -> Prepared:
-    """One INSERT of ``rows`` rows of ``columns``, ``VALUES (:w_<column><i>, …), …``, built
-    once per table and number of rows; with ``dialect``, a claim that inserts nothing where
-    the key exists (as _CLAIM_IDEMPOTENCY). Parameters: see :func:`_rows_params`."""
-    cache_key = (table.name, columns, rows, dialect)
-    stmt = _ROWS_INSERTS.get(cache_key)
-    if stmt is None:
-        maker = {None: insert, "sqlite": sqlite_insert, "postgresql": pg_insert}[dialect]
-        built = maker(table).values([
-            {c: bindparam(f"w_{c}{i}", type_=table.c[c].type) for c in columns}
-            for i in range(rows)])
-        if dialect is not None:
-            built = built.on_conflict_do_nothing(index_elements=[table.c.key])
-        stmt = _ROWS_INSERTS.setdefault(cache_key, Prepared(built))
-    return stmt
-
-
-def _rows_params(rows: list[dict]) -> dict:
-    """The parameters of :func:`_rows_insert` for ``rows`` (dicts by column)."""
-    return {f"w_{c}{i}": v for i, row in enumerate(rows) for c, v in row.items()}
-
-
 def _stored_royalties(others: tuple[tuple[str, int], ...]) -> list | None:
     return [[p, m] for p, m in others] or None
 
@@ -373,10 +347,10 @@ class _SqlUnitOfWork:
         entries = [{"transaction_id": t.id, "account_id": str(e.account),
                     "amount_micro": e.amount_micro} for t in transactions for e in t.entries]
         if self._multi_row:
-            _rows_insert(transactions_t, tuple(txns[0]), len(txns)).run(
-                self.c, _rows_params(txns))
-            _rows_insert(entries_t, tuple(entries[0]), len(entries)).run(
-                self.c, _rows_params(entries))
+            rows_insert(transactions_t, tuple(txns[0]), len(txns)).run(
+                self.c, rows_params(txns))
+            rows_insert(entries_t, tuple(entries[0]), len(entries)).run(
+                self.c, rows_params(entries))
         else:
             _INSERT_TRANSACTION.run(self.c, txns)
             _INSERT_ENTRIES.run(self.c, entries)
@@ -545,8 +519,8 @@ class _SqlUnitOfWork:
         dialect = self.c.dialect.name
         if not self._multi_row:
             return _CLAIM_IDEMPOTENCY[dialect].run(self.c, rows).rowcount
-        return _rows_insert(idempotency_t, tuple(rows[0]), len(rows), dialect).run(
-            self.c, _rows_params(rows)).rowcount
+        return rows_insert(idempotency_t, tuple(rows[0]), len(rows), claim=dialect).run(
+            self.c, rows_params(rows)).rowcount
 
     # audit
     def audit(self) -> tuple[int, int, list[str]]:
