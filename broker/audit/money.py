@@ -15,6 +15,8 @@ from broker.audit.service import AuditLog
 
 _MOVES = ("deposit", "hold", "post", "post_shared", "void", "expire", "refund", "vest",
           "payout", "stake", "unstake", "slash", "reverse")
+# Calls that return several transactions, and the operation each one is.
+_MANY = {"expire_due": "expire", "post_many": "post"}
 
 
 def _txn_data(txn) -> dict[str, Any]:
@@ -40,14 +42,14 @@ class AuditedLedger:
                     self._record(name, result)
                 return result
             return audited
-        if name == "expire_due":
-            def expire_due(*args, **kwargs):
+        if name in _MANY:  # a list of transactions: each audited as its operation's
+            def audited_each(*args, **kwargs):
                 with self._audit.repo.transaction():
                     results = target(*args, **kwargs)
                     for txn in results:
-                        self._record("expire", txn)
+                        self._record(_MANY[name], txn)
                 return results
-            return expire_due
+            return audited_each
         return target
 
     def _record(self, operation: str, result) -> None:

@@ -37,6 +37,9 @@ class AuditRepository(Protocol):
     def append(self, conn, entry: AuditEntry, data_json: str) -> bool:
         """Insert ``entry``, whose data is ``data_json`` as canonical JSON (as hashed);
         False, writing nothing, when its seq or its ref exists."""
+    def append_many(self, conn, entries: list[AuditEntry], data_jsons: list[str]) -> bool:
+        """Insert every entry (``data_jsons``: each one's data, as for ``append``), or none
+        of them: False, writing nothing, when the seq or ref of one exists."""
     def has_ref(self, ref: str, conn=None) -> bool: ...
     def scan(self, batch: int = 1000) -> Iterator[AuditEntry]:
         """Every entry in seq order."""
@@ -122,15 +125,27 @@ class AuditLog:
         """Append ``items`` after ``head`` in ``tx``; the new head. Raises having marked
         the head unknown (a failed append may have been after another replica's)."""
         try:
+            if len(items) > 1:  # (a batch's settlements) all in one statement if it can
+                if not known:
+                    head, known = self.repo.head(tx.conn), True
+                entries = []
+                for item in items:
+                    seq, prev = (head.seq + 1, head.hash) if head else (1, GENESIS)
+                    head = self._chained(item, seq, prev)
+                    entries.append(head)
+                if self.repo.append_many(tx.conn, entries, [i.data_json for i in items]):
+                    for item, entry in zip(items, entries):
+                        item.entry = entry
+                    return head, True
+                # A seq taken (another replica appended) or a ref (a replay): nothing was
+                # written; one at a time, as below, says which.
+                head, known = None, False
             for item in items:
                 for _ in range(20):
                     if not known:
                         head, known = self.repo.head(tx.conn), True
                     seq, prev = (head.seq + 1, head.hash) if head else (1, GENESIS)
-                    entry = AuditEntry(
-                        seq=seq, at_ms=item.at_ms, actor=item.actor, action=item.action,
-                        subject=item.subject, data=item.data, ref=item.ref, prev_hash=prev)
-                    entry = replace(entry, hash=entry.compute_hash())
+                    entry = self._chained(item, seq, prev)
                     if self.repo.append(tx.conn, entry, item.data_json):
                         head, item.entry = entry, entry
                         break
@@ -146,6 +161,13 @@ class AuditLog:
             self._head_known = False
             raise
         return head, known
+
+    @staticmethod
+    def _chained(item: _Pending, seq: int, prev: str) -> AuditEntry:
+        """``item`` as the entry at ``seq`` after the one whose hash is ``prev``."""
+        entry = AuditEntry(seq=seq, at_ms=item.at_ms, actor=item.actor, action=item.action,
+                           subject=item.subject, data=item.data, ref=item.ref, prev_hash=prev)
+        return replace(entry, hash=entry.compute_hash())
 
     def safe_record(self, *args, **kwargs) -> AuditEntry | None:
         """:meth:`record` for what must not fail because the audit log did (a console
@@ -223,6 +245,13 @@ class InMemoryAuditRepository:
                for e in self.entries):
             return False
         self.entries.append(entry)
+        return True
+
+    def append_many(self, conn, entries, data_jsons):
+        taken = {e.seq for e in self.entries}, {e.ref for e in self.entries if e.ref}
+        if any(e.seq in taken[0] or e.ref in taken[1] for e in entries):
+            return False
+        self.entries.extend(entries)
         return True
 
     def has_ref(self, ref, conn=None):

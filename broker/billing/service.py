@@ -133,6 +133,26 @@ class JobBilling:
         a decimal string; never more than the hold."""
         if job.hold_id is None or job.provider_id is None:
             return None
+        return self._post(job, *self._settlement(job, work_units_used))
+
+    def settle_many(self, settled: list[tuple[Job, float | str]]) -> list[Transaction]:
+        """:meth:`settle` of each ``(job, work units used)`` in one ledger call
+        (``LedgerService.post_many``: the statements of one post for all of them, issue
+        #28). All or nothing: when one of them is not a plain post (no hold, nothing to
+        charge, a provider without an account) or the ledger refuses the batch, nothing is
+        written and this raises; the caller then settles them one at a time, where each
+        gets its own answer."""
+        posts = []
+        for job, units in settled:
+            post = (self._post_of(job, *self._settlement(job, units))
+                    if job.hold_id is not None and job.provider_id is not None else None)
+            if post is None:
+                raise lerr.PostsNotBatched(f"job {job.id} is not settled by a plain post")
+            posts.append(post)
+        return open_accounts_and(self.ledger, lambda: self.ledger.post_many(posts))
+
+    def _settlement(self, job: Job, work_units_used: float | str) -> tuple[int, int, int, bool]:
+        """What settling ``job`` posts: (charge, fee, vesting window, with royalties)."""
         # Work units as exact fractions, each parsed once (charge_micro takes a Fraction).
         try:
             units = exact_units(work_units_used)
@@ -149,8 +169,8 @@ class JobBilling:
             units = most
         charge = price.charge_micro(self.rate_of(job), units, cap_micro=job.max_price_micro)
         # A verification re-run is not a client's use of an adapter: no royalty on checks.
-        return self._post(job, charge, price.fee_of(charge), price.vesting_window_s,
-                          royalty=not getattr(job, "check_of", None))
+        return (charge, price.fee_of(charge), price.vesting_window_s,
+                not getattr(job, "check_of", None))
 
     def cancelled(self, job: Job, reason: str, done: Fraction = Fraction(0)) -> Transaction | None:
         """``job`` as it was just before it was cancelled: pay ``done`` (the share of its
@@ -202,24 +222,36 @@ class JobBilling:
             room -= micro
         return legs, min(fee, room)
 
-    def _post(self, job: Job, charge: int, fee: int, vesting_window_s: int, *,
+    def _post(self, job: Job, charge: int, fee: int, vesting_window_s: int,
               royalty: bool = False) -> Transaction | None:
-        if charge <= 0:
-            return self.release_hold(job.hold_id, job.id, "nothing to charge")
-        owner = self.provider_owner(job.provider_id)
-        if owner is None:
+        post = self._post_of(job, charge, fee, vesting_window_s, royalty)
+        if post is None:
+            if charge <= 0:
+                return self.release_hold(job.hold_id, job.id, "nothing to charge")
             log.error("job %s: provider %s has no account; releasing the hold", job.id,
                       job.provider_id)
             return self.release_hold(job.hold_id, job.id, "provider unknown")
+        hold_id, splits, key, window_s = post
+        return open_accounts_and(self.ledger, lambda: self.ledger.post(
+            hold_id, splits, idempotency_key=key, vesting_window_s=window_s))
+
+    def _post_of(self, job: Job, charge: int, fee: int, vesting_window_s: int,
+                 royalty: bool = False) -> tuple[str, Splits, str, int] | None:
+        """The ledger post (hold id, splits, idempotency key, vesting window) that charges
+        ``charge`` with ``fee``; None when the hold is released instead (nothing to charge,
+        or the provider has no account)."""
+        if charge <= 0:
+            return None
+        owner = self.provider_owner(job.provider_id)
+        if owner is None:
+            return None
         provider_micro = charge - fee  # the provider's share comes first and is never cut
         legs: list[tuple[str, int]] = []
         if royalty:
             legs, fee = self.royalty_within_hold(job, provider_micro, fee)
         splits = Splits(provider=owner, provider_micro=provider_micro, fee_micro=fee,
                         **royalty_fields(legs))
-        return open_accounts_and(self.ledger, lambda: self.ledger.post(
-            job.hold_id, splits, idempotency_key=f"job:{job.id}:post",
-            vesting_window_s=vesting_window_s))
+        return job.hold_id, splits, f"job:{job.id}:post", vesting_window_s
 
     def settle_shared(self, job: Job, work_units_used, parts: list[Part],
                       resumed: Fraction) -> Transaction | None:

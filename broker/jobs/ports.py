@@ -45,6 +45,10 @@ class JobRepository(Protocol):
         append ``event``/``events`` and insert ``outputs`` in the same transaction. Returns the new job, or None when the
         job was not in an expected state (someone else moved it first)."""
 
+    def deferred_rows(self) -> AbstractContextManager[None]:
+        """Inside ``atomic``: the events and outputs this thread's transitions write in the
+        block are written together as it ends, in the same transaction."""
+
     def add_event(self, job_id: str, kind: str, data: dict, **fields) -> int:
         """Append an event (and update ``fields`` on the job); returns its id."""
 

@@ -64,7 +64,9 @@ class JobSettlement:
         received_at of each, as :meth:`receipt` takes them), judged each alone and settled
         together: the settlements of those whose job is still leased as assign() wrote it
         (nearly all) commit as one transaction, with their outputs, events, ledger posts and
-        audit entries (issue #28: one COMMIT for the batch instead of one per job). Each
+        audit entries (issue #28: one COMMIT for the batch instead of one per job; their
+        events, outputs, posts and audit entries each written by one statement or a few
+        for the whole batch). Each
         receipt's signature is checked on its own bytes. Any other receipt (a re-sent one,
         a job that moved since it was assigned, one of a batch whose transaction failed) is
         judged by :meth:`receipt` after that transaction, exactly as if it came alone.
@@ -93,13 +95,16 @@ class JobSettlement:
             now = self.clock()
             try:
                 with self.repo.atomic():
-                    for i, job, rec, signature, uploads, outputs in ready:
-                        done = self._settle_write(job, rec, signature, uploads, outputs, now,
-                                                  flat=True)
-                        if done is None:
-                            alone.append(i)  # moved since assign(): judged on its row
-                        else:
-                            settled.append((i, job, done, rec, outputs))
+                    # the batch's events and outputs: one INSERT each, before its posts
+                    with self.repo.deferred_rows():
+                        for i, job, rec, signature, uploads, outputs in ready:
+                            done = self._settle_write(job, rec, signature, uploads, outputs,
+                                                      now, flat=True, charge=False)
+                            if done is None:
+                                alone.append(i)  # moved since assign(): judged on its row
+                            else:
+                                settled.append((i, job, done, rec, outputs))
+                    self._charge_batch([(done, rec) for _, _, done, rec, _ in settled])
             except Exception:  # noqa: BLE001 - nothing of the batch committed: one by one
                 log.exception("settling a batch of %d receipts from %s in one transaction "
                               "failed; settling them one at a time", len(ready), provider_id)
@@ -182,12 +187,14 @@ class JobSettlement:
         return outputs
 
     def _settle_write(self, job: Job, rec: dict, signature: str, uploads,
-                      outputs: list[JobOutput], now: float, flat: bool = False) -> Job | None:
+                      outputs: list[JobOutput], now: float, flat: bool = False,
+                      charge: bool = True) -> Job | None:
         """Inside the caller's ``atomic`` block: the job LEASED → SETTLED with its outputs,
         events, stored blobs and ledger post; None when it is no longer the sender's lease
         (nothing written). ``flat``: the transition runs without a savepoint of its own (a
         batch: any failure rolls the whole batch back, which then settles one at a time);
-        the ledger post keeps its own either way, as a failed post must roll back alone."""
+        the ledger post keeps its own either way, as a failed post must roll back alone.
+        ``charge`` False: no ledger post (a batch posts its jobs together, _charge_batch)."""
         attempt = int(rec["attempt"])
         with (self.repo.flat() if flat else nullcontext()):
             settled = self._transition_settled(job, rec, signature, outputs, attempt, now)
@@ -197,7 +204,8 @@ class JobSettlement:
         # settlement rolls back with it.
         for blob, _ in uploads:
             self.blobs.put(blob)
-        self._charge(settled, rec)
+        if charge:
+            self._charge(settled, rec)
         return settled
 
     def _transition_settled(self, job: Job, rec: dict, signature: str,
@@ -333,6 +341,31 @@ class JobSettlement:
                         lambda: self.billing.settle_shared(job, units, parts, resumed))
             return
         self._money("settle", job, lambda: self.billing.settle(job, units))
+
+    def _charge_batch(self, settled: list[tuple[Job, dict]]) -> None:
+        """:meth:`_charge` of each ``(job, receipt)`` of a batch, in the caller's ``atomic``
+        block: the plain posts (no checkpoint shares) in one ledger call that writes them
+        together (``billing.settle_many``, issue #28: one claim of their keys, one write of
+        their transactions, entries and balances) in one savepoint; when that call refuses
+        (a key already taken, a hold not postable, a first payment to a new account …) it
+        wrote nothing, and each job is charged on its own as if it came alone, which
+        records its own ledger_error if its post fails."""
+        alone, plain = [], []
+        for job, rec in settled:
+            if self.billing is None or job.hold_id is None:
+                continue
+            shared = self.checkpoints is not None and self.checkpoints.parts(job)
+            (alone if shared else plain).append((job, rec))
+        if len(plain) > 1:
+            try:
+                self.billing.settle_many([(job, rec.get("work_units", job.work_units))
+                                          for job, rec in plain])
+                plain = []
+            except Exception as exc:  # noqa: BLE001 - nothing was written: one at a time
+                log.info("posting %d settlements together failed (%s: %s); posting them one "
+                         "at a time", len(plain), type(exc).__name__, exc)
+        for job, rec in [*plain, *alone]:
+            self._charge(job, rec)
 
     def _money(self, what: str, job: Job, action) -> None:
         """Run a billing step after the job's state change, in its ``atomic`` block (the two

@@ -166,6 +166,15 @@ class NotReversible(LedgerError):
     grpc_status = "FAILED_PRECONDITION"
 
 
+class PostsNotBatched(LedgerError):
+    """``post_many`` wrote nothing: a key of the batch is taken or a hold of it is not
+    postable; each post made alone says which (and a replay returns its transaction)."""
+
+    code = "ledger.posts_not_batched"
+    http_status = 409
+    grpc_status = "ABORTED"
+
+
 class LedgerBusy(LedgerError):
     """Concurrent writers kept conflicting; nothing was written, and retrying is safe."""
 

@@ -102,6 +102,10 @@ class _MemoryUnitOfWork:
                 account, balance_micro=account.balance_micro + entry.amount_micro)
         self._transactions.append(transaction)
 
+    def add_transactions(self, transactions) -> None:
+        for transaction in transactions:
+            self.add_transaction(transaction)
+
     def get_transaction(self, transaction_id: str) -> Transaction | None:
         found = self._s.transactions.get(transaction_id)
         return found or next((t for t in self._transactions if t.id == transaction_id), None)
@@ -150,6 +154,10 @@ class _MemoryUnitOfWork:
         self._holds[hold_id] = posted
         return posted
 
+    def post_holds(self, posts, *, now: datetime) -> list[Hold | None]:
+        return [self.post_hold(hold_id, now=now, transaction_id=txn_id, splits=splits,
+                               vests_at=vests_at) for hold_id, txn_id, splits, vests_at in posts]
+
     def due_hold_ids(self, now: datetime, *, limit: int) -> list[str]:
         due = sorted((h.expires_at, h.id) for h in self._s.holds.values()
                      if h.state is HoldState.PENDING and h.expires_at <= now)
@@ -174,6 +182,9 @@ class _MemoryUnitOfWork:
             return False
         self._idempotency[record.key] = record
         return True
+
+    def add_idempotencies(self, records) -> int:
+        return sum(self.add_idempotency(r) for r in records)
 
     # audit
     def audit(self) -> tuple[int, int, list[str]]:

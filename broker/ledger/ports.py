@@ -56,6 +56,10 @@ class LedgerUnitOfWork(Protocol):
     # transactions
     def add_transaction(self, transaction: Transaction) -> None: ...
 
+    def add_transactions(self, transactions: Sequence[Transaction]) -> None:
+        """``add_transaction`` of each, in one write of the transactions, one of their
+        entries and one move of each account's balance by the sum of its entries."""
+
     def get_transaction(self, transaction_id: str) -> Transaction | None: ...
 
     def reversal_of(self, transaction_id: str) -> Transaction | None:
@@ -79,6 +83,11 @@ class LedgerUnitOfWork(Protocol):
         amount covers the splits, locking it; return it as saved. Otherwise write nothing
         and return None."""
 
+    def post_holds(self, posts: Sequence[tuple[str, str, Splits, datetime]], *,
+                   now: datetime) -> list[Hold | None]:
+        """``post_hold`` of each ``(hold_id, transaction_id, splits, vests_at)``, in order:
+        the holds as saved, None for each that was not postable (nothing written for it)."""
+
     def due_hold_ids(self, now: datetime, *, limit: int) -> list[str]:
         """Ids of pending holds whose ``expires_at`` ≤ ``now``, oldest first."""
 
@@ -93,6 +102,9 @@ class LedgerUnitOfWork(Protocol):
 
     def add_idempotency(self, record: IdempotencyRecord) -> bool:
         """Insert ``record``; False, writing nothing, when its key already has one."""
+
+    def add_idempotencies(self, records: Sequence[IdempotencyRecord]) -> int:
+        """``add_idempotency`` of each (keys distinct): how many were inserted."""
 
     # audit
     def audit(self) -> tuple[int, int, list[str]]:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, TypeVar
 from broker.ledger.errors import (
     AlreadyRefunded, HoldAlreadyResolved, HoldExpired, HoldNotExpired, IdempotencyConflict,
     InsufficientCredits, InvalidAmount, InvalidArgument, LedgerBusy, NotRefundable,
-    NotReversible, UnknownAccount, UnknownHold, UnknownTransaction,
+    NotReversible, PostsNotBatched, UnknownAccount, UnknownHold, UnknownTransaction,
 )
 from broker.ledger.model import (
     CLIENT_KINDS, MAX_AMOUNT_MICRO, PLATFORM_KINDS, PROVIDER_KINDS, PUBLISHER_KINDS,
@@ -231,27 +231,7 @@ class LedgerService:
         royalty to the publisher, the fee to the platform, and whatever the hold reserved
         beyond their sum back to the client (a partial post). Resolves the hold. The share
         vests after ``vesting_window_s`` (default: the service's window)."""
-        _check_id("hold_id", hold_id)
-        if vesting_window_s is not None and (type(vesting_window_s) is not int
-                                             or vesting_window_s < 0):
-            raise InvalidArgument(f"vesting_window_s is {vesting_window_s!r}; it must be an int "
-                                  ">= 0 of seconds")
-        window_s = self.vesting_window_s if vesting_window_s is None else vesting_window_s
-        if not isinstance(splits, Splits):
-            raise InvalidArgument(f"splits is {splits!r}; it must be a Splits")
-        _check_id("splits.provider", splits.provider)
-        check_amount("splits.provider_micro", splits.provider_micro, allow_zero=True)
-        check_amount("splits.fee_micro", splits.fee_micro, allow_zero=True)
-        _check_royalties(splits)
-        if splits.captured_micro == 0:
-            raise InvalidAmount("splits captured total", 0,
-                                "positive (to release a hold without charging, void it)")
-        payload = {"hold_id": hold_id, "provider": splits.provider,
-                   "provider_micro": splits.provider_micro, "fee_micro": splits.fee_micro,
-                   "publisher": splits.publisher, "royalty_micro": splits.royalty_micro,
-                   **_royalty_payload(splits)}
-        if vesting_window_s is not None:
-            payload["vesting_window_s"] = vesting_window_s
+        payload, window_s = self._post_args(hold_id, splits, vesting_window_s)
 
         def work(uow: LedgerUnitOfWork, txn_id: str) -> Transaction:
             now = self.clock.now()
@@ -274,6 +254,74 @@ class LedgerService:
                               memo=f"job {hold.job_id}", key=idempotency_key, hold_id=hold_id,
                               now=now, txn_id=txn_id)
         return self._idempotent("post", idempotency_key, payload, work)
+
+    def _post_args(self, hold_id: str, splits: Splits,
+                   vesting_window_s: int | None) -> tuple[dict[str, Any], int]:
+        """A post's arguments checked: (its fingerprint's payload, its vesting window)."""
+        _check_id("hold_id", hold_id)
+        if vesting_window_s is not None and (type(vesting_window_s) is not int
+                                             or vesting_window_s < 0):
+            raise InvalidArgument(f"vesting_window_s is {vesting_window_s!r}; it must be an int "
+                                  ">= 0 of seconds")
+        window_s = self.vesting_window_s if vesting_window_s is None else vesting_window_s
+        if not isinstance(splits, Splits):
+            raise InvalidArgument(f"splits is {splits!r}; it must be a Splits")
+        _check_id("splits.provider", splits.provider)
+        check_amount("splits.provider_micro", splits.provider_micro, allow_zero=True)
+        check_amount("splits.fee_micro", splits.fee_micro, allow_zero=True)
+        _check_royalties(splits)
+        if splits.captured_micro == 0:
+            raise InvalidAmount("splits captured total", 0,
+                                "positive (to release a hold without charging, void it)")
+        payload = {"hold_id": hold_id, "provider": splits.provider,
+                   "provider_micro": splits.provider_micro, "fee_micro": splits.fee_micro,
+                   "publisher": splits.publisher, "royalty_micro": splits.royalty_micro,
+                   **_royalty_payload(splits)}
+        if vesting_window_s is not None:
+            payload["vesting_window_s"] = vesting_window_s
+        return payload, window_s
+
+    def post_many(self, posts: list[tuple[str, Splits, str, int | None]]) -> list[Transaction]:
+        """Several posts, each ``(hold_id, splits, idempotency_key, vesting_window_s)`` as
+        :meth:`post` takes them, made in one unit of work with the statements of one post
+        (issue #28): one claim of every key, the holds posted together, one lock of every
+        account they move, and their transactions, entries and balances each written once
+        for all of them (an account's balance moved once by the sum of its legs). The
+        result is what the same posts made one after another would leave, overdraft checks
+        included (each post's legs checked against the balances the earlier ones left).
+        All or nothing: a key already taken (a replay, a conflict), a hold that is not
+        postable, a missing account or a refused leg writes nothing and raises
+        (:class:`PostsNotBatched` for the first two); the caller then makes the posts one
+        at a time, where :meth:`post` answers each on its own."""
+        if not posts:
+            return []
+        checked = []  # (hold_id, splits, key, window_s, fingerprint)
+        for hold_id, splits, key, vesting_window_s in posts:
+            payload, window_s = self._post_args(hold_id, splits, vesting_window_s)
+            _check_id("idempotency_key", key, max_chars=MAX_KEY_CHARS)
+            checked.append((hold_id, splits, key, window_s, _fingerprint("post", payload)))
+        if len({c[2] for c in checked}) < len(checked) or len({c[0] for c in checked}) < len(checked):
+            raise InvalidArgument("post_many names a key or a hold twice; post them one at a time")
+
+        def work(uow: LedgerUnitOfWork) -> list[Transaction]:
+            now = self.clock.now()
+            records = [IdempotencyRecord(key=key, operation="post", fingerprint=fp,
+                                         result_type="transaction", result_id=_new_id(),
+                                         created_at=now)
+                       for _, _, key, _, fp in checked]
+            if uow.add_idempotencies(records) != len(records):
+                raise PostsNotBatched("an idempotency key of the batch is taken")
+            holds = uow.post_holds([(hold_id, r.result_id, splits,
+                                     now + timedelta(seconds=window_s))
+                                    for (hold_id, splits, _, window_s, _), r
+                                    in zip(checked, records)], now=now)
+            if any(h is None for h in holds):
+                raise PostsNotBatched("a hold of the batch is not postable")
+            return self._move_many(uow, [
+                (TransactionKind.POST, _post_legs_of(hold, splits, hold.released_micro),
+                 f"job {hold.job_id}", key, hold.id, r.result_id)
+                for hold, (_, splits, key, _, _), r in zip(holds, checked, records)], now=now)
+        return self._retrying(work)
 
     def post_shared(self, hold_id: str, splits: Splits, earlier: list[Splits], *,
                     idempotency_key: str, vesting_window_s: int | None = None) -> Transaction:
@@ -617,6 +665,45 @@ class LedgerService:
                           reverses_id=reverses_id)
         uow.add_transaction(txn)
         return txn
+
+    def _move_many(self, uow: LedgerUnitOfWork,
+                   moves: list[tuple[TransactionKind, list[tuple[AccountId, int]], str, str | None,
+                                     str | None, str]],
+                   *, now: datetime) -> list[Transaction]:
+        """:meth:`_move` for each of ``moves`` (kind, legs, memo, key, hold id, transaction
+        id), in order, with one lock of all their accounts and one write of all their
+        transactions (see :meth:`LedgerUnitOfWork.add_transactions`)."""
+        txns, every = [], set()
+        for kind, legs, memo, key, hold_id, txn_id in moves:
+            net: dict[AccountId, int] = {}
+            for account, amount in legs:
+                net[account] = net.get(account, 0) + amount
+            every.update(net)
+            txns.append((Transaction(
+                id=txn_id, kind=kind, created_at=now, memo=memo, idempotency_key=key,
+                hold_id=hold_id,
+                entries=tuple(Entry(a, amt) for a, amt in sorted(net.items()) if amt != 0)),
+                net))
+        moved = sorted({e.account for t, _ in txns for e in t.entries})
+        locked = uow.lock_accounts(moved)
+        known = locked
+        if len(moved) < len(every):
+            known = {**locked, **uow.get_accounts(sorted(every - set(moved)))}
+        balances = {a: acct.balance_micro for a, acct in locked.items()}
+        for txn, net in txns:  # in order, as the moves one after another would check them
+            for account_id in sorted(net):
+                if account_id not in known:
+                    raise UnknownAccount(account_id)
+            for entry in txn.entries:
+                have = balances[entry.account]
+                if (entry.amount_micro < 0 and not locked[entry.account].allows_negative
+                        and have + entry.amount_micro < 0):
+                    raise InsufficientCredits(entry.account, needed_micro=-entry.amount_micro,
+                                              available_micro=have)
+                balances[entry.account] = have + entry.amount_micro
+        result = [t for t, _ in txns]
+        uow.add_transactions(result)
+        return result
 
     def _pending_hold(self, uow: LedgerUnitOfWork, hold_id: str, wanted: str) -> Hold:
         hold = uow.get_hold(hold_id, for_update=True)

@@ -53,13 +53,13 @@ class MeteredLedger:
                 self._count(result)
                 return result
             return metered
-        if name == "expire_due":
-            def expire_due(*args, **kwargs):
+        if name in ("expire_due", "post_many"):  # a list of transactions
+            def counted_each(*args, **kwargs):
                 results = target(*args, **kwargs)
                 for txn in results:
                     self._count(txn)
                 return results
-            return expire_due
+            return counted_each
         if name == "hold":
             def hold(*args, **kwargs):
                 result = target(*args, **kwargs)

@@ -82,6 +82,24 @@ _AUDIT_HEAD = select(AUDIT).order_by(AUDIT.c.seq.desc()).limit(1)
 _AUDIT_APPEND = {"sqlite": Prepared(sqlite_insert(AUDIT).on_conflict_do_nothing()),
                  "postgresql": Prepared(pg_insert(AUDIT).on_conflict_do_nothing())}
 _AUDIT_HAS_REF = select(AUDIT.c.seq).where(AUDIT.c.ref == bindparam("w_ref"))
+_AUDIT_COLUMNS = ("seq", "at_ms", "actor", "action", "subject", "data", "ref", "prev_hash",
+                  "hash")
+_AUDIT_APPENDS: dict[tuple[str, int], Prepared] = {}
+_AUDIT_UNDO = Prepared(AUDIT.delete().where(AUDIT.c.seq.in_(bindparam("w_seqs",
+                                                                      expanding=True))))
+
+
+def _audit_append_rows(dialect: str, rows: int) -> Prepared:
+    """One INSERT of ``rows`` entries (parameters ``w_<column><i>``) that skips those whose
+    seq or ref exists and returns the seqs it inserted; built once per number of rows."""
+    stmt = _AUDIT_APPENDS.get((dialect, rows))
+    if stmt is None:
+        maker = pg_insert if dialect == "postgresql" else sqlite_insert
+        stmt = _AUDIT_APPENDS.setdefault((dialect, rows), Prepared(
+            maker(AUDIT).values([{c: bindparam(f"w_{c}{i}", type_=AUDIT.c[c].type)
+                                  for c in _AUDIT_COLUMNS} for i in range(rows)])
+            .on_conflict_do_nothing().returning(AUDIT.c.seq)))
+    return stmt
 
 
 class SqlAuditRepository:
@@ -107,6 +125,32 @@ class SqlAuditRepository:
             "seq": e.seq, "at_ms": e.at_ms, "actor": e.actor, "action": e.action,
             "subject": e.subject, "data": data_json,
             "ref": e.ref, "prev_hash": e.prev_hash, "hash": e.hash}).rowcount == 1
+
+    def append_many(self, conn, entries: list[AuditEntry], data_jsons: list[str]) -> bool:
+        """Insert every entry of ``entries`` (a chain: each after the one before) in one
+        statement, or none: False, writing nothing, when the seq or ref of one exists
+        (the rows it did insert, this transaction's own, are deleted again: a chain with
+        a gap must not commit). One append each where the database has no RETURNING."""
+        if not conn.dialect.insert_returning:
+            for i, (e, data_json) in enumerate(zip(entries, data_jsons)):
+                if not self.append(conn, e, data_json):
+                    if i:
+                        _AUDIT_UNDO.run(conn, {"w_seqs": [x.seq for x in entries[:i]]})
+                    return False
+            return True
+        params = {}
+        for i, (e, data_json) in enumerate(zip(entries, data_jsons)):
+            params.update({f"w_seq{i}": e.seq, f"w_at_ms{i}": e.at_ms, f"w_actor{i}": e.actor,
+                           f"w_action{i}": e.action, f"w_subject{i}": e.subject,
+                           f"w_data{i}": data_json, f"w_ref{i}": e.ref,
+                           f"w_prev_hash{i}": e.prev_hash, f"w_hash{i}": e.hash})
+        inserted = [r[0] for r in _audit_append_rows(conn.dialect.name, len(entries))
+                    .run(conn, params)]
+        if len(inserted) == len(entries):
+            return True
+        if inserted:
+            _AUDIT_UNDO.run(conn, {"w_seqs": inserted})
+        return False
 
     def has_ref(self, ref: str, conn=None) -> bool:
         if conn is not None:

@@ -199,6 +199,73 @@ class Prepared:
         return Rows(rows, plan.names, rowcount)
 
 
+    def run_each(self, conn: Connection, params: list[dict]) -> list[Rows]:
+        """Execute the statement once per parameter dict of ``params`` and return what each
+        execution returned (a statement with RETURNING): on psycopg one ``executemany`` with
+        ``returning=True`` (the executions go to the server as one pipeline); elsewhere one
+        :meth:`run` each."""
+        if not params:
+            return []
+        plan = self._plan(conn, tuple(sorted(params[0])))
+        if plan.fallback or plan.expanding or conn.dialect.driver != "psycopg":
+            return [self.run(conn, p) for p in params]
+        cursor = conn.connection.dbapi_connection.cursor()
+        sql, batch, out = plan.sql, [], []
+        try:
+            for p in params:
+                sql, args = self._args(plan, p)
+                batch.append(args)
+            cursor.executemany(sql, batch, returning=True)
+            while True:
+                description = cursor.description
+                rows = cursor.fetchall() if description is not None else []
+                if rows:
+                    procs = plan.result_processors(conn.dialect, description)
+                    if procs:
+                        rows = [_processed(r, procs) for r in rows]
+                out.append(Rows(rows, plan.names, cursor.rowcount))
+                if not cursor.nextset():
+                    break
+        except Exception as error:  # noqa: BLE001 - handled as Connection.execute does
+            conn._handle_dbapi_exception(error, sql, batch, cursor, None)
+        finally:
+            cursor.close()
+        return out
+
+_ROWS_INSERTS: dict[tuple, Prepared] = {}
+
+
+def rows_insert(table, columns: tuple[str, ...], rows: int, claim: str | None = None
+                ) -> Prepared:
+    """One INSERT of ``rows`` rows of ``columns``, ``VALUES (:w_<column><i>, …), …`` (one
+    statement where an executemany is one per row), built once per table, columns and
+    number of rows; with ``claim`` (a dialect name), one that inserts nothing where the
+    primary key exists. Parameters: :func:`rows_params`."""
+    cache_key = (table.name, columns, rows, claim)
+    stmt = _ROWS_INSERTS.get(cache_key)
+    if stmt is None:
+        if claim is None:
+            from sqlalchemy import insert as maker
+        elif claim == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as maker
+        else:
+            from sqlalchemy.dialects.sqlite import insert as maker
+        from sqlalchemy import bindparam
+        built = maker(table).values([
+            {c: bindparam(f"w_{c}{i}", type_=table.c[c].type) for c in columns}
+            for i in range(rows)])
+        if claim is not None:
+            built = built.on_conflict_do_nothing(index_elements=list(table.primary_key))
+        stmt = _ROWS_INSERTS.setdefault(cache_key, Prepared(built))
+    return stmt
+
+
+def rows_params(rows: list[dict]) -> dict:
+    """The parameters of :func:`rows_insert` for ``rows`` (dicts by column, each with the
+    same columns)."""
+    return {f"w_{c}{i}": v for i, row in enumerate(rows) for c, v in row.items()}
+
+
 def _processed(row: tuple, procs: list[tuple[int, Any]]) -> tuple:
     """``row`` with each processed column through its processor."""
     row = list(row)

@@ -5,8 +5,10 @@ the same transaction, so two threads or two broker replicas can never both move 
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 from sqlalchemy import bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -14,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.jobs.model import Job, JobEvent, JobOutput, JobState, LEASED
 from .base import atomic, begin, flat, read_only
-from .fast import Prepared
+from .fast import Prepared, rows_insert, rows_params
 from .models import JobEventRow, JobOutputRow, JobRow
 
 _FIELDS = [c for c in Job.__dataclass_fields__]
@@ -116,6 +118,8 @@ class SqlJobRepository:
         # The largest id an event can have: job_events.id is an INTEGER column, 32 bits on
         # PostgreSQL (which refuses a larger parameter for it), 64 on SQLite.
         self._max_event_id = 2**31 - 1 if self.engine.dialect.name == "postgresql" else 2**63 - 1
+        self._multi_row = self.engine.dialect.name != "sqlite"  # see _write_rows
+        self._deferred = threading.local()  # this thread's deferred_rows(), if any
 
     def atomic(self):
         """One transaction for the block's writes here and in the ledger and audit log
@@ -125,6 +129,37 @@ class SqlJobRepository:
     def flat(self):
         """Inside ``atomic``: writes without a savepoint each (``broker.storage.base.flat``)."""
         return flat(self.engine)
+
+    @contextmanager
+    def deferred_rows(self) -> Iterator[None]:
+        """Inside ``atomic``: the events and outputs that this thread's transitions write
+        in the block are kept and written as it ends, one INSERT for all the events and one
+        for all the outputs (a receipt batch, issue #28: two statements for the batch
+        instead of two per job), in the block's transaction. A job's events keep their
+        order; they precede any event written after the block."""
+        if getattr(self._deferred, "rows", None) is not None:
+            yield  # already deferred by an enclosing block
+            return
+        rows = self._deferred.rows = ([], [])
+        try:
+            yield
+        finally:
+            self._deferred.rows = None
+        with flat(self.engine), begin(self.engine) as c:  # a failure fails the block
+            self._write_rows(c, *rows)
+
+    def _write_rows(self, c, events: list[dict], outputs: list[dict]) -> None:
+        """Insert event and output rows: PostgreSQL one multi-row INSERT each (psycopg's
+        executemany would run one statement per row); SQLite steps one prepared INSERT per
+        row faster than it runs a multi-row one."""
+        for stmt, table, rows in ((_INSERT_EVENT, EVENTS, events),
+                                  (_INSERT_OUTPUT, OUTPUTS, outputs)):
+            if not rows:
+                continue
+            if self._multi_row and len(rows) > 1:
+                rows_insert(table, tuple(rows[0]), len(rows)).run(c, rows_params(rows))
+            else:
+                stmt.run(c, rows)
 
     def create(self, job: Job, first_event: tuple[str, dict]) -> tuple[Job, bool]:
         try:
@@ -197,13 +232,19 @@ class SqlJobRepository:
                     return None
             elif result.rowcount != 1:
                 return None
-            if all_events:
-                _INSERT_EVENT.run(c, [{"job_id": job_id, "kind": kind, "data": data,
-                                       "created_at": now} for kind, data in all_events])
-            if outputs:
-                _INSERT_OUTPUT.run(c, [{"job_id": o.job_id, "index": o.index,
-                                        "sha256": o.sha256, "media_type": o.media_type,
-                                        "size": o.size} for o in outputs])
+            event_rows = [{"job_id": job_id, "kind": kind, "data": data, "created_at": now}
+                          for kind, data in all_events]
+            output_rows = [{"job_id": o.job_id, "index": o.index, "sha256": o.sha256,
+                            "media_type": o.media_type, "size": o.size} for o in outputs or ()]
+            deferred = getattr(self._deferred, "rows", None)
+            if deferred is not None:  # written as deferred_rows() ends
+                deferred[0].extend(event_rows)
+                deferred[1].extend(output_rows)
+            else:
+                if event_rows:
+                    _INSERT_EVENT.run(c, event_rows)
+                if output_rows:
+                    _INSERT_OUTPUT.run(c, output_rows)
             if not self._returning:
                 row = _GET.run(c, {"w_id": job_id}).first()
             return _to_job(row)

@@ -36,7 +36,7 @@ from broker.ledger.model import (
 )
 from broker.ledger.ports import RetryableConflict
 from broker.storage.base import Base, begin
-from broker.storage.fast import Prepared
+from broker.storage.fast import Prepared, rows_insert, rows_params
 
 # BIGINT everywhere for money; SQLite only auto-numbers an INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -334,6 +334,36 @@ class _SqlUnitOfWork:
                  "amount_micro": e.amount_micro} for i, e in enumerate(t.entries)])
         _balance_update(len(t.entries)).run(self.c, params)
 
+    def add_transactions(self, transactions: Sequence[Transaction]) -> None:
+        """The transactions, then all their entries, then each account's balance moved
+        once by the sum of its entries: three statements however many there are
+        (PostgreSQL multi-row INSERTs; SQLite steps one prepared INSERT per row, as in
+        add_transaction)."""
+        if not transactions:
+            return
+        txns = [{"id": t.id, "kind": t.kind.value, "created_at": t.created_at, "memo": t.memo,
+                 "idempotency_key": t.idempotency_key, "hold_id": t.hold_id,
+                 "reverses_id": t.reverses_id} for t in transactions]
+        entries = [{"transaction_id": t.id, "account_id": str(e.account),
+                    "amount_micro": e.amount_micro} for t in transactions for e in t.entries]
+        if self._multi_row:
+            rows_insert(transactions_t, tuple(txns[0]), len(txns)).run(
+                self.c, rows_params(txns))
+            rows_insert(entries_t, tuple(entries[0]), len(entries)).run(
+                self.c, rows_params(entries))
+        else:
+            _INSERT_TRANSACTION.run(self.c, txns)
+            _INSERT_ENTRIES.run(self.c, entries)
+        net: dict[str, int] = {}
+        for e in entries:
+            net[e["account_id"]] = net.get(e["account_id"], 0) + e["amount_micro"]
+        moved = sorted(a for a, d in net.items() if d)
+        if moved:
+            params = {}
+            for i, account in enumerate(moved):
+                params[f"w_a{i}"], params[f"w_d{i}"] = account, net[account]
+            _balance_update(len(moved)).run(self.c, params)
+
     def _load_transactions(self, query, transaction_id: str) -> list[Transaction]:
         rows = query.run(self.c, {"w_id": transaction_id}).mappings()
         if not rows:
@@ -414,19 +444,38 @@ class _SqlUnitOfWork:
 
     def post_hold(self, hold_id: str, *, now: datetime, transaction_id: str, splits: Splits,
                   vests_at: datetime) -> Hold | None:
-        result = _POST_HOLD[self._returning].run(self.c, {
-            "w_id": hold_id, "w_now": now, "w_captured": splits.captured_micro,
-            "state": HoldState.POSTED.value, "resolved_at": now,
-            "resolve_transaction_id": transaction_id, "captured_micro": splits.captured_micro,
-            "provider_id": splits.provider, "provider_micro": splits.provider_micro,
-            "publisher_id": splits.publisher, "royalty_micro": splits.royalty_micro,
-            "other_royalties": _stored_royalties(splits.other_royalties),
-            "fee_micro": splits.fee_micro, "vests_at": vests_at})
+        result = _POST_HOLD[self._returning].run(
+            self.c, self._post_hold_params(hold_id, now, transaction_id, splits, vests_at))
         if self._returning:
             row = result.mapping()
         else:
             row = _HOLD.run(self.c, {"w_id": hold_id}).mapping() if result.rowcount == 1 else None
         return self._hold(row) if row else None
+
+    def post_holds(self, posts: Sequence[tuple[str, str, Splits, datetime]], *,
+                   now: datetime) -> list[Hold | None]:
+        """Every post_hold in one pipeline (psycopg; see Prepared.run_each), each with
+        RETURNING; one post_hold each where the database has no RETURNING."""
+        if not self._returning:
+            return [self.post_hold(hold_id, now=now, transaction_id=txn_id, splits=splits,
+                                   vests_at=vests_at)
+                    for hold_id, txn_id, splits, vests_at in posts]
+        results = _POST_HOLD[True].run_each(self.c, [
+            self._post_hold_params(hold_id, now, txn_id, splits, vests_at)
+            for hold_id, txn_id, splits, vests_at in posts])
+        return [self._hold(r.mapping()) if r.rows else None for r in results]
+
+    @staticmethod
+    def _post_hold_params(hold_id: str, now: datetime, transaction_id: str, splits: Splits,
+                          vests_at: datetime) -> dict:
+        return {"w_id": hold_id, "w_now": now, "w_captured": splits.captured_micro,
+                "state": HoldState.POSTED.value, "resolved_at": now,
+                "resolve_transaction_id": transaction_id,
+                "captured_micro": splits.captured_micro,
+                "provider_id": splits.provider, "provider_micro": splits.provider_micro,
+                "publisher_id": splits.publisher, "royalty_micro": splits.royalty_micro,
+                "other_royalties": _stored_royalties(splits.other_royalties),
+                "fee_micro": splits.fee_micro, "vests_at": vests_at}
 
     def due_hold_ids(self, now: datetime, *, limit: int) -> list[str]:
         return list(self.c.scalars(
@@ -460,6 +509,18 @@ class _SqlUnitOfWork:
             "key": record.key, "operation": record.operation, "fingerprint": record.fingerprint,
             "result_type": record.result_type, "result_id": record.result_id,
             "created_at": record.created_at}).rowcount == 1
+
+    def add_idempotencies(self, records: Sequence[IdempotencyRecord]) -> int:
+        rows = [{"key": r.key, "operation": r.operation, "fingerprint": r.fingerprint,
+                 "result_type": r.result_type, "result_id": r.result_id,
+                 "created_at": r.created_at} for r in records]
+        if not rows:
+            return 0
+        dialect = self.c.dialect.name
+        if not self._multi_row:
+            return _CLAIM_IDEMPOTENCY[dialect].run(self.c, rows).rowcount
+        return rows_insert(idempotency_t, tuple(rows[0]), len(rows), claim=dialect).run(
+            self.c, rows_params(rows)).rowcount
 
     # audit
     def audit(self) -> tuple[int, int, list[str]]:

@@ -118,3 +118,37 @@ def test_an_entry_hashed_before_canonical_json_became_jcs_still_verifies():
     assert old.compute_hash() != old.hash and old.hashes_as_written()
     assert not replace(old, data={"fee": 2.0, "tiny": 1e-7}).hashes_as_written()
     assert replace(entry, hash=entry.compute_hash()).hashes_as_written()
+
+
+def _sql_log(db_url):
+    engine = make_engine(db_url)
+    upgrade(engine)
+    return AuditLog(SqlAuditRepository(sessionmaker(engine, expire_on_commit=False)),
+                    clock=lambda: 1000.0), engine
+
+
+def test_the_entries_of_one_transaction_are_appended_together_or_one_at_a_time(db_url):
+    """Several entries deferred to one COMMIT (a receipt batch's posts) go in as one
+    chained multi-row INSERT; when a seq of it is taken (another writer appended, the head
+    is stale) or a ref is (a replay), nothing of it stays and they go one at a time."""
+    log, engine = _sql_log(db_url)
+    other = AuditLog(log.repo, clock=lambda: 1000.0)
+    try:
+        with log.repo.transaction():
+            for i in range(4):
+                log.record("ledger", "ledger.post", f"hold:{i}", {"i": i}, ref=f"txn:{i}")
+        assert [e.seq for e in sorted(log.search(limit=20), key=lambda e: e.seq)] == [1, 2, 3, 4]
+        other.record("system", "x", "y", {"other": 1})  # log's head is stale now
+        with log.repo.transaction():
+            for i in range(3, 7):  # txn:3 is a replay: skipped, the rest appended
+                log.record("ledger", "ledger.post", f"hold:{i}", {"i": i}, ref=f"txn:{i}")
+        with log.repo.transaction():  # the head is known again: together
+            for i in range(7, 9):
+                log.record("ledger", "ledger.post", f"hold:{i}", {"i": i}, ref=f"txn:{i}")
+        entries = sorted(log.search(limit=20), key=lambda e: e.seq)
+        assert [e.seq for e in entries] == list(range(1, 11))
+        assert [e.ref for e in entries].count("txn:3") == 1
+        report = log.verify()
+        assert report.ok and report.checked == 10
+    finally:
+        engine.dispose()

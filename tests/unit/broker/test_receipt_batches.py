@@ -187,3 +187,25 @@ def test_an_unexpected_error_judging_one_receipt_sends_it_alone_and_the_batch_se
     assert [r.state.value for r in results] == ["settled"] * 3
     _all_settled_once(services, prov, [j for j, _ in assigned])
     assert session.free == session.slots
+
+
+def test_a_batch_writes_each_jobs_events_and_outputs_and_posts_as_one_at_a_time_does(world):
+    """The batch's events and outputs are written together, and its posts in one ledger
+    call: each job ends with what it would have alone (its submitted and done events in
+    order, its output, its own post), and a job whose post cannot join the others (its
+    hold already resolved) gets its ledger_error while the others are paid."""
+    services, client, prov, session, key = world
+    assigned = _assigned(services, client, session, 4)
+    services.ledger.void(assigned[3][0].hold_id, idempotency_key="test:void", reason="test")
+    results = services.jobs.receipts(session.provider_id, key.public_key_hex,
+                                     [_item(key, env) for _, env in assigned])
+    assert all(r.state.value == "settled" for r in results)
+    for job, _ in assigned:
+        kinds = [e.kind for e in services.jobs.repo.events_after(job.id, 0)]
+        ours = [k for k in kinds if k in ("submitted", "done", "ledger_error")]
+        assert ours in (["submitted", "done"], ["submitted", "done", "ledger_error"]), kinds
+        assert ("ledger_error" in kinds) == (job.id == assigned[3][0].id)
+        assert [o.sha256 for o in services.jobs.repo.outputs(job.id)] == [
+            sha256_hex(b'{"ok":true}')]
+    _all_settled_once(services, prov, [j for j, _ in assigned[:3]])
+    assert services.ledger.get_hold(assigned[3][0].hold_id).state is HoldState.VOIDED

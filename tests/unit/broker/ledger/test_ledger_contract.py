@@ -3,6 +3,7 @@ SQLite and PostgreSQL (one contract class, one subclass per storage)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
@@ -11,7 +12,7 @@ from broker.ledger import AccountId, AccountKind, FundingSource, HoldState, Spli
 from broker.ledger.errors import (
     AlreadyRefunded, HoldAlreadyResolved, HoldExpired, HoldNotExpired, IdempotencyConflict,
     InsufficientCredits, InvalidAmount, InvalidArgument, NotRefundable, NotReversible,
-    UnknownAccount, UnknownHold, UnknownTransaction,
+    PostsNotBatched, UnknownAccount, UnknownHold, UnknownTransaction,
 )
 from broker.ledger.model import MAX_AMOUNT_MICRO
 
@@ -129,6 +130,96 @@ class LedgerContract:
         ledger.refund(hold.id, idempotency_key="r")
         assert (ledger.balance(PUB), ledger.balance(pub2), ledger.balance(ALICE)) == (0, 0, 10 * C)
         assert ledger.verify().ok
+
+    # ---- several posts at once (receipt batches, issue #28)
+
+    def _holds(self, ledger, n, amount=2 * C):
+        ledger.deposit("alice", 10 * C, idempotency_key="d")
+        return [ledger.hold("alice", amount, f"job-{i}", idempotency_key=f"h{i}")
+                for i in range(n)]
+
+    def _posts(self, holds):
+        """Full, partial and royalty posts, and one to another provider."""
+        splits = [Splits("bob", C, fee_micro=C // 10),
+                  Splits("bob", 2 * C - C // 4, fee_micro=C // 4),
+                  Splits("dave", C // 2, fee_micro=0),
+                  Splits("bob", C, fee_micro=C // 10, publisher="pub", royalty_micro=C // 5)]
+        return [(h.id, splits[i % len(splits)], f"p{i}", 60 * i) for i, h in enumerate(holds)]
+
+    def test_a_batch_of_posts_leaves_what_the_posts_one_by_one_leave(self, ledger):
+        holds = self._holds(ledger, 5)
+        posts = self._posts(holds)
+        txns = ledger.post_many(posts)
+        assert [t.hold_id for t in txns] == [h.id for h in holds]
+        assert all(t.kind is TransactionKind.POST and sum(e.amount_micro for e in t.entries) == 0
+                   for t in txns)
+        # what five posts one after another leave: each hold's captured part paid, the
+        # rest back to alice
+        captured = [sp.captured_micro for _, sp, _, _ in posts]
+        assert ledger.balance(ALICE) == 10 * C - sum(captured)
+        assert ledger.balance(ALICE_HELD) == 0
+        assert ledger.balance(BOB_VESTING) == C + (2 * C - C // 4) + C + C
+        assert ledger.balance(AccountId(AccountKind.PROVIDER_VESTING, "dave")) == C // 2
+        assert ledger.balance(PUB) == C // 5
+        assert ledger.balance(FEES) == C // 10 + C // 4 + C // 10 + C // 10
+        for (hold_id, sp, key, window), txn in zip(posts, txns):
+            hold = ledger.get_hold(hold_id)
+            assert hold.state is HoldState.POSTED and hold.resolve_transaction_id == txn.id
+            assert (hold.captured_micro, hold.released_micro) == (sp.captured_micro,
+                                                                  2 * C - sp.captured_micro)
+            assert hold.vests_at == hold.resolved_at + timedelta(seconds=window)
+            assert ledger.get_transaction(txn.id).entries == txn.entries  # as stored
+            # a replay of any of them, alone, finds the batch's transaction
+            assert ledger.post(hold_id, sp, idempotency_key=key, vesting_window_s=window).id == txn.id
+        assert ledger.verify().ok and ledger.verify().transactions == 1 + 5 + 5
+
+    def test_a_replayed_batch_writes_nothing_and_says_so(self, ledger):
+        holds = self._holds(ledger, 3)
+        posts = self._posts(holds)
+        ledger.post(*posts[1][:2], idempotency_key=posts[1][2], vesting_window_s=posts[1][3])
+        before = snapshot(ledger)
+        with pytest.raises(PostsNotBatched):  # one key of the batch is taken
+            ledger.post_many(posts)
+        assert snapshot(ledger) == before
+        assert ledger.get_hold(holds[0].id).state is HoldState.PENDING
+        ledger.post_many([posts[0], posts[2]])
+        with pytest.raises(PostsNotBatched):  # every key taken: a replay of the batch
+            ledger.post_many([posts[0], posts[2]])
+        assert ledger.verify().ok and ledger.verify().transactions == 1 + 3 + 3
+
+    def test_a_batch_with_a_hold_that_cannot_be_posted_writes_nothing(self, ledger, clock):
+        holds = self._holds(ledger, 3)
+        ledger.void(holds[2].id, idempotency_key="v", reason="cancelled")
+        posts = self._posts(holds)
+        before = snapshot(ledger)
+        with pytest.raises(PostsNotBatched):  # resolved already
+            ledger.post_many(posts)
+        assert snapshot(ledger) == before
+        with pytest.raises(PostsNotBatched):  # more than held
+            ledger.post_many([posts[0], (holds[1].id, Splits("bob", 3 * C), "p1", None)])
+        with pytest.raises(UnknownAccount):  # a provider without accounts
+            ledger.post_many([posts[0], (holds[1].id, Splits("zed", C), "p1", None)])
+        assert snapshot(ledger) == before
+        # every key is free again: the same posts alone succeed
+        assert ledger.post(*posts[0][:2], idempotency_key="p0", vesting_window_s=0).kind \
+            is TransactionKind.POST
+        clock.advance(3 * 24 * 3600)  # past the holds' TTL
+        with pytest.raises(PostsNotBatched):
+            ledger.post_many([posts[1]])
+        assert ledger.verify().ok
+
+    def test_a_batch_naming_a_hold_or_key_twice_or_a_bad_post_is_refused(self, ledger):
+        holds = self._holds(ledger, 2)
+        posts = self._posts(holds)
+        before = snapshot(ledger)
+        with pytest.raises(InvalidArgument):
+            ledger.post_many([posts[0], (holds[1].id, posts[1][1], "p0", None)])
+        with pytest.raises(InvalidArgument):
+            ledger.post_many([posts[0], (holds[0].id, posts[1][1], "p1", None)])
+        with pytest.raises(InvalidAmount):
+            ledger.post_many([posts[0], (holds[1].id, Splits("bob", 0), "p1", None)])
+        assert ledger.post_many([]) == []
+        assert snapshot(ledger) == before
 
     def test_partial_post_releases_the_rest(self, ledger):
         ledger.deposit("alice", 10 * C, idempotency_key="d")
