@@ -45,11 +45,11 @@ class CanaryAnswers(Protocol):
 
     def canary_unanswered(self, provider_id: str, plugin: str, version: str,
                           recorded: dict | None, why: str,
-                          for_owner: bool = False) -> str | None:
+                          away: bool = False) -> str | None:
         """A canary not answered (``why``: no receipt in time, a failure, a give-back not
-        for the owner; ``for_owner``: given back for the owner the agent said had come
-        back), counted against the provider (``VerificationService``); None: nobody
-        counts."""
+        for the owner; ``away``: given back for the owner the agent said had come back, or
+        out when its stream left this replica), counted against the provider
+        (``VerificationService``); None: nobody counts."""
 
 
 class EnvelopeExtra(Protocol):
@@ -99,9 +99,16 @@ class CanaryService:
         for c in self.market.expired_canaries():
             if c.provider_id == session.provider_id:
                 self.market.presence.give_back(session, c.job_id)
+                held = True
             else:
-                self.market.presence.release(c.provider_id, c.job_id)
-            self._unanswered(c, f"no receipt within {self.market.settings.canary_timeout_s:g} s")
+                held = self.market.presence.release(c.provider_id, c.job_id) is not None
+            if held:
+                self._unanswered(c, "no receipt within "
+                                    f"{self.market.settings.canary_timeout_s:g} s")
+            else:  # its stream left this replica: it may have answered where it went
+                self._unanswered(c, "no receipt here within "
+                                    f"{self.market.settings.canary_timeout_s:g} s; its agent's "
+                                    "stream left this replica meanwhile", away=True)
         sent = 0
         for plugin in self.market.canaries_due(session.provider_id):
             if session.free <= 0:
@@ -230,7 +237,7 @@ class CanaryService:
         and measured nothing; another comes in time. Otherwise it is given back as for any
         other reason, a failure: an agent that named its owner at will would refuse every
         canary, and the known answer it is judged by, for free. Even when taken it is
-        counted (``canary_unanswered(for_owner=True)``), with an allowance of its own: an
+        counted (``canary_unanswered(away=True)``), with an allowance of its own: an
         agent that says its owner came back around every canary dodges none of them.
         Returns whether it was taken as for the owner."""
         canary = self.market.canary(job_id)
@@ -246,7 +253,7 @@ class CanaryService:
             return False
         if self.market.canary_done(job_id) is not None:
             self.market.presence.give_back(session, job_id)
-            self._unanswered(canary, "given back for its owner", for_owner=True)
+            self._unanswered(canary, "given back for its owner", away=True)
         return True
 
     def failed(self, session, job_id: str, why: str = "failed or given back") -> None:
@@ -259,12 +266,12 @@ class CanaryService:
             self.market.failed(session.provider_id, canary.plugin)
             self._unanswered(canary, why)
 
-    def _unanswered(self, canary: Canary, why: str, for_owner: bool = False) -> None:
+    def _unanswered(self, canary: Canary, why: str, away: bool = False) -> None:
         if not canary.version or self.answers is None:
             return
         try:
             self.answers.canary_unanswered(canary.provider_id, canary.plugin, canary.version,
-                                           canary.repro or None, why, for_owner)
+                                           canary.repro or None, why, away)
         except Exception:  # noqa: BLE001 - counting it must never break the dispatcher
             log.exception("canary %s on %s: counting it unanswered failed", canary.plugin,
                           canary.provider_id)

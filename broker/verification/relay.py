@@ -47,11 +47,11 @@ class VerificationRelay:
         return v.canary_answer(provider_id, plugin, version, inputs, receipt, source, recorded)
 
     def canary_unanswered(self, provider_id: str, plugin: str, version: str,
-                          recorded: dict | None, why: str, for_owner: bool = False) -> str | None:
+                          recorded: dict | None, why: str, away: bool = False) -> str | None:
         v = self._verification
         if v is None:
             return None
-        return v.canary_unanswered(provider_id, plugin, version, recorded, why, for_owner)
+        return v.canary_unanswered(provider_id, plugin, version, recorded, why, away)
 
     def admin_resolved(self, dispute: Dispute) -> None:
         v = self._verification

@@ -85,21 +85,23 @@ class VerificationSettings:
     # agent never said had come back): of a provider's last ``canary_window`` canaries of
     # a plugin, the first ``canary_misses_excused`` misses cost nothing (a crash, a dropped
     # link); each miss beyond them counts as a wrong answer does (a failed check: CV reset,
-    # quota cut; never money nor stake: canaries are unpaid). Canaries given back for the
-    # machine's owner (an idle-only agent whose owner came back) have their own allowance,
-    # ``canary_owner_excused`` of the window: an honest machine's owner rarely comes back
-    # during the seconds a canary runs, while an agent that could tell canaries would say
-    # so around every one of them.
+    # quota cut; never money nor stake: canaries are unpaid). Canaries the agent was away
+    # from — given back for the machine's owner (an idle-only agent whose owner came back),
+    # or out when its stream left the replica that sent them (it may have answered on the
+    # one it moved to, which does not know the canary) — have their own allowance,
+    # ``canary_away_excused`` of the window: an honest machine's owner seldom comes back,
+    # and its link seldom drops, during the seconds a canary runs, while an agent that
+    # could tell canaries would do either around every one of them.
     canary_window: int = 8
     canary_misses_excused: int = 1
-    canary_owner_excused: int = 2
+    canary_away_excused: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.canary_window <= 64 or not 0 <= self.canary_misses_excused < \
-                self.canary_window or not 0 <= self.canary_owner_excused < self.canary_window:
+                self.canary_window or not 0 <= self.canary_away_excused < self.canary_window:
             raise ValueError(f"need 1 <= canary_window <= 64 and 0 <= canary_misses_excused, "
-                             f"canary_owner_excused < canary_window: {self.canary_window}, "
-                             f"{self.canary_misses_excused}, {self.canary_owner_excused}")
+                             f"canary_away_excused < canary_window: {self.canary_window}, "
+                             f"{self.canary_misses_excused}, {self.canary_away_excused}")
 
 
 class Links(Protocol):
@@ -348,22 +350,23 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
         return "valid" if valid else "invalid"
 
     def canary_unanswered(self, provider_id: str, plugin: str, version: str,
-                          recorded: dict | None, why: str, for_owner: bool = False) -> str:
+                          recorded: dict | None, why: str, away: bool = False) -> str:
         """A canary the provider did not answer: no receipt within its deadline, a failure
         it reported, or a give-back for an owner it never said had come back
         (``CanaryService``). Were that free, an agent that could tell a canary would dodge
         every known-answer check by not answering. Of its last ``canary_window`` canaries
         of the plugin, the first ``canary_misses_excused`` misses are excused (an honest
         machine crashes now and then); each further miss is a failed check, as a wrong
-        answer is (CV reset, quota cut; no money, no stake). ``for_owner``: given back for
-        the machine's owner, who the agent said had come back (idle-only mode): counted
-        apart, the first ``canary_owner_excused`` of the window excused. Returns "excused"
+        answer is (CV reset, quota cut; no money, no stake). ``away``: given back for the
+        machine's owner, who the agent said had come back (idle-only mode), or out when the
+        agent's stream left this replica: counted apart ("o"), the first
+        ``canary_away_excused`` of the window excused. Returns "excused"
         or "failed"."""
-        outcome = "o" if for_owner else "m"
+        outcome = "o" if away else "m"
         recent = self.repo.canary_outcome(provider_id, plugin, outcome,
                                           self.settings.canary_window)
         misses = recent.count(outcome)
-        failed = misses > (self.settings.canary_owner_excused if for_owner else
+        failed = misses > (self.settings.canary_away_excused if away else
                            self.settings.canary_misses_excused)
         repro = (self._declared(provider_id, plugin, version) if recorded is None else
                  declared_repro(provider_id, plugin, version, recorded,
@@ -378,7 +381,7 @@ class VerificationService(VerificationRuns, VerificationVerdicts, VerificationEf
         if self.audit is not None:
             self.audit.record("verification", "verification.canary_unanswered",
                               f"provider:{provider_id}",
-                              {"plugin": plugin, "why": why, "for_owner": for_owner,
+                              {"plugin": plugin, "why": why, "away": away,
                                "recent": recent,
                                "misses": misses, "counted": "failed" if failed else "excused",
                                "cv": cv})

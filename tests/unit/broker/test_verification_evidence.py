@@ -121,10 +121,10 @@ def test_canaries_given_back_for_the_owner_have_an_allowance_of_their_own(world)
     third a failed check; the misses' allowance is untouched by them."""
     v, a = world.v, world.machines["a"]
     why = "given back for its owner"
-    assert [v.canary_unanswered(a, "sd15", "1.1.0", None, why, for_owner=True)
+    assert [v.canary_unanswered(a, "sd15", "1.1.0", None, why, away=True)
             for _ in range(3)] == ["excused", "excused", "failed"]
     assert v.repo.standing(a, "sd15", HW).failures == 1
     assert v.canary_unanswered(a, "sd15", "1.1.0", None, "no receipt") == "excused"
     entries = world.services.audit.search(subject=f"provider:{a}")
-    assert sorted(e.data["for_owner"] for e in entries
+    assert sorted(e.data["away"] for e in entries
                   if e.action == "verification.canary_unanswered") == [False] + [True] * 3

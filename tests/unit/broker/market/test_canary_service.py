@@ -87,9 +87,9 @@ def test_a_canary_not_answered_is_reported_unanswered_and_an_answered_one_is_not
     expired = loads(w.sent[-1])["job_id"]
     w.now[0] += 61.0
     w.canaries.send_due(w.session)  # expires it, and sends the next
-    [(pid, plugin, version, repro, why, for_owner)] = w.unanswered
+    [(pid, plugin, version, repro, why, away)] = w.unanswered
     assert (pid, plugin, version) == ("p", "echo", "1.0.0") and "no receipt within 60" in why
-    assert not for_owner
+    assert not away
     assert repro == {"hardware_class": "", "dtype": "", "weights_digest": ""}
     failed = loads(w.sent[-1])["job_id"]
     assert failed != expired
@@ -156,7 +156,7 @@ def test_a_canary_is_given_back_for_the_owner_only_by_an_agent_that_said_it_take
     """Issue #20: a give-back "for the owner" was taken at any time, so a provider could
     refuse every canary (and the known answer it is judged by) for free. It counts for
     nothing as a miss only from an agent that said it takes no work while the canary was
-    out; even then verification counts it, apart (``for_owner``), with its own allowance."""
+    out; even then verification counts it, apart (``away``), with its own allowance."""
     w = _world()
     w.session.unavailable, w.session.unavailable_reports = "", 1
     w.canaries.send_due(w.session)
@@ -165,8 +165,8 @@ def test_a_canary_is_given_back_for_the_owner_only_by_an_agent_that_said_it_take
     assert w.canaries.withdrawn(w.session, job_id) is (counted == 0)
     assert w.market.tracker.record_of("p", "echo").failures == counted
     assert w.market.canary(job_id) is None and job_id not in w.session.active
-    [(*_, why, for_owner)] = w.unanswered  # verification counts it, as a miss or apart
-    assert for_owner is (counted == 0), why
+    [(*_, why, away)] = w.unanswered  # verification counts it, as a miss or apart
+    assert away is (counted == 0), why
 
 
 def test_a_canary_never_reuses_the_inputs_of_a_linked_operators_job():
@@ -236,3 +236,17 @@ def test_a_canary_answered_on_the_replaced_stream_frees_the_new_sessions_slot():
     assert job_id in new.active
     assert w.canaries.receipt(old, *_receipt(w, w.sent[0])) == job_id
     assert job_id not in new.active and new.free == 1
+
+
+def test_a_canary_out_when_its_agent_left_this_replica_counts_as_away_not_missed():
+    """An agent that moved to another replica answers its canary there, where it is not
+    known: the sending replica counts it at its deadline as *away* (its own allowance in
+    the window), not as a miss; an agent still held here that let it expire missed it."""
+    w = _world()
+    w.canaries.send_due(w.session)
+    other = connect(w.market, "q", "op2", {"echo": "1.0.0"}, kind=type(w.session))
+    w.market.presence.remove(w.session)  # the stream left (moved to another replica)
+    w.now[0] += 61.0
+    w.canaries.send_due(other)  # another agent's pass finds it expired
+    [(pid, *_, why, away)] = w.unanswered
+    assert pid == "p" and away and "left this replica" in why
