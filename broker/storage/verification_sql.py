@@ -76,7 +76,7 @@ class SamplingEvidenceRow(Base):
 
 class CanaryMissRow(Base):
     """A provider's last canaries per plugin, oldest first: answered ("a"), not answered
-    ("m") or given back for its machine's owner ("o")."""
+    ("m") or away ("o": given back for its machine's owner, or its stream left)."""
 
     __tablename__ = "canary_misses"
     provider_id: Mapped[str] = mapped_column(String(36), primary_key=True)

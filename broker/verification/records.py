@@ -24,7 +24,8 @@ class CheckStatus(str, enum.Enum):
 OPEN_STATUSES = (CheckStatus.CHECKING, CheckStatus.DISPUTED)
 
 #: How a provider met a canary: answered ("a"), not answered ("m": no receipt in time, a
-#: failure, a give-back for no owner), given back for its machine's owner ("o").
+#: failure, a give-back for no owner), or away from it ("o": given back for its machine's
+#: owner, or out when its stream left the replica that sent it).
 CANARY_OUTCOMES = frozenset("amo")
 
 
