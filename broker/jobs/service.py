@@ -232,7 +232,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                        and not isinstance(exc, IdempotencyConflict) else None)
             if earlier is None:
                 if isinstance(exc, InsufficientCredits):
-                    raise self._short_for_all(who, requests, prepared) from None
+                    raise self._short_for_all(who, requests, prepared, exc) from None
                 raise
             return [_replayed(j, request_hash, idempotency_key) for j in earlier], False
         for request, jobs in zip(requests, created):
@@ -260,18 +260,25 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         return [first, *rest]
 
     def _short_for_all(self, who: Principal, requests: list[JobRequest],
-                       prepared: list[tuple[dict, str]]) -> InsufficientCredits:
+                       prepared: list[tuple[dict, str]],
+                       refused: InsufficientCredits) -> InsufficientCredits:
         """The 402 of a bulk request the balance cannot hold: what all of its holds would
-        reserve against what is available (none of them was placed)."""
+        reserve against what is available (none of them was placed). A job with
+        ``verify="always"`` counts twice, as its hold's check does. Where that sum does not
+        exceed the balance (an item answered from the result cache at its own price),
+        ``refused``, the item's own error that names it, is the answer."""
         need = 0
         for request, (inputs, _) in zip(requests, prepared):
             n, cap = request.terms["n"], request.terms["max_price_micro"]
             work_units = request.manifest.work_units_for(inputs)
-            need += n * self.billing.max_price(request.manifest.name, work_units,
-                                               cap_micro=None if cap is None else cap // n,
-                                               inputs=inputs)
-        return InsufficientCredits(needed_micro=need,
-                                   available_micro=self.billing.available(who.account_id),
+            runs = 2 if request.verify == "always" else 1
+            need += runs * n * self.billing.max_price(
+                request.manifest.name, work_units,
+                cap_micro=None if cap is None else cap // n, inputs=inputs)
+        available = self.billing.available(who.account_id)
+        if need <= available:
+            return refused
+        return InsufficientCredits(needed_micro=need, available_micro=available,
                                    how_to_fund=self.billing.how_to_fund,
                                    jobs=sum(r.terms["n"] for r in requests))
 

@@ -18,7 +18,7 @@ from broker.audit.model import AuditEntry
 from broker.jobs.model import JobState
 from broker.pricing.policy import PluginPolicy
 from .base import Base, atomic, begin, read_only
-from .fast import Prepared
+from .fast import Prepared, chunks
 from .ledger_sql import LedgerAccountRow, LedgerHoldRow, LedgerIdempotencyRow, LedgerTransactionRow
 from .models import AccountRow, JobEventRow, JobRow
 
@@ -138,18 +138,25 @@ class SqlAuditRepository:
                         _AUDIT_UNDO.run(conn, {"w_seqs": [x.seq for x in entries[:i]]})
                     return False
             return True
-        params = {}
-        for i, (e, data_json) in enumerate(zip(entries, data_jsons)):
-            params.update({f"w_seq{i}": e.seq, f"w_at_ms{i}": e.at_ms, f"w_actor{i}": e.actor,
-                           f"w_action{i}": e.action, f"w_subject{i}": e.subject,
-                           f"w_data{i}": data_json, f"w_ref{i}": e.ref,
-                           f"w_prev_hash{i}": e.prev_hash, f"w_hash{i}": e.hash})
-        inserted = [r[0] for r in _audit_append_rows(conn.dialect.name, len(entries))
+        inserted: list[int] = []
+        pairs = list(zip(entries, data_jsons))
+        for part in chunks(pairs, len(_AUDIT_COLUMNS)):  # under a statement's parameters
+            params = {}
+            for i, (e, data_json) in enumerate(part):
+                params.update({f"w_seq{i}": e.seq, f"w_at_ms{i}": e.at_ms,
+                               f"w_actor{i}": e.actor, f"w_action{i}": e.action,
+                               f"w_subject{i}": e.subject, f"w_data{i}": data_json,
+                               f"w_ref{i}": e.ref, f"w_prev_hash{i}": e.prev_hash,
+                               f"w_hash{i}": e.hash})
+            done = [r[0] for r in _audit_append_rows(conn.dialect.name, len(part))
                     .run(conn, params)]
+            inserted += done
+            if len(done) < len(part):
+                break
         if len(inserted) == len(entries):
             return True
-        if inserted:
-            _AUDIT_UNDO.run(conn, {"w_seqs": inserted})
+        for part in chunks(inserted, 1):
+            _AUDIT_UNDO.run(conn, {"w_seqs": part})
         return False
 
     def has_ref(self, ref: str, conn=None) -> bool:

@@ -260,6 +260,33 @@ def rows_insert(table, columns: tuple[str, ...], rows: int, claim: str | None = 
     return stmt
 
 
+# PostgreSQL's protocol numbers a statement's parameters with 16 bits (at most 65,535);
+# SQLite's default limit is 32,766. A multi-row INSERT over it fails on the server, so
+# :func:`insert_rows` splits its rows into statements under the smaller of the two.
+MAX_PARAMS = 32_766
+
+
+def chunks(rows: list, columns: int) -> Iterable[list]:
+    """``rows`` in consecutive slices of at most :data:`MAX_PARAMS` parameters each
+    (``columns`` per row)."""
+    step = max(1, MAX_PARAMS // max(1, columns))
+    for start in range(0, len(rows), step):
+        yield rows[start:start + step]
+
+
+def insert_rows(conn: Connection, table, rows: list[dict], claim: str | None = None) -> int:
+    """Insert ``rows`` (dicts by column, each with the same columns) with
+    :func:`rows_insert`: one statement, or one per slice of :func:`chunks` where they carry
+    more parameters than a statement takes. Returns the rows inserted (with ``claim``,
+    those whose key was free)."""
+    columns = tuple(rows[0])
+    inserted = 0
+    for part in chunks(rows, len(columns)):
+        inserted += rows_insert(table, columns, len(part), claim).run(
+            conn, rows_params(part)).rowcount
+    return inserted
+
+
 def rows_params(rows: list[dict]) -> dict:
     """The parameters of :func:`rows_insert` for ``rows`` (dicts by column, each with the
     same columns)."""

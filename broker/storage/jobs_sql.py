@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.jobs.model import Job, JobEvent, JobOutput, JobState, LEASED
 from .base import atomic, begin, flat, read_only
-from .fast import Prepared, rows_insert, rows_params
+from .fast import Prepared, insert_rows
 from .models import JobEventRow, JobOutputRow, JobRow
 
 _FIELDS = [c for c in Job.__dataclass_fields__]
@@ -157,7 +157,7 @@ class SqlJobRepository:
             if not rows:
                 continue
             if self._multi_row and len(rows) > 1:
-                rows_insert(table, tuple(rows[0]), len(rows)).run(c, rows_params(rows))
+                insert_rows(c, table, rows)
             else:
                 stmt.run(c, rows)
 

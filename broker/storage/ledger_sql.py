@@ -36,7 +36,7 @@ from broker.ledger.model import (
 )
 from broker.ledger.ports import RetryableConflict
 from broker.storage.base import Base, begin
-from broker.storage.fast import Prepared, rows_insert, rows_params
+from broker.storage.fast import Prepared, insert_rows
 
 # BIGINT everywhere for money; SQLite only auto-numbers an INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -347,10 +347,8 @@ class _SqlUnitOfWork:
         entries = [{"transaction_id": t.id, "account_id": str(e.account),
                     "amount_micro": e.amount_micro} for t in transactions for e in t.entries]
         if self._multi_row:
-            rows_insert(transactions_t, tuple(txns[0]), len(txns)).run(
-                self.c, rows_params(txns))
-            rows_insert(entries_t, tuple(entries[0]), len(entries)).run(
-                self.c, rows_params(entries))
+            insert_rows(self.c, transactions_t, txns)
+            insert_rows(self.c, entries_t, entries)
         else:
             _INSERT_TRANSACTION.run(self.c, txns)
             _INSERT_ENTRIES.run(self.c, entries)
@@ -519,8 +517,7 @@ class _SqlUnitOfWork:
         dialect = self.c.dialect.name
         if not self._multi_row:
             return _CLAIM_IDEMPOTENCY[dialect].run(self.c, rows).rowcount
-        return rows_insert(idempotency_t, tuple(rows[0]), len(rows), claim=dialect).run(
-            self.c, rows_params(rows)).rowcount
+        return insert_rows(self.c, idempotency_t, rows, claim=dialect)
 
     # audit
     def audit(self) -> tuple[int, int, list[str]]:

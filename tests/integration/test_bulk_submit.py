@@ -151,6 +151,28 @@ def test_a_balance_that_cannot_hold_every_job_is_a_402_and_nothing_is_held(api):
                        headers=other).status_code == 202
 
 
+def test_a_402_counts_a_job_checked_always_twice_and_never_reports_a_negative_shortfall(api):
+    """verify="always" pays two runs: the sum the 402 reports counts that job twice, as its
+    hold's check does, so the shortfall is what the client must add."""
+    client, services, _ = api
+    one = client.post("/v1/jobs", json=_echo("probe")).json
+    price = services.jobs.repo.get(one["id"]).max_price_micro
+    key, who = services.auth.create_account_with_key("client")
+    services.payments.grant(who.account_id, 2 * price, by="test")
+    other = {"Authorization": f"Bearer {key}"}
+    before = _state(services, who.account_id)
+    resp = client.post("/v1/jobs/bulk", json={"jobs": [
+        _echo("a"), _echo("b", verify="always")]}, headers=other)
+    assert resp.status_code == 402 and resp.json["code"] == "insufficient_credits", resp.json
+    assert resp.json["needed_micro"] == 3 * price
+    assert resp.json["shortfall_micro"] == price > 0
+    assert _state(services, who.account_id) == before
+    # With the third job's worth added, the same list is accepted.
+    services.payments.grant(who.account_id, price, by="test")
+    assert client.post("/v1/jobs/bulk", json={"jobs": [
+        _echo("a"), _echo("b", verify="always")]}, headers=other).status_code == 202
+
+
 def test_a_replayed_list_answers_the_same_jobs_and_charges_nothing_twice(api):
     client, services, account = api
     body = {"jobs": [_echo("a"), _echo("b", n=2), _echo("c")]}

@@ -101,3 +101,22 @@ def test_in_lists_of_each_length_are_rendered_once_and_reused(engine, monkeypatc
     # Lengths 2 and 3 rendered once each (1 was rendered before counting); the empty list
     # renders SQLAlchemy's empty-set expression, also once.
     assert sorted(renders) == [0, 2, 3]
+
+
+def test_insert_rows_splits_rows_over_a_statements_parameter_limit(engine):
+    """More rows than one statement's parameters hold (PostgreSQL numbers them with 16
+    bits): insert_rows sends them in slices, every row goes in, and a claim counts only
+    the rows whose key was free."""
+    from broker.storage import fast
+
+    rows = [{"id": i, "name": f"n{i}"} for i in range(fast.MAX_PARAMS)]  # 2 params a row
+    assert len(rows) * 2 > fast.MAX_PARAMS and len(rows) * 2 > 65_535 // 2
+    with engine.begin() as conn:
+        assert fast.insert_rows(conn, T, rows) == len(rows)
+    with engine.begin() as conn:
+        assert conn.execute(select(T.c.id)).scalars().all() == list(range(len(rows)))
+        assert conn.execute(select(T.c.name).where(T.c.id == 7)).scalar() == "N7"
+        again = rows[-3:] + [{"id": len(rows) + i, "name": "x"} for i in range(40_000)]
+        assert fast.insert_rows(conn, T, again, claim=engine.dialect.name) == 40_000
+    assert list(fast.chunks(list(range(10)), fast.MAX_PARAMS // 4)) == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
