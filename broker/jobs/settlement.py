@@ -332,9 +332,12 @@ class JobSettlement:
         self.metrics.ended(job.plugin, job.state.value, end - (job.created_at or end))
 
     # ---- money -----------------------------------------------------------------------
-    def _charge(self, job: Job, receipt: dict) -> None:
+    def _charge(self, job: Job, receipt: dict, parts: list | None = None) -> None:
+        """Charge ``job`` for ``receipt``: shared with the providers of the checkpoints it
+        resumed from (``parts``, read here when the caller has not read them)."""
         units = receipt.get("work_units", job.work_units)
-        parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
+        if parts is None:
+            parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
         if parts:  # resumed from a checkpoint: earlier providers get their shares
             resumed = self.checkpoints.base_fraction(job)
             self._money("settle", job,
@@ -350,22 +353,22 @@ class JobSettlement:
         (a key already taken, a hold not postable, a first payment to a new account …) it
         wrote nothing, and each job is charged on its own as if it came alone, which
         records its own ledger_error if its post fails."""
-        alone, plain = [], []
+        alone, plain = [], []  # (job, receipt, its checkpoint parts)
         for job, rec in settled:
             if self.billing is None or job.hold_id is None:
                 continue
-            shared = self.checkpoints is not None and self.checkpoints.parts(job)
-            (alone if shared else plain).append((job, rec))
+            parts = self.checkpoints.parts(job) if self.checkpoints is not None else []
+            (alone if parts else plain).append((job, rec, parts))
         if len(plain) > 1:
             try:
                 self.billing.settle_many([(job, rec.get("work_units", job.work_units))
-                                          for job, rec in plain])
+                                          for job, rec, _ in plain])
                 plain = []
             except Exception as exc:  # noqa: BLE001 - nothing was written: one at a time
                 log.info("posting %d settlements together failed (%s: %s); posting them one "
                          "at a time", len(plain), type(exc).__name__, exc)
-        for job, rec in [*plain, *alone]:
-            self._charge(job, rec)
+        for job, rec, parts in [*plain, *alone]:
+            self._charge(job, rec, parts)
 
     def _money(self, what: str, job: Job, action) -> None:
         """Run a billing step after the job's state change, in its ``atomic`` block (the two

@@ -64,8 +64,8 @@ def dispatcher_for(jobs: JobService, **options) -> Dispatcher:
     return d
 
 
-def echo_world(tmp_path, slots: int = 1):
-    """The real wiring (SQLite) with one client, one provider whose agent (a
+def echo_world(tmp_path, slots: int = 1, db_url: str | None = None):
+    """The real wiring (SQLite, or the database at ``db_url``) with one client, one provider whose agent (a
     RecordingSession of ``slots``) serves echo, echo priced at 1 + sleep_ms/1000 work units
     at 0.25 credit each with a 10 % fee and a 0.1 credit minimum: (services, client's
     principal, provider's principal, session, the agent's key). Dispose of
@@ -73,7 +73,9 @@ def echo_world(tmp_path, slots: int = 1):
     from broker.services import build_services
     from broker.settings import Settings
 
-    services = build_services(Settings(data_dir=tmp_path, maintenance_interval_s=0))
+    settings = Settings(data_dir=tmp_path, maintenance_interval_s=0,
+                        **({"db_url": db_url} if db_url else {}))
+    services = build_services(settings)
     _, client = services.auth.create_account_with_key("client")
     _, prov_acct = services.auth.create_account_with_key("provider")
     key = KeyPair.generate()

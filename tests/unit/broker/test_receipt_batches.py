@@ -1,7 +1,8 @@
 """Receipts settled as a batch (issue #28): one transaction for the batch, each receipt judged
 alone (its own signature, its own refusal), re-sent and moved ones judged as if they came
 alone, and a batch whose transaction fails settled one at a time. Money and the audit
-chain as for single receipts, through the real wiring (SQLite)."""
+chain as for single receipts, through the real wiring (SQLite and PostgreSQL: the batch's
+multi-row statements are PostgreSQL's)."""
 import pytest
 
 from broker.errors import BrokerError
@@ -18,8 +19,8 @@ P = AccountKind.PROVIDER_VESTING
 
 
 @pytest.fixture
-def world(tmp_path):
-    services, client, prov_acct, session, key = echo_world(tmp_path, slots=8)
+def world(tmp_path, db_url):
+    services, client, prov_acct, session, key = echo_world(tmp_path, slots=8, db_url=db_url)
     services.payments.grant(client.account_id, 10 * MICRO, by="test")
     yield services, client, prov_acct, session, key
     services.engine.dispose()
