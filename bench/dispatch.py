@@ -11,8 +11,9 @@ else) with the same clients, workers and database, and prints our jobs/s over it
 the machine-independent yardstick (issue #28 targets >= 0.5x; --no-raw skips it). It also
 prints the broker's statements and COMMITs per job during the throughput run (the broker
 counts them with SPARECYCLES_COUNT_STATEMENTS=1, broker/storage/counting.py; "n/a" from a
-broker that does not) and the receipts settled per settlement transaction (issue #28's
-receipt batches; 1 without them).
+broker that does not), the receipts settled per settlement transaction (issue #28's
+receipt batches; 1 without them) and the assignments per message sent to agents (its
+assignment batches: what one dispatcher pass places on an agent goes in one message).
 Targets (issue #2, 2-core machine): >= 300 jobs/s and <= 15 ms p50 added latency.
 
 Measured here (2 cores, 1/2/4 agents, 600 jobs) on 2026-11-30, side by side with the code
@@ -266,13 +267,18 @@ def db_counts(net) -> dict[str, float] | None:
         for key, name in (("statements", "sparecycles_db_statements_total"),
                           ("commits", "sparecycles_db_commits_total"),
                           ("receipts", "sparecycles_agent_receipts_total"),
-                          ("settlements", "sparecycles_agent_receipt_settlements_total")):
+                          ("settlements", "sparecycles_agent_receipt_settlements_total"),
+                          ("assignments", "sparecycles_agent_assignments_total"),
+                          ("assignment_messages",
+                           "sparecycles_agent_assignment_messages_total")):
             if line.startswith(name + " "):
                 got[key] = float(line.split()[1])
     if "statements" not in got or "commits" not in got:
         return None
     got.setdefault("receipts", 0.0)  # a broker from before receipt batches (issue #28)
     got.setdefault("settlements", 0.0)
+    got.setdefault("assignments", 0.0)  # and before assignment batches
+    got.setdefault("assignment_messages", 0.0)
     return got
 
 
@@ -353,6 +359,9 @@ def run_one(n_agents: int, jobs: int, clients: int, slots: int, sandbox: bool,
         if per_job is not None:  # receipts per settlement call (1: no batching)
             per_job["batch"] = (per_job["receipts"] / per_job["settlements"]
                                 if per_job["settlements"] else 1.0)
+            # and assignments per message to an agent (1: one envelope a message)
+            per_job["assign_batch"] = (per_job["assignments"] / per_job["assignment_messages"]
+                                       if per_job["assignment_messages"] else 1.0)
         return {"agents": n_agents, "tls": tls, "lat": lat, "jobs_per_s": done / elapsed,
                 "done": done, "cpu_ms": cpu_ms, "metrics": metrics, "scrapes_ms": scrapes,
                 "db_per_job": per_job}
@@ -685,7 +694,8 @@ def main() -> int:
     print(f"{'agents':>6} {'hops':>9} {'metrics':>7} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'added p50':>10} {'added p99':>10} {'p50 ÷ direct':>13}   CPU ms per job: broker / agents / "
           "plugin hosts / clients" + (" / database server" if db == "PostgreSQL" else "")
-          + "   | statements / commits per job / receipts per settlement"
+          + "   | statements / commits per job / receipts per settlement / assignments "
+            "per message"
           + ("" if args.no_raw else "   | raw queue jobs/s, ours ÷ raw"))
     rows, pairs = [], []
     for n in [int(x) for x in args.agents.split(",")]:
@@ -714,8 +724,9 @@ def main() -> int:
                       + (f" / {c['database']:5.2f}" if "database" in c else "")
                       + (f"   | {r['db_per_job']['statements']:5.1f} / "
                          f"{r['db_per_job']['commits']:4.2f} / "
-                         f"{r['db_per_job']['batch']:4.2f}" if r["db_per_job"]
-                         else "   |   n/a /  n/a /  n/a") + raw,
+                         f"{r['db_per_job']['batch']:4.2f} / "
+                         f"{r['db_per_job']['assign_batch']:4.2f}" if r["db_per_job"]
+                         else "   |   n/a /  n/a /  n/a /  n/a") + raw,
                       flush=True)
         if args.tls:
             pairs.append((n, pair[False], pair[True]))

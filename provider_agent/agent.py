@@ -556,7 +556,8 @@ class Agent:
                         for p, u in self.benchmarks.items()],
             asks=[pb.StandingAsk(plugin=p, price_micro_per_unit=int(v))
                   for p, v in self.cfg.effective_asks(self.plugins).items()],
-            adapters=self._installed_adapters())
+            adapters=self._installed_adapters(),
+            assignment_batches=True)  # each envelope of a batch is opened on its own
 
     def _plugin_capabilities(self) -> list:
         return [pb.PluginCapability(name=s.manifest.name, version=s.manifest.version,
@@ -600,6 +601,9 @@ class Agent:
         kind = msg.WhichOneof("body")
         if kind == "assignment":
             self._on_assignment(msg.assignment)
+        elif kind == "assignments":  # several placed in one pass, in placing order
+            for assignment in msg.assignments.assignments:
+                self._on_assignment(assignment)
         elif kind == "cancel":
             with self._lock:
                 rj = self.running.get(msg.cancel.job_id)

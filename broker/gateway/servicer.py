@@ -23,6 +23,7 @@ import asyncio
 import logging
 import secrets
 import threading
+import time
 from collections import deque
 from concurrent.futures import Executor
 
@@ -37,7 +38,7 @@ from broker.auth import scopes
 from broker.auth.service import KEY_CACHE_S, ApiKeyService
 from broker.errors import BrokerError
 from broker.jobs.dispatch import Dispatcher
-from broker.jobs.presence import AgentSession, Offer
+from broker.jobs.presence import AgentSession, Offer, gathering
 from broker.jobs.service import JobService
 from broker.observability.telemetry import TelemetryStore
 from broker.providers.service import ProviderService
@@ -50,6 +51,11 @@ OUTBOX_MAX_BYTES = 64 << 20  # per stream (a larger message alone is still taken
 KEY_RECHECK_S = KEY_CACHE_S  # how often connected agents' keys are checked again
 INBOX_MAX = 32  # messages read ahead of their handling, per stream (then reading stops)
 RECEIPTS_MAX = 64  # receipts settled in one transaction (a ReceiptBatch may hold more)
+# Assignments a dispatcher pass holds for one agent (issue #28): sent as one AssignmentBatch
+# when the pass ends, or sooner once this many (or bytes) wait or the first waited this long.
+GATHER_MAX = 32
+GATHER_MAX_BYTES = 4 << 20
+GATHER_MAX_WAIT_S = 0.010
 
 
 class GatewayStats:
@@ -69,11 +75,20 @@ class GatewayStats:
         self.receipts = 0
         self.receipt_settlements = 0
         self._receipts_lock = threading.Lock()
+        # Assignments sent to agents, and the messages that carried them (one each, or an
+        # AssignmentBatch): assignments ÷ messages is the mean batch; changed in any thread.
+        self.assignments = 0
+        self.assignment_messages = 0
 
     def settled_together(self, receipts: int, settlements: int) -> None:
         with self._receipts_lock:
             self.receipts += receipts
             self.receipt_settlements += settlements
+
+    def sent_together(self, assignments: int) -> None:
+        with self._receipts_lock:
+            self.assignments += assignments
+            self.assignment_messages += 1
 
     def collect(self):
         """These counters as Prometheus metric families (at scrape time)."""
@@ -99,7 +114,13 @@ class GatewayStats:
                  "receipts to the job service, a batch or one receipt each (a batch is one "
                  "transaction unless it failed and fell back to one receipt at a time): "
                  "receipts ÷ settlements is the mean batch.",
-                 self.receipt_settlements, CounterMetricFamily)):
+                 self.receipt_settlements, CounterMetricFamily),
+                ("sparecycles_agent_assignments", "Job and canary assignments sent to "
+                 "agents.", self.assignments, CounterMetricFamily),
+                ("sparecycles_agent_assignment_messages", "The messages that carried them, "
+                 "one assignment each or an AssignmentBatch of those one dispatcher pass "
+                 "placed on the agent: assignments ÷ messages is the mean batch.",
+                 self.assignment_messages, CounterMetricFamily)):
             f = family(name, doc)
             f.add_metric([], value)
             yield f
@@ -109,9 +130,16 @@ class GatewaySession(AgentSession):
     """An agent's session; :meth:`send` may be called from any thread."""
 
     def __init__(self, *args, loop: asyncio.AbstractEventLoop, outbox_max: int = 256,
-                 stats: GatewayStats | None = None, name: str = "", **kwargs):
+                 stats: GatewayStats | None = None, name: str = "",
+                 assignment_batches: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.name = name  # the operator's name for the machine (its hello)
+        # The agent takes AssignmentBatch (its Capabilities say): assignments a dispatcher
+        # pass sends it are held and go out together (broker.jobs.presence.gathering).
+        self.assignment_batches = assignment_batches
+        self._held: list[pb.Assignment] = []
+        self._held_bytes = 0
+        self._held_since = 0.0
         self._loop = loop
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._lock = threading.Lock()
@@ -124,39 +152,89 @@ class GatewaySession(AgentSession):
         self.revoked: str | None = None  # why its key stopped working meanwhile
         self._writer: asyncio.Task | None = None
 
-    def send(self, msg: pb.BrokerMessage) -> None:
-        size = msg.ByteSize()
+    def send(self, msg: pb.BrokerMessage | None) -> None:
+        """Queue ``msg`` for the agent (any thread; None: only what is held), after the
+        assignments this session holds (they go first, so that a cancel never overtakes
+        the job it cancels)."""
+        cut = None
+        peak = 0
         with self._lock:
             if self._closed:
+                self._held.clear()
                 return  # as with a dead stream: a job sent now comes back with its lease
-            full = self._queued >= self._outbox_max or (
-                self._queued and self._bytes + size > OUTBOX_MAX_BYTES)
-            if full:
-                self._closed = True
-                why = (f"the agent stopped reading its stream: {self._queued} messages "
-                       f"({self._bytes} bytes) wait for it, the limit is {self._outbox_max} "
-                       f"messages and {OUTBOX_MAX_BYTES} bytes; reconnect and read the "
-                       "stream")
-            else:
+            msgs = self._take_held()
+            if msg is not None:
+                msgs.append(msg)
+            for m in msgs:
+                size = m.ByteSize()
+                if self._queued >= self._outbox_max or (
+                        self._queued and self._bytes + size > OUTBOX_MAX_BYTES):
+                    self._closed = True
+                    cut = (f"the agent stopped reading its stream: {self._queued} messages "
+                           f"({self._bytes} bytes) wait for it, the limit is "
+                           f"{self._outbox_max} messages and {OUTBOX_MAX_BYTES} bytes; "
+                           "reconnect and read the stream")
+                    break
                 self._queued += 1
                 self._bytes += size
                 peak = self._queued
-        if full:
-            self._loop.call_soon_threadsafe(self._cut, why)
+                # In the lock: messages reach the outbox in the order they were sent.
+                self._loop.call_soon_threadsafe(self._outbox.put_nowait, (m, size))
+        if cut is not None:
+            self._loop.call_soon_threadsafe(self._cut, cut)
             return
         if peak > self._stats.outbox_peak:
             self._stats.outbox_peak = peak  # (a racy max: a gauge, not an account)
-        self._loop.call_soon_threadsafe(self._outbox.put_nowait, (msg, size))
+
+    def _take_held(self) -> list[pb.BrokerMessage]:
+        """The held assignments as one message (a batch of several), now no longer held;
+        the caller holds the lock."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        if not held:
+            return []
+        self._stats.sent_together(len(held))
+        if len(held) == 1:
+            return [pb.BrokerMessage(assignment=held[0])]
+        return [pb.BrokerMessage(assignments=pb.AssignmentBatch(assignments=held))]
 
     def send_assignment(self, envelope_bytes: bytes, signature: str) -> None:
-        self.send(pb.BrokerMessage(assignment=pb.Assignment(envelope=envelope_bytes,
-                                                            signature=signature)))
+        assignment = pb.Assignment(envelope=envelope_bytes, signature=signature)
+        if not (self.assignment_batches and gathering(self)):
+            self._stats.sent_together(1)
+            self.send(pb.BrokerMessage(assignment=assignment))
+            return
+        # Held for the pass's end, which sends each agent's in one AssignmentBatch; sooner
+        # once many wait, or the first has waited long enough.
+        size = assignment.ByteSize()
+        with self._lock:
+            full = bool(self._held) and self._held_bytes + size > GATHER_MAX_BYTES
+        if full:  # what is held goes first: a batch stays far under gRPC's message limit
+            self.send(None)
+        now = time.monotonic()
+        with self._lock:
+            if self._closed:
+                return
+            if not self._held:
+                self._held_since = now
+            self._held.append(assignment)
+            self._held_bytes += size
+            due = (len(self._held) >= GATHER_MAX or self._held_bytes >= GATHER_MAX_BYTES
+                   or now - self._held_since >= GATHER_MAX_WAIT_S)
+        if due:
+            self.send(None)
+
+    def flush_assignments(self) -> None:
+        with self._lock:
+            if not self._held:
+                return
+        self.send(None)
 
     def send_cancel(self, job_id: str, attempt: int, reason: str) -> None:
         self.send(pb.BrokerMessage(cancel=pb.Cancel(job_id=job_id, attempt=attempt, reason=reason)))
 
     def close(self) -> None:
-        """End the stream once what is queued is written (any thread)."""
+        """End the stream once what is queued (and held) is written (any thread)."""
+        self.flush_assignments()
         with self._lock:
             if self._closed:
                 return
@@ -178,6 +256,7 @@ class GatewaySession(AgentSession):
             self._outbox.get_nowait()
         with self._lock:
             self._queued = self._bytes = 0
+            self._held.clear()
         if self._writer is not None:
             self._writer.cancel()
         else:
@@ -432,6 +511,7 @@ class AgentGatewayServicer(pb_grpc.AgentGatewayServicer):
                                                       "dtype": p["dtype"]} for p in plugins},
             slots=caps.slots, paused=provider.status != "active", loop=loop,
             outbox_max=self.outbox_max, stats=self.stats, name=hello.name[:200],
+            assignment_batches=caps.assignment_batches,
             # The memory a model runs in: the GPU's on a GPU, the host's on a CPU-only
             # machine (what the manifest's min_vram_gb is checked against).
             vram_gb=(caps.hardware.vram_gb if caps.hardware.device == "cuda"

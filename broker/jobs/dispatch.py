@@ -22,7 +22,7 @@ from broker.auction.errors import NoMatch
 
 from .model import Job, JobState, job_from_wire, job_to_wire
 from .ports import StakeCheck
-from .presence import AgentSession, Lease, ProviderPresence
+from .presence import AgentSession, Lease, ProviderPresence, assignments_gathered
 from .service import JobService
 
 if TYPE_CHECKING:
@@ -578,7 +578,13 @@ class Dispatcher:
         return out
 
     def match_once(self) -> int:
-        """Assign as many queued jobs as there are free slots; returns how many."""
+        """Assign as many queued jobs as there are free slots; returns how many. What the
+        pass sends an agent (jobs, canaries) goes out together as it ends, in one message
+        where the agent takes batches (issue #28)."""
+        with assignments_gathered():
+            return self._match()
+
+    def _match(self) -> int:
         if self.market is not None:
             self._tend()
         if not self.presence.any_free():

@@ -26,12 +26,52 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from .model import Job
 
 log = logging.getLogger(__name__)
+
+
+# Assignments a thread sends while it gathers (a dispatcher pass, :func:`assignments_gathered`):
+# the sessions it sent some to, flushed as the pass ends.
+_gathering = threading.local()
+
+
+@contextmanager
+def assignments_gathered() -> Iterator[None]:
+    """Within the block, assignments this thread sends an agent whose session gathers them
+    (the gateway's, for an agent that takes AssignmentBatch) are held, and each agent's go
+    out as the block ends in one message (issue #28). A session also sends what it holds
+    before any other message to the agent and once it holds ``GATHER_MAX`` or the first
+    has waited ``GATHER_MAX_WAIT_S``, so that order and latency keep their bounds. Other
+    threads' sends are never held. Nested blocks are one block."""
+    if getattr(_gathering, "sessions", None) is not None:
+        yield
+        return
+    _gathering.sessions = {}
+    try:
+        yield
+    finally:
+        sessions, _gathering.sessions = _gathering.sessions, None
+        for session in sessions.values():
+            try:
+                session.flush_assignments()
+            except Exception:  # noqa: BLE001 - a dead stream: the lease reaper requeues
+                log.exception("sending the assignments held for %s failed",
+                              session.provider_id)
+
+
+def gathering(session: "AgentSession") -> bool:
+    """True (and ``session`` is flushed as the block ends) when this thread is inside
+    :func:`assignments_gathered`: the session may hold the assignment it is sending."""
+    sessions = getattr(_gathering, "sessions", None)
+    if sessions is None:
+        return False
+    sessions[id(session)] = session
+    return True
 
 
 @dataclass(frozen=True)
@@ -107,6 +147,10 @@ class AgentSession:
 
     def send_assignment(self, envelope_bytes: bytes, signature: str) -> None:
         raise NotImplementedError
+
+    def flush_assignments(self) -> None:
+        """Send the assignments held while a pass gathered them (none here: a session that
+        does not gather sends each at once)."""
 
     def send_cancel(self, job_id: str, attempt: int, reason: str) -> None:
         raise NotImplementedError
