@@ -171,13 +171,18 @@ class SqlJobRepository:
         except IntegrityError:
             if job.idempotency_key is None:
                 raise
-            with self.sessions() as s:
-                row = s.scalars(select(JobRow).where(
-                    JobRow.account_id == job.account_id,
-                    JobRow.idempotency_key == job.idempotency_key)).first()
-                if row is None:
-                    raise
-                return _to_job(row), False
+            # Read where the conflict was met: in the caller's transaction when there is
+            # one. On SQLite's group commit the row it met may be an earlier request's
+            # that is written but not yet committed (the next transaction starts on the
+            # same connection before the COMMIT), which another connection does not see;
+            # on PostgreSQL it is committed (a unique check waits for the other writer).
+            with begin(self.engine) as c:
+                row = c.execute(_SELECT.where(
+                    JOBS.c.account_id == job.account_id,
+                    JOBS.c.idempotency_key == job.idempotency_key)).first()
+            if row is None:
+                raise
+            return _to_job(row), False
 
     def get(self, job_id: str) -> Job | None:
         with read_only(self.engine) as c:

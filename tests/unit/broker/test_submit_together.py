@@ -1,0 +1,119 @@
+"""A submit's writes go in one transaction without a savepoint per write (issue #28), and
+fall back to one savepoint each when something in them fails that a savepoint would have
+undone alone. What a client sees does not change: a replay answers the first job and
+writes nothing, replays racing each other hold once, a refused submit leaves nothing
+behind (SQLite and PostgreSQL, through the real wiring)."""
+import logging
+import threading
+
+import pytest
+
+from broker.api.job_request import job_request
+from broker.billing.errors import InsufficientCredits
+from broker.ledger.model import AccountKind
+
+from broker_fixtures import echo_world
+
+MICRO = 1_000_000
+HELD = AccountKind.CLIENT_HELD
+BODY = {"plugin": "echo", "inputs": {"text": "x"}}  # 0.25 credit held
+
+
+@pytest.fixture
+def world(tmp_path, db_url):
+    services, client, *_ = echo_world(tmp_path, db_url=db_url)
+    yield services, client
+    services.engine.dispose()
+
+
+def _submit(services, client, body=BODY, key=None):
+    return services.jobs.submit(client, job_request(body, services.jobs.catalog),
+                                idempotency_key=key)
+
+
+def _held(services, client):
+    return services.ledger.balances(client.account_id).get(HELD, 0)
+
+
+def test_a_plain_submit_writes_once_without_the_fallback(world, caplog):
+    services, client = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    with caplog.at_level(logging.INFO, logger="broker.jobs.service"):
+        job, created = _submit(services, client)
+        jobs = services.jobs.submit_many(client, [job_request(BODY, services.jobs.catalog)] * 2)
+    assert created and "writing them again" not in caplog.text
+    assert len(jobs[0]) == 2 and _held(services, client) == 750_000
+    assert services.ledger.verify().ok and services.audit.verify().ok
+
+
+def test_a_replay_answers_the_first_job_and_writes_nothing(world):
+    services, client = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    first, created = _submit(services, client, key="k1")
+    entries = len(services.audit.search(limit=100))
+    again, created_again = _submit(services, client, key="k1")
+    assert created and not created_again and again.id == first.id
+    assert again.hold_id == first.hold_id and _held(services, client) == 250_000
+    assert len(services.audit.search(limit=100)) == entries
+    assert services.ledger.verify().ok and services.audit.verify().ok
+
+
+def test_replays_racing_each_other_hold_once(world):
+    services, client = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    answers, errors = [], []
+    start = threading.Barrier(6)
+
+    def submit():
+        start.wait()
+        try:
+            answers.append(_submit(services, client, key="race"))
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=submit) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len({job.id for job, _ in answers}) == 1
+    assert sum(created for _, created in answers) == 1
+    assert _held(services, client) == 250_000
+    assert services.ledger.verify().ok and services.audit.verify().ok
+
+
+def test_a_refused_submit_of_a_client_with_no_ledger_account_leaves_nothing(world):
+    services, _ = world
+    _, newcomer = services.auth.create_account_with_key("client")  # never funded
+    with pytest.raises(InsufficientCredits):
+        _submit(services, newcomer)
+    assert services.jobs.repo.list_for_account(newcomer.account_id) == []
+    assert _held(services, newcomer) == 0
+    assert services.ledger.verify().ok and services.audit.verify().ok
+
+
+def test_bulk_replays_racing_each_other_hold_once(world):
+    services, client = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    answers, errors = [], []
+    start = threading.Barrier(4)
+
+    def submit():
+        start.wait()
+        try:
+            answers.append(services.jobs.submit_many(
+                client, [job_request(BODY, services.jobs.catalog)] * 2, idempotency_key="bulk"))
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=submit) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len({tuple(j.id for j in jobs) for jobs, _ in answers}) == 1
+    assert sum(created for _, created in answers) == 1
+    assert _held(services, client) == 500_000
+    assert services.ledger.verify().ok and services.audit.verify().ok
