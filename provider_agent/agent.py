@@ -603,7 +603,10 @@ class Agent:
             self._on_assignment(msg.assignment)
         elif kind == "assignments":  # several placed in one pass, in placing order
             for assignment in msg.assignments.assignments:
-                self._on_assignment(assignment)
+                try:  # each on its own: one that fails takes none of the others with it
+                    self._on_assignment(assignment)
+                except Exception:  # noqa: BLE001 - its lease runs out and it is requeued
+                    log.exception("an assignment of a batch could not be taken")
         elif kind == "cancel":
             with self._lock:
                 rj = self.running.get(msg.cancel.job_id)

@@ -229,6 +229,12 @@ class GatewaySession(AgentSession):
                 return
         self.send(None)
 
+    def flush_if_due(self) -> None:
+        with self._lock:
+            due = bool(self._held) and time.monotonic() - self._held_since >= GATHER_MAX_WAIT_S
+        if due:
+            self.send(None)
+
     def send_cancel(self, job_id: str, attempt: int, reason: str) -> None:
         self.send(pb.BrokerMessage(cancel=pb.Cancel(job_id=job_id, attempt=attempt, reason=reason)))
 

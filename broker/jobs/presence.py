@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 # Assignments a thread sends while it gathers (a dispatcher pass, :func:`assignments_gathered`):
 # the sessions it sent some to, flushed as the pass ends.
 _gathering = threading.local()
+GATHER_SCAN_S = 0.002
 
 
 @contextmanager
@@ -66,10 +68,19 @@ def assignments_gathered() -> Iterator[None]:
 
 def gathering(session: "AgentSession") -> bool:
     """True (and ``session`` is flushed as the block ends) when this thread is inside
-    :func:`assignments_gathered`: the session may hold the assignment it is sending."""
+    :func:`assignments_gathered`: the session may hold the assignment it is sending. The
+    other sessions this pass holds assignments for send them if the first has waited its
+    bound (:meth:`AgentSession.flush_if_due`; looked at every ``GATHER_SCAN_S``), so that a
+    job held for one agent does not wait while the pass places many on others."""
     sessions = getattr(_gathering, "sessions", None)
     if sessions is None:
         return False
+    now = time.monotonic()
+    if now - getattr(_gathering, "scanned_at", 0.0) >= GATHER_SCAN_S:
+        _gathering.scanned_at = now
+        for other in sessions.values():
+            if other is not session:
+                other.flush_if_due()
     sessions[id(session)] = session
     return True
 
@@ -151,6 +162,9 @@ class AgentSession:
     def flush_assignments(self) -> None:
         """Send the assignments held while a pass gathered them (none here: a session that
         does not gather sends each at once)."""
+
+    def flush_if_due(self) -> None:
+        """Send the held assignments if the first has waited its bound (none here)."""
 
     def send_cancel(self, job_id: str, attempt: int, reason: str) -> None:
         raise NotImplementedError

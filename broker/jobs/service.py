@@ -164,9 +164,8 @@ class JobService(JobQueries, JobLeases, JobSettlement):
         job_id = (_derived_id(f"{who.account_id}:{idempotency_key}")
                   if idempotency_key is not None else str(uuid.uuid4()))
         try:
-            jobs = self._together(lambda: self._create(who, request, inputs, job_id,
-                                                       idempotency_key, request_hash, now,
-                                                       request_id))
+            jobs = self._create(who, request, inputs, job_id, idempotency_key, request_hash,
+                                now, request_id)
         except _Taken as taken:
             return _replayed(taken.job, request_hash, idempotency_key), False
         except Exception:
@@ -217,9 +216,7 @@ class JobService(JobQueries, JobLeases, JobSettlement):
             ids = [str(uuid.uuid4()) for _ in requests]
         now = self.clock()
         created: list[list[Job]] = []
-
-        def create_all() -> None:
-            created.clear()
+        try:
             with self.repo.atomic():  # every item's jobs and holds, or none
                 for i, (request, (inputs, _)) in enumerate(zip(requests, prepared)):
                     try:
@@ -229,8 +226,6 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                             request_hash, now + i * 1e-6, request_id))
                     except BrokerError as exc:
                         raise in_item(exc, i) from None
-        try:
-            self._together(create_all)
         except Exception as exc:
             # A replay (an item's row is the earlier request's: _Taken, or a conflict on
             # an id without a key), or one refused on the way (the balance, the terms or
@@ -252,24 +247,6 @@ class JobService(JobQueries, JobLeases, JobSettlement):
                      request_digest(request_id))
         self._announce(every)  # one wake-up for all of them
         return [jobs[0] for jobs in created], True
-
-    def _together(self, create):
-        """``create()``: a submit's writes (jobs, holds, their events and audit entries, in
-        one ``atomic`` block), first without a savepoint around each write (``flat``: four
-        statements fewer per job on PostgreSQL, issue #28). A failure that is the
-        request's own answer (a refusal, a replay's _Taken) stands; any other (a conflict
-        a savepoint would have undone alone, leaving PostgreSQL's transaction usable: a
-        replay racing its first request, a new client's first hold) rolled everything
-        back, and ``create()`` runs once more as before, with a savepoint each."""
-        try:
-            with self.repo.atomic(), self.repo.flat():
-                return create()
-        except (BrokerError, _Taken):
-            raise
-        except Exception as exc:  # noqa: BLE001 - nothing was written: once more, as before
-            log.info("a submit's writes failed together (%s: %s); writing them again with "
-                     "a savepoint each", type(exc).__name__, exc)
-        return create()
 
     def _earlier(self, ids: list[str], taken: Job | None) -> list[Job] | None:
         """The jobs an earlier bulk request with the same key made (None: there are none,

@@ -556,7 +556,9 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
         if counting.enabled():
             counting.install(engine, sqlite=True)
         return engine
-    engine = create_engine(url, pool_size=pool_size, max_overflow=20)
+    # LIFO: the connection checked in last goes out first, so under light load the few in
+    # use stay warm (and unpinged) and the rest sit idle until pinged (_ping_when_idle).
+    engine = create_engine(url, pool_size=pool_size, max_overflow=20, pool_use_lifo=True)
     _ping_when_idle(engine, PING_IDLE_S)
     if counting.enabled():
         counting.install(engine, sqlite=False)

@@ -180,3 +180,24 @@ def test_a_real_agent_runs_every_job_of_a_batch(live_broker, start_agent, patien
     assert stats.assignment_messages < stats.assignments  # some came together
     services = live_broker.services
     assert services.ledger.verify().ok and services.audit.verify().ok
+
+
+def test_one_agents_held_assignment_goes_once_due_while_the_pass_serves_others(monkeypatch):
+    from broker.jobs import presence
+    import time
+
+    monkeypatch.setattr(servicer, "GATHER_MAX_WAIT_S", 0.05)
+    monkeypatch.setattr(presence, "GATHER_SCAN_S", 0.0)
+    loop = asyncio.new_event_loop()
+    try:
+        first, other = _session(loop), _session(loop)
+        with assignments_gathered():
+            first.send_assignment(b'{"a":1}', "s1")
+            assert _outbox(loop, first) == []
+            time.sleep(0.06)  # past its bound, and no more jobs come for it
+            other.send_assignment(b'{"b":1}', "s2")
+            assert _outbox(loop, first) == ["assignment"]
+            assert _outbox(loop, other) == []  # held: its own wait has only begun
+        assert _outbox(loop, other) == ["assignment"]
+    finally:
+        loop.close()

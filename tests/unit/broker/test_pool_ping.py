@@ -20,8 +20,10 @@ def test_a_connection_killed_while_idle_is_replaced_without_an_error(pg_url, mon
     try:
         first = _pid(engine)
         with killer.connect() as c:
-            assert c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": first}).scalar_one()
-        time.sleep(0.1)
+            # (waits until the backend has gone, up to 5 s)
+            assert c.execute(text("SELECT pg_terminate_backend(:p, 5000)"),
+                             {"p": first}).scalar_one()
+        time.sleep(0.1)  # idle past PING_IDLE_S
         assert _pid(engine) != first  # pinged, found dead, replaced: the query just works
     finally:
         engine.dispose()
