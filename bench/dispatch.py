@@ -37,6 +37,13 @@ sends K independent job requests in one ``POST /v1/jobs/bulk`` (``generate_many`
 per request 78–99 jobs/s (the broker 9.2–11.2 ms of CPU per job), --per-request 8 130–134
 (6.5–6.9 ms; 115–121 with 4 clients, as many jobs in flight as 32 single ones), --split 8
 115–129 (7.2–8.1 ms).
+On 2026-12-04 (a quiet machine, 8 slots, 32 clients, 300 jobs, one job per request, no
+sandbox, one run each): SQLite 198–211 jobs/s, 5.7–5.9 ms added p50, the broker 4.4–4.6 ms
+of CPU per job, 33–38 statements and 0.8–1.1 commits per job, 1.4–2.0 assignments per
+message, the raw queue 2,157–2,689 jobs/s (0.07–0.09x); PostgreSQL 86–93 jobs/s, 10.9–11.5
+ms added p50, the broker 8.4–9.4 ms and the database 4.1–5.2 ms per job, 21–26 statements
+and 2.3–2.6 commits per job, 1.0 assignments per message, the raw queue 970–1,142 jobs/s
+(0.08–0.09x).
 
 With --tls each agent count runs twice, plaintext and then TLS on both hops (clients to
 the REST API, agents to the gateway; a dev CA from `broker dev-cert`), in the same run, and
