@@ -67,8 +67,10 @@ agent.toml::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import tempfile
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -318,10 +320,20 @@ def save_config(cfg: AgentConfig, home: Path | None = None) -> Path:
     path = config_path(home)
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        tomli_w.dump({k: v for k, v in asdict(cfg).items() if v not in (None,)}, f)
-    os.chmod(path, 0o600)
+    # Written beside it and renamed over it: a reader (another agent of the fleet pinning
+    # the broker's key at the same moment) sees the old file or the new one, never a
+    # truncated one that would load as the defaults and be written back so.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            tomli_w.dump({k: v for k, v in asdict(cfg).items() if v not in (None,)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 
