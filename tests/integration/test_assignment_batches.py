@@ -5,19 +5,22 @@ each; a session holding assignments sends them before anything else it sends, an
 once enough wait. Through the real gateway and, for the last, a real in-process agent."""
 import asyncio
 import json
+import threading
+import time
 
 import pytest
 
 from broker.gateway import servicer
 from broker.gateway.servicer import GatewaySession, GatewayStats
+from broker.jobs import presence
 from broker.jobs.presence import assignments_gathered
 from sdk import Client
 from sdk.protocol import agent_pb2 as pb
-from sdk.protocol.envelope import ReplayGuard, challenge_document, open_envelope
+from sdk.protocol.envelope import ReplayGuard, open_envelope
 from sdk.protocol.signing import KeyPair
 
 from test_gateway_and_sdk import RawAgent
-from test_receipt_batches_gateway import _receipt
+from test_receipt_batches_gateway import _handshake, _receipt
 
 JOBS = [{"plugin": "echo", "inputs": {"text": str(i)}} for i in range(6)]
 
@@ -26,17 +29,6 @@ JOBS = [{"plugin": "echo", "inputs": {"text": str(i)}} for i in range(6)]
 def patient(monkeypatch):
     """No wait bound: a pass's assignments are held to its end however slow the machine."""
     monkeypatch.setattr(servicer, "GATHER_MAX_WAIT_S", 60.0)
-
-
-def _handshake(raw, key, slots, batches):
-    raw.send(hello=pb.Hello(public_key=key.public_key_hex, name="raw"))
-    ch = raw.recv().challenge
-    doc = challenge_document(ch.nonce, key.public_key_hex, ch.broker_public_key)
-    raw.send(challenge_response=pb.ChallengeResponse(signature=key.sign("challenge", doc)))
-    raw.send(capabilities=pb.Capabilities(
-        plugins=[pb.PluginCapability(name="echo", version="1.0.0")], slots=slots,
-        sandboxed=True, assignment_batches=batches))
-    return raw.recv().welcome
 
 
 def _messages(raw, n_assignments):
@@ -55,13 +47,18 @@ def _messages(raw, n_assignments):
     return got
 
 
-def test_jobs_placed_in_one_pass_reach_a_batching_agent_in_one_message(live_broker, patient):
+def _placed(live_broker, batches: bool):
+    """A raw agent of 8 slots (taking batches or not) and the JOBS submitted in one bulk
+    request: (its key, its stream, the jobs, the assignment messages it got for them)."""
     key = KeyPair.generate()
     raw = RawAgent(live_broker.grpc, live_broker.key("provider"))
-    _handshake(raw, key, slots=8, batches=True)
-    client = Client(live_broker.url, live_broker.key("client"))
-    jobs = client.submit_many(JOBS)
-    messages = _messages(raw, len(JOBS))
+    _handshake(raw, key, slots=8, assignment_batches=batches)
+    jobs = Client(live_broker.url, live_broker.key("client")).submit_many(JOBS)
+    return key, raw, jobs, _messages(raw, len(JOBS))
+
+
+def test_jobs_placed_in_one_pass_reach_a_batching_agent_in_one_message(live_broker, patient):
+    key, raw, jobs, messages = _placed(live_broker, batches=True)
     assert [kind for kind, _ in messages] == ["assignments"]
     batch = messages[0][1]
     broker_key = live_broker.services.signer.public_key_hex
@@ -82,12 +79,7 @@ def test_jobs_placed_in_one_pass_reach_a_batching_agent_in_one_message(live_brok
 
 
 def test_an_agent_that_does_not_take_batches_gets_one_assignment_each(live_broker, patient):
-    key = KeyPair.generate()
-    raw = RawAgent(live_broker.grpc, live_broker.key("provider"))
-    _handshake(raw, key, slots=8, batches=False)
-    client = Client(live_broker.url, live_broker.key("client"))
-    jobs = client.submit_many(JOBS)
-    messages = _messages(raw, len(JOBS))
+    _, _, jobs, messages = _placed(live_broker, batches=False)
     assert [kind for kind, _ in messages] == ["assignment"] * len(JOBS)
     assert sorted(json.loads(a.envelope)["job_id"] for _, (a,) in messages) == \
         sorted(j.id for j in jobs)
@@ -134,7 +126,6 @@ def test_held_assignments_go_before_anything_else_and_once_enough_wait(monkeypat
         assert _outbox(loop, session) == ["assignment"]
         assert (session._stats.assignments, session._stats.assignment_messages) == (9, 6)
         # Another thread's send is never held by this thread's pass.
-        import threading
         with assignments_gathered():
             t = threading.Thread(target=session.send_assignment, args=(b'{"c":1}', "s"))
             t.start()
@@ -183,9 +174,6 @@ def test_a_real_agent_runs_every_job_of_a_batch(live_broker, start_agent, patien
 
 
 def test_one_agents_held_assignment_goes_once_due_while_the_pass_serves_others(monkeypatch):
-    from broker.jobs import presence
-    import time
-
     monkeypatch.setattr(servicer, "GATHER_MAX_WAIT_S", 0.05)
     monkeypatch.setattr(presence, "GATHER_SCAN_S", 0.0)
     loop = asyncio.new_event_loop()

@@ -12,7 +12,9 @@ from sdk.protocol.signing import KeyPair
 from test_gateway_and_sdk import RawAgent
 
 
-def _handshake(raw, key, slots):
+def _handshake(raw, key, slots, assignment_batches=False):
+    """Connect ``raw`` as an echo agent of ``slots`` (taking AssignmentBatch messages when
+    ``assignment_batches``); returns the broker's Welcome."""
     from sdk.protocol.envelope import challenge_document
     raw.send(hello=pb.Hello(public_key=key.public_key_hex, name="raw"))
     ch = raw.recv().challenge
@@ -20,7 +22,7 @@ def _handshake(raw, key, slots):
     raw.send(challenge_response=pb.ChallengeResponse(signature=key.sign("challenge", doc)))
     raw.send(capabilities=pb.Capabilities(
         plugins=[pb.PluginCapability(name="echo", version="1.0.0")], slots=slots,
-        sandboxed=True))
+        sandboxed=True, assignment_batches=assignment_batches))
     return raw.recv().welcome
 
 

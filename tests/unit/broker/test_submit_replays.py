@@ -56,25 +56,31 @@ def test_a_replay_answers_the_first_job_and_writes_nothing(world):
     assert services.ledger.verify().ok and services.audit.verify().ok
 
 
-def test_replays_racing_each_other_hold_once(world):
-    services, client = world
-    services.payments.grant(client.account_id, MICRO, by="test")
+def _race(n: int, submit) -> list:
+    """``submit()`` from ``n`` threads released at once: every answer (any error fails)."""
     answers, errors = [], []
-    start = threading.Barrier(6)
+    start = threading.Barrier(n)
 
-    def submit():
+    def run():
         start.wait()
         try:
-            answers.append(_submit(services, client, key="race"))
+            answers.append(submit())
         except Exception as exc:  # noqa: BLE001 - the test reports it
             errors.append(exc)
 
-    threads = [threading.Thread(target=submit) for _ in range(6)]
+    threads = [threading.Thread(target=run) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert errors == [] and len(answers) == 6
+    assert errors == [] and len(answers) == n
+    return answers
+
+
+def test_replays_racing_each_other_hold_once(world):
+    services, client = world
+    services.payments.grant(client.account_id, MICRO, by="test")
+    answers = _race(6, lambda: _submit(services, client, key="race"))
     assert len({job.id for job, _ in answers}) == 1
     assert sum(created for _, created in answers) == 1
     assert _held(services, client) == 250_000
@@ -94,23 +100,8 @@ def test_a_refused_submit_of_a_client_with_no_ledger_account_leaves_nothing(worl
 def test_bulk_replays_racing_each_other_hold_once(world):
     services, client = world
     services.payments.grant(client.account_id, MICRO, by="test")
-    answers, errors = [], []
-    start = threading.Barrier(4)
-
-    def submit():
-        start.wait()
-        try:
-            answers.append(services.jobs.submit_many(
-                client, [job_request(BODY, services.jobs.catalog)] * 2, idempotency_key="bulk"))
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            errors.append(exc)
-
-    threads = [threading.Thread(target=submit) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert errors == [] and len(answers) == 4
+    answers = _race(4, lambda: services.jobs.submit_many(
+        client, [job_request(BODY, services.jobs.catalog)] * 2, idempotency_key="bulk"))
     assert len({tuple(j.id for j in jobs) for jobs, _ in answers}) == 1
     assert sum(created for _, created in answers) == 1
     assert _held(services, client) == 500_000
