@@ -102,6 +102,9 @@ BENCH_INPUTS = {
     "reduced-res": ("sd15", {"width": 128, "height": 128}),
     "duplicate-images": ("sd15", {"n": 2}),
 }
+#: Cheats of how text is sampled: a greedy job leaves them nothing to change, so all their
+#: jobs are sampled (half greedy would only halve what their compounded evidence is built on).
+SAMPLED_ONLY = {"greedy-as-sampled", "narrow-top-p", "colder-sampling"}
 #: Modes of the registry this bench leaves out, and why.
 SKIPPED = {"colder-sampling": "on this tiny llama half the temperature changes nothing a "
                               "test could see; bench/text_checks.py measures it"}
@@ -246,7 +249,7 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
     ids = []
     for i in range(jobs):
         inputs = dict(base)
-        if plugin == "llama" and i % 2 == 0:
+        if plugin == "llama" and i % 2 == 0 and behaviour not in SAMPLED_ONLY:
             # half greedy (all 16 tokens: a tiny random model often ends at once, and a
             # one-token answer leaves a text cheat nothing to change), half sampled
             inputs.update(temperature=0.0, ignore_eos=True)
@@ -277,7 +280,8 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
             "slash_rate": len(cut) / n if n else None,
             "honest_runs_disputed": sum(first_verdict(records[j]) != "match"
                                         for j in honest_runs),
-            "verdicts": {j: first_verdict(records[j]) for j in ids}}
+            "verdicts": {j: first_verdict(records[j]) for j in ids},
+            "comparisons": {j: records[j].comparisons for j in cheated}}
 
 
 def kept_micro(net: Network, provider_id: str) -> int:

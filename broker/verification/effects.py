@@ -14,6 +14,7 @@ from broker.ledger import errors as lerr
 from broker.ledger.model import AccountKind
 from broker.verification.outcomes import Role
 from broker.verification.records import OPEN_STATUSES, CheckStatus, Verification
+from broker.verification.sampled_text import SamplingState
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,13 @@ def claim_log_e(comparison: dict[str, Any] | None) -> float | None:
         if isinstance(sampling, dict) and isinstance(sampling.get("log_e"), (int, float)):
             found.append(float(sampling["log_e"]) - 0.0005)
     return min(found) if found else None
+
+
+def sampling_figure(log_e: float, state: SamplingState) -> dict[str, Any]:
+    """What a record's outcome keeps of the checker's e-value compounded
+    (``outcome["sampling"]``): the e-value and the witness's process after it."""
+    return {"primary~checker": {"log_e": round(log_e, 3), "checks": state.checks,
+                                "log_m": round(state.log_m, 3)}}
 
 
 #: Keys of a judged record's ``outcome`` that only serve applying its effects (``_apply``).
@@ -198,20 +206,32 @@ class VerificationEffects:
                 self._audit("verification.sampling_closed", v.job_id,
                             {"provider": primary.provider_id, "plugin": primary.plugin})
             return
+        added = self._compound_checker(v, primary, done)
+        if added is not None:
+            done.add(added[0])
+            record["sampling"] = sampling_figure(*added[1:])
+
+    def _compound_checker(self, v: Verification, primary: Job, done: set[str] = frozenset()
+                          ) -> tuple[str, float, SamplingState] | None:
+        """Compound the e-value the checker's comparison gave the claim into the process of
+        the checker's operator; once per claim (the step's mark is written with it), so the
+        judgement that disputes the claim can add it at once and the outcome's effects
+        later find it added. (step, log e, the state after) or None when the check tested
+        no sampled text or ``done`` holds the step."""
+        if not primary.provider_id:
+            return None
         log_e = claim_log_e(v.comparisons.get("primary~checker"))
         run = self.jobs.get(v.checker_job_id) if v.checker_job_id and log_e is not None \
             else None
         if run is None:
-            return  # the check tested no sampled text
-        witness = self._witness(run)
-        step = f"sampling:{primary.provider_id}:{witness}"
+            return None  # the check tested no sampled text
+        step = f"sampling:{primary.provider_id}:{self._witness(run)}"
         if step in done:
-            return
+            return None
         state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin,
-                                                witness, log_e, once=(v.job_id, step))
-        done.add(step)
-        record["sampling"] = {"primary~checker": {
-            "log_e": round(log_e, 3), "checks": state.checks, "log_m": round(state.log_m, 3)}}
+                                                self._witness(run), log_e,
+                                                once=(v.job_id, step))
+        return step, log_e, state
 
     def _claw_back(self, v: Verification, provider_id: str, owner: str | None,
                    record: dict, save: Callable[[], None]) -> None:

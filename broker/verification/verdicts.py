@@ -14,6 +14,7 @@ from broker.jobs.model import Job
 from broker.jobs.repro import recorded_class
 from broker.ledger.model import AccountKind
 from broker.verification.comparators import ReproClass, Verdict
+from broker.verification.effects import sampling_figure
 from broker.verification.judging import (SCORE_INPUT, Judgement, Run, RunOutput,
                                          StoredJudgement, declared_repro, judge,
                                          needs_scoring, scoring_inputs)
@@ -69,6 +70,15 @@ class VerificationVerdicts:
                                              outcome={"note": outcome.note})
                     if moved is not None:
                         self._event(primary.id, CheckStatus.DISPUTED, outcome.note)
+                        # the checker's word counts from now on, not once the third run
+                        # is judged: the provider's next claims, checked meanwhile, are
+                        # judged with it (a burst of cheated jobs is judged one by one)
+                        added = self._compound_checker(moved, primary)
+                        if added is not None:
+                            now = self.repo.get(v.job_id)  # the outcome holds the step now
+                            self.repo.update(v.job_id, {CheckStatus.DISPUTED},
+                                             outcome={**((now and now.outcome) or {}),
+                                                      "sampling": sampling_figure(*added[1:])})
                         # should this fail, the sweep queues the third run
                         self._spawn(moved, primary, Role.TIEBREAKER,
                                     self._dispute_operators(moved, primary, check),
@@ -260,9 +270,12 @@ class VerificationVerdicts:
                                  "quota_factor": p.quota_factor} for p in outcome.penalties],
                   "runs": {role.value: j.id for role, j in jobs.items()},
                   "deliver_from": outcome.deliver_from,
-                  "applied": False, "done": []}
+                  "applied": False,
+                  # steps done before the verdict (the checker's e-value, compounded when
+                  # the claim was disputed) stay done
+                  "done": list((v.outcome or {}).get("done") or [])}
         for kept in ("escalations", "dropped_tiebreaks", "dropped_operators", "check_tries",
-                     "check_failed_by"):  # how the verdict was reached stays on the record
+                     "check_failed_by", "sampling"):  # how the verdict was reached stays
             if kept in (v.outcome or {}):
                 record[kept] = v.outcome[kept]
         if Role.TIEBREAKER in jobs and self.disputes is not None:

@@ -302,3 +302,43 @@ def test_a_narrow_nucleus_cheat_is_caught_over_several_checks_and_honest_runs_ne
     states = [world.v.repo.sampling_state(b, "llama", op) for op in world.operators.values()]
     assert sum(s.checks for s in states) >= caught_at
     assert all(s.log_m < 9.2 for s in states)  # not even the doubt bound, by any witness
+
+
+def test_a_burst_of_narrow_claims_compounds_as_each_claim_is_disputed(world, honest):
+    """A burst of cheated claims all checked before any third run ends (bench/cheaters.py's
+    case: the checks queue while the cheater works, then run together): the checker's
+    e-value counts from the moment its comparison disputes a claim, not from the dispute's
+    end, so the same witness's next checks of the burst are judged with it and cross the
+    reject bound; added once (the verdict's effects find it done), and the outcome keeps
+    the figure."""
+    a = world.machines["a"]
+    witness = world.operators["b"]
+    jobs = []
+    for i in range(4):
+        inputs = {**NARROW, "seed": 300 + i}
+        claim = run(honest, {**inputs, "top_p": inputs["top_p"] / 2})
+        claim.meta.update(top_p=inputs["top_p"])  # claims the job's
+        jobs.append(world.primary("a", claim, inputs, verify="always"))
+    verdicts = []
+    for job in jobs:  # the checks (and their scoring runs) on b, no third run yet
+        for _ in range(3):
+            rec = world.v.status(job.id)
+            if rec.status is not CheckStatus.CHECKING:
+                break
+            current = world.jobs.repo.get(rec.checker_job_id)
+            world.settle(current, "b", run(honest, current.inputs))
+        rec = world.v.status(job.id)
+        assert rec.status is CheckStatus.DISPUTED, rec
+        verdicts.append(rec.comparisons["primary~checker"]["outputs"][0]["sampling"]["verdict"])
+        assert rec.outcome["sampling"]["primary~checker"]["checks"] == len(verdicts)
+    assert world.v.repo.sampling_state(a, "llama", witness).checks == 4
+    assert "reject" in verdicts[1:], verdicts  # the burst's later checks see the earlier
+    for job in jobs:
+        _drive(world, job, honest, "cb")
+    # each claim's e-value was added once, at its dispute (unless a slash closed them all)
+    state = world.v.repo.sampling_state(a, "llama", witness)
+    assert state.checks in (0, 4), state
+    for job in jobs:  # decided, and the honest checker and third runs never penalised
+        rec = world.v.status(job.id)
+        assert rec.status in (CheckStatus.OVERTURNED, CheckStatus.VERIFIED), rec
+        assert {p["provider_id"] for p in rec.outcome.get("penalties") or []} <= {a}, rec
