@@ -7,7 +7,7 @@ A part of :class:`broker.verification.service.VerificationService`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import AbstractSet, Any, Callable
 
 from broker.jobs.model import Job, JobOutput
 from broker.ledger import errors as lerr
@@ -206,31 +206,35 @@ class VerificationEffects:
                 self._audit("verification.sampling_closed", v.job_id,
                             {"provider": primary.provider_id, "plugin": primary.plugin})
             return
-        added = self._compound_checker(v, primary, done)
+        comparison = v.comparisons.get("primary~checker")
+        if claim_log_e(comparison) is None or not v.checker_job_id:
+            return  # the check tested no sampled text
+        added = self._compound_checker(v.job_id, primary, self.jobs.get(v.checker_job_id),
+                                       comparison, done)
         if added is not None:
             done.add(added[0])
             record["sampling"] = sampling_figure(*added[1:])
 
-    def _compound_checker(self, v: Verification, primary: Job, done: set[str] = frozenset()
+    def _compound_checker(self, job_id: str, primary: Job, checker: Job | None,
+                          comparison: dict[str, Any] | None,
+                          done: AbstractSet[str] = frozenset()
                           ) -> tuple[str, float, SamplingState] | None:
-        """Compound the e-value the checker's comparison gave the claim into the process of
-        the checker's operator; once per claim (the step's mark is written with it), so the
-        judgement that disputes the claim can add it at once and the outcome's effects
-        later find it added. (step, log e, the state after) or None when the check tested
-        no sampled text or ``done`` holds the step."""
-        if not primary.provider_id:
+        """Compound the sampled-text e-value that ``comparison`` (the primary's claim against
+        the ``checker`` run) gave into the e-process of the checker's operator, once per
+        claim: the step's mark is written into the record of ``job_id`` with it, so the
+        check's judgement can add it when it disputes the claim and the outcome's effects
+        later find it done. (the step, log e, the witness's state after it, or as it stands
+        when the step was marked already) or None: no provider, no checker run, no sampled
+        text tested, or ``done`` holds the step."""
+        log_e = claim_log_e(comparison)
+        if not primary.provider_id or checker is None or log_e is None:
             return None
-        log_e = claim_log_e(v.comparisons.get("primary~checker"))
-        run = self.jobs.get(v.checker_job_id) if v.checker_job_id and log_e is not None \
-            else None
-        if run is None:
-            return None  # the check tested no sampled text
-        step = f"sampling:{primary.provider_id}:{self._witness(run)}"
+        witness = self._witness(checker)
+        step = f"sampling:{primary.provider_id}:{witness}"
         if step in done:
             return None
-        state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin,
-                                                self._witness(run), log_e,
-                                                once=(v.job_id, step))
+        state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin, witness,
+                                                log_e, once=(job_id, step))
         return step, log_e, state
 
     def _claw_back(self, v: Verification, provider_id: str, owner: str | None,

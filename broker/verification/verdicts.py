@@ -64,21 +64,23 @@ class VerificationVerdicts:
                              "receipts": {"primary": primary.receipt,
                                           "checker": check.receipt}})
                 if outcome.needs_tiebreak:
-                    moved = self.repo.update(v.job_id, {CheckStatus.CHECKING},
-                                             status=CheckStatus.DISPUTED,
-                                             comparisons=outcome.comparisons,
-                                             outcome={"note": outcome.note})
+                    # The checker's word counts from now on, not once the third run is
+                    # judged: the provider's next claims, checked meanwhile, are judged with
+                    # it (a burst of cheated claims is judged one after another). Added, and
+                    # marked done, before the dispute is recorded, so that the third run
+                    # (queued only once it is) always finds the mark; a judge that stops in
+                    # between judges the check again and finds it added.
+                    added = self._compound_checker(v.job_id, primary, check,
+                                                   outcome.comparisons.get("primary~checker"))
+                    now = self.repo.get(v.job_id) if added is not None else v
+                    moved = self.repo.update(
+                        v.job_id, {CheckStatus.CHECKING}, status=CheckStatus.DISPUTED,
+                        comparisons=outcome.comparisons,
+                        outcome={**((now and now.outcome) or {}), "note": outcome.note,
+                                 **({"sampling": sampling_figure(*added[1:])}
+                                    if added is not None else {})})
                     if moved is not None:
                         self._event(primary.id, CheckStatus.DISPUTED, outcome.note)
-                        # the checker's word counts from now on, not once the third run
-                        # is judged: the provider's next claims, checked meanwhile, are
-                        # judged with it (a burst of cheated jobs is judged one by one)
-                        added = self._compound_checker(moved, primary)
-                        if added is not None:
-                            now = self.repo.get(v.job_id)  # the outcome holds the step now
-                            self.repo.update(v.job_id, {CheckStatus.DISPUTED},
-                                             outcome={**((now and now.outcome) or {}),
-                                                      "sampling": sampling_figure(*added[1:])})
                         # should this fail, the sweep queues the third run
                         self._spawn(moved, primary, Role.TIEBREAKER,
                                     self._dispute_operators(moved, primary, check),
