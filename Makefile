@@ -46,8 +46,16 @@ test: $(STAMP) system-deps
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/integration
 
+# The dispatch bench on SQLite and, when a PostgreSQL server answers at BENCH_PG (the
+# machine's own by default), on PostgreSQL too: one table each, one SVG.
+BENCH_PG ?= postgresql+psycopg://postgres@127.0.0.1:5432/postgres
 bench: $(STAMP)
-	$(BIN)/python bench/dispatch.py --svg out/bench-dispatch.svg
+	@if $(BIN)/python -c "import sys, sqlalchemy as s; s.create_engine(sys.argv[1], connect_args={'connect_timeout': 3}).connect().close()" "$(BENCH_PG)" 2>/dev/null; then \
+	  dbs="sqlite,$(BENCH_PG)"; \
+	else \
+	  echo "==> no PostgreSQL at $(BENCH_PG) (set BENCH_PG=postgresql+psycopg://…): SQLite only"; dbs=sqlite; \
+	fi; \
+	$(BIN)/python bench/dispatch.py --db "$$dbs" --svg out/bench-dispatch.svg
 
 # The demo's folder (its broker, agents and logs) is in the user cache dir; a broker's data
 # dir (~/.local/share/sparecycles/broker by default) holds real keys and is never removed here.

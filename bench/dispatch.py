@@ -29,7 +29,7 @@ cores there are (docs/architecture.md, "Dispatch throughput", says where it goes
     python bench/dispatch.py [--agents 1,2,4] [--jobs 300] [--clients 32] [--slots 4]
                              [--split N] [--per-request K]
                              [--tls] [--metrics on|off|on,off] [--svg out/bench-dispatch.svg]
-                             [--db postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
+                             [--db sqlite,postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
 
 --split N sends split requests of N sibling jobs (``generate(..., n=N)``); --per-request K
 sends K independent job requests in one ``POST /v1/jobs/bulk`` (``generate_many``). On
@@ -50,7 +50,9 @@ the REST API, agents to the gateway; a dev CA from `broker dev-cert`), in the sa
 the cost of TLS is printed: the ratio of jobs/s and the added p50 latency. Job inputs are
 sealed to the provider in both (sealing is always on).
 
-With --db naming a PostgreSQL server, each run gets a fresh database there (dropped after).
+With --db naming a PostgreSQL server, each run gets a fresh database there (dropped after);
+--db sqlite,postgresql+psycopg://… runs the whole table on each, one after the other (make
+bench does, when a PostgreSQL server answers on 127.0.0.1:5432).
 
 --metrics on,off runs each agent count with the broker's metrics on (every request and job
 event counted, /metrics scraped every second during the throughput run: harsher than a
@@ -71,8 +73,9 @@ The brokers and agents run as `python -P -m sdk.cli`: the code the venv's editab
 points at (/work/main here), not this file's checkout. To measure a worktree, run with
 PYTHONPATH set to it.
 
-With --svg it also draws the figures: jobs/s against the target, and where each job's CPU
-went against the budget the target leaves on this machine's cores.
+With --svg it also draws the figures, a band per database: jobs/s with the raw queue's
+beside each row and the target, and where each job's CPU went against the budget the
+target leaves on this machine's cores.
 """
 from __future__ import annotations
 
@@ -554,17 +557,32 @@ def _nice_step(raw: float) -> float:
     return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
 
 
-def write_svg(rows: list[dict], path: Path, cores: int, db: str = "SQLite") -> None:
-    """Two bar charts in one SVG (no plotting library needed): jobs/s per number of agents
-    with the target, and the CPU each job cost, by process, with the budget the target
-    leaves on ``cores`` cores (cores × 1000 ms ÷ target jobs/s)."""
+def write_svg(bands: list[tuple[str, list[dict]]], path: Path, cores: int) -> None:
+    """Two bar charts per database (``bands``: its name and rows), one band under another,
+    in one SVG (no plotting library needed): jobs/s per number of agents with the raw
+    queue's beside each and the target, and the CPU each job cost, by process, with the
+    budget the target leaves on ``cores`` cores (cores × 1000 ms ÷ target jobs/s)."""
     budget = cores * 1000 / TARGET_JOBS_PER_S
     w, h, top, bottom, left = 360, 270, 50, 40, 50
+    band_h = h + 30
     plot_h = h - top - bottom
     width = 2 * w + 40  # room for the legend's last entry
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h + 30}" '
+    height = band_h * len(bands)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            'font-family="sans-serif" font-size="12">',
-           f'<rect width="{width}" height="{h + 30}" fill="white"/>']
+           f'<rect width="{width}" height="{height}" fill="white"/>']
+    for i, (db, rows) in enumerate(bands):
+        out.append(f'<g transform="translate(0 {i * band_h})">')
+        _svg_band(out, rows, db, budget, cores, w, h, top, left, plot_h)
+        out.append("</g>")
+    out.append("</svg>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out) + "\n")
+
+
+def _svg_band(out: list[str], rows: list[dict], db: str, budget: float, cores: int, w: int,
+              h: int, top: int, left: int, plot_h: int) -> None:
+    """One database's two panels (see ``write_svg``)."""
 
     def panel(x0: float, title: str, top_value: float, bars, line: float, line_label: str,
               fmt: str) -> None:
@@ -621,9 +639,6 @@ def write_svg(rows: list[dict], path: Path, cores: int, db: str = "SQLite") -> N
         x = w + 20 + i * 72
         out.append(f'<rect x="{x}" y="{h + 8}" width="10" height="10" fill="{color}"/>')
         out.append(f'<text x="{x + 14}" y="{h + 17}">{name}</text>')
-    out.append("</svg>")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(out) + "\n")
 
 
 def raw_column(r: dict, workers: int, args, url_for_raw: str | None) -> str:
@@ -659,8 +674,9 @@ def main() -> int:
                     help="run each agent count in plaintext and over TLS (both hops), and "
                          "print what TLS costs")
     ap.add_argument("--svg", type=Path, help="also draw the figures into this SVG file")
-    ap.add_argument("--db", help="the broker's database: a PostgreSQL server's URL (each run "
-                    "gets a fresh database there); default: SQLite, as make demo runs")
+    ap.add_argument("--db", help="the broker's database: sqlite (as make demo runs, the "
+                    "default), a PostgreSQL server's URL (each run gets a fresh database "
+                    "there), or both separated by a comma: one table each, one SVG")
     ap.add_argument("--no-raw", action="store_true",
                     help="skip the raw durable queue (bench/raw_queue.py) run beside each row")
     ap.add_argument("--replicas", help="run N broker replicas on the --db PostgreSQL server "
@@ -672,9 +688,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs of each agent count and metrics mode (alternating order)")
     args = ap.parse_args()
-    if args.replicas and not (args.db or "").startswith("postgresql"):
-        ap.error("--replicas needs --db postgresql+psycopg://… (replicas share PostgreSQL; "
-                 "SQLite serves one broker process)")
     if args.rounds < 1:
         ap.error(f"--rounds is {args.rounds}; give 1 or more")
     if not 1 <= args.per_request * args.split <= 256:
@@ -683,7 +696,16 @@ def main() -> int:
     modes = [m.strip() for m in args.metrics.split(",") if m.strip()]
     if not modes or any(m not in ("on", "off") for m in modes):
         ap.error(f"--metrics is {args.metrics!r}; give on, off or on,off")
-    db = "PostgreSQL" if (args.db or "").startswith("postgresql") else "SQLite"
+    dbs = [None if d.strip().lower() == "sqlite" else d.strip()
+           for d in (args.db or "sqlite").split(",") if d.strip()]
+    bad = [d for d in dbs if d is not None and not d.startswith("postgresql")]
+    if bad or not dbs:
+        ap.error(f"--db {args.db!r}: give sqlite, a PostgreSQL server's URL "
+                 "(postgresql+psycopg://…), or both separated by a comma")
+    if args.replicas and (len(dbs) != 1 or dbs[0] is None):
+        ap.error("--replicas needs one --db postgresql+psycopg://… (replicas share PostgreSQL; "
+                 "SQLite serves one broker process)")
+    args.db = dbs[0]
     sandbox = not args.no_sandbox and shutil.which("bwrap") is not None
 
     direct = direct_call_ms()
@@ -691,6 +713,21 @@ def main() -> int:
     print(f"direct in-process echo call: p50 {d50:.3f} ms, p99 {d99:.3f} ms")
     if args.replicas:
         return main_replicas(args, sandbox, d50, d99)
+    bands = []
+    for url in dbs:
+        db = "PostgreSQL" if url else "SQLite"
+        bands.append((db, run_table(args, url, db, sandbox, modes, d50, d99)))
+    print("targets: >= 300 jobs/s, <= 15 ms added p50, >= 0.5x the raw queue. The CPU columns say where the "
+          "machine's cores went during the throughput run (all processes share them).")
+    if args.svg:
+        write_svg(bands, args.svg, os.cpu_count() or 1)
+        print(f"figures drawn in {args.svg}")
+    return 0
+
+
+def run_table(args, url: str | None, db: str, sandbox: bool, modes: list[str], d50: float,
+              d99: float) -> list[dict]:
+    """The table for one database (``url``: None for SQLite), printed as it runs; its rows."""
     print(f"broker path: {db}, sandbox {'on' if sandbox else 'off'}, {args.clients} clients, "
           f"{args.slots} slot(s) per agent, "
           + (f"{args.per_request} independent job requests per request (bulk)"
@@ -712,8 +749,8 @@ def main() -> int:
                     for m in (modes if rnd % 2 == 0 else modes[::-1])]
         for k, mode in enumerate(sequence):
             for tls in ((False, True) if args.tls else (False,)):
-                with fresh_database(args.db) as url:
-                    r = run_one(n, args.jobs, args.clients, args.slots, sandbox, url,
+                with fresh_database(url) as fresh:
+                    r = run_one(n, args.jobs, args.clients, args.slots, sandbox, fresh,
                                 args.split, tls=tls, metrics=mode == "on",
                                 per_request=args.per_request)
                 pair.setdefault(tls, r)
@@ -722,7 +759,7 @@ def main() -> int:
                 p50, p99 = statistics.median(r["lat"]), pct(r["lat"], 99)
                 c = r["cpu_ms"]
                 # the raw queue once per agent count, beside its first plaintext row
-                raw = raw_column(r, n, args, url_for_raw=args.db) if not tls and k == 0 else ""
+                raw = raw_column(r, n, args, url_for_raw=url) if not tls and k == 0 else ""
                 print(f"{n:>6} {'TLS' if tls else 'plaintext':>9} {mode:>7} "
                       f"{r['jobs_per_s']:>8.0f} {p50:>8.2f} {p99:>8.2f} "
                       f"{p50 - d50:>10.2f} {p99 - d99:>10.2f} {p50 / max(d50, 1e-6):>12.0f}x   "
@@ -766,12 +803,7 @@ def main() -> int:
                   f"({(cpu_on - cpu_off) / cpu_off * 100:+.1f} %)"
                   + (f"; a scrape of /metrics took {statistics.median(scrapes):.1f} ms "
                      f"(median of {len(scrapes)})" if scrapes else ""))
-    print("targets: >= 300 jobs/s, <= 15 ms added p50, >= 0.5x the raw queue. The CPU columns say where the "
-          "machine's cores went during the throughput run (all processes share them).")
-    if args.svg:
-        write_svg(rows, args.svg, os.cpu_count() or 1, db)
-        print(f"figures drawn in {args.svg}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

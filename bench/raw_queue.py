@@ -107,7 +107,7 @@ def _echo():
     return lambda inputs: plugin.run(manifest.validate_inputs(inputs), Ctx())
 
 
-def _worker_process(target: str, slots: int, queued, finished) -> None:
+def _worker_process(target: str, slots: int, queued, finished, stopping) -> None:
     run = _echo()
 
     def slot() -> None:
@@ -116,6 +116,12 @@ def _worker_process(target: str, slots: int, queued, finished) -> None:
         while True:
             queued.acquire()
             rows = db.run(claim)
+            while not rows and not stopping.is_set():
+                # A release always has a committed row behind it, but on PostgreSQL not
+                # always one this claim's snapshot sees: woken by the release of job A
+                # while job B was committing, the claim found A taken by the worker woken
+                # for B and B not yet visible. The next statement's snapshot sees B.
+                rows = db.run(claim)
             if not rows:  # the stop signal: a release with no row behind it
                 db.close()
                 return
@@ -145,8 +151,10 @@ class RawQueue:
         ctx = mp.get_context("spawn")
         self.queued = ctx.Semaphore(0)
         self.finished = ctx.Queue()
+        self.stopping = ctx.Event()
         self.procs = [ctx.Process(target=_worker_process,
-                                  args=(target, slots, self.queued, self.finished), daemon=True)
+                                  args=(target, slots, self.queued, self.finished,
+                                        self.stopping), daemon=True)
                       for _ in range(workers)]
         self.slots = workers * slots
         for p in self.procs:
@@ -182,6 +190,7 @@ class RawQueue:
             raise TimeoutError(f"raw queue: job {job_id} not done within {timeout}s")
 
     def stop(self) -> None:
+        self.stopping.set()
         for _ in range(self.slots):
             self.queued.release()
         for p in self.procs:
