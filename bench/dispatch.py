@@ -563,7 +563,7 @@ def write_svg(bands: list[tuple[str, list[dict]]], path: Path, cores: int) -> No
     queue's beside each and the target, and the CPU each job cost, by process, with the
     budget the target leaves on ``cores`` cores (cores × 1000 ms ÷ target jobs/s)."""
     budget = cores * 1000 / TARGET_JOBS_PER_S
-    w, h, top, bottom, left = 360, 270, 50, 40, 50
+    w, h, top, bottom, left = 360, 280, 64, 40, 50
     band_h = h + 30
     plot_h = h - top - bottom
     width = 2 * w + 40  # room for the legend's last entry
@@ -629,6 +629,11 @@ def _svg_band(out: list[str], rows: list[dict], db: str, budget: float, cores: i
     top_rate = max([TARGET_JOBS_PER_S] + [v for _, st in rate_bars for v, _ in st]) * 1.15
     panel(0, f"jobs/s (echo, sandbox, {db}; grey: raw queue)", top_rate, rate_bars,
           TARGET_JOBS_PER_S, f"target: {TARGET_JOBS_PER_S} jobs/s", ".0f")
+    ratios = [f"{r['agents']}: {r['jobs_per_s'] / r['raw_jobs_per_s']:.2f}×" for r in rows
+              if r.get("raw_jobs_per_s")]
+    if ratios:
+        out.append(f'<text x="{left}" y="36" font-size="11" fill="#444">ours ÷ raw queue, '
+                   f'by agents: {", ".join(ratios)} (target ≥ 0.5×)</text>')
     top_cpu = max([budget] + [sum(r["cpu_ms"].values()) for r in rows]) * 1.2
     panel(w, "CPU ms per job, by process", top_cpu,
           [(str(r["agents"]), [(r["cpu_ms"].get(k, 0.0), c) for k, c in PARTS])
