@@ -43,7 +43,13 @@ of CPU per job, 33–38 statements and 0.8–1.1 commits per job, 1.4–2.0 assi
 message, the raw queue 2,157–2,689 jobs/s (0.07–0.09x); PostgreSQL 86–93 jobs/s, 10.9–11.5
 ms added p50, the broker 8.4–9.4 ms and the database 4.1–5.2 ms per job, 21–26 statements
 and 2.3–2.6 commits per job, 1.0 assignments per message, the raw queue 970–1,142 jobs/s
-(0.08–0.09x).
+(0.08–0.09x). Later that day, `make bench` (both databases, sandbox on, 600 jobs, 1/2/4
+agents), two runs an hour apart on a machine that slowed by about half between them:
+SQLite 184–187 then 108–139 jobs/s against the raw queue's 2,155–2,385 then 1,582–2,250
+(0.08–0.09x, then 0.06–0.07x), 6.0–7.3 then 10.4–11.3 ms added p50; PostgreSQL 56–84 then
+51–61 jobs/s against 893–1,077 then 749–961 (0.08x, then 0.06–0.07x; the first run's
+4-worker raw queue stranded a client, since fixed), 14.4–15.6 then 20.0–23.6 ms added p50,
+20–24 statements and 2.4–2.7 commits per job.
 
 With --tls each agent count runs twice, plaintext and then TLS on both hops (clients to
 the REST API, agents to the gateway; a dev CA from `broker dev-cert`), in the same run, and
