@@ -55,6 +55,7 @@ bench: $(STAMP)
 	else \
 	  echo "==> no PostgreSQL at $(BENCH_PG) (set BENCH_PG=postgresql+psycopg://…): SQLite only"; dbs=sqlite; \
 	fi; \
+	echo "==> bench/dispatch.py --db $$dbs --svg out/bench-dispatch.svg"; \
 	$(BIN)/python bench/dispatch.py --db "$$dbs" --svg out/bench-dispatch.svg
 
 # The demo's folder (its broker, agents and logs) is in the user cache dir; a broker's data

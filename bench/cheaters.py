@@ -104,6 +104,7 @@ BENCH_INPUTS = {
 }
 #: Cheats of how text is sampled: a greedy job leaves them nothing to change, so all their
 #: jobs are sampled (half greedy would only halve what their compounded evidence is built on).
+#: colder-sampling is SKIPPED below, and listed for when it runs here.
 SAMPLED_ONLY = {"greedy-as-sampled", "narrow-top-p", "colder-sampling"}
 #: Modes of the registry this bench leaves out, and why.
 SKIPPED = {"colder-sampling": "on this tiny llama half the temperature changes nothing a "
@@ -251,7 +252,8 @@ def run_behaviour(net: Network, client: Client, honest: list[str], behaviour: st
         inputs = dict(base)
         if plugin == "llama" and i % 2 == 0 and behaviour not in SAMPLED_ONLY:
             # half greedy (all 16 tokens: a tiny random model often ends at once, and a
-            # one-token answer leaves a text cheat nothing to change), half sampled
+            # one-token answer leaves a text cheat nothing to change), half sampled; the
+            # SAMPLED_ONLY cheats sampled only
             inputs.update(temperature=0.0, ignore_eos=True)
         job = client.jobs.create(plugin, **{**inputs, **extra}, seed=1000 + i)
         ids.append(job.id)

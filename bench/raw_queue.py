@@ -10,7 +10,8 @@ queue measures.
 Workers are separate processes (as agents are), each with ``slots`` threads; clients are
 threads of the calling process (as in bench/dispatch.py), each with its own connection.
 Wake-ups cross processes through a multiprocessing semaphore (one release per committed
-job, so a woken worker always finds a row) and a queue of finished ids, so neither side
+job, so a row is always committed behind a release; on PostgreSQL a claim's snapshot may
+not see it yet, and the worker claims again) and a queue of finished ids, so neither side
 polls the database.
 
     python bench/raw_queue.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
@@ -121,6 +122,7 @@ def _worker_process(target: str, slots: int, queued, finished, stopping) -> None
                 # always one this claim's snapshot sees: woken by the release of job A
                 # while job B was committing, the claim found A taken by the worker woken
                 # for B and B not yet visible. The next statement's snapshot sees B.
+                stopping.wait(0.001)
                 rows = db.run(claim)
             if not rows:  # the stop signal: a release with no row behind it
                 db.close()

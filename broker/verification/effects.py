@@ -189,7 +189,9 @@ class VerificationEffects:
         already disputed, often on the same tokens' sampling evidence, and its e-value on
         them would be biased upwards (on honest text, a checker's e^3 makes a third run's
         mean e-value about 90, not 1). A claim outvoted on clear mismatches (grounds for a
-        slash) closes every witness's process instead, and fresh ones start."""
+        slash) closes every witness's process instead, and fresh ones start. A disputed
+        claim's e-value was added when the check disputed it (``VerificationVerdicts``):
+        its step is in ``done`` then, and nothing more is added here."""
         if not primary.provider_id:
             return
         clear = any(e["provider_id"] == primary.provider_id
