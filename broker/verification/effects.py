@@ -7,7 +7,7 @@ A part of :class:`broker.verification.service.VerificationService`.
 from __future__ import annotations
 
 import logging
-from typing import AbstractSet, Any, Callable
+from typing import Any, Callable
 
 from broker.jobs.model import Job, JobOutput
 from broker.ledger import errors as lerr
@@ -37,6 +37,11 @@ def sampling_figure(log_e: float, state: SamplingState) -> dict[str, Any]:
     (``outcome["sampling"]``): the e-value and the witness's process after it."""
     return {"primary~checker": {"log_e": round(log_e, 3), "checks": state.checks,
                                 "log_m": round(state.log_m, 3)}}
+
+
+def _sampling_step(primary: Job, witness: str) -> str:
+    """The record's step that marks the checker's e-value compounded."""
+    return f"sampling:{primary.provider_id}:{witness}"
 
 
 #: Keys of a judged record's ``outcome`` that only serve applying its effects (``_apply``).
@@ -208,36 +213,30 @@ class VerificationEffects:
                 self._audit("verification.sampling_closed", v.job_id,
                             {"provider": primary.provider_id, "plugin": primary.plugin})
             return
-        comparison = v.comparisons.get("primary~checker")
-        if claim_log_e(comparison) is None or not v.checker_job_id:
+        log_e = claim_log_e(v.comparisons.get("primary~checker"))
+        if log_e is None or not v.checker_job_id:
             return  # the check tested no sampled text
-        added = self._compound_checker(v.job_id, primary, self.jobs.get(v.checker_job_id),
-                                       comparison, done)
-        if added is not None:
-            done.add(added[0])
-            record["sampling"] = sampling_figure(*added[1:])
-
-    def _compound_checker(self, job_id: str, primary: Job, checker: Job | None,
-                          comparison: dict[str, Any] | None,
-                          done: AbstractSet[str] = frozenset()
-                          ) -> tuple[str, float, SamplingState] | None:
-        """Compound the sampled-text e-value that ``comparison`` (the primary's claim against
-        the ``checker`` run) gave into the e-process of the checker's operator, once per
-        claim: the step's mark is written into the record of ``job_id`` with it, so the
-        check's judgement can add it when it disputes the claim and the outcome's effects
-        later find it done. (the step, log e, the witness's state after it, or as it stands
-        when the step was marked already) or None: no provider, no checker run, no sampled
-        text tested, or ``done`` holds the step."""
-        log_e = claim_log_e(comparison)
-        if not primary.provider_id or checker is None or log_e is None:
-            return None
+        checker = self.jobs.get(v.checker_job_id)
+        if checker is None:
+            return
         witness = self._witness(checker)
-        step = f"sampling:{primary.provider_id}:{witness}"
-        if step in done:
-            return None
-        state = self.repo.add_sampling_evidence(primary.provider_id, primary.plugin, witness,
-                                                log_e, once=(job_id, step))
-        return step, log_e, state
+        if _sampling_step(primary, witness) in done:
+            return  # added when the check disputed the claim
+        state = self._compound_checker(v.job_id, primary, witness, log_e)
+        done.add(_sampling_step(primary, witness))
+        record["sampling"] = sampling_figure(log_e, state)
+
+    def _compound_checker(self, job_id: str, primary: Job, witness: str,
+                          log_e: float) -> SamplingState:
+        """Compound the sampled-text e-value e^``log_e`` that a check run by ``witness`` (an
+        operator) gave the primary's claim into that witness's e-process, once per claim:
+        the step's mark (``_sampling_step``) is written into the record of ``job_id`` with
+        it, so the check's judgement can add it when it disputes the claim and the
+        outcome's effects later find it done. The witness's state after it (as it stands,
+        when the step was marked already)."""
+        return self.repo.add_sampling_evidence(primary.provider_id, primary.plugin, witness,
+                                               log_e, once=(job_id,
+                                                            _sampling_step(primary, witness)))
 
     def _claw_back(self, v: Verification, provider_id: str, owner: str | None,
                    record: dict, save: Callable[[], None]) -> None:

@@ -14,7 +14,7 @@ from broker.jobs.model import Job
 from broker.jobs.repro import recorded_class
 from broker.ledger.model import AccountKind
 from broker.verification.comparators import ReproClass, Verdict
-from broker.verification.effects import sampling_figure
+from broker.verification.effects import claim_log_e, sampling_figure
 from broker.verification.judging import (SCORE_INPUT, Judgement, Run, RunOutput,
                                          StoredJudgement, declared_repro, judge,
                                          needs_scoring, scoring_inputs)
@@ -70,15 +70,17 @@ class VerificationVerdicts:
                     # marked done, before the dispute is recorded, so that the third run
                     # (queued only once it is) always finds the mark; a judge that stops in
                     # between judges the check again and finds it added.
-                    added = self._compound_checker(v.job_id, primary, check,
-                                                   outcome.comparisons.get("primary~checker"))
-                    now = self.repo.get(v.job_id) if added is not None else v
+                    log_e = claim_log_e(outcome.comparisons.get("primary~checker"))
+                    kept = dict(v.outcome or {})
+                    if log_e is not None and primary.provider_id:
+                        state = self._compound_checker(v.job_id, primary,
+                                                       self._witness(check), log_e)
+                        kept = dict((self.repo.get(v.job_id) or v).outcome or {})  # its mark
+                        kept["sampling"] = sampling_figure(log_e, state)
                     moved = self.repo.update(
                         v.job_id, {CheckStatus.CHECKING}, status=CheckStatus.DISPUTED,
                         comparisons=outcome.comparisons,
-                        outcome={**((now and now.outcome) or {}), "note": outcome.note,
-                                 **({"sampling": sampling_figure(*added[1:])}
-                                    if added is not None else {})})
+                        outcome={**kept, "note": outcome.note})
                     if moved is not None:
                         self._event(primary.id, CheckStatus.DISPUTED, outcome.note)
                         # should this fail, the sweep queues the third run
