@@ -2,13 +2,9 @@
 beside ours and the ratio between them printed."""
 from __future__ import annotations
 
-import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import dispatch  # noqa: E402
+from bench import dispatch  # the package, not bench/ on sys.path: its names would shadow
 
 
 def _rows(ours: float, raw: float) -> list[dict]:

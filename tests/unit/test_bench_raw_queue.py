@@ -6,16 +6,11 @@ client waiting for good (seen in make bench, 4 workers on PostgreSQL)."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import raw_queue  # noqa: E402
+from bench import raw_queue  # the package, not bench/ on sys.path: its names would shadow
 
 
 def test_a_release_whose_row_is_not_visible_yet_is_claimed_again(tmp_path):
