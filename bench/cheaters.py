@@ -104,8 +104,7 @@ BENCH_INPUTS = {
 }
 #: Cheats of how text is sampled: a greedy job leaves them nothing to change, so all their
 #: jobs are sampled (half greedy would only halve what their compounded evidence is built on).
-#: colder-sampling is SKIPPED below, and listed for when it runs here.
-SAMPLED_ONLY = {"greedy-as-sampled", "narrow-top-p", "colder-sampling"}
+SAMPLED_ONLY = {"greedy-as-sampled", "narrow-top-p"}
 #: Modes of the registry this bench leaves out, and why.
 SKIPPED = {"colder-sampling": "on this tiny llama half the temperature changes nothing a "
                               "test could see; bench/text_checks.py measures it"}

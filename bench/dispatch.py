@@ -96,6 +96,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -730,11 +731,11 @@ def main() -> int:
         db = "PostgreSQL" if url else "SQLite"
         try:
             bands.append((db, run_table(args, url, db, sandbox, modes, d50, d99)))
-        except Exception as exc:  # noqa: BLE001 - the other databases' figures still count
+        except Exception:  # noqa: BLE001 - the other databases' figures still count
             if len(dbs) == 1:
                 raise
-            print(f"the {db} table failed ({type(exc).__name__}: {exc}); going on without it",
-                  flush=True)
+            traceback.print_exc()
+            print(f"the {db} table failed (above); going on without it", flush=True)
             failed.append(db)
         if args.svg and bands:  # drawn after each table: a later failure keeps these
             write_svg(bands, args.svg, os.cpu_count() or 1)
